@@ -1,0 +1,16 @@
+"""User-facing errors: bad input gets a short message and exit code 2, never a traceback."""
+
+
+class UserError(Exception):
+    """Bad input from the user (file, column, TOML key, flag, model dir).
+
+    The message names the file/line/key and says what to do. The CLI prints it and exits 2.
+    """
+
+    exit_code = 2
+
+
+class NotImplementedStage(Exception):
+    """A command a later release implements: the CLI says so and exits 3."""
+
+    exit_code = 3
