@@ -1,0 +1,4 @@
+from align.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Stage artifacts: one directory per stage run, written so that a dead stage never looks complete.
+
+Layout of `--out DIR`:
+  artifact.json    stage, version, git commit, resolved config, inputs (+sha256), final metrics, status
+  model/           save_pretrained directory (safetensors + tokenizer), loadable without align
+  metrics.jsonl    one JSON line per step (and per evaluation)
+  health.jsonl     RLMonitor events
+  report.png       training curves
+  checkpoints/     DeepSpeed checkpoints for --resume
+
+`artifact.json` is written with status "running" when a stage starts and replaced (atomic rename) by the
+"complete" version only after everything else is on disk. The model is written to `model.tmp/` and renamed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from align import __version__
+from align.errors import UserError
+
+ARTIFACT_FILE = "artifact.json"
+MODEL_DIR = "model"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_tree(root: Path) -> dict[str, str]:
+    """sha256 of every file below `root`, keyed by relative path."""
+    return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def read_artifact(path: Path) -> dict | None:
+    f = Path(path) / ARTIFACT_FILE
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{f}:{e.lineno}: artifact.json is not valid JSON; rerun the stage that wrote it.") from None
+
+
+def verify_artifact(path: Path) -> dict:
+    """Return the artifact record of a complete, untampered artifact; else a UserError saying what to do."""
+    path = Path(path)
+    art = read_artifact(path)
+    if art is None:
+        raise UserError(f"{path}: no {ARTIFACT_FILE}; not an align artifact.")
+    if art.get("status") != "complete":
+        raise UserError(
+            f"{path}: artifact is incomplete (status {art.get('status')!r}): its stage did not finish. "
+            "Rerun that stage (or the pipeline) before using it."
+        )
+    for rel, digest in art.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            raise UserError(f"{path}: artifact file {rel} is missing; rerun the stage that wrote it.")
+        if sha256_file(f) != digest:
+            raise UserError(f"{f}: sha256 does not match artifact.json (file changed after the stage finished).")
+    return art
+
+
+def artifact_digest(path: Path) -> str:
+    """A short identity for an input artifact: the sha256 of its artifact.json."""
+    return sha256_file(Path(path) / ARTIFACT_FILE)
+
+
+class ArtifactWriter:
+    """Writes one stage's artifact. Create on every rank; only rank 0 touches the disk."""
+
+    def __init__(self, out: str | Path, stage: str, config: dict, inputs: dict, is_main: bool = True):
+        self.out = Path(out)
+        self.stage, self.config, self.inputs, self.is_main = stage, config, inputs, is_main
+        self.started = time.time()
+        if not is_main:
+            return
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            probe = self.out / f".write-test{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise UserError(f"{self.out}: output directory is not writable ({e.strerror}); choose another --out.") from None
+        self.record = {
+            "stage": stage,
+            "status": "running",
+            "align_version": __version__,
+            "git_commit": git_commit(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config": config,
+            "inputs": inputs,
+        }
+        write_json_atomic(self.out / ARTIFACT_FILE, self.record)
+        self._metrics = open(self.out / "metrics.jsonl", "a" if config.get("resume") else "w")
+        self._health = open(self.out / "health.jsonl", "a" if config.get("resume") else "w")
+
+    @property
+    def model_tmp(self) -> Path:
+        return self.out / (MODEL_DIR + ".tmp")
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.is_main:
+            self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._metrics.flush()
+
+    def log_events(self, events) -> None:
+        if self.is_main:
+            for e in events:
+                self._health.write(json.dumps(e.to_dict()) + "\n")
+            self._health.flush()
+
+    def begin_model(self) -> Path:
+        """Directory to write the model into; `complete()` moves it to model/."""
+        if self.is_main:
+            shutil.rmtree(self.model_tmp, ignore_errors=True)
+            self.model_tmp.mkdir(parents=True)
+        return self.model_tmp
+
+    def fail(self, reason: str, metrics: dict | None = None, health: dict | None = None) -> None:
+        if not self.is_main:
+            return
+        self.record.update(status="failed", reason=reason, metrics=metrics or {}, health=health or {})
+        write_json_atomic(self.out / ARTIFACT_FILE, self.record)
+        self._close()
+
+    def complete(self, metrics: dict, health: dict | None = None, extra: dict | None = None) -> None:
+        if not self.is_main:
+            return
+        if self.model_tmp.exists():
+            final = self.out / MODEL_DIR
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(self.model_tmp, final)
+        files = {}
+        for name in (MODEL_DIR,):
+            if (self.out / name).is_dir():
+                files.update({f"{name}/{k}": v for k, v in hash_tree(self.out / name).items()})
+        self._close()
+        self.record.update(
+            status="complete",
+            finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            wall_seconds=round(time.time() - self.started, 2),
+            metrics=metrics,
+            health=health or {},
+            files=files,
+            **(extra or {}),
+        )
+        write_json_atomic(self.out / ARTIFACT_FILE, self.record)
+
+    def _close(self) -> None:
+        for f in (self._metrics, self._health):
+            if not f.closed:
+                f.close()

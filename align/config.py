@@ -1,0 +1,94 @@
+"""Stage configs: one dataclass per stage, filled from defaults < `--config FILE.toml` < command-line flags.
+
+A field's `help` metadata is its --help text; the CLI options are generated from the dataclass, so a stage's
+flags, TOML keys and artifact config are always the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from align.errors import UserError
+
+
+def opt(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class StageConfig:
+    """Flags every stage shares."""
+
+    model: str = opt("tiny", "Preset name (tiny, small), a stage's --out artifact, or a save_pretrained dir.", path=True)
+    out: str = opt("runs/out", "Output artifact directory.", path=True)
+    seed: int = opt(0, "Random seed (data order, init, sampling).")
+    zero_stage: int = opt(3, "DeepSpeed ZeRO stage 0..3.")
+    nproc: int = opt(1, "Processes to launch on this machine (relaunches itself with torchrun).")
+    deepspeed: str = opt("", "A DeepSpeed JSON config; its keys win over align's.", path=True)
+    trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
+
+
+def fields(cls) -> list[dataclasses.Field]:
+    return list(dataclasses.fields(cls))
+
+
+def field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{path}: config file not found.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: invalid TOML: {e}.") from None
+
+
+def check_value(cls, key: str, value, where: str) -> object:
+    """Type-check one config value; returns it (ints are accepted for floats)."""
+    types = field_types(cls)
+    if key not in types:
+        known = ", ".join(sorted(types))
+        raise UserError(f"{where}: unknown key {key!r} for this stage (known: {known}).")
+    want = types[key]
+    ok = (
+        (want is bool and isinstance(value, bool))
+        or (want is int and isinstance(value, int) and not isinstance(value, bool))
+        or (want is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (want is str and isinstance(value, str))
+    )
+    if not ok:
+        raise UserError(f"{where}: {key!r} must be {want.__name__}, got {type(value).__name__} {value!r}.")
+    return float(value) if want is float else value
+
+
+def normalise_keys(d: dict) -> dict:
+    return {k.replace("-", "_"): v for k, v in d.items()}
+
+
+def build(cls, toml_path: str | None, explicit: dict, defaults_from: dict | None = None):
+    """defaults < TOML file < explicit command-line values."""
+    values = {}
+    if toml_path:
+        data = normalise_keys(load_toml(toml_path))
+        for k, v in data.items():
+            values[k] = check_value(cls, k, v, f"{toml_path}: key {k!r}")
+    values.update(defaults_from or {})
+    values.update(explicit)
+    cfg = cls(**values)
+    validate = getattr(cfg, "validate", None)
+    if validate:
+        validate()
+    return cfg
+
+
+def as_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,87 @@
+"""Console output on rank 0 only: messages, a progress bar with ETA and live metrics, summary tables."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+console = Console(highlight=False)
+
+
+def is_main() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def info(msg: str) -> None:
+    if is_main():
+        console.print(msg)
+
+
+def warn(msg: str) -> None:
+    if is_main():
+        console.print(f"[yellow]warning:[/] {msg}")
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.3e}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+class TrainProgress:
+    """`with TrainProgress("sft", total) as p: p.update(step, {"loss": ...})` — a bar with ETA and metrics."""
+
+    def __init__(self, title: str, total: int, start: int = 0, keys: tuple[str, ...] = ()):
+        self.total, self.start, self.keys = total, start, keys
+        self.enabled = is_main()
+        self.t0 = time.time()
+        self.progress = Progress(
+            TextColumn(f"[bold]{title}[/]"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[metrics]}"),
+            console=console,
+            transient=False,
+            disable=not self.enabled,
+        )
+        self.task = None
+
+    def __enter__(self):
+        self.progress.__enter__()
+        self.task = self.progress.add_task("train", total=self.total, completed=self.start, metrics="")
+        return self
+
+    def update(self, step: int, metrics: dict) -> None:
+        shown = {k: metrics[k] for k in (self.keys or metrics) if k in metrics}
+        text = "  ".join(f"{k} {fmt(v)}" for k, v in shown.items())
+        self.progress.update(self.task, completed=step, metrics=text)
+
+    def print(self, msg: str) -> None:
+        if self.enabled:
+            self.progress.console.print(msg)
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+
+def summary_table(title: str, rows: dict) -> None:
+    if not is_main():
+        return
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in rows.items():
+        table.add_row(k, fmt(v))
+    console.print(table)

@@ -1,0 +1,182 @@
+"""Datasets: JSONL / JSON / Parquet files or `save_to_disk` directories, loaded through `datasets`.
+
+Formats (column names after `--columns old=new` mapping):
+  sft          {prompt, completion} or {messages: [{role, content}, ...]} (last assistant turn is the completion)
+  preference   {prompt, chosen, rejected}
+  prompts      {prompt}
+  verifiable   {prompt, answer}
+  text         {text}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from align.errors import UserError
+
+FORMATS = {
+    "sft": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected"),
+    "prompts": ("prompt",),
+    "verifiable": ("prompt", "answer"),
+    "text": ("text",),
+}
+
+
+def parse_columns(spec: str | dict | None) -> dict[str, str]:
+    """'old=new,old2=new2' -> {'old': 'new', ...}"""
+    if not spec:
+        return {}
+    if isinstance(spec, dict):
+        return dict(spec)
+    out = {}
+    for part in spec.split(","):
+        if "=" not in part:
+            raise UserError(f"--columns: {part!r} is not of the form old=new (e.g. --columns question=prompt).")
+        old, new = (s.strip() for s in part.split("=", 1))
+        out[old] = new
+    return out
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line.") from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}.")
+            rows.append(row)
+    return rows
+
+
+def load_dataset(path: str | Path):
+    """Load a file or save_to_disk directory as a `datasets.Dataset`."""
+    import datasets
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: data file not found.")
+    if path.is_dir():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as e:
+            raise UserError(f"{path}: not a datasets save_to_disk directory ({str(e).splitlines()[0]}).") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise UserError(f"{path}: DatasetDict without a 'train' split (splits: {', '.join(ds)}).")
+            ds = ds["train"]
+        return ds
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return datasets.Dataset.from_list(_read_jsonl(path))
+    if suffix == ".json":
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+        if isinstance(obj, dict) and "data" in obj:
+            obj = obj["data"]
+        if not isinstance(obj, list):
+            raise UserError(f"{path}: expected a JSON list of objects (or JSONL, one object per line).")
+        return datasets.Dataset.from_list(obj)
+    if suffix == ".parquet":
+        return datasets.Dataset.from_parquet(str(path))
+    raise UserError(f"{path}: unsupported data format {suffix!r}; use .jsonl, .json, .parquet or a save_to_disk dir.")
+
+
+def load_rows(path: str | Path, fmt: str, columns: str | dict | None = None, limit: int = 0) -> list[dict]:
+    """Load, rename columns, check the required columns of `fmt`; returns plain dict rows."""
+    ds = load_dataset(path)
+    mapping = parse_columns(columns)
+    for old, new in mapping.items():
+        if old not in ds.column_names:
+            raise UserError(f"{path}: --columns maps {old!r}, but the data has no such column ({_cols(ds)}).")
+        if new in ds.column_names and new != old:
+            ds = ds.remove_columns(new)
+        ds = ds.rename_column(old, new)
+    if len(ds) == 0:
+        raise UserError(f"{path}: the dataset is empty.")
+    required = FORMATS[fmt]
+    if fmt == "sft" and "messages" in ds.column_names and "prompt" not in ds.column_names:
+        required = ("messages",)
+    missing = [c for c in required if c not in ds.column_names]
+    if missing:
+        raise UserError(
+            f"{path}: no {', '.join(repr(m) for m in missing)} column for {fmt} data (columns: {_cols(ds)}). "
+            f"Rename with --columns old=new."
+        )
+    rows = ds.to_list()
+    if limit:
+        rows = rows[:limit]
+    for i, row in enumerate(rows, 1):
+        for c in required:
+            if row.get(c) is None:
+                raise UserError(f"{path}: row {i} has no value in column {c!r}.")
+    return rows
+
+
+def _cols(ds) -> str:
+    return ", ".join(ds.column_names) or "none"
+
+
+# ---- chat formatting and tokenisation (one place for every stage) ----
+
+
+def split_messages(row: dict) -> tuple[list[dict], str]:
+    """A {messages} row -> (prompt messages, final assistant completion)."""
+    msgs = row["messages"]
+    if not msgs or msgs[-1].get("role") != "assistant":
+        raise UserError("a messages row must end with an assistant message (the completion to learn).")
+    return msgs[:-1], msgs[-1]["content"]
+
+
+def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
+    """The text a policy sees before its response: the chat template with a generation prompt, if any."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = "\n".join(m["content"] for m in messages)
+    return (tokenizer.bos_token or "") + text if isinstance(prompt, list) else (tokenizer.bos_token or "") + prompt
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
+    return tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+
+
+def encode_completion(tokenizer, completion: str) -> list[int]:
+    """Response tokens followed by EOS: the model must learn to stop."""
+    return tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def sft_example(tokenizer, row: dict, max_length: int) -> dict | None:
+    """input_ids and labels (-100 on prompt tokens). Truncation: the prompt loses tokens from the left,
+    the completion is never cut; an example whose completion alone does not fit is dropped (None)."""
+    if "messages" in row and "prompt" not in row:
+        prompt, completion = split_messages(row)
+    else:
+        prompt, completion = row["prompt"], row["completion"]
+    p, c = encode_prompt(tokenizer, prompt), encode_completion(tokenizer, completion)
+    if len(c) >= max_length:
+        return None
+    p = p[max(0, len(p) + len(c) - max_length):]
+    return {"input_ids": p + c, "labels": [-100] * len(p) + c}
+
+
+def pad(seqs: list[list[int]], value: int, side: str = "right") -> list[list[int]]:
+    width = max(len(s) for s in seqs)
+    return [s + [value] * (width - len(s)) if side == "right" else [value] * (width - len(s)) + s for s in seqs]
+
+
+def collate_sft(examples: list[dict], pad_id: int):
+    import torch
+
+    ids = pad([e["input_ids"] for e in examples], pad_id)
+    labels = pad([e["labels"] for e in examples], -100)
+    mask = pad([[1] * len(e["input_ids"]) for e in examples], 0)
+    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}

@@ -1,0 +1,58 @@
+"""Held-out evaluation of a policy on verifiable data: greedy pass@1 and sampled pass@k."""
+
+from __future__ import annotations
+
+from align import runtime
+from align.data import encode_prompt
+from align.generation import Sampling, generate
+
+VERIFIERS = ("math", "sort", "exact")
+
+
+def verify(completion: str, answer: str, verifier: str) -> bool:
+    from align import rewards
+
+    if verifier == "math":
+        return rewards.math_reward(completion, answer) == 1.0
+    if verifier == "sort":
+        return rewards.sort_reward(completion, answer) == 1.0
+    return completion.strip() == str(answer).strip()
+
+
+def guess_verifier(rows: list[dict]) -> str:
+    from align import rewards
+
+    return "math" if rewards.parse_number(str(rows[0]["answer"])) is not None else "exact"
+
+
+def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=(1,), samples: int = 0,
+                    sampling: Sampling | None = None, verifier: str = "auto", batch_size: int = 64,
+                    gather: bool = True) -> tuple[dict, list[dict]]:
+    """Greedy pass@1 (`pass@1/greedy`) and, with `samples` = n > 0, unbiased sampled pass@k for k <= n.
+
+    Returns (metrics, per-problem records). Call on every rank; generation is sharded over the ranks.
+    """
+    from align.passk import pass_at_k
+
+    sampling = sampling or Sampling()
+    verifier = guess_verifier(rows) if verifier == "auto" else verifier
+    prompts = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    greedy = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
+    outs = generate(eng, tokenizer, prompts, greedy, dist, batch_size=batch_size, gather=gather)
+    records = [
+        {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text, "greedy_correct": verify(o.text, r["answer"], verifier)}
+        for r, o in zip(rows, outs)
+    ]
+    metrics = {"pass@1/greedy": sum(rec["greedy_correct"] for rec in records) / len(records)}
+    metrics["completions/mean_length"] = sum(len(o.ids) for o in outs) / len(outs)
+    if samples > 0:
+        many = generate(eng, tokenizer, [p for p in prompts for _ in range(samples)], sampling, dist,
+                        batch_size=batch_size, gather=gather)
+        for i, rec in enumerate(records):
+            group = many[i * samples : (i + 1) * samples]
+            rec["samples"] = [o.text for o in group]
+            rec["n_correct"] = sum(verify(o.text, rec["answer"], verifier) for o in group)
+        for k in ks:
+            if k <= samples:
+                metrics[f"pass@{k}"] = sum(pass_at_k(samples, rec["n_correct"], k) for rec in records) / len(records)
+    return metrics, records

@@ -1,0 +1,95 @@
+"""The one generation path: eval now, every RL stage's rollouts later.
+
+Batched sampling with a KV cache, left padding, stop at EOS, temperature / top-k / top-p. Under ZeRO-3
+the weights are gathered once per generation phase (see runtime.gathered_for_generation); with
+`gather=False` they stay sharded and every rank joins every forward (`synced_gpus`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from align import runtime
+from align.data import pad
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    ids: list[int]  # response tokens, up to and including EOS when the model stopped
+    text: str  # decoded response without special tokens
+    finished: bool  # emitted EOS within max_new_tokens
+
+
+def _generation_config(tokenizer, s: Sampling):
+    from transformers import GenerationConfig
+
+    kw = dict(
+        max_new_tokens=s.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        use_cache=True,
+    )
+    if s.greedy:
+        return GenerationConfig(do_sample=False, **kw)
+    return GenerationConfig(do_sample=True, temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p, **kw)
+
+
+def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bool]:
+    """Cut a generated row after its first EOS (kept); without EOS drop trailing padding."""
+    if eos_id in ids:
+        return ids[: ids.index(eos_id) + 1], True
+    return ids, False
+
+
+@torch.no_grad()
+def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, batch_size: int,
+                   device, synced_gpus: bool = False) -> list[Completion]:
+    """Generate for this rank's prompts with a plain (already gathered or unsharded) module."""
+    cfg = _generation_config(tokenizer, s)
+    was_training = module.training
+    module.eval()
+    out: list[Completion] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        ids = torch.tensor(pad(chunk, tokenizer.pad_token_id, side="left"), device=device)
+        mask = torch.tensor(pad([[1] * len(p) for p in chunk], 0, side="left"), device=device)
+        gen = module.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, synced_gpus=synced_gpus)
+        for p, row in zip(chunk, gen[:, ids.shape[1] :].tolist()):
+            resp, finished = trim_at_eos(row, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            if not finished:
+                resp = resp[: s.max_new_tokens]
+            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
+    module.train(was_training)
+    return out
+
+
+def generate(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,
+             batch_size: int = 64, gather: bool = True) -> list[Completion]:
+    """Generate for ALL `prompts` across the ranks (each rank takes a shard) and return them in order on
+    every rank. Call on every rank."""
+    world, rank = dist.world_size, dist.rank
+    n = len(prompts)
+    per_rank = -(-n // world)
+    padded = prompts + [prompts[-1]] * (per_rank * world - n)  # equal shards: needed for synced_gpus
+    mine = padded[rank * per_rank : (rank + 1) * per_rank]
+    synced = runtime.is_zero3(eng) and not gather and world > 1
+    with runtime.gathered_for_generation(eng, gather) as module:
+        local = generate_local(module, tokenizer, mine, s, batch_size, dist.device, synced_gpus=synced)
+    gathered = runtime.all_gather_objects(local)
+    return [c for shard in gathered for c in shard][:n]

@@ -1,0 +1,39 @@
+"""Losses and log-probabilities as small pure functions (each with its formula)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Token t is predicted from positions < t: logits[:, t-1] scores labels[:, t]."""
+    return labels[:, 1:]
+
+
+def completion_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed negative log-likelihood over completion tokens and their count.
+
+    NLL = −Σ_t m_t · log p_θ(y_t | y_<t), with m_t = 1 on completion tokens (labels ≠ −100) and 0 on prompt
+    and padding. Returning the sum and the count lets the caller normalise by the token count of the whole
+    global batch (every rank, every micro-batch), so the gradient does not depend on how the batch is split.
+    """
+    target = shift_labels(labels)
+    logits = logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1),
+                          ignore_index=IGNORE, reduction="sum")
+    return nll, (target != IGNORE).sum()
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """log π(ids_t | ·) for every position: log_softmax(logits)[ids], computed `chunk` rows at a time so the
+    full B×T×V fp32 log-softmax never exists at once. logits: [B, T, V], ids: [B, T] -> [B, T]."""
+    flat_logits = logits.reshape(-1, logits.size(-1))
+    flat_ids = ids.reshape(-1)
+    out = torch.empty(flat_ids.shape, dtype=torch.float32, device=logits.device)
+    for i in range(0, flat_ids.numel(), chunk):
+        lg = flat_logits[i : i + chunk].float()
+        out[i : i + chunk] = lg.gather(-1, flat_ids[i : i + chunk, None]).squeeze(-1) - lg.logsumexp(-1)
+    return out.view(ids.shape)

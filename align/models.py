@@ -1,0 +1,132 @@
+"""Models: the embedded presets, and loading any Hugging Face causal-LM directory or align artifact.
+
+`--model` accepts
+  * a preset name (`tiny`, `small`): a fresh random-init Llama with the tokenizer shipped in data/tokenizer,
+  * an align artifact directory (has artifact.json; the model is its `model/`; checked complete and untampered),
+  * a `save_pretrained` directory (config.json + weights + tokenizer).
+Weights load from safetensors only; `trust_remote_code` is off unless the user passes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from align.errors import UserError
+from align.paths import TOKENIZER_DIR
+
+PRESETS = {
+    # ~0.5M parameters: 2 layers x d128 with RoPE learns the arithmetic task in minutes on 2 CPU cores.
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                 intermediate_size=384, max_position_embeddings=512),
+    # ~71M parameters: for a GPU.
+    "small": dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
+                  intermediate_size=2048, max_position_embeddings=1024),
+}
+
+
+@dataclass
+class ModelRef:
+    """Where a model comes from: a preset (built fresh) or a directory (artifact or plain)."""
+
+    spec: str
+    model_dir: Path | None  # None for presets
+    artifact: dict | None = None
+    preset: str | None = None
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.model_dir if self.model_dir is not None else TOKENIZER_DIR
+
+    @property
+    def kind(self) -> str:
+        """'policy' (causal LM) or 'reward' (sequence classifier), from the artifact or config."""
+        if self.artifact and self.artifact.get("model_kind"):
+            return self.artifact["model_kind"]
+        if self.model_dir is not None:
+            import json
+
+            arch = json.loads((self.model_dir / "config.json").read_text()).get("architectures") or [""]
+            return "reward" if arch[0].endswith("ForSequenceClassification") else "policy"
+        return "policy"
+
+
+def resolve(spec: str, expect: str | None = "policy") -> ModelRef:
+    """Turn a --model value into a ModelRef, or a UserError that says what is wrong with it."""
+    from align.artifacts import ARTIFACT_FILE, MODEL_DIR, verify_artifact
+
+    if spec in PRESETS and not Path(spec).exists():
+        return ModelRef(spec, None, preset=spec)
+    path = Path(spec)
+    if not path.exists():
+        raise UserError(
+            f"{spec}: no such model directory or artifact. Use a preset ({', '.join(PRESETS)}), "
+            "a save_pretrained directory, or a stage's --out directory."
+        )
+    if (path / ARTIFACT_FILE).is_file():
+        art = verify_artifact(path)
+        model_dir = path / MODEL_DIR
+        if not (model_dir / "config.json").is_file():
+            raise UserError(f"{path}: this {art.get('stage')} artifact holds no model (no {MODEL_DIR}/config.json).")
+        ref = ModelRef(spec, model_dir, artifact=art)
+    elif (path / "config.json").is_file():
+        ref = ModelRef(spec, path)
+    else:
+        raise UserError(f"{path}: neither an align artifact (artifact.json) nor a model directory (config.json).")
+    if expect and ref.kind != expect:
+        want = "a policy (causal LM, e.g. an sft artifact)" if expect == "policy" else "a reward model (rm artifact)"
+        raise UserError(f"{spec}: this is a {ref.kind} model, but {want} is expected here.")
+    if ref.model_dir is not None and not any(ref.model_dir.glob("*.safetensors")):
+        raise UserError(f"{ref.model_dir}: no .safetensors weights (align loads safetensors only, never pickles).")
+    return ref
+
+
+def load_tokenizer(ref: ModelRef, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(ref.tokenizer_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{ref.tokenizer_dir}: cannot load a tokenizer ({str(e).splitlines()[0]}).") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token is None:
+        raise UserError(f"{ref.tokenizer_dir}: tokenizer has no EOS token; set eos_token in tokenizer_config.json.")
+    return tok
+
+
+def preset_config(name: str, tokenizer):
+    from transformers import LlamaConfig
+
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}.")
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **PRESETS[name],
+    )
+
+
+def load_causal_lm(ref: ModelRef, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
+    """Build or load the policy. Call inside a live `runtime.ZeroLoader` to load straight into ZeRO-3 shards."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if ref.preset:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(preset_config(ref.preset, tokenizer), dtype=dtype)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            ref.model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    except ValueError as e:
+        raise UserError(f"{ref.model_dir}: cannot load as a causal LM ({str(e).splitlines()[0]}).") from None
+
+
+def count_parameters(model) -> int:
+    """Parameter count that also works on ZeRO-3 partitioned models (ds_numel is the full size)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -1,0 +1,398 @@
+"""RLMonitor: the one health checker every training stage feeds each step.
+
+The trainer calls `events = monitor.update(step, metrics)` once per logged step. The monitor
+keeps the history of every metric key it has seen, runs every rule and returns the events
+that *started* this step. Rules whose metric is never logged stay silent, so one default
+rule set serves SFT, RM, DPO, PPO and GRPO alike.
+
+Metric keys follow TRL naming: loss, grad_norm, kl, reward, entropy, clip_ratio,
+completions/mean_length, distinct_1, distinct_2, logps/chosen, gold_reward.
+
+A rule's check is a pure function `check(*series, window=..., **params) -> Check`, where
+each series is the history (list of floats) of one of the rule's metric keys. Pure Python,
+no torch, so importing this module is instant.
+"""
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable, NamedTuple
+
+from align.errors import UserError
+
+SEVERITIES = ("warn", "stop")
+RULE_OPTIONS = ("enabled", "severity", "window", "message")  # overridable besides a rule's params
+
+
+class Check(NamedTuple):
+    """Result of one rule check. `metric` names the key that fired when a rule reads several."""
+
+    fired: bool
+    value: float = math.nan
+    threshold: float = math.nan
+    detail: str = ""
+    metric: str = ""
+
+
+QUIET = Check(False)
+
+
+@dataclass
+class Rule:
+    """One health rule: which metric it reads, how it is checked, and what to do when it fires."""
+
+    name: str
+    metric: str  # primary metric key; events report it
+    check: Callable[..., Check]
+    severity: str = "warn"  # "warn" | "stop"
+    window: int = 10
+    message: str = ""  # plain text: likely cause and the fix
+    params: dict = field(default_factory=dict)  # threshold params, passed to check as keywords
+    extra: tuple = ()  # further metric keys the check reads, after `metric`
+    aligned: bool = False  # check sees only steps where all keys were logged in the same update
+    enabled: bool = True
+
+    def __post_init__(self):
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"rule {self.name}: severity must be one of {SEVERITIES}, got {self.severity!r}")
+
+    @property
+    def keys(self) -> tuple:
+        return (self.metric, *self.extra)
+
+
+@dataclass
+class Event:
+    """A rule that started firing (or, for severity stop, fired again) at `step`."""
+
+    step: int
+    rule: str
+    severity: str
+    metric: str
+    value: float
+    threshold: float
+    message: str
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        """JSON-safe dict: non-finite floats become the strings "nan", "inf", "-inf"."""
+        d = asdict(self)
+        for k in ("value", "threshold"):
+            if not math.isfinite(d[k]):
+                d[k] = str(d[k])
+        return d
+
+    def __str__(self) -> str:
+        return f"[{self.severity}] step {self.step} {self.rule}: {self.detail}. {self.message}"
+
+
+# ---------------------------------------------------------------------------------------------
+# small statistics helpers
+
+
+def _finite(xs: list) -> list:
+    return [x for x in xs if math.isfinite(x)]
+
+
+def _mean(xs: list) -> float:
+    """Mean of the finite values; nan if there are none (nan compares False, so rules stay quiet)."""
+    xs = _finite(xs)
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _stderr_of_diff(a: list, b: list) -> float:
+    """Standard error of mean(a) - mean(b) for two independent samples (Welch)."""
+    a, b = _finite(a), _finite(b)
+    var = lambda xs: statistics.variance(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    if not a or not b:
+        return math.inf
+    return math.sqrt(var(a) / len(a) + var(b) / len(b))
+
+
+def _slope(ys: list) -> tuple:
+    """Least-squares slope of ys against 0..n-1 and its standard error."""
+    n = len(ys)
+    xbar, ybar = (n - 1) / 2, sum(ys) / n
+    sxx = sum((i - xbar) ** 2 for i in range(n))
+    slope = sum((i - xbar) * (y - ybar) for i, y in enumerate(ys)) / sxx
+    ssr = sum((y - ybar - slope * (i - xbar)) ** 2 for i, y in enumerate(ys))
+    return slope, math.sqrt(ssr / (n - 2) / sxx) if n > 2 else math.inf
+
+
+def _significant_drop(before: list, after: list, min_drop: float, min_z: float) -> tuple:
+    """(fired, drop): mean fell by more than min_drop and by more than min_z standard errors."""
+    drop = _mean(before) - _mean(after)
+    return drop > min_drop and drop > min_z * _stderr_of_diff(before, after), drop
+
+
+# ---------------------------------------------------------------------------------------------
+# checks: pure functions over metric histories
+
+
+def check_nonfinite(loss: list, grad_norm: list, window: int) -> Check:
+    """Fires when the latest loss or grad_norm is NaN or inf."""
+    for key, xs in (("loss", loss), ("grad_norm", grad_norm)):
+        if xs and not math.isfinite(xs[-1]):
+            return Check(True, xs[-1], math.inf, f"{key} is {xs[-1]}", key)
+    return QUIET
+
+
+def check_spike(xs: list, window: int, factor: float, max_value: float, min_history: float) -> Check:
+    """Latest value > max_value, or > factor x median of the previous `window` values."""
+    x = xs[-1]
+    if not math.isfinite(x):
+        return QUIET  # the nan rule owns non-finite values
+    if x > max_value:
+        return Check(True, x, max_value, f"grad_norm {x:.4g} > {max_value:.4g}")
+    prev = _finite(xs[-window - 1 : -1])
+    if len(prev) < min_history:
+        return QUIET
+    limit = factor * statistics.median(prev)
+    if x > limit:
+        detail = f"grad_norm {x:.4g} > {factor:g} x median of the previous {len(prev)} ({limit:.4g})"
+        return Check(True, x, limit, detail)
+    return QUIET
+
+
+def check_above(xs: list, window: int, max_value: float) -> Check:
+    """Mean of the last `window` values (fewer at the start) > max_value."""
+    m = _mean(xs[-window:])
+    if m > max_value:
+        return Check(True, m, max_value, f"mean of last {min(window, len(xs))} values {m:.4g} > {max_value:.4g}")
+    return QUIET
+
+
+def check_below(xs: list, window: int, min_value: float) -> Check:
+    """Mean of the last `window` values (fewer at the start) < min_value."""
+    m = _mean(xs[-window:])
+    if m < min_value:
+        return Check(True, m, min_value, f"mean of last {min(window, len(xs))} values {m:.4g} < {min_value:.4g}")
+    return QUIET
+
+
+def check_falling(xs: list, window: int, min_drop: float, min_z: float) -> Check:
+    """Mean of the last `window` values is below the mean of the `window` before it.
+
+    The drop must exceed min_drop (absolute) and min_z standard errors, so a noisy plateau
+    does not fire on every dip. Needs 2 * window values.
+    """
+    if len(xs) < 2 * window:
+        return QUIET
+    before, after = xs[-2 * window : -window], xs[-window:]
+    fired, drop = _significant_drop(before, after, min_drop, min_z)
+    if fired:
+        detail = f"window mean fell by {drop:.4g} ({_mean(before):.4g} -> {_mean(after):.4g})"
+        return Check(True, _mean(after), _mean(before) - min_drop, detail)
+    return QUIET
+
+
+def check_fell_from_start(xs: list, window: int, min_drop: float, min_z: float) -> Check:
+    """Mean of the last `window` values is below the mean of the first `window` values.
+
+    Same drop test as check_falling; needs 2 * window values so the windows do not overlap.
+    """
+    if len(xs) < 2 * window:
+        return QUIET
+    first, last = xs[:window], xs[-window:]
+    fired, drop = _significant_drop(first, last, min_drop, min_z)
+    if fired:
+        detail = f"fell by {drop:.4g} since the start ({_mean(first):.4g} -> {_mean(last):.4g})"
+        return Check(True, _mean(last), _mean(first) - min_drop, detail)
+    return QUIET
+
+
+def check_drift(xs: list, window: int, max_rel_change: float) -> Check:
+    """Ratio r = mean(last window) / mean(first window) leaves [1/(1+c), 1+c], c = max_rel_change.
+
+    With c = 1.0 it fires when the mean has doubled or halved. The bound is symmetric in log
+    space: growing by x(1+c) and shrinking by /(1+c) count alike. Needs 2 * window values.
+    """
+    if len(xs) < 2 * window:
+        return QUIET
+    base, now = _mean(xs[:window]), _mean(xs[-window:])
+    if not base > 0:
+        return QUIET
+    ratio, limit = now / base, 1 + max_rel_change
+    if ratio > limit or ratio < 1 / limit:
+        bound = limit if ratio > limit else 1 / limit
+        return Check(True, ratio, bound, f"window mean {now:.4g} vs {base:.4g} at the start (x{ratio:.3g})")
+    return QUIET
+
+
+def check_diverging(proxy: list, gold: list, window: int, min_slope: float, min_z: float) -> Check:
+    """Over the last `window` paired points, proxy slope > min_slope while gold slope < -min_slope.
+
+    Slopes are least squares per logged point; each must also be min_z standard errors from 0.
+    """
+    if len(gold) < window or window < 3:
+        return QUIET
+    sp, ep = _slope(proxy[-window:])
+    sg, eg = _slope(gold[-window:])
+    if sp > min_slope and sg < -min_slope and sp > min_z * ep and -sg > min_z * eg:
+        detail = f"proxy reward slope {sp:+.3g}/point while gold_reward slope {sg:+.3g}/point over {window} points"
+        return Check(True, sg, -min_slope, detail)
+    return QUIET
+
+
+# ---------------------------------------------------------------------------------------------
+# default rules
+
+
+def default_rules() -> list:
+    """The default rule set (fresh objects; names are public API and used as override keys)."""
+    return [
+        Rule("nan", "loss", check_nonfinite, "stop", 1, extra=("grad_norm",),
+             message="NaN/inf in loss or grad_norm: likely fp16 overflow or LR too high. "
+                     "Train in bf16 (not fp16), lower the LR, clip gradients (max_grad_norm=1.0)."),
+        Rule("grad_explode", "grad_norm", check_spike, "warn", 20,
+             params={"factor": 10.0, "max_value": 1e4, "min_history": 5},
+             message="Gradient norm spike: LR too high or a bad batch. Lower the LR, clip gradients, "
+                     "check for extreme rewards/advantages."),
+        Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5},
+             message="KL to the reference is high: the policy is drifting away. "
+                     "Raise the KL coefficient (or lower the KL target), lower the LR."),
+        Rule("reward_falling", "reward", check_falling, "warn", 10,
+             params={"min_drop": 0.0, "min_z": 3.0},
+             message="Mean reward is falling: LR too high, reward hacking or over-optimisation. "
+                     "Lower the LR, raise the KL coefficient, stop early (keep the best checkpoint)."),
+        Rule("entropy_collapse", "entropy", check_below, "warn", 10, params={"min_value": 0.1},
+             message="Policy entropy collapsed: the model is becoming deterministic and stops exploring. "
+                     "Raise the sampling temperature, add an entropy bonus, lower the LR, train fewer steps."),
+        Rule("clip_high", "clip_ratio", check_above, "warn", 10, params={"max_value": 0.3},
+             message="Clip fraction is high: policy updates are too large. "
+                     "Lower the LR, use fewer PPO epochs per batch, or a smaller clip epsilon."),
+        Rule("length_drift", "completions/mean_length", check_drift, "warn", 10,
+             params={"max_rel_change": 1.0},
+             message="Response length drifted far from the start: length hacking or EOS lost. "
+                     "Add a length penalty, check EOS/stop-token handling and max_new_tokens truncation."),
+        Rule("low_distinct_1", "distinct_1", check_below, "warn", 10, params={"min_value": 0.2},
+             message="Low distinct-1 (unigram diversity): mode collapse. "
+                     "Raise the sampling temperature, lower the LR, raise the KL coefficient."),
+        Rule("low_distinct_2", "distinct_2", check_below, "warn", 10, params={"min_value": 0.3},
+             message="Low distinct-2 (bigram diversity): mode collapse. "
+                     "Raise the sampling temperature, lower the LR, raise the KL coefficient."),
+        Rule("chosen_logp_falling", "logps/chosen", check_fell_from_start, "warn", 10,
+             params={"min_drop": 10.0, "min_z": 3.0},
+             message="Log-likelihood of the chosen responses is falling (known DPO failure: both chosen "
+                     "and rejected likelihoods fall). Lower the learning rate or raise beta, add an SFT "
+                     "(NLL on chosen) term."),
+        Rule("reward_hacking", "reward", check_diverging, "warn", 20, extra=("gold_reward",), aligned=True,
+             params={"min_slope": 1e-3, "min_z": 2.0},
+             message="Proxy reward rises while gold reward falls: reward hacking. "
+                     "Raise the KL coefficient, improve the reward model, stop early."),
+    ]
+
+
+def _override(rule: Rule, opts: dict) -> Rule:
+    """Return a copy of `rule` with the overrides in `opts` applied; bad keys/values -> UserError."""
+    where = f"[monitor.{rule.name}]"
+    if not isinstance(opts, dict):
+        raise UserError(f"{where}: expected a table such as {{ enabled = false }}, got {opts!r}")
+    changes, params = {}, dict(rule.params)
+    for key, val in opts.items():
+        is_number = isinstance(val, (int, float)) and not isinstance(val, bool)
+        if key == "enabled" and isinstance(val, bool):
+            changes[key] = val
+        elif key == "severity" and val in SEVERITIES:
+            changes[key] = val
+        elif key == "window" and isinstance(val, int) and not isinstance(val, bool) and val >= 1:
+            changes[key] = val
+        elif key == "message" and isinstance(val, str):
+            changes[key] = val
+        elif key in params and is_number:
+            params[key] = float(val)
+        elif key in RULE_OPTIONS or key in params:
+            expected = {"enabled": "true or false", "severity": " or ".join(map(repr, SEVERITIES)),
+                        "window": "an integer >= 1", "message": "a string"}.get(key, "a number")
+            raise UserError(f"{where} {key} = {val!r}: expected {expected}")
+        else:
+            known = ", ".join([*RULE_OPTIONS, *rule.params])
+            raise UserError(f"{where}: unknown parameter {key!r}; known: {known}")
+    return replace(rule, params=params, **changes)
+
+
+def apply_overrides(rules: list, overrides: dict) -> list:
+    """Apply a `[monitor]` TOML table {rule_name: {param: value}} to rules; returns new rules."""
+    if not isinstance(overrides, dict):
+        raise UserError(f"[monitor]: expected a table of rule names, got {overrides!r}")
+    by_name = {r.name: r for r in rules}
+    for name, opts in overrides.items():
+        if name not in by_name:
+            raise UserError(f"[monitor]: unknown rule {name!r}; known rules: {', '.join(by_name)}")
+        by_name[name] = _override(by_name[name], opts)
+    return [by_name[r.name] for r in rules]
+
+
+def _as_float(v):
+    """float(v) for numbers (incl. 0-d tensors); None for anything else (strings, None, bools)."""
+    if isinstance(v, (bool, str)) or v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+class RLMonitor:
+    """Feed it every step's metrics; it returns the health events that started this step."""
+
+    def __init__(self, rules: list | None = None, overrides: dict | None = None):
+        rules = default_rules() if rules is None else [replace(r, params=dict(r.params)) for r in rules]
+        if len({r.name for r in rules}) != len(rules):
+            raise ValueError("RLMonitor: rule names must be unique")
+        self.rules = apply_overrides(rules, overrides or {})
+        self.history: dict[str, list[float]] = {}  # metric key -> values, in update order
+        self.events: list[Event] = []
+        self._paired: dict[str, list[tuple]] = {}  # aligned rule name -> rows of values
+        self._firing: set[str] = set()  # rules that fired at their last evaluation
+
+    def _series(self, rule: Rule, logged: dict) -> list | None:
+        """The histories a rule checks this step, or None if the rule is inactive this step."""
+        if rule.aligned:
+            if not all(k in logged for k in rule.keys):
+                return None
+            rows = self._paired.setdefault(rule.name, [])
+            rows.append(tuple(logged[k] for k in rule.keys))
+            del rows[: -rule.window]  # checks only look at the last window
+            return [list(col) for col in zip(*rows)]
+        if not any(k in logged for k in rule.keys):
+            return None
+        return [self.history.get(k, []) for k in rule.keys]
+
+    def update(self, step: int, metrics: dict) -> list:
+        """Record `metrics` (numeric values only) for `step`, run every rule, return new events.
+
+        A rule is evaluated only on steps that log one of its keys. Debounce: a warn rule reports
+        when its condition starts and again only after it has been quiet for at least one
+        evaluation; stop rules report every time they fire.
+        """
+        logged = {k: x for k, v in metrics.items() if (x := _as_float(v)) is not None}
+        for k, x in logged.items():
+            self.history.setdefault(k, []).append(x)
+        new = []
+        for rule in self.rules:
+            series = self._series(rule, logged) if rule.enabled else None
+            if series is None:
+                continue
+            res = rule.check(*series, window=rule.window, **rule.params)
+            if not res.fired:
+                self._firing.discard(rule.name)
+                continue
+            if rule.severity == "stop" or rule.name not in self._firing:
+                new.append(Event(step, rule.name, rule.severity, res.metric or rule.metric,
+                                 res.value, res.threshold, rule.message, res.detail))
+            self._firing.add(rule.name)
+        self.events.extend(new)
+        return new
+
+    def should_stop(self, events: list | None = None) -> bool:
+        """True if any of `events` (default: all events so far) has severity stop."""
+        return any(e.severity == "stop" for e in (self.events if events is None else events))
+
+    def summary(self) -> dict:
+        """Event counts per rule and the step each rule first fired, e.g. for artifact.json."""
+        counts, first = {}, {}
+        for e in self.events:
+            counts[e.rule] = counts.get(e.rule, 0) + 1
+            first.setdefault(e.rule, e.step)
+        return {"events": len(self.events), "counts": counts, "first_step": first, "stop": self.should_stop()}

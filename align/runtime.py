@@ -1,0 +1,211 @@
+"""DeepSpeed runtime: process group, ZeRO configs, engines, saving, and gathering for generation.
+
+Every training stage goes through here. One process or many (torchrun / deepspeed launcher / --nproc),
+CUDA with NCCL and bf16 when a GPU is present, CPU with gloo and fp32 otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from align.errors import UserError
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_DIST: Dist | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(timeout_s: int = 1800) -> Dist:
+    """Start (once) the process group DeepSpeed needs, even for a single process."""
+    global _DIST
+    if _DIST is not None:
+        return _DIST
+    if "RANK" not in os.environ:  # single process: DeepSpeed would otherwise try MPI discovery
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+
+    if not cuda:
+        # Skip the shared-memory comm op: it JIT-compiles for up to a minute on every start and
+        # plain gloo is as fast at our sizes. Internal switch; deepspeed is pinned in pyproject.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if cuda else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), verbose=False)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    _DIST = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device, backend)
+    return _DIST
+
+
+def compute_dtype(dist: Dist) -> torch.dtype:
+    return torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+
+
+def ds_config(
+    *,
+    zero_stage: int,
+    micro_batch: int,
+    grad_accum: int,
+    world_size: int,
+    dtype: torch.dtype,
+    grad_clip: float = 1.0,
+    user_config: str | None = None,
+) -> dict:
+    """The DeepSpeed config for one engine. A user's --deepspeed JSON wins key by key."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {
+            "stage": zero_stage,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if user_config:
+        path = Path(user_config)
+        try:
+            user = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: DeepSpeed config not found (--deepspeed).") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+        cfg = _deep_merge(cfg, user)
+    return cfg
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+class ZeroLoader:
+    """Keeps the transformers<->DeepSpeed link alive so `from_pretrained` loads straight into ZeRO-3 shards."""
+
+    def __init__(self, cfg: dict):
+        self.hf = None
+        if cfg["zero_optimization"]["stage"] == 3:
+            from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+            self.hf = HfDeepSpeedConfig(cfg)
+
+
+def engine(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
+    """Wrap `model` in a DeepSpeed engine; without an optimizer it is an inference-only (frozen) engine."""
+    import deepspeed
+
+    if optimizer is None:
+        model.requires_grad_(False)
+    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
+    if optimizer is None:
+        eng.eval()
+    return eng
+
+
+def is_zero3(eng) -> bool:
+    return eng.zero_optimization_partition_weights()
+
+
+@contextlib.contextmanager
+def gathered_for_generation(eng, gather: bool = True):
+    """Yield the bare module ready for fast generation.
+
+    ZeRO-3 with `gather=True`: gather the full weights once and lift ZeRO's per-module hooks for the whole
+    generation phase (no collective per forward, ranks may decode different lengths). `gather=False` is the
+    fallback for models that do not fit whole on one device: hooks stay, and `generate` must run with
+    `synced_gpus=True` so every rank joins every forward.
+    """
+    if not is_zero3(eng) or not gather:
+        yield eng.module
+        return
+    from deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
+
+    with unwrap_model_for_generation(eng) as module:
+        yield module
+
+
+def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | None = None) -> None:
+    """Write a plain `save_pretrained` directory (safetensors + tokenizer) on rank 0.
+
+    Under ZeRO-3, `module.save_pretrained()` alone would write empty shards; the consolidated state dict
+    must be gathered on every rank first.
+    """
+    if is_zero3(eng):
+        state = eng._zero3_consolidated_16bit_state_dict()
+    else:
+        state = {k: v.detach().cpu() for k, v in eng.module.state_dict().items()} if dist.is_main else None
+    if dist.is_main:
+        module = eng.module
+        if extra_config:
+            for k, v in extra_config.items():
+                setattr(module.config, k, v)
+        module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+    barrier()
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def all_gather_objects(obj):
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def peak_memory_gib(dist: Dist) -> float:
+    if dist.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(dist.device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB (process RSS)

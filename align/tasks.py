@@ -1,0 +1,312 @@
+"""Procedural tasks: arithmetic word problems, list sorting, preference pairs, plain text.
+
+Everything is deterministic given a seed (one `random.Random(seed)` per dataset).
+
+    rows = make_dataset("arithmetic", 1000, seed=0, levels=(1, 2))
+    train, test = make_splits("sort", 5000, 200, seed=2)
+    write_jsonl(rows, "data/arithmetic/train.jsonl")
+
+Row schemas:
+    arithmetic: {"prompt", "completion", "answer", "level"}   answer = str(int), never negative
+    sort:       {"prompt", "completion", "answer"}            completion == answer == "1 3 7 9"
+    prefs:      {"prompt", "chosen", "rejected", "answer"}    chosen is correct, rejected is not
+    text:       {"text"}                                      short narrative paragraphs
+"""
+
+import json
+import os
+import random
+
+from align.errors import UserError
+
+TASKS = ("arithmetic", "sort", "prefs", "text")
+LEVELS = {1: (1, 2), 2: (1, 3), 3: (2, 2), 4: (2, 3)}  # level -> (digits per operand, operands)
+
+NAMES = [
+    ("Tom", "he"), ("Mia", "she"), ("Sam", "he"), ("Lena", "she"), ("Omar", "he"), ("Ana", "she"),
+    ("Ben", "he"), ("Zoe", "she"), ("Ravi", "he"), ("Yuki", "she"), ("Leo", "he"), ("Nora", "she"),
+    ("Ivan", "he"), ("Emma", "she"), ("Kofi", "he"), ("Lucia", "she"), ("Max", "he"), ("Aisha", "she"),
+]
+OBJECTS = [
+    ("apple", "apples"), ("marble", "marbles"), ("sticker", "stickers"), ("book", "books"),
+    ("pencil", "pencils"), ("coin", "coins"), ("cookie", "cookies"), ("stamp", "stamps"),
+    ("shell", "shells"), ("card", "cards"), ("balloon", "balloons"), ("orange", "oranges"),
+    ("toy car", "toy cars"), ("feather", "feathers"), ("button", "buttons"), ("rock", "rocks"),
+]
+# Opening sentences: {name} holds {a} {obj} at the start.
+OPENERS = [
+    "{name} has {a} {obj}.",
+    "{name} owns {a} {obj}.",
+    "{name} starts the day with {a} {obj}.",
+    "{name} keeps {a} {obj} in a box.",
+    "There {are} {a} {obj} in {name}'s bag.",
+    "{name} is holding {a} {obj}.",
+]
+# Steps as (present tense for prompts, past tense for the text corpus); {n} is the operand.
+ADD_STEPS = [
+    ("buys {n} more", "bought {n} more"),
+    ("finds {n} more", "found {n} more"),
+    ("gets {n} more from a friend", "got {n} more from a friend"),
+    ("wins {n} more in a game", "won {n} more in a game"),
+    ("picks up {n} more at the market", "picked up {n} more at the market"),
+    ("receives {n} more as a gift", "received {n} more as a gift"),
+    ("is given {n} more by a teacher", "was given {n} more by a teacher"),
+]
+SUB_STEPS = [
+    ("gives away {n}", "gave away {n}"),
+    ("loses {n}", "lost {n}"),
+    ("sells {n} to a neighbor", "sold {n} to a neighbor"),
+    ("gives {n} to a friend", "gave {n} to a friend"),
+    ("trades away {n}", "traded away {n}"),
+    ("drops {n} on the way home", "dropped {n} on the way home"),
+    ("uses {n} for a school project", "used {n} for a school project"),
+]
+QUESTIONS = [
+    "How many {obj} does {name} have now?",
+    "How many {obj} does {name} have in the end?",
+    "How many {obj} does {name} end up with?",
+]
+FILLER = [
+    "The sun was warm that morning.",
+    "{name} likes to count things carefully.",
+    "It rained a little in the afternoon.",
+    "{name} wrote the numbers down in a notebook.",
+    "Counting slowly helps to avoid mistakes.",
+    "The market was busy on Saturday.",
+    "{name} checked the sum twice to be sure.",
+    "Adding is putting things together, and subtracting is taking things away.",
+    "After lunch, {name} went for a walk in the park.",
+    "A careful count is always worth the time.",
+]
+
+
+def _draw_operands(rng, level):
+    """Draw operands and signs for a level so every running total stays >= 0."""
+    if level not in LEVELS:
+        raise UserError(f"unknown arithmetic level {level!r}; use levels from 1 to 4")
+    digits, count = LEVELS[level]
+    lo, hi = (1, 9) if digits == 1 else (10, 99)
+    while True:
+        nums = [rng.randint(lo, hi) for _ in range(count)]
+        ops = [rng.choice("+-") for _ in range(count - 1)]
+        totals = [nums[0]]
+        for op, n in zip(ops, nums[1:]):
+            totals.append(totals[-1] + n if op == "+" else totals[-1] - n)
+        if min(totals) >= 0:
+            return nums, ops
+
+
+def expression(nums, ops):
+    """Render operands and operators as a chained expression, e.g. '23 + 45 - 12'."""
+    parts = [str(nums[0])]
+    for op, n in zip(ops, nums[1:]):
+        parts += [op, str(n)]
+    return " ".join(parts)
+
+
+def evaluate(nums, ops):
+    """Evaluate a chained +/- expression left to right."""
+    total = nums[0]
+    for op, n in zip(ops, nums[1:]):
+        total = total + n if op == "+" else total - n
+    return total
+
+
+def solution(nums, ops, result=None, final=None):
+    """Worked solution 'a + b = r. #### r'; result/final override the numbers (for corruptions)."""
+    result = evaluate(nums, ops) if result is None else result
+    final = result if final is None else final
+    return f"{expression(nums, ops)} = {result}. #### {final}"
+
+
+def _story(rng):
+    """Pick the fixed parts of a story: name, pronoun, object forms."""
+    name, pronoun = rng.choice(NAMES)
+    singular, plural = rng.choice(OBJECTS)
+    return name, pronoun, singular, plural
+
+
+def arithmetic_problem(rng, level):
+    """One word problem as (prompt, nums, ops)."""
+    nums, ops = _draw_operands(rng, level)
+    name, pronoun, singular, plural = _story(rng)
+    obj = singular if nums[0] == 1 else plural
+    are = "is" if nums[0] == 1 else "are"
+    sentences = [rng.choice(OPENERS).format(name=name, a=nums[0], obj=obj, are=are)]
+    for i, (op, n) in enumerate(zip(ops, nums[1:])):
+        step = rng.choice(ADD_STEPS if op == "+" else SUB_STEPS)[0].format(n=n)
+        subject = pronoun.capitalize() if i == 0 else "Then " + pronoun
+        sentences.append(f"{subject} {step}.")
+    sentences.append(rng.choice(QUESTIONS).format(name=name, obj=plural))
+    return " ".join(sentences), nums, ops
+
+
+def arithmetic_row(rng, level):
+    """Row {"prompt", "completion", "answer", "level"} for one word problem."""
+    prompt, nums, ops = arithmetic_problem(rng, level)
+    answer = evaluate(nums, ops)
+    return {"prompt": prompt, "completion": solution(nums, ops), "answer": str(answer), "level": level}
+
+
+def sort_row(rng, min_len=3, max_len=6, max_value=99):
+    """Row {"prompt", "completion", "answer"} for sorting a list of ints in [0, max_value]."""
+    if not 1 <= min_len <= max_len:
+        raise UserError(f"sort lengths must satisfy 1 <= min_len <= max_len, got {min_len}..{max_len}")
+    if max_value < 0:
+        raise UserError(f"sort max_value must be >= 0, got {max_value}")
+    nums = [rng.randint(0, max_value) for _ in range(rng.randint(min_len, max_len))]
+    answer = " ".join(map(str, sorted(nums)))
+    return {"prompt": "Sort in ascending order: " + " ".join(map(str, nums)), "completion": answer, "answer": answer}
+
+
+def corrupt_arithmetic(rng, nums, ops):
+    """A wrong worked solution: wrong final number, consistent slip, wrong operator or misread operand."""
+    correct = evaluate(nums, ops)
+    kind = rng.choice(("final", "slip", "operator", "operand"))
+    delta = rng.choice((-10, -2, -1, 1, 2, 10))
+    wrong = correct + delta if correct + delta >= 0 else correct - delta
+    if kind == "final":  # right working, wrong number after ####
+        return solution(nums, ops, final=wrong)
+    if kind == "slip":  # arithmetic slip carried to the answer
+        return solution(nums, ops, result=wrong)
+    if kind == "operator":  # one operator flipped; changes the result by 2 * operand != 0
+        i = rng.randrange(len(ops))
+        flipped = ops[:i] + ["-" if ops[i] == "+" else "+"] + ops[i + 1:]
+        return solution(nums, flipped)
+    i = rng.randrange(len(nums))  # an operand copied wrong, worked through consistently
+    bad = nums[:i] + [nums[i] + abs(delta)] + nums[i + 1:]
+    return solution(bad, ops)
+
+
+def corrupt_sort(rng, nums):
+    """A wrong sorted list: two items swapped, one dropped, or one duplicated."""
+    good = sorted(nums)
+    while True:
+        bad = list(good)
+        kind = rng.choice(("swap", "drop", "duplicate"))
+        i = rng.randrange(len(bad))
+        if kind == "swap" and len(bad) > 1:
+            j = rng.choice([k for k in range(len(bad)) if k != i])
+            bad[i], bad[j] = bad[j], bad[i]
+        elif kind == "drop" and len(bad) > 1:
+            del bad[i]
+        else:
+            bad.insert(i, bad[i])
+        if bad != good:
+            return " ".join(map(str, bad))
+
+
+def prefs_row(rng, level, sort_frac=0.0, **sort_opts):
+    """Row {"prompt", "chosen", "rejected", "answer"}: arithmetic, or sort with probability sort_frac."""
+    if not 0.0 <= sort_frac <= 1.0:
+        raise UserError(f"prefs sort_frac must be in [0, 1], got {sort_frac}")
+    if rng.random() < sort_frac:
+        row = sort_row(rng, **sort_opts)
+        nums = [int(x) for x in row["prompt"].split(":")[1].split()]
+        return {"prompt": row["prompt"], "chosen": row["completion"], "rejected": corrupt_sort(rng, nums),
+                "answer": row["answer"]}
+    prompt, nums, ops = arithmetic_problem(rng, level)
+    return {"prompt": prompt, "chosen": solution(nums, ops), "rejected": corrupt_arithmetic(rng, nums, ops),
+            "answer": str(evaluate(nums, ops))}
+
+
+def narrative(rng, level):
+    """One past-tense sentence that states a computation, e.g. 'Tom had 23 apples and bought 45 more, so ...'."""
+    nums, ops = _draw_operands(rng, level)
+    name, pronoun, singular, plural = _story(rng)
+    steps = [rng.choice(ADD_STEPS if op == "+" else SUB_STEPS)[1].format(n=n) for op, n in zip(ops, nums[1:])]
+    result = evaluate(nums, ops)
+    start = f"{name} had {nums[0]} {singular if nums[0] == 1 else plural}"
+    middle = f" and {steps[0]}" if len(steps) == 1 else f", {steps[0]} and then {steps[1]}"
+    return f"{start}{middle}, so {pronoun} had {result} {singular if result == 1 else plural}."
+
+
+def sort_sentence(rng):
+    """One sentence stating a sorted list."""
+    nums = [rng.randint(0, 99) for _ in range(rng.randint(3, 6))]
+    shown, ordered = " ".join(map(str, nums)), " ".join(map(str, sorted(nums)))
+    return f"Sorted from smallest to largest, the numbers {shown} become {ordered}."
+
+
+def text_row(rng, levels, min_sentences=3, max_sentences=5):
+    """Row {"text"}: a short paragraph mixing arithmetic statements, a sorting fact and filler."""
+    if not 1 <= min_sentences <= max_sentences:
+        raise UserError(f"text sentence counts must satisfy 1 <= min <= max, got {min_sentences}..{max_sentences}")
+    name = rng.choice(NAMES)[0]
+    sentences = []
+    for _ in range(rng.randint(min_sentences, max_sentences)):
+        r = rng.random()
+        if r < 0.55:
+            sentences.append(narrative(rng, rng.choice(levels)))
+        elif r < 0.7:
+            sentences.append(sort_sentence(rng))
+        else:
+            sentences.append(rng.choice(FILLER).format(name=name))
+    return {"text": " ".join(sentences)}
+
+
+def row_key(row):
+    """The string a row is unique by: its prompt, or its text."""
+    return row["prompt"] if "prompt" in row else row["text"]
+
+
+def _row_maker(task, levels, opts):
+    """A function rng, index -> row for the task, with options checked up front."""
+    allowed = {"arithmetic": set(), "sort": {"min_len", "max_len", "max_value"},
+               "prefs": {"sort_frac", "min_len", "max_len", "max_value"}, "text": {"min_sentences", "max_sentences"}}
+    if task not in allowed:
+        raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+    unknown = set(opts) - allowed[task]
+    if unknown:
+        raise UserError(f"unknown option(s) {sorted(unknown)} for task {task!r}; valid: {sorted(allowed[task]) or 'none'}")
+    levels = tuple(levels)
+    bad = [lv for lv in levels if lv not in LEVELS]
+    if not levels or bad:
+        raise UserError(f"bad levels {levels!r}; use a non-empty subset of (1, 2, 3, 4)")
+    if task == "arithmetic":
+        return lambda rng, i: arithmetic_row(rng, levels[i % len(levels)])
+    if task == "sort":
+        return lambda rng, i: sort_row(rng, **opts)
+    if task == "prefs":
+        return lambda rng, i: prefs_row(rng, levels[i % len(levels)], **opts)
+    return lambda rng, i: text_row(rng, levels, **opts)
+
+
+def make_dataset(task, n, seed, *, levels=(1, 2, 3, 4), exclude=None, **opts):
+    """n unique rows of a task; rows whose prompt (or text) is in `exclude` are skipped.
+
+    Levels cycle in order, so each level gets n / len(levels) rows (arithmetic, prefs).
+    """
+    make = _row_maker(task, levels, opts)
+    if n < 0:
+        raise UserError(f"number of rows must be >= 0, got {n}")
+    rng, seen, rows = random.Random(seed), set(exclude or ()), []
+    tries = 0
+    while len(rows) < n:
+        tries += 1
+        if tries > 100 * n + 1000:
+            raise UserError(f"only {len(rows)} unique {task} rows after {tries} tries; ask for fewer rows or widen levels/options")
+        row = make(rng, len(rows))
+        if row_key(row) not in seen:
+            seen.add(row_key(row))
+            rows.append(row)
+    return rows
+
+
+def make_splits(task, n_train, n_test, seed, **kwargs):
+    """(train, test) with disjoint prompts; test is drawn first (seed + 1) so it does not depend on n_train."""
+    exclude = set(kwargs.pop("exclude", None) or ())
+    test = make_dataset(task, n_test, seed + 1, exclude=exclude, **kwargs)
+    train = make_dataset(task, n_train, seed, exclude=exclude | {row_key(r) for r in test}, **kwargs)
+    return train, test
+
+
+def write_jsonl(rows, path):
+    """Write rows as JSON lines atomically (path.tmp, then os.replace)."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)

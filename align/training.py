@@ -1,0 +1,89 @@
+"""Training plumbing every stage shares: optimiser + schedule, deterministic global batches, checkpoints,
+and the step-end bookkeeping (log, monitor, progress)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from align import runtime
+from align.errors import UserError
+
+
+def batch_layout(global_batch: int, micro_batch: int, world: int) -> tuple[int, int]:
+    """(micro batch per rank, gradient accumulation steps) for a global batch; must divide evenly."""
+    if micro_batch <= 0:
+        micro_batch = max(1, global_batch // world)
+    if global_batch % (micro_batch * world):
+        raise UserError(
+            f"--batch-size {global_batch} is not a multiple of micro batch {micro_batch} x {world} processes; "
+            "change --batch-size or --micro-batch-size."
+        )
+    return micro_batch, global_batch // (micro_batch * world)
+
+
+def step_indices(n: int, global_batch: int, step: int, seed: int) -> list[int]:
+    """The example indices of optimiser step `step` (0-based): epochs of seeded permutations, identical on every
+    rank and for any number of ranks, so a 2-process run sees exactly the examples a 1-process run sees."""
+    out = []
+    pos = step * global_batch
+    while len(out) < global_batch:
+        epoch, offset = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        take = perm[offset : offset + global_batch - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+def rank_share(items: list, dist: runtime.Dist) -> list:
+    per = len(items) // dist.world_size
+    return items[dist.rank * per : (dist.rank + 1) * per]
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    """Linear warmup, then cosine or linear decay to 10% (or constant)."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return 1.0 - 0.9 * progress
+        return 1.0
+
+    return f
+
+
+def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95)):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def save_checkpoint(eng, out: Path, step: int, client_state: dict | None = None) -> None:
+    """Keep one DeepSpeed checkpoint (model, optimiser, scheduler, client state) under out/checkpoints."""
+    ckpt = out / "checkpoints"
+    tag = f"step{step}"
+    eng.save_checkpoint(str(ckpt), tag=tag, client_state={"step": step, **(client_state or {})})
+    runtime.barrier()
+    if runtime.init().is_main:
+        for old in ckpt.iterdir():
+            if old.is_dir() and old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(eng, out: Path) -> dict:
+    ckpt = out / "checkpoints"
+    if not (ckpt / "latest").is_file():
+        raise UserError(f"{ckpt}: no checkpoint to resume from; run without --resume.")
+    path, state = eng.load_checkpoint(str(ckpt))
+    if path is None:
+        raise UserError(f"{ckpt}: checkpoint could not be loaded; run without --resume.")
+    return state or {}

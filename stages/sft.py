@@ -1,0 +1,172 @@
+"""Supervised fine-tuning: next-token loss on completion tokens only, on a DeepSpeed (ZeRO-3) engine.
+
+loss = (1/N) Σ_{examples} Σ_{t ∈ completion} −log p_θ(y_t | prompt, y_<t), N = completion tokens in the global
+batch (all ranks, all micro-batches), so 1 process and N processes compute the same gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from align.config import StageConfig, opt
+from align.errors import UserError
+from align.paths import DATA_DIR
+
+
+@dataclass
+class SFTConfig(StageConfig):
+    out: str = opt("runs/sft", "Output artifact directory.", path=True)
+    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion} or {messages}.", path=True)
+    eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has 'answer'.", path=True)
+    columns: str = opt("", "Rename columns: old=new,old2=new2.")
+    max_steps: int = opt(2500, "Optimiser steps.")
+    batch_size: int = opt(32, "Global batch size (examples per optimiser step, all processes).")
+    micro_batch_size: int = opt(0, "Examples per forward per process (0: batch_size / processes).")
+    lr: float = opt(2e-3, "Peak learning rate (AdamW).")
+    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear or constant.")
+    warmup_steps: int = opt(50, "Linear warmup steps.")
+    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
+    grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
+    max_length: int = opt(256, "Max tokens per example; the prompt is cut from the left, never the completion.")
+    eval_every: int = opt(500, "Evaluate (loss, pass@1) every N steps; 0: only at the end.")
+    eval_samples: int = opt(200, "Held-out problems for pass@1.")
+    max_new_tokens: int = opt(48, "Generation budget for pass@1.")
+    save_every: int = opt(0, "DeepSpeed checkpoint every N steps (always one at the end; 0: end only).")
+    resume: bool = opt(False, "Resume from the checkpoint in --out.")
+    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
+
+    def validate(self):
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise UserError(f"--schedule must be cosine, linear or constant, not {self.schedule!r}.")
+        if not 0 <= self.zero_stage <= 3:
+            raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
+        if self.max_steps <= 0 or self.batch_size <= 0:
+            raise UserError("--max-steps and --batch-size must be positive.")
+
+
+def run(cfg: SFTConfig) -> dict:
+    import random
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from align import data as D
+    from align import monitor as M
+    from align import runtime, training
+    from align.artifacts import ArtifactWriter
+    from align.config import as_dict
+    from align.console import TrainProgress, info, summary_table
+    from align.evaluation import evaluate_policy
+    from align.generation import Sampling
+    from align.losses import completion_nll
+    from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
+    from align.report import plot_report
+    from align.stage_io import describe_inputs, monitor_overrides
+
+    # ---- inputs: checked before anything heavy starts, so bad input fails fast
+    ref = resolve(cfg.model)
+    train_rows = D.load_rows(cfg.data, "sft", cfg.columns)
+    eval_rows = D.load_rows(cfg.eval_data, "sft", cfg.columns) if cfg.eval_data else []
+    dist = runtime.init()
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    writer = ArtifactWriter(out, "sft", as_dict(cfg), describe_inputs(ref, cfg.data, cfg.eval_data), dist.is_main)
+    tok = load_tokenizer(ref, cfg.trust_remote_code)
+    examples = [e for e in (D.sft_example(tok, r, cfg.max_length) for r in train_rows) if e]
+    if len(examples) < len(train_rows):
+        info(f"[yellow]dropped {len(train_rows) - len(examples)} examples whose completion exceeds --max-length[/]")
+    if not examples:
+        raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}.")
+    eval_examples = [e for e in (D.sft_example(tok, r, cfg.max_length) for r in eval_rows) if e]
+    verifiable = [r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples]
+
+    # ---- model and engine
+    micro, accum = training.batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
+    dtype = runtime.compute_dtype(dist)
+    ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum,
+                           world_size=dist.world_size, dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
+    loader = runtime.ZeroLoader(ds)  # noqa: F841  (keeps ZeRO-3 partitioned loading on for this stage)
+    model = load_causal_lm(ref, tok, dtype, cfg.seed, cfg.trust_remote_code)
+    optimizer = training.adamw(model, cfg.lr, cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, training.lr_lambda(cfg.schedule, cfg.warmup_steps, cfg.max_steps))
+    eng = runtime.engine(model, ds, optimizer, sched)
+    n_params = count_parameters(eng.module)
+    info(f"sft: {n_params / 1e6:.2f}M parameters, {len(examples)} examples, {dist.world_size} process(es), "
+         f"ZeRO-{cfg.zero_stage}, {dtype}, micro batch {micro} x accum {accum}, device {dist.device.type}")
+    start = training.load_checkpoint(eng, out)["step"] if cfg.resume else 0
+
+    monitor = M.RLMonitor(overrides=monitor_overrides(cfg.monitor))
+    sampling = Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+
+    def evaluate(step: int) -> dict:
+        metrics = {}
+        if eval_examples:
+            mine = training.rank_share(eval_examples[: 64 * dist.world_size * 4], dist) or eval_examples[:1]
+            with torch.no_grad():
+                tot = torch.zeros(2, device=dist.device)
+                for i in range(0, len(mine), 64):
+                    b = {k: v.to(dist.device) for k, v in D.collate_sft(mine[i : i + 64], tok.pad_token_id).items()}
+                    nll, n = completion_nll(eng(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+                    tot += torch.stack([nll.float(), n.float()])
+                runtime.all_reduce_sum(tot)
+            metrics["eval/loss"] = (tot[0] / tot[1]).item()
+        if verifiable:
+            m, _ = evaluate_policy(eng, tok, verifiable, dist, sampling=sampling)
+            metrics["eval/pass@1"] = m["pass@1/greedy"]
+        if metrics:
+            writer.log(step, metrics)
+        return metrics
+
+    # ---- train
+    t0, tokens_seen, last_eval = time.time(), 0, {}
+    eng.train()
+    with TrainProgress("sft", cfg.max_steps, start, keys=("loss", "lr", "eval/loss", "eval/pass@1")) as bar:
+        for step in range(start, cfg.max_steps):
+            idx = training.rank_share(training.step_indices(len(examples), cfg.batch_size, step, cfg.seed), dist)
+            batch = [examples[i] for i in idx]
+            n_global = runtime.all_reduce_sum(torch.tensor(float(sum(sum(l != -100 for l in e["labels"]) for e in batch)), device=dist.device))
+            nll_total = torch.zeros((), device=dist.device)
+            for m in range(accum):
+                b = {k: v.to(dist.device) for k, v in D.collate_sft(batch[m * micro : (m + 1) * micro], tok.pad_token_id).items()}
+                nll, _ = completion_nll(eng(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+                # DeepSpeed divides by `accum` and averages over ranks: undo both to get sum / N_global.
+                eng.backward(nll / n_global * dist.world_size * accum)
+                eng.step()
+                nll_total += nll.detach().float()
+                tokens_seen += int(b["attention_mask"].sum()) * dist.world_size
+            loss = (runtime.all_reduce_sum(nll_total) / n_global).item()
+            metrics = {"loss": loss, "grad_norm": float(eng.get_global_grad_norm() or 0.0), "lr": sched.get_last_lr()[0]}
+            metrics["tokens_per_s"] = tokens_seen / (time.time() - t0)
+            done = step + 1
+            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
+                last_eval = evaluate(done)
+                metrics.update(last_eval)
+            writer.log(done, {k: v for k, v in metrics.items() if not k.startswith("eval/")})
+            events = monitor.update(done, metrics)
+            writer.log_events(events)
+            for e in events:
+                bar.print(f"[{'red' if e.severity == 'stop' else 'yellow'}]health {e.severity}: {e.rule} at step {done}: {e.message}[/]")
+            bar.update(done, {**last_eval, **metrics})
+            if monitor.should_stop(events):
+                training.save_checkpoint(eng, out, done)
+                writer.fail(f"RLMonitor stop at step {done}: {events[-1].message}", metrics, monitor.summary())
+                raise SystemExit(1)
+            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps:
+                training.save_checkpoint(eng, out, done)
+
+    # ---- save
+    wall = time.time() - t0
+    training.save_checkpoint(eng, out, cfg.max_steps)
+    runtime.save_model(eng, tok, writer.begin_model(), dist)
+    final = {
+        "train/loss": loss, **last_eval, "parameters": n_params, "steps": cfg.max_steps,
+        "wall_seconds": round(wall, 1), "tokens_per_s": round(tokens_seen / max(wall, 1e-9), 1),
+        "peak_memory_gib": round(runtime.peak_memory_gib(dist), 3),
+    }
+    if dist.is_main:
+        plot_report(out / "metrics.jsonl", out / "report.png", f"sft — {cfg.model}")
+    writer.complete(final, monitor.summary(), extra={"model_kind": "policy"})
+    summary_table(f"sft complete → {out}", final)
+    return final

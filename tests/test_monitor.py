@@ -1,0 +1,231 @@
+"""RLMonitor: every default rule fires on a synthetic failure and stays quiet on a healthy run."""
+
+import json
+import math
+import random
+
+import pytest
+
+from align.errors import UserError
+from align.monitor import Event, RLMonitor, Rule, check_above, default_rules
+
+
+def feed(stream, monitor=None):
+    """Run a list of per-step metric dicts (step = index) through a monitor; return it."""
+    monitor = monitor or RLMonitor()
+    for step, metrics in enumerate(stream):
+        monitor.update(step, metrics)
+    return monitor
+
+
+def fired(monitor, rule):
+    """(step, severity) of every event of `rule`."""
+    return [(e.step, e.severity) for e in monitor.events if e.rule == rule]
+
+
+def healthy_stream(n=300, seed=0):
+    """A realistic, healthy RL run: noisy metrics, reward rising then plateauing, KL creeping up."""
+    rng = random.Random(seed)
+    rows = []
+    for s in range(n):
+        t = s / n
+        reward = 0.8 * min(1.0, 2 * t) + rng.gauss(0, 0.08)
+        rows.append({
+            "loss": 0.6 * math.exp(-2 * t) + 0.1 + rng.gauss(0, 0.05),
+            "grad_norm": 2.0 * math.exp(rng.gauss(0, 0.4)),
+            "kl": 0.15 * t + abs(rng.gauss(0, 0.02)),
+            "reward": reward,
+            "gold_reward": 0.9 * reward + rng.gauss(0, 0.05),
+            "entropy": 1.2 - 0.5 * t + rng.gauss(0, 0.05),
+            "clip_ratio": max(0.0, 0.08 + rng.gauss(0, 0.03)),
+            "completions/mean_length": 180 + 60 * t + rng.gauss(0, 15),
+            "distinct_1": 0.45 + rng.gauss(0, 0.03),
+            "distinct_2": 0.75 + rng.gauss(0, 0.03),
+            "logps/chosen": -250 + 5 * t + rng.gauss(0, 8),
+            "learning_rate": 1e-6,
+        })
+    return rows
+
+
+def flat_then(key, before, after, n_before=20, n_after=20):
+    return [{key: before}] * n_before + [{key: after}] * n_after
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_run_is_silent(seed):
+    m = feed(healthy_stream(seed=seed))
+    assert m.events == []
+    assert m.summary() == {"events": 0, "counts": {}, "first_step": {}, "stop": False}
+
+
+def test_every_default_rule_is_covered():
+    names = [r.name for r in default_rules()]
+    assert names == ["nan", "grad_explode", "kl_high", "reward_falling", "entropy_collapse", "clip_high",
+                     "length_drift", "low_distinct_1", "low_distinct_2", "chosen_logp_falling", "reward_hacking"]
+
+
+# --- one firing stream per rule ----------------------------------------------------------------
+
+
+def test_nan_loss_stops():
+    m = feed([{"loss": 1.0, "grad_norm": 1.0}] * 10 + [{"loss": float("nan"), "grad_norm": 1.0}])
+    assert fired(m, "nan") == [(10, "stop")]
+    assert m.should_stop(m.events) and m.should_stop()
+    e = m.events[0]
+    assert e.metric == "loss" and math.isnan(e.value)
+    json.dumps(e.to_dict(), allow_nan=False)  # strict JSON for artifact.json
+
+
+def test_inf_grad_norm_stops_and_stop_always_fires():
+    m = feed([{"loss": 1.0, "grad_norm": 1.0}] * 5 + [{"loss": 1.0, "grad_norm": float("inf")}] * 2)
+    assert fired(m, "nan") == [(5, "stop"), (6, "stop")]  # no debounce for stop
+    assert m.events[0].metric == "grad_norm"
+
+
+def test_grad_explode():
+    stream = [{"grad_norm": 1.0 + 0.01 * (s % 3)} for s in range(30)] + [{"grad_norm": 50.0}]
+    assert fired(feed(stream), "grad_explode") == [(30, "warn")]
+
+
+def test_grad_explode_needs_history_but_max_value_always_applies():
+    assert fired(feed([{"grad_norm": 1.0}] * 3 + [{"grad_norm": 50.0}]), "grad_explode") == []
+    assert fired(feed([{"grad_norm": 2e4}]), "grad_explode") == [(0, "warn")]
+
+
+def test_kl_high():
+    # window mean over the last 10 crosses 0.5 after 3 steps at 2.0: (3 * 2.0 + 7 * 0.05) / 10 = 0.635
+    assert fired(feed(flat_then("kl", 0.05, 2.0)), "kl_high") == [(22, "warn")]
+
+
+def test_reward_falling():
+    stream = [{"reward": 1.0 if s < 30 else 1.0 - 0.05 * (s - 29)} for s in range(60)]
+    assert fired(feed(stream), "reward_falling") == [(36, "warn")]
+
+
+def test_reward_falling_needs_two_full_windows():
+    stream = [{"reward": 1.0}] * 5 + [{"reward": 0.0}] * 14  # 19 points < 2 * window
+    assert fired(feed(stream), "reward_falling") == []
+
+
+def test_entropy_collapse():
+    # (10 * 0.01) / 10 < 0.1 only once the whole window has collapsed
+    assert fired(feed(flat_then("entropy", 1.0, 0.01)), "entropy_collapse") == [(29, "warn")]
+
+
+def test_clip_high():
+    assert fired(feed(flat_then("clip_ratio", 0.1, 0.9)), "clip_high") == [(22, "warn")]
+
+
+def test_length_drift_growing_and_shrinking():
+    key = "completions/mean_length"
+    # doubling: (7 * 250 + 3 * 100) / 10 = 205 > 2 x 100
+    assert fired(feed(flat_then(key, 100.0, 250.0)), "length_drift") == [(26, "warn")]
+    # halving: (9 * 40 + 1 * 100) / 10 = 46 < 100 / 2
+    assert fired(feed(flat_then(key, 100.0, 40.0)), "length_drift") == [(28, "warn")]
+
+
+def test_low_diversity():
+    m = feed([{"distinct_1": 0.6, "distinct_2": 0.8}] * 20 + [{"distinct_1": 0.05, "distinct_2": 0.1}] * 20)
+    assert fired(m, "low_distinct_1") == [(27, "warn")]
+    assert fired(m, "low_distinct_2") == [(27, "warn")]
+
+
+def test_chosen_logp_falling():
+    stream = [{"logps/chosen": -200.0 if s < 20 else -200.0 - 2.0 * (s - 19)} for s in range(60)]
+    assert fired(feed(stream), "chosen_logp_falling") == [(29, "warn")]
+
+
+def test_reward_hacking():
+    stream = [{"reward": 0.01 * s, "gold_reward": 0.01 * s if s < 30 else 0.3 - 0.01 * (s - 30)} for s in range(80)]
+    m = feed(stream)
+    assert fired(m, "reward_hacking") == [(42, "warn")]
+    assert m.events[0].value < 0  # the gold slope
+
+
+def test_reward_hacking_pairs_only_steps_logging_both():
+    # gold logged every 5th step only: the rule sees 20 paired points after 100 steps
+    stream = [
+        {"reward": 0.01 * s, **({"gold_reward": 0.5 - 0.01 * s} if s % 5 == 0 else {})} for s in range(150)
+    ]
+    assert fired(feed(stream), "reward_hacking") == [(95, "warn")]
+
+
+# --- behaviour ----------------------------------------------------------------------------------
+
+
+def test_debounce_reports_start_and_recurrence():
+    stream = flat_then("kl", 0.05, 2.0) + [{"kl": 0.05}] * 30 + [{"kl": 2.0}] * 20
+    m = feed(stream)
+    assert fired(m, "kl_high") == [(22, "warn"), (72, "warn")]
+    assert m.summary()["counts"] == {"kl_high": 2}
+    assert m.summary()["first_step"] == {"kl_high": 22}
+
+
+def test_steps_without_the_metric_do_not_clear_a_firing_rule():
+    stream = flat_then("kl", 0.05, 2.0) + [{"loss": 1.0}] * 5 + [{"kl": 2.0}] * 5
+    assert fired(feed(stream), "kl_high") == [(22, "warn")]
+
+
+def test_update_returns_only_new_events():
+    m = RLMonitor()
+    for s in range(22):
+        assert m.update(s, {"kl": 0.05 if s < 20 else 2.0}) == []
+    (event,) = m.update(22, {"kl": 2.0})
+    assert isinstance(event, Event) and event.rule == "kl_high" and event.threshold == 0.5
+    assert "KL coefficient" in event.message and "kl_high" in str(event)
+    assert m.update(23, {"kl": 2.0}) == []
+    assert not m.should_stop()
+
+
+def test_absent_metrics_keep_rules_inactive():
+    m = feed([{"loss": 1.0}] * 50 + [{"loss": 1.0, "other/thing": float("nan"), "note": "text"}])
+    assert m.events == []
+    assert set(m.history) == {"loss", "other/thing"}  # strings are not metrics
+
+
+def test_overrides_change_threshold_severity_window_and_enable():
+    stream = flat_then("kl", 0.05, 2.0)
+    assert fired(feed(stream, RLMonitor(overrides={"kl_high": {"max_value": 5.0}})), "kl_high") == []
+    m = feed(stream, RLMonitor(overrides={"kl_high": {"severity": "stop"}}))
+    assert fired(m, "kl_high")[0] == (22, "stop") and m.should_stop()
+    assert fired(feed(stream, RLMonitor(overrides={"kl_high": {"window": 1}})), "kl_high") == [(20, "warn")]
+    assert fired(feed(stream, RLMonitor(overrides={"kl_high": {"enabled": False}})), "kl_high") == []
+    m = feed([{"loss": float("nan")}], RLMonitor(overrides={"nan": {"severity": "warn"}}))
+    assert fired(m, "nan") == [(0, "warn")] and not m.should_stop()
+
+
+def test_overrides_do_not_leak_into_defaults_or_given_rules():
+    rules = default_rules()
+    RLMonitor(rules=rules, overrides={"kl_high": {"max_value": 9.0}})
+    assert next(r for r in rules if r.name == "kl_high").params["max_value"] == 0.5
+    assert RLMonitor().rules[2].params["max_value"] == 0.5
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"kl_hgih": {"max_value": 1.0}}, "kl_hgih"),
+    ({"kl_high": {"max_val": 1.0}}, "max_val"),
+    ({"kl_high": {"severity": "error"}}, "severity"),
+    ({"kl_high": {"window": 0}}, "window"),
+    ({"kl_high": {"max_value": "high"}}, "max_value"),
+    ({"kl_high": {"enabled": "no"}}, "enabled"),
+    ({"kl_high": 1.0}, "kl_high"),
+])
+def test_bad_override_is_a_user_error(overrides, key):
+    with pytest.raises(UserError, match=key):
+        RLMonitor(overrides=overrides)
+
+
+def test_custom_rules_replace_defaults():
+    rule = Rule("reward_too_high", "reward", check_above, "stop", 1, "suspicious", {"max_value": 10.0})
+    m = feed([{"reward": 1.0}, {"reward": 100.0}, {"loss": float("nan")}], RLMonitor(rules=[rule]))
+    assert [(e.step, e.rule, e.severity) for e in m.events] == [(1, "reward_too_high", "stop")]
+
+
+def test_numeric_values_are_accepted_in_any_number_type():
+    class Scalar:  # stands in for a 0-d tensor
+        def __float__(self):
+            return 3.0
+
+    m = RLMonitor()
+    m.update(0, {"kl": Scalar(), "reward": 1, "flag": True, "none": None})
+    assert m.history == {"kl": [3.0], "reward": [1.0]}

@@ -1,0 +1,148 @@
+"""Verifiers: math answer extraction and comparison, sort rewards. Expectations are hand-written."""
+
+import pytest
+
+from align.errors import UserError
+from align.rewards import (
+    extract_answer,
+    get_reward,
+    math_reward,
+    parse_int_list,
+    parse_number,
+    sort_distance_reward,
+    sort_inclusion_ordering_reward,
+    sort_reward,
+)
+
+# (completion, reference answer, expected math_reward)
+MATH_CASES = [
+    ("23 + 45 = 68. #### 68", "68", 1.0),
+    ("23 + 45 = 68. #### 67", "68", 0.0),
+    ("#### 68.", "68", 1.0),
+    ("#### $68 dollars", "68", 1.0),
+    ("#### 68 apples in total!", "68", 1.0),
+    ("####68", "68", 1.0),
+    ("#### 68.0", "68", 1.0),
+    ("#### 68.5", "68", 0.0),
+    ("#### 1,000", "1000", 1.0),
+    ("#### 1000", "1,000", 1.0),
+    ("#### 1,234,567", "1234567", 1.0),
+    ("#### -5", "-5", 1.0),
+    ("#### -5", "5", 0.0),
+    ("#### 5", "-5", 0.0),
+    ("#### \u22125", "-5", 1.0),  # unicode minus
+    ("#### +5", "5", 1.0),
+    ("#### 3/4", "0.75", 1.0),
+    ("#### 0.75", "3/4", 1.0),
+    ("#### 1/3", "0.3333333333", 0.0),  # too far for the default tol
+    ("#### 2/4", "1/2", 1.0),
+    ("#### .5", "0.5", 1.0),
+    ("#### abc", "68", 0.0),  # '####' followed by junk: no answer
+    ("#### ", "68", 0.0),
+    ("", "68", 0.0),
+    ("I do not know.", "68", 0.0),
+    ("First 12, then 30, finally 68", "68", 1.0),  # last number wins
+    ("68 is wrong, the answer is 12", "68", 0.0),
+    ("#### 68 #### 70", "70", 1.0),  # last '####' wins
+    ("12 + 3 = 15 and 15 - 2 = 13. #### 13", "13", 1.0),
+    ("#### 12 + 3", "12", 1.0),  # first number after '####'
+    ("The answer is \\boxed{68}.", "68", 1.0),
+    ("\\boxed{12} then \\boxed{68}", "68", 1.0),  # last box wins
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{-\\dfrac{1}{2}}", "-0.5", 1.0),
+    ("\\boxed{1{,}000}", "1000", 1.0),
+    ("\\boxed{68 \\text{ apples}}", "68", 1.0),
+    ("\\boxed{x}", "68", 0.0),  # a box with no number
+    ("68-5", "5", 1.0),  # '-' after a digit is an operator, not a sign
+    ("x = -5", "-5", 1.0),
+    ("The total is 1,234.5 dollars.", "1234.5", 1.0),
+    ("23 + 45 = 68", "#### 68", 1.0),  # a GSM8K-style reference is read like a completion
+    ("#### 1/0", "1", 0.0),  # division by zero is not a number
+]
+
+
+@pytest.mark.parametrize("completion,answer,expected", MATH_CASES)
+def test_math_reward_table(completion, answer, expected):
+    assert math_reward(completion, answer) == expected
+
+
+EXTRACT_CASES = [
+    ("23 + 45 = 68. #### 68", "68"),
+    ("#### 1,234", "1234"),
+    ("#### $68 dollars", "68"),
+    ("\\boxed{\\frac{3}{4}}", "3/4"),
+    ("no numbers here", None),
+    ("", None),
+    ("#### junk", None),
+    ("answer: 68.0", "68.0"),
+    ("I have 1,234, ok", "1234"),
+]
+
+
+@pytest.mark.parametrize("text,expected", EXTRACT_CASES)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_parse_number():
+    assert parse_number("1,234") == 1234.0
+    assert parse_number("-3/4") == -0.75
+    assert parse_number("$68") == 68.0
+    assert parse_number("68.") == 68.0
+    assert parse_number("50%") == 50.0
+    assert parse_number("abc") is None
+    assert parse_number("") is None
+    assert parse_number(None) is None
+    assert parse_number("1/0") is None
+
+
+def test_math_reward_tolerance_and_bad_reference():
+    assert math_reward("#### 0.3333333", "1/3") == 1.0  # within 1e-6
+    assert math_reward("#### 0.33", "1/3", tol=0.01) == 1.0
+    assert math_reward("#### 0.33", "1/3") == 0.0
+    with pytest.raises(UserError, match="answer"):
+        math_reward("#### 1", "n/a")
+
+
+def test_parse_int_list():
+    assert parse_int_list("1 3 7 9") == [1, 3, 7, 9]
+    assert parse_int_list("1, 3, -2, 7.") == [1, 3, -2, 7]
+    assert parse_int_list("3-1") == [3, 1]
+    assert parse_int_list("") == []
+    assert parse_int_list(None) == []
+
+
+# Design notes examples, prompt [3, 1, 0, 2] (sorted: [0, 1, 2, 3]).
+@pytest.mark.parametrize(
+    "response,distance,inclusion_ordering",
+    [
+        ([0, 1, 2, 3], 4, 7),  # all positions; 4 included + 3 ordered pairs
+        ([7, 2, 2, 5], 1, 3),  # position 2 matches; only 2 included + (2<=2, 2<=5)
+        ([0, 3, 1, 2], 1, 6),  # position 0 matches; 4 included + (0<=3, 1<=2)
+        ([], 0, 0),
+        ([0, 1], 2, 3),  # shorter: 2 positions; 2 included + 1 pair
+        ([0, 1, 2, 3, 4, 5], 4, 9),  # longer: 4 positions; 4 included + 5 pairs
+        ([3], 0, 1),  # 3 included, no pairs
+    ],
+)
+def test_sort_rewards(response, distance, inclusion_ordering):
+    assert sort_distance_reward([3, 1, 0, 2], response) == distance
+    assert sort_inclusion_ordering_reward([3, 1, 0, 2], response) == inclusion_ordering
+
+
+def test_sort_reward_text():
+    assert sort_reward("1 3 7 9", "1 3 7 9") == 1.0
+    assert sort_reward("The sorted list is 1 3 7 9", "1 3 7 9") == 1.0
+    assert sort_reward("1 3 9 7", "1 3 7 9") == 0.5
+    assert sort_reward("1 3 9", "1 3 7 9") == 0.5  # 2 right over 4
+    assert sort_reward("1 3 7 9 9", "1 3 7 9") == 0.8  # 4 right over 5
+    assert sort_reward("", "1 3") == 0.0
+    assert sort_reward("2 3 #### 1 3", "1 3") == 1.0
+    with pytest.raises(UserError):
+        sort_reward("1", "")
+
+
+def test_get_reward():
+    assert get_reward("math") is math_reward
+    with pytest.raises(UserError, match="valid rewards"):
+        get_reward("vibes")
