@@ -74,8 +74,8 @@ def _fraction(s):
     """Exact Fraction for a number string like '-1,234.5', '$68', '3/4' or '50%'; None if not one."""
     if s is None:
         return None
-    s = str(s).strip().replace("\u2212", "-").replace(",", "").replace("$", "").replace(" ", "")
-    s = s.rstrip(".").removesuffix("%")
+    s = str(s).strip().replace("\u2212", "-").replace(",", "").replace("$", "")
+    s = s.rstrip(".").removesuffix("%").strip()
     if not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+(?:\.\d+)?)?", s):
         return None
     try:

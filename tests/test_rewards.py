@@ -34,7 +34,8 @@ MATH_CASES = [
     ("#### +5", "5", 1.0),
     ("#### 3/4", "0.75", 1.0),
     ("#### 0.75", "3/4", 1.0),
-    ("#### 1/3", "0.3333333333", 0.0),  # too far for the default tol
+    ("#### 1/3", "0.3333333333", 1.0),  # within the default tol
+    ("#### 1/3", "0.33", 0.0),  # too far for the default tol
     ("#### 2/4", "1/2", 1.0),
     ("#### .5", "0.5", 1.0),
     ("#### abc", "68", 0.0),  # '####' followed by junk: no answer
@@ -94,6 +95,7 @@ def test_parse_number():
     assert parse_number("") is None
     assert parse_number(None) is None
     assert parse_number("1/0") is None
+    assert parse_number("1 3 7 9") is None  # a sort answer is not a number
 
 
 def test_math_reward_tolerance_and_bad_reference():
