@@ -126,9 +126,9 @@ def test_write_jsonl_atomic(tmp_path):
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast  # lighter import than AutoTokenizer; make_data.py checks that too
 
-    return AutoTokenizer.from_pretrained(TOKENIZER)
+    return PreTrainedTokenizerFast.from_pretrained(TOKENIZER)
 
 
 def test_tokenizer_special_ids(tok):
