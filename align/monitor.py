@@ -22,6 +22,7 @@ from align.errors import UserError
 
 SEVERITIES = ("warn", "stop")
 RULE_OPTIONS = ("enabled", "severity", "window", "message")  # overridable besides a rule's params
+NOISE_SPAN = 5  # drop tests estimate the step noise over the last NOISE_SPAN * window values
 
 
 class Check(NamedTuple):
@@ -100,13 +101,14 @@ def _mean(xs: list) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def _stderr_of_diff(a: list, b: list) -> float:
-    """Standard error of mean(a) - mean(b) for two independent samples (Welch)."""
-    a, b = _finite(a), _finite(b)
-    var = lambda xs: statistics.variance(xs) if len(xs) > 1 else 0.0  # noqa: E731
-    if not a or not b:
-        return math.inf
-    return math.sqrt(var(a) / len(a) + var(b) / len(b))
+def _noise_sd(xs: list) -> float:
+    """Per-step noise s.d. from successive differences, sqrt(mean((x[i] - x[i-1])^2) / 2).
+
+    Unlike the sample s.d. it is not inflated by slow trends, so it measures the step-to-step noise.
+    """
+    xs = _finite(xs)
+    diffs = [y - x for x, y in zip(xs, xs[1:])]
+    return math.sqrt(sum(d * d for d in diffs) / (2 * len(diffs))) if diffs else math.inf
 
 
 def _slope(ys: list) -> tuple:
@@ -119,10 +121,12 @@ def _slope(ys: list) -> tuple:
     return slope, math.sqrt(ssr / (n - 2) / sxx) if n > 2 else math.inf
 
 
-def _significant_drop(before: list, after: list, min_drop: float, min_z: float) -> tuple:
-    """(fired, drop): mean fell by more than min_drop and by more than min_z standard errors."""
+def _significant_drop(before: list, after: list, noise: list, min_drop: float, min_z: float) -> tuple:
+    """(fired, drop): the mean fell from `before` to `after` by more than min_drop and by more
+    than min_z standard errors, the per-step noise being estimated on `noise`."""
     drop = _mean(before) - _mean(after)
-    return drop > min_drop and drop > min_z * _stderr_of_diff(before, after), drop
+    stderr = _noise_sd(noise) * math.sqrt(1 / len(before) + 1 / len(after))
+    return drop > min_drop and drop > min_z * stderr, drop
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,13 +177,13 @@ def check_below(xs: list, window: int, min_value: float) -> Check:
 def check_falling(xs: list, window: int, min_drop: float, min_z: float) -> Check:
     """Mean of the last `window` values is below the mean of the `window` before it.
 
-    The drop must exceed min_drop (absolute) and min_z standard errors, so a noisy plateau
-    does not fire on every dip. Needs 2 * window values.
+    The drop must exceed min_drop (absolute) and min_z standard errors (noise measured over the
+    last NOISE_SPAN windows), so a noisy plateau does not fire on every dip. Needs 2 * window values.
     """
     if len(xs) < 2 * window:
         return QUIET
     before, after = xs[-2 * window : -window], xs[-window:]
-    fired, drop = _significant_drop(before, after, min_drop, min_z)
+    fired, drop = _significant_drop(before, after, xs[-NOISE_SPAN * window :], min_drop, min_z)
     if fired:
         detail = f"window mean fell by {drop:.4g} ({_mean(before):.4g} -> {_mean(after):.4g})"
         return Check(True, _mean(after), _mean(before) - min_drop, detail)
@@ -194,7 +198,7 @@ def check_fell_from_start(xs: list, window: int, min_drop: float, min_z: float) 
     if len(xs) < 2 * window:
         return QUIET
     first, last = xs[:window], xs[-window:]
-    fired, drop = _significant_drop(first, last, min_drop, min_z)
+    fired, drop = _significant_drop(first, last, xs[-NOISE_SPAN * window :], min_drop, min_z)
     if fired:
         detail = f"fell by {drop:.4g} since the start ({_mean(first):.4g} -> {_mean(last):.4g})"
         return Check(True, _mean(last), _mean(first) - min_drop, detail)
@@ -251,8 +255,10 @@ def default_rules() -> list:
         Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5},
              message="KL to the reference is high: the policy is drifting away. "
                      "Raise the KL coefficient (or lower the KL target), lower the LR."),
-        Rule("reward_falling", "reward", check_falling, "warn", 10,
-             params={"min_drop": 0.0, "min_z": 3.0},
+        # window 20 (not 10) and min_z 3.5: on a noisy 300-step plateau this warns in ~4% of runs
+        # (window 10, z 3: ~30%) and still catches a 2-sigma drop within ~10 steps.
+        Rule("reward_falling", "reward", check_falling, "warn", 20,
+             params={"min_drop": 0.0, "min_z": 3.5},
              message="Mean reward is falling: LR too high, reward hacking or over-optimisation. "
                      "Lower the LR, raise the KL coefficient, stop early (keep the best checkpoint)."),
         Rule("entropy_collapse", "entropy", check_below, "warn", 10, params={"min_value": 0.1},
@@ -272,7 +278,7 @@ def default_rules() -> list:
              message="Low distinct-2 (bigram diversity): mode collapse. "
                      "Raise the sampling temperature, lower the LR, raise the KL coefficient."),
         Rule("chosen_logp_falling", "logps/chosen", check_fell_from_start, "warn", 10,
-             params={"min_drop": 10.0, "min_z": 3.0},
+             params={"min_drop": 10.0, "min_z": 3.5},
              message="Log-likelihood of the chosen responses is falling (known DPO failure: both chosen "
                      "and rejected likelihoods fall). Lower the learning rate or raise beta, add an SFT "
                      "(NLL on chosen) term."),

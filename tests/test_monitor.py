@@ -98,12 +98,19 @@ def test_kl_high():
 
 
 def test_reward_falling():
+    # steady decline after a plateau, noise-free: window 20 vs the 20 before it
     stream = [{"reward": 1.0 if s < 30 else 1.0 - 0.05 * (s - 29)} for s in range(60)]
-    assert fired(feed(stream), "reward_falling") == [(36, "warn")]
+    assert fired(feed(stream), "reward_falling") == [(39, "warn")]
+
+
+def test_reward_falling_noisy_collapse():
+    rng = random.Random(0)
+    stream = [{"reward": (0.8 if s < 100 else 0.5) + rng.gauss(0, 0.05)} for s in range(140)]
+    assert fired(feed(stream), "reward_falling") == [(105, "warn")]  # 6 steps after the collapse
 
 
 def test_reward_falling_needs_two_full_windows():
-    stream = [{"reward": 1.0}] * 5 + [{"reward": 0.0}] * 14  # 19 points < 2 * window
+    stream = [{"reward": 1.0}] * 20 + [{"reward": 0.0}] * 19  # 39 points < 2 * window
     assert fired(feed(stream), "reward_falling") == []
 
 

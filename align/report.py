@@ -1,0 +1,133 @@
+"""Training-curve plots from metrics.jsonl.
+
+matplotlib is imported inside the plotting functions (Agg canvas, no pyplot state), so
+`import align.report` is instant and plotting works on headless machines and in threads.
+"""
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+RAW_POINTS_MAX = 50  # above this many points, draw raw values faint and an EMA line on top
+
+
+def read_metrics(path: Path) -> list:
+    """Rows of a metrics.jsonl file. Blank and unparsable lines (e.g. a half-written last line
+    while training is still running) and rows without a numeric "step" are skipped."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and _is_number(row.get("step")):
+            rows.append(row)
+    return rows
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def numeric_keys(rows: list) -> list:
+    """Keys (other than "step") that carry a finite number in at least one row, in first-seen order."""
+    keys = {}
+    for row in rows:
+        for k, v in row.items():
+            if k != "step" and _is_number(v):
+                keys[k] = None
+    return list(keys)
+
+
+def series(rows: list, x: str, y: str) -> tuple:
+    """(xs, ys) over the rows where both x and y are finite numbers."""
+    pairs = [(r[x], r[y]) for r in rows if _is_number(r.get(x)) and _is_number(r.get(y))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def ema(values: list, span: float) -> list:
+    """Exponential moving average with alpha = 2 / (span + 1), started at the first value."""
+    alpha, out = 2 / (span + 1), []
+    for v in values:
+        out.append(v if not out else out[-1] + alpha * (v - out[-1]))
+    return out
+
+
+def _save_atomic(fig, out_png: Path) -> Path:
+    """Write the figure to a temp file next to out_png, then rename it into place."""
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_png.parent, prefix=f".{out_png.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
+        os.replace(tmp, out_png)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return out_png
+
+
+def _draw(ax, xs: list, ys: list, color: str = "C0", label: str | None = None):
+    """Raw points (faint when many, with an EMA line on top) of one curve."""
+    if len(xs) > RAW_POINTS_MAX:
+        ax.plot(xs, ys, ".", color=color, alpha=0.3, markersize=3)
+        ax.plot(xs, ema(ys, span=max(2, len(ys) // 20)), "-", color=color, linewidth=1.5, label=label)
+    else:
+        ax.plot(xs, ys, ".-", color=color, linewidth=1, markersize=4, label=label)
+
+
+def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None = None) -> Path | None:
+    """Plot each numeric metric (or `keys`) against step, one small subplot each, into out_png.
+
+    Returns the PNG path, or None when there is nothing to plot (no file, no rows, no data for
+    any of the keys).
+    """
+    rows = read_metrics(metrics_path) if Path(metrics_path).exists() else []
+    curves = [(k, *series(rows, "step", k)) for k in (keys or numeric_keys(rows))]
+    curves = [c for c in curves if c[1]]
+    if not curves:
+        return None
+    from matplotlib.figure import Figure
+
+    ncols = min(3, len(curves))
+    nrows = math.ceil(len(curves) / ncols)
+    fig = Figure(figsize=(4 * ncols, 2.8 * nrows + 0.5), layout="constrained")
+    fig.suptitle(title)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, (key, xs, ys) in zip(axes, curves):
+        _draw(ax, xs, ys)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in axes[len(curves) :]:
+        ax.set_axis_off()
+    return _save_atomic(fig, out_png)
+
+
+def plot_xy(metrics_path: Path | list, out_png: Path, x: str, ys: list, title: str) -> Path | None:
+    """Plot metrics `ys` against metric `x` on one axis (e.g. gold and proxy reward vs KL).
+
+    `metrics_path` is a metrics.jsonl path or a list of row dicts. Points are joined in row
+    (step) order, so the curve shows the run's trajectory. Returns None if nothing to plot.
+    """
+    rows = metrics_path if isinstance(metrics_path, list) else read_metrics(metrics_path)
+    curves = [(y, *series(rows, x, y)) for y in ([ys] if isinstance(ys, str) else ys)]
+    curves = [c for c in curves if c[1]]
+    if not curves:
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.5, 4), layout="constrained")
+    ax = fig.subplots()
+    for i, (y, cx, cy) in enumerate(curves):
+        _draw(ax, cx, cy, color=f"C{i}", label=y)
+    ax.set_xlabel(x)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save_atomic(fig, out_png)
