@@ -1,1 +1,87 @@
-"""Placeholder: replaced by the pipeline implementation."""
+"""`align pipeline run|validate|show FILE.toml` (the logic is in align.pipeline)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from align import pipeline as P
+from align.cli import pipeline_app
+from align.console import console, fmt
+
+FILE = typer.Argument("pipelines.toml", help="Pipeline TOML file ([pipeline] + [stages.NAME] tables).")
+
+
+def _rel(path: Path) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return rel if not rel.startswith(".." + os.sep + "..") else str(path)
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s:.1f}s" if s < 120 else f"{int(s // 60)}m{int(s % 60):02d}s"
+
+
+def _metrics(m: dict) -> str:
+    return "  ".join(f"{k} {fmt(v)}" for k, v in m.items())
+
+
+STATUS_STYLE = {"ran": "green", "skipped (up to date)": "dim", "would run": "yellow", "failed": "bold red",
+                "complete": "green", "stale": "yellow", "incomplete": "red", "missing": "dim"}
+
+
+@pipeline_app.command("validate")
+def validate(file: str = FILE):
+    """Check a pipeline file: every problem is reported (key path and line), none is run."""
+    p = P.load(file)
+    chain = ", ".join(f"{s.name} ({s.kind})" for s in p.stages)
+    n = len(p.stages)
+    console.print(f"[green]ok[/] {escape(file)}: {n} stage{'s' if n > 1 else ''}: {escape(chain)}")
+
+
+@pipeline_app.command("show")
+def show(file: str = FILE):
+    """The plan: each stage's kind, inputs, out dir and status (complete / stale / incomplete / missing)."""
+    p = P.load(file)
+    table = Table(title=f"pipeline {escape(file)}", header_style="bold")
+    for col in ("stage", "kind", "inputs", "out", "status", "next run"):
+        table.add_column(col, overflow="fold")
+    for pl in P.plan(p):
+        inputs = ", ".join(f"{k}=@{v}" for k, v in pl.stage.refs.items()) or "-"
+        style = STATUS_STYLE.get(pl.state.status, "")
+        nxt = "[dim]skip[/]"
+        if pl.run:
+            nxt = "[yellow]runs[/]" + (f" ({escape(pl.reason)})" if pl.reason != pl.state.describe() else "")
+        table.add_row(escape(pl.stage.name), pl.stage.kind, escape(inputs), escape(_rel(pl.out)),
+                      f"[{style}]{escape(pl.state.describe())}[/]", nxt)
+    console.print(table)
+
+
+@pipeline_app.command("run")
+def run(
+    file: str = FILE,
+    from_: Optional[str] = typer.Option(None, "--from", help="Rerun this stage and every stage after it."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only say which stages would run."),
+):
+    """Run the stages in order, skipping those whose artifact is complete and whose config and inputs are unchanged."""
+    results = P.run(file, from_stage=from_, dry_run=dry_run, echo=console.print)
+    table = Table(title=f"pipeline {escape(file)}" + (" (dry run)" if dry_run else ""), header_style="bold")
+    for col in ("stage", "status", "wall", "metrics"):
+        table.add_column(col)
+    for r in results:
+        style = STATUS_STYLE.get(r.status, "")
+        status = r.status + (f" ({r.reason})" if r.status == "would run" else "")
+        if r.status == "failed":
+            status += f" (exit {r.exit_code})"
+        table.add_row(escape(r.name), f"[{style}]{escape(status)}[/]", _seconds(r.seconds), escape(_metrics(r.metrics)))
+    console.print(table)
+    P.raise_for_failure(results)

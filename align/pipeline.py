@@ -1,0 +1,650 @@
+"""Pipelines: a chain of stages from one TOML file, each stage run only when its config or inputs changed.
+
+    [pipeline]
+    out = "runs/default"      # stage NAME writes to <out>/NAME unless it sets `out`
+    nproc = 1                 # default --nproc for every stage that has one
+
+    [stages.base]             # NAME: the table name; the kind is `stage`, or NAME itself when NAME is a kind
+    stage = "model-init"
+    preset = "tiny"
+
+    [stages.sft]
+    model = "@base"           # "@NAME": the out dir of an earlier stage
+    data = "data/arithmetic/train.jsonl"   # relative paths: relative to the TOML file's folder
+
+A stage is skipped when its out dir holds a complete, untampered artifact (`verify_artifact`) whose
+`.pipeline-fingerprint` equals the stage's fingerprint: sha256 over the kind, the fully resolved config and a
+digest of every input (the artifact.json digest of a referenced stage, the sha256 of a data file or tree).
+A rerun upstream rewrites its artifact.json, so everything downstream of it reruns too.
+
+This module holds the logic only; `align.pipeline_cli` is the typer front end.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.markup import escape
+
+from align import config as C
+from align.artifacts import ARTIFACT_FILE, artifact_digest, hash_tree, read_artifact, sha256_file, verify_artifact
+from align.console import console
+from align.errors import UserError
+from stages.eval import EvalConfig
+from stages.model_init import ModelInitConfig
+from stages.sft import SFTConfig
+
+
+@dataclass(frozen=True)
+class Kind:
+    words: tuple[str, ...]  # the CLI words: `align <words...> --config FILE`
+    config: type  # the stage's config dataclass
+
+
+# One line per stage kind; later stages (rm, ppo, dpo, grpo) add theirs here.
+KINDS: dict[str, Kind] = {
+    "model-init": Kind(("model", "init"), ModelInitConfig),
+    "sft": Kind(("sft",), SFTConfig),
+    "eval": Kind(("eval",), EvalConfig),
+}
+
+PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int}
+TOP_LEVEL = ("pipeline", "stages")
+FINGERPRINT_FILE = ".pipeline-fingerprint"
+STAGE_TOML = ".pipeline-stage.toml"
+
+
+# ----------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class Stage:
+    name: str
+    kind: str
+    values: dict  # field name (underscores) -> value as written in the TOML (refs unresolved)
+    refs: dict[str, str] = field(default_factory=dict)  # field name -> referenced stage name
+
+    @property
+    def spec(self) -> Kind:
+        return KINDS[self.kind]
+
+
+@dataclass
+class Pipeline:
+    path: Path  # the TOML file, absolute
+    out: Path  # [pipeline] out, absolute
+    nproc: int | None
+    stages: list[Stage]
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    def stage(self, name: str) -> Stage:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+
+@dataclass
+class Problem:
+    key: str  # TOML key path, e.g. stages.sft.max_steps
+    message: str
+    line: int | None = None
+
+    def format(self, file: str) -> str:
+        where = f"{file}:{self.line}" if self.line else file
+        return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
+
+
+# ----------------------------------------------------------------------------------------- line numbers
+
+_HEADER = re.compile(r"^\s*\[(?!\[)\s*([^\]]+?)\s*\]\s*(#.*)?$")
+_ARRAY_HEADER = re.compile(r"^\s*\[\[\s*([^\]]+?)\s*\]\]\s*(#.*)?$")
+_KEY = r"""(?:"[^"]*"|'[^']*'|[A-Za-z0-9_\-]+)"""
+_KEYLINE = re.compile(rf"^\s*({_KEY}(?:\s*\.\s*{_KEY})*)\s*=")
+_PART = re.compile(r""""([^"]*)"|'([^']*)'|([A-Za-z0-9_\-]+)""")
+
+
+def _dotted(text: str) -> tuple[str, ...]:
+    return tuple(a or b or c for a, b, c in _PART.findall(text))
+
+
+class Locator:
+    """Finds the line of a TOML key path in the raw text (headers, dotted keys; best effort, 1-based)."""
+
+    def __init__(self, text: str):
+        self.entries: list[tuple[int, tuple[str, ...], tuple[str, ...]]] = []  # (line, table, key)
+        table: tuple[str, ...] = ()
+        for n, line in enumerate(text.splitlines(), 1):
+            m = _HEADER.match(line) or _ARRAY_HEADER.match(line)
+            if m:
+                table = _dotted(m.group(1))
+                self.entries.append((n, table, ()))
+                continue
+            m = _KEYLINE.match(line)
+            if m:
+                self.entries.append((n, table, _dotted(m.group(1))))
+
+    def line(self, path: tuple[str, ...]) -> int | None:
+        if not path:
+            return None
+        for n, table, key in self.entries:
+            if table + key == path:
+                return n
+        for n, table, key in self.entries:  # a table only seen through its sub-tables ([stages.x] for `stages`)
+            if (table + key)[: len(path)] == path:
+                return n
+        return self.line(path[:-1])  # not found (e.g. inside an inline table): point at the enclosing table
+
+
+# --------------------------------------------------------------------------------------------- parsing
+
+
+def _close(word: str, options) -> str:
+    m = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {m[0]}?)" if m else ""
+
+
+def _path_fields(cls) -> set[str]:
+    return {f.name for f in C.fields(cls) if f.metadata.get("path")}
+
+
+def _is_preset(key: str, value: str) -> bool:
+    from align.models import PRESETS  # light: no torch at import time
+
+    return key == "model" and value in PRESETS
+
+
+def _resolve_path(root: Path, value: str) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else root / p
+
+
+def _toml_error_line(e: tomllib.TOMLDecodeError) -> tuple[int | None, str]:
+    msg = str(e)
+    m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+    if m:
+        return int(m.group(1)), msg[: m.start()].strip() + f" (column {m.group(2)})"
+    return None, msg
+
+
+def parse(path: str | Path) -> tuple[Pipeline | None, list[Problem]]:
+    """Read and check a pipeline file; returns (pipeline, problems). The pipeline is None on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, [Problem("", "pipeline file not found")]
+    except (OSError, UnicodeDecodeError) as e:
+        return None, [Problem("", f"cannot read the pipeline file ({e})")]
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        line, msg = _toml_error_line(e)
+        return None, [Problem("", f"invalid TOML: {msg}", line)]
+
+    loc = Locator(text)
+    problems: list[Problem] = []
+
+    def problem(keys: tuple[str, ...], message: str) -> None:
+        problems.append(Problem(".".join(keys), message, loc.line(keys)))
+
+    root = path.resolve().parent
+    for k in data:
+        if k not in TOP_LEVEL:
+            problem((k,), f"unknown top-level table or key{_close(k, TOP_LEVEL)}; "
+                          "a pipeline has a `pipeline` table and `stages.NAME` tables")
+
+    # ---- [pipeline]
+    head = data.get("pipeline", {})
+    out, nproc = f"runs/{path.stem}", None
+    if not isinstance(head, dict):
+        problem(("pipeline",), "must be a table")
+        head = {}
+    for k, v in head.items():
+        key = k.replace("-", "_")
+        if key not in PIPELINE_KEYS:
+            problem(("pipeline", k), f"unknown key{_close(key, PIPELINE_KEYS)} "
+                                     f"(pipeline keys: {', '.join(PIPELINE_KEYS)})")
+            continue
+        want = PIPELINE_KEYS[key]
+        if not isinstance(v, want) or isinstance(v, bool):
+            problem(("pipeline", k), f"must be {want.__name__}, got {type(v).__name__} {v!r}")
+        elif key == "out":
+            out = v
+        elif key == "nproc":
+            if v < 1:
+                problem(("pipeline", k), f"must be >= 1, got {v}")
+            nproc = v
+
+    # ---- [stages.NAME], in file order: a @ref must name a stage above
+    tables = data.get("stages", {})
+    if not isinstance(tables, dict):
+        problem(("stages",), "must be a table of stage tables (stages.NAME)")
+        tables = {}
+    if not tables:
+        problem(("stages",) if "stages" in data else (), "empty pipeline: add at least one stage table (stages.NAME)")
+    names = list(tables)
+    stages: list[Stage] = []
+    outs: dict[Path, str] = {}
+    pipeline_out = _resolve_path(root, out)
+    for name, table in tables.items():
+        stage = _check_stage(name, table, names, root, nproc, problem)
+        if stage is None:
+            continue
+        o = stage_out(root, pipeline_out, stage)
+        if o in outs:
+            problem(("stages", name) + (("out",) if "out" in stage.values else ()),
+                    f"writes to {o}, like stage {outs[o]!r}; give each stage its own out directory")
+            continue
+        outs[o] = name
+        stages.append(stage)
+
+    if problems:
+        problems.sort(key=lambda pr: pr.line or 1 << 30)  # file order; those without a line last
+        return None, problems
+    return Pipeline(path.resolve(), _resolve_path(root, out), nproc, stages), []
+
+
+def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | None, problem) -> Stage | None:
+    """Check one [stages.NAME] table, reporting every problem through `problem`; the Stage if it has none."""
+    at = ("stages", name)
+    i = names.index(name)
+    if not isinstance(table, dict):
+        problem(at, "must be a table")
+        return None
+    kind = table.get("stage", name if name in KINDS else None)
+    if "stage" in table and not isinstance(kind, str):
+        problem(at + ("stage",), f"must be a string naming the kind ({', '.join(KINDS)})")
+        kind = None
+    elif kind is None:
+        problem(at, f"no stage kind: add stage = \"KIND\" (kinds: {', '.join(KINDS)}), "
+                    "or name the table after its kind")
+    elif kind not in KINDS:
+        problem(at + ("stage",) if "stage" in table else at,
+                f"unknown stage kind {kind!r}{_close(kind, KINDS)} (kinds: {', '.join(KINDS)})")
+        kind = None
+
+    cls = KINDS[kind].config if kind else None
+    types = C.field_types(cls) if cls else {}
+    paths = _path_fields(cls) if cls else set()
+    values: dict = {}
+    refs: dict[str, str] = {}
+    bad_stage = kind is None
+    for k, v in table.items():
+        if k == "stage":
+            continue
+        key = k.replace("-", "_")
+        kp = at + (k,)
+        if cls and key not in types:
+            hint = _close(key, types) or f" (keys of a {kind} stage: {', '.join(types)})"
+            problem(kp, f"unknown key{hint}")
+            bad_stage = True
+            continue
+        if key in values:
+            problem(kp, f"given twice (as {key!r} and with dashes)")
+            bad_stage = True
+            continue
+        if isinstance(v, str) and v.startswith("@"):
+            ref = v[1:]
+            if cls and key not in paths:
+                problem(kp, f"{v}: a @stage reference only fits a path-valued key "
+                            f"({', '.join(sorted(paths - {'out'}))})")
+                bad_stage = True
+            elif key == "out":
+                problem(kp, f"{v}: `out` cannot be a reference; it is this stage's own output directory")
+                bad_stage = True
+            elif ref == name:
+                problem(kp, f"{v}: a stage cannot use its own output")
+                bad_stage = True
+            elif ref not in names:
+                hint = _close(ref, names).replace("mean ", "mean @")
+                problem(kp, f"{v}: no stage named {ref!r}{hint} (stages: {', '.join(names)})")
+                bad_stage = True
+            elif names.index(ref) > i:
+                problem(kp, f"{v}: stage {ref!r} comes later in the file; a stage can only use "
+                            "the outputs of stages above it")
+                bad_stage = True
+            else:
+                refs[key] = ref
+            values[key] = v
+            continue
+        if cls:
+            where = ".".join(kp)
+            try:
+                v = C.check_value(cls, key, v, where)
+            except UserError as e:  # "<where>: 'key' must be int, got str 'x'."
+                problem(kp, str(e).removeprefix(f"{where}: ").rstrip("."))
+                bad_stage = True
+                continue
+            if key in paths and key != "out" and v and not _is_preset(key, v):
+                p = _resolve_path(root, v)
+                if not p.exists():
+                    what = " (not a preset or @stage either)" if key == "model" else ""
+                    problem(kp, f"no such file or directory: {v}{what}"
+                                + (f" (looked for {p})" if not Path(v).is_absolute() else ""))
+                    bad_stage = True
+        values[key] = v
+
+    if bad_stage or cls is None:
+        return None
+    stage = Stage(name, kind, values, refs)
+    # the stage's own checks (e.g. --schedule cosine|linear|constant), on the config it will run with
+    try:
+        cfg = cls(**_base_values(stage, nproc))
+        check = getattr(cfg, "validate", None)
+        if check:
+            check()
+    except UserError as e:
+        # point at the key the message names (--schedule -> stages.NAME.schedule) when it is in the table
+        raw = {k.replace("-", "_"): k for k in table}
+        flags = [f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", str(e))]
+        named = [raw[f] for f in flags if f in raw]
+        problem(at + tuple(named[:1]), str(e).rstrip("."))
+        return None
+    except (TypeError, ValueError) as e:
+        problem(at, f"invalid config ({e})")
+        return None
+    return stage
+
+
+def load(path: str | Path) -> Pipeline:
+    """The checked pipeline, or a UserError that lists every problem (one per line) with its key and line."""
+    p, problems = parse(path)
+    if problems:
+        file = str(path)
+        lines = [pr.format(file) for pr in problems]
+        n = len(problems)
+        raise UserError(f"{file}: {n} problem{'s' if n > 1 else ''} in the pipeline:\n" + "\n".join(lines))
+    return p
+
+
+# ------------------------------------------------------------------------------------------ resolution
+
+
+def stage_out(root: Path, pipeline_out: Path, stage: Stage) -> Path:
+    if stage.values.get("out"):
+        return _resolve_path(root, stage.values["out"])
+    return pipeline_out / stage.name
+
+
+def _base_values(stage: Stage, nproc: int | None) -> dict:
+    """The stage's values with the pipeline defaults applied (refs left as written)."""
+    values = {}
+    if nproc is not None and "nproc" in C.field_types(stage.spec.config):
+        values["nproc"] = nproc
+    values.update(stage.values)
+    return values
+
+
+def resolve(p: Pipeline, stage: Stage) -> dict:
+    """The full config the stage runs with: every field, refs -> absolute out dirs, paths -> absolute."""
+    cls = stage.spec.config
+    cfg = C.as_dict(cls())
+    cfg.update(_base_values(stage, p.nproc))
+    for key in _path_fields(cls):
+        v = cfg.get(key)
+        if key in stage.refs:
+            cfg[key] = str(stage_out(p.root, p.out, p.stage(stage.refs[key])))
+        elif key == "out":
+            cfg[key] = str(stage_out(p.root, p.out, stage))
+        elif isinstance(v, str) and v and not _is_preset(key, v):
+            cfg[key] = str(_resolve_path(p.root, v))
+    return cfg
+
+
+def _input_digest(p: Pipeline, stage: Stage, key: str, value: str):
+    if key in stage.refs:
+        out = stage_out(p.root, p.out, p.stage(stage.refs[key]))
+        f = out / ARTIFACT_FILE
+        return {"stage": stage.refs[key], "artifact": artifact_digest(out) if f.is_file() else None}
+    if not value or _is_preset(key, value):
+        return value
+    path = Path(value)
+    if path.is_file():
+        return sha256_file(path)
+    if path.is_dir():
+        tree = hash_tree(path)
+        return hashlib.sha256(json.dumps(tree, sort_keys=True).encode()).hexdigest()
+    return "missing"
+
+
+def fingerprint(p: Pipeline, stage: Stage, cfg: dict | None = None) -> str:
+    """sha256 of json(kind, resolved config, digest of every input: upstream artifact.json / data file / tree)."""
+    cfg = cfg if cfg is not None else resolve(p, stage)
+    inputs = {k: _input_digest(p, stage, k, cfg[k]) for k in sorted(_path_fields(stage.spec.config)) if k != "out"}
+    blob = json.dumps({"kind": stage.kind, "config": cfg, "inputs": inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- status
+
+
+@dataclass
+class State:
+    status: str  # complete | stale | incomplete | missing
+    detail: str
+
+    @property
+    def up_to_date(self) -> bool:
+        return self.status == "complete"
+
+    def describe(self) -> str:
+        return f"{self.status} ({self.detail})" if self.detail else self.status
+
+
+def state(out: Path, fp: str) -> State:
+    """complete (up to date) / stale (config or inputs changed) / incomplete (running, failed, tampered) / missing."""
+    try:
+        art = read_artifact(out)
+    except UserError:
+        return State("incomplete", "unreadable artifact.json")
+    if art is None:
+        return State("missing", "")
+    if art.get("status") != "complete":
+        return State("incomplete", f"{art.get('status')} artifact")
+    try:
+        verify_artifact(out)
+    except UserError:
+        return State("incomplete", "files changed or missing since it finished")
+    f = out / FINGERPRINT_FILE
+    try:
+        have = f.read_text().strip()
+    except OSError:
+        return State("stale", "not made by this pipeline")
+    if have != fp:
+        return State("stale", "config or inputs changed")
+    return State("complete", "up to date")
+
+
+def from_index(p: Pipeline, from_stage: str | None) -> int | None:
+    """Index of the `--from` stage (None: no --from); a UserError listing the stages for an unknown name."""
+    if from_stage is None:
+        return None
+    if from_stage not in p.names():
+        raise UserError(f"--from {from_stage}: no such stage{_close(from_stage, p.names())}; "
+                        f"stages: {', '.join(p.names())}.")
+    return p.names().index(from_stage)
+
+
+@dataclass
+class Plan:
+    stage: Stage
+    config: dict
+    out: Path
+    fingerprint: str
+    state: State
+    run: bool  # whether `run` will (re)run it
+    reason: str
+
+
+def plan(p: Pipeline, from_stage: str | None = None) -> list[Plan]:
+    """What `run` would do now: each stage's state and whether it runs (forced, not up to date, or upstream runs)."""
+    start = from_index(p, from_stage)
+    plans: list[Plan] = []
+    running: set[str] = set()
+    for i, stage in enumerate(p.stages):
+        cfg = resolve(p, stage)
+        out = Path(cfg["out"])
+        fp = fingerprint(p, stage, cfg)
+        st = state(out, fp)
+        upstream = sorted({r for r in stage.refs.values() if r in running})
+        if start is not None and i >= start:
+            run, reason = True, f"forced by --from {from_stage}"
+        elif not st.up_to_date:
+            run, reason = True, st.describe()
+        elif upstream:
+            run, reason = True, f"upstream reruns: {', '.join('@' + u for u in upstream)}"
+        else:
+            run, reason = False, "up to date"
+        if run:
+            running.add(stage.name)
+        plans.append(Plan(stage, cfg, out, fp, st, run, reason))
+    return plans
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        r = repr(v)
+        return r if any(c in r for c in ".enai") else r + ".0"
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # a JSON string is a valid TOML basic string
+    raise TypeError(f"cannot write {type(v).__name__} {v!r} to a stage TOML")
+
+
+def write_stage_toml(path: Path, cfg: dict, comment: str = "") -> None:
+    lines = [f"# {comment}"] if comment else []
+    lines += [f"{k} = {toml_value(v)}" for k, v in cfg.items()]
+    _write_atomic(path, "\n".join(lines) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def command(stage: Stage, stage_toml: Path) -> list[str]:
+    return [sys.executable, "-m", "align", *stage.spec.words, "--config", str(stage_toml)]
+
+
+@dataclass
+class Result:
+    name: str
+    kind: str
+    status: str  # ran | skipped (up to date) | would run | failed
+    reason: str = ""
+    seconds: float | None = None
+    metrics: dict = field(default_factory=dict)
+    exit_code: int = 0
+    out: Path | None = None
+
+
+class StageFailed(UserError):
+    """A stage's process failed: the pipeline stops with that stage's exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+HEADLINE = ("pass@", "accuracy", "reward", "kl", "loss")
+
+
+def headline_metrics(out: Path, n: int = 3) -> dict:
+    """A few numeric metrics from the stage's artifact.json, the most telling first (pass@k, accuracy, loss...)."""
+    try:
+        art = read_artifact(out) or {}
+    except UserError:
+        return {}
+    metrics = art.get("metrics") or {}
+    numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def rank(k: str) -> int:
+        for i, word in enumerate(HEADLINE):
+            if word in k:
+                return i
+        return len(HEADLINE)
+
+    return dict(sorted(numeric.items(), key=lambda kv: rank(kv[0]))[:n])
+
+
+def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, echo=console.print) -> list[Result]:
+    """Run the pipeline; returns one Result per stage reached. A failing stage ends the list (status 'failed')."""
+    p = load(path)
+    results: list[Result] = []
+    if dry_run:
+        for pl in plan(p, from_stage):
+            results.append(Result(pl.stage.name, pl.stage.kind, "would run" if pl.run else "skipped (up to date)",
+                                  pl.reason, out=pl.out))
+        return results
+
+    start = from_index(p, from_stage)
+    for i, stage in enumerate(p.stages):
+        # fingerprints are computed only now, after the stages above have (re)run
+        cfg = resolve(p, stage)
+        out = Path(cfg["out"])
+        fp = fingerprint(p, stage, cfg)
+        st = state(out, fp)
+        forced = start is not None and i >= start
+        if st.up_to_date and not forced:
+            echo(f"[dim]= {escape(stage.name)} ({stage.kind}): up to date, skipped[/]")
+            results.append(Result(stage.name, stage.kind, "skipped (up to date)", "", None, headline_metrics(out),
+                                  out=out))
+            continue
+        reason = f"forced by --from {from_stage}" if forced else st.describe()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / FINGERPRINT_FILE).unlink(missing_ok=True)  # a half-done rerun must never look up to date
+        stage_toml = out / STAGE_TOML
+        write_stage_toml(stage_toml, cfg, f"written by `align pipeline run {path}` for stage {stage.name!r}")
+        cmd = command(stage, stage_toml)
+        echo(f"[bold]> {escape(stage.name)}[/] ({stage.kind}, {reason}): align {' '.join(stage.spec.words)} "
+             f"--config {escape(str(stage_toml))}")
+        t0 = time.time()
+        rc = subprocess.call(cmd)
+        seconds = time.time() - t0
+        if rc != 0:
+            results.append(Result(stage.name, stage.kind, "failed", reason, seconds, {}, rc, out))
+            return results
+        # the stage must have left a complete artifact; only then is it recorded as up to date
+        try:
+            verify_artifact(out)
+        except UserError as e:
+            results.append(Result(stage.name, stage.kind, "failed", f"no complete artifact: {e}", seconds, {}, 1, out))
+            return results
+        _write_atomic(out / FINGERPRINT_FILE, fp + "\n")  # what it was run on
+        results.append(Result(stage.name, stage.kind, "ran", reason, seconds, headline_metrics(out), out=out))
+    return results
+
+
+def raise_for_failure(results: list[Result]) -> None:
+    for r in results:
+        if r.status == "failed":
+            code = r.exit_code if r.exit_code > 0 else (128 - r.exit_code if r.exit_code < 0 else 1)
+            raise StageFailed(f"pipeline stopped: stage {r.name!r} ({r.kind}) failed with exit code {r.exit_code}"
+                              + (f" ({r.reason})" if r.reason.startswith("no complete") else "")
+                              + f"; its output is in {r.out}. Fix it and rerun `align pipeline run` "
+                              "(stages above it are kept).", code)

@@ -1,0 +1,299 @@
+"""`align pipeline`: validation reports every problem with key path and line; skip/rerun with real stages."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from align import pipeline as P
+from align.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "COLUMNS": "200"}  # rich wraps long error lines at the terminal width
+
+
+def write(tmp_path: Path, text: str, name: str = "p.toml") -> Path:
+    f = tmp_path / name
+    f.write_text(text)
+    return f
+
+
+def problems(path: Path) -> list[str]:
+    p, probs = P.parse(path)
+    assert p is None and probs
+    return [pr.format(path.name) for pr in probs]
+
+
+def align_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "align", *map(str, args)], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+BAD = """\
+[pipeline]
+out = "runs/x"
+
+[stages.base]
+stage = "model-init"
+preset = "tiny"
+
+[stages.sft]
+model = "@base"
+data = "missing/train.jsonl"
+max_step = 10
+batch_size = "32"
+eval_data = "@eval"
+
+[stages.eval]
+model = "@bsae"
+k = "1"
+
+[stages.rl]
+stage = "grpoo"
+"""
+
+
+def test_validate_cli_reports_every_problem_with_key_and_line(tmp_path):
+    f = write(tmp_path, BAD, "pipelines.toml")
+    r = align_cli("pipeline", "validate", f.name, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out
+    assert "6 problems" in out
+    for line in (
+        "pipelines.toml:10: stages.sft.data: no such file or directory: missing/train.jsonl",
+        "pipelines.toml:11: stages.sft.max_step: unknown key (did you mean max_steps?)",
+        "pipelines.toml:12: stages.sft.batch_size: 'batch_size' must be int, got str '32'",
+        "pipelines.toml:13: stages.sft.eval_data: @eval: stage 'eval' comes later in the file",
+        "pipelines.toml:16: stages.eval.model: @bsae: no stage named 'bsae' (did you mean @base?)",
+        "pipelines.toml:20: stages.rl.stage: unknown stage kind 'grpoo'",
+    ):
+        assert line in out, f"{line!r} not in:\n{out}"
+
+
+def test_load_raises_one_user_error_listing_all_problems(tmp_path):
+    f = write(tmp_path, BAD)
+    with pytest.raises(UserError) as e:
+        P.load(f)
+    msg = str(e.value)
+    assert msg.count("\n") == 6 and "6 problems" in msg.splitlines()[0]
+    assert "stages.sft.max_step" in msg and "stages.rl.stage" in msg
+
+
+def test_toml_syntax_error_has_line(tmp_path):
+    f = write(tmp_path, '[stages.base]\nstage = "model-init"\npreset = \n')
+    (msg,) = problems(f)
+    assert msg.startswith("p.toml:3: invalid TOML:"), msg
+
+
+def test_unknown_tables_keys_and_empty_pipeline(tmp_path):
+    f = write(tmp_path, '[pipeline]\nout = "r"\nnprocs = 2\n\n[stagse.base]\npreset = "tiny"\n')
+    msgs = problems(f)
+    assert any(m.startswith("p.toml:3: pipeline.nprocs: unknown key (did you mean nproc?)") for m in msgs), msgs
+    assert any(m.startswith("p.toml:5: stagse: unknown top-level table") for m in msgs), msgs
+    assert any("empty pipeline" in m for m in msgs), msgs
+    f = write(tmp_path, "[pipeline]\nnproc = 0\n\n[stages.model]\npreset = 1\n", "q.toml")
+    msgs = problems(f)
+    assert any(m.startswith("q.toml:2: pipeline.nproc: must be >= 1") for m in msgs), msgs
+    assert any(m.startswith("q.toml:4: stages.model: no stage kind") for m in msgs), msgs
+
+
+def test_more_checks(tmp_path):
+    f = write(tmp_path, """\
+[stages]
+base = { stage = "model-init", seed = "x" }
+
+[stages.sft]
+model = "@sft"
+schedule = "cosin"
+columns = "@base"
+
+[stages.eval]
+model = "@base"
+k = "a,b"
+out = "runs/p/base"
+""")
+    msgs = problems(f)
+    expect = [
+        "p.toml:2: stages.base.seed: 'seed' must be int, got str 'x'",  # inline table: its line
+        "p.toml:5: stages.sft.model: @sft: a stage cannot use its own output",
+        "p.toml:7: stages.sft.columns: @base: a @stage reference only fits a path-valued key",
+        "p.toml:11: stages.eval.k: --k must be comma-separated integers",  # the stage's own validate()
+    ]
+    for e in expect:
+        assert any(m.startswith(e) for m in msgs), (e, msgs)
+    # once base is valid, eval's out collides with base's default out
+    f.write_text(f.read_text().replace('seed = "x"', "seed = 1").replace('k = "a,b"', 'k = "1"'))
+    assert any("p.toml:12: stages.eval.out: writes to" in m and "like stage 'base'" in m for m in problems(f))
+
+
+def test_valid_pipeline_resolves_refs_paths_presets_and_defaults(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text('{"prompt": "1 + 1 =", "completion": " 2"}\n')
+    f = write(tmp_path, """\
+[pipeline]
+out = "runs/x"
+nproc = 2
+
+[stages.base]
+stage = "model-init"
+
+[stages.sft]
+model = "tiny"            # a preset, not a file
+data = "d/train.jsonl"
+eval-data = ""
+max-steps = 3
+lr = 1                    # an int is fine for a float
+
+[stages.eval]
+model = "@sft"
+data = "d/train.jsonl"
+out = "elsewhere/eval"    # outputs need not exist
+nproc = 1
+""")
+    p = P.load(f)
+    assert p.names() == ["base", "sft", "eval"]
+    assert [s.kind for s in p.stages] == ["model-init", "sft", "eval"]
+    base, sft, ev = (P.resolve(p, s) for s in p.stages)
+    assert "nproc" not in base and base["out"] == str(tmp_path / "runs/x/base")
+    assert sft["model"] == "tiny" and sft["data"] == str(tmp_path / "d/train.jsonl") and sft["eval_data"] == ""
+    assert sft["max_steps"] == 3 and sft["lr"] == 1.0 and isinstance(sft["lr"], float) and sft["nproc"] == 2
+    assert ev["model"] == str(tmp_path / "runs/x/sft") and ev["out"] == str(tmp_path / "elsewhere/eval")
+    assert ev["nproc"] == 1
+    assert p.stage("eval").refs == {"model": "sft"}
+    assert P.command(p.stage("base"), Path("x.toml"))[-4:] == ["model", "init", "--config", "x.toml"]
+    with pytest.raises(UserError, match="stages: base, sft, eval"):
+        P.plan(p, from_stage="sfft")
+
+
+def test_stage_toml_round_trips(tmp_path):
+    cfg = {"a": 'quote " back \\ slash\nnewline ünï', "b": 3, "c": 1e-05, "d": 2.0, "e": True, "f": float("inf"),
+           "g": "", "h": -0.5}
+    f = tmp_path / "s.toml"
+    P.write_stage_toml(f, cfg, "comment")
+    assert tomllib.loads(f.read_text()) == cfg
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_fingerprint_follows_config_and_input_content(tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    f = write(tmp_path, '[stages.eval]\nmodel = "tiny"\ndata = "t.jsonl"\n')
+    p = P.load(f)
+    fp = P.fingerprint(p, p.stages[0])
+    assert fp == P.fingerprint(P.load(f), P.load(f).stages[0])  # deterministic
+    data.write_text('{"prompt": "1 + 2 =", "answer": "3"}\n')
+    fp2 = P.fingerprint(p, p.stages[0])
+    assert fp2 != fp
+    f.write_text('[stages.eval]\nmodel = "tiny"\ndata = "t.jsonl"\nlimit = 5\n')
+    assert P.fingerprint(P.load(f), P.load(f).stages[0]) != fp2
+    assert P.plan(P.load(f))[0].state.status == "missing"
+
+
+# ----------------------------------------------------------------------------- real stages (subprocesses)
+
+
+def statuses(results):
+    return {r.name: r.status for r in results}
+
+
+def tamper(out: Path):
+    weights = next((out / "model").glob("*.safetensors"))
+    with open(weights, "ab") as fh:
+        fh.write(b"\0")
+
+
+def test_model_init_stages_skip_rerun_and_tamper(tmp_path):
+    """Two independent model-init stages (each subprocess pays the torch import: ~5-15 s)."""
+    f = write(tmp_path, """\
+[pipeline]
+out = "runs"
+
+[stages.base]
+stage = "model-init"
+
+[stages.twin]
+stage = "model-init"
+seed = 1
+""")
+    ran = P.run(f)
+    assert statuses(ran) == {"base": "ran", "twin": "ran"}
+    assert ran[0].metrics.get("parameters", 0) > 0 and ran[0].seconds > 0
+    for name in ("base", "twin"):
+        out = tmp_path / "runs" / name
+        assert (out / P.FINGERPRINT_FILE).is_file()
+        assert tomllib.loads((out / P.STAGE_TOML).read_text())["out"] == str(out)
+    assert statuses(P.run(f)) == {"base": "skipped (up to date)", "twin": "skipped (up to date)"}
+
+    # tampered weights: the artifact no longer verifies, so that stage (only) reruns
+    tamper(tmp_path / "runs/base")
+    state = P.plan(P.load(f))[0].state
+    assert state.status == "incomplete" and "changed" in state.detail
+    assert statuses(P.run(f)) == {"base": "ran", "twin": "skipped (up to date)"}
+
+    # a changed key makes only its stage stale
+    f.write_text(f.read_text().replace("seed = 1", "seed = 2"))
+    plans = P.plan(P.load(f))
+    assert [(pl.run, pl.state.status) for pl in plans] == [(False, "complete"), (True, "stale")]
+
+    # --from forces that stage and every later one (dry run: nothing executes)
+    assert statuses(P.run(f, from_stage="base", dry_run=True)) == {"base": "would run", "twin": "would run"}
+    assert statuses(P.run(f, from_stage="twin", dry_run=True)) == {"base": "skipped (up to date)", "twin": "would run"}
+    r = align_cli("pipeline", "show", f, cwd=tmp_path)
+    assert r.returncode == 0 and "complete (up to date)" in r.stdout and "stale (config or inputs changed)" in r.stdout
+
+    # a failing stage stops the pipeline with its exit code and names the stage (CLI: exit code, message)
+    f.write_text(f.read_text().replace("seed = 2", 'seed = 2\npreset = "huge"'))
+    r = align_cli("pipeline", "run", f, cwd=tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "stage 'twin' (model-init) failed with exit code 2" in out, out
+    assert "unknown preset 'huge'" in out and "Traceback" not in out
+    assert not (tmp_path / "runs/twin" / P.FINGERPRINT_FILE).exists()
+
+
+def test_eval_of_base_skip_and_rerun(tmp_path):
+    """model-init -> eval (DeepSpeed, one process). The eval stage reruns when base's artifact changes."""
+    rows = (ROOT / "data/arithmetic/test.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "test.jsonl").write_text("\n".join(rows) + "\n")
+    f = write(tmp_path, """\
+[pipeline]
+out = "runs"
+
+[stages.base]
+stage = "model-init"
+preset = "tiny"
+
+[stages.eval]
+model = "@base"
+data = "test.jsonl"
+limit = 2
+k = "1"
+max_new_tokens = 4
+""")
+    results = P.run(f)
+    P.raise_for_failure(results)  # says which stage failed and why, if one did
+    assert statuses(results) == {"base": "ran", "eval": "ran"}
+    assert any(k.startswith("pass@") for k in results[1].metrics), results[1].metrics
+    assert statuses(P.run(f)) == {"base": "skipped (up to date)", "eval": "skipped (up to date)"}
+
+    # a changed eval key reruns eval only
+    f.write_text(f.read_text().replace("max_new_tokens = 4", "max_new_tokens = 3"))
+    assert statuses(P.run(f)) == {"base": "skipped (up to date)", "eval": "ran"}
+
+    # an upstream rerun rewrites its artifact.json (timestamps): eval becomes stale, base stays up to date
+    art = tmp_path / "runs/base/artifact.json"
+    art.write_text(art.read_text().replace('"finished": "', '"finished": "1'))
+    plans = P.plan(P.load(f))
+    assert [(pl.run, pl.state.status) for pl in plans] == [(False, "complete"), (True, "stale")]
+
+    # tampered base: base reruns, and eval after it; --from base forces both (dry runs: nothing executes)
+    tamper(tmp_path / "runs/base")
+    plans = P.plan(P.load(f))
+    assert [(pl.run, pl.state.status) for pl in plans] == [(True, "incomplete"), (True, "stale")]
+    assert statuses(P.run(f, from_stage="base", dry_run=True)) == {"base": "would run", "eval": "would run"}
