@@ -8,8 +8,8 @@ import subprocess
 import sys
 from typing import Optional
 
-import click
 import typer
+from rich.markup import escape
 
 from align import config as C
 from align.console import console
@@ -76,7 +76,7 @@ def stage_command(parent: typer.Typer, name: str, cfg_cls, help: str, positional
             toml = kw.pop("config")
             explicit = {
                 k: v for k, v in kw.items()
-                if ctx.get_parameter_source(k) not in (click.core.ParameterSource.DEFAULT, None)
+                if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") != "DEFAULT"
             }
             cfg = C.build(cfg_cls, toml, explicit)
             relaunch(getattr(cfg, "nproc", 1))
@@ -110,18 +110,14 @@ def main() -> None:
     from align import commands  # noqa: F401  (registers the commands)
 
     try:
-        app(standalone_mode=False)
+        app()  # standalone: usage errors exit 2 with click's message
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
-            console.print(f"[bold red]error:[/] {e}")
+            console.print("[bold red]error:[/]", escape(str(e)))
         raise SystemExit(e.exit_code)
     except NotImplementedStage as e:
-        console.print(f"[bold yellow]not implemented:[/] {e}")
+        console.print("[bold yellow]not implemented:[/]", escape(str(e)))
         raise SystemExit(e.exit_code)
-    except click.exceptions.Abort:
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
         raise SystemExit(130)
-    except click.ClickException as e:
-        e.show()
-        raise SystemExit(2)
-    except click.exceptions.Exit as e:
-        raise SystemExit(e.exit_code)

@@ -74,14 +74,13 @@ def normalise_keys(d: dict) -> dict:
     return {k.replace("-", "_"): v for k, v in d.items()}
 
 
-def build(cls, toml_path: str | None, explicit: dict, defaults_from: dict | None = None):
+def build(cls, toml_path: str | None, explicit: dict):
     """defaults < TOML file < explicit command-line values."""
     values = {}
     if toml_path:
         data = normalise_keys(load_toml(toml_path))
         for k, v in data.items():
             values[k] = check_value(cls, k, v, f"{toml_path}: key {k!r}")
-    values.update(defaults_from or {})
     values.update(explicit)
     cfg = cls(**values)
     validate = getattr(cfg, "validate", None)

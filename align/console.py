@@ -46,7 +46,7 @@ class TrainProgress:
         self.t0 = time.time()
         self.progress = Progress(
             TextColumn(f"[bold]{title}[/]"),
-            BarColumn(),
+            BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             TextColumn("eta"),

@@ -145,27 +145,56 @@ def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
     return (tokenizer.bos_token or "") + text if isinstance(prompt, list) else (tokenizer.bos_token or "") + prompt
 
 
+def prompt_texts(tokenizer, prompts: list) -> list[str]:
+    """`prompt_text` for many prompts. Plain-string prompts are rendered once through the chat template with a
+    sentinel and spliced (jinja per row costs ~0.2 ms: seconds per epoch of a large dataset)."""
+    sentinel = "\x00ALIGN\x00"
+    probe = prompt_text(tokenizer, sentinel)
+    if probe.count(sentinel) != 1:
+        return [prompt_text(tokenizer, p) for p in prompts]
+    head, tail = probe.split(sentinel)
+    out = [head + p + tail if isinstance(p, str) else prompt_text(tokenizer, p) for p in prompts]
+    if prompts and isinstance(prompts[0], str) and out[0] != prompt_text(tokenizer, prompts[0]):
+        return [prompt_text(tokenizer, p) for p in prompts]  # the template transforms content: render each
+    return out
+
+
+def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
+    if not prompts:
+        return []
+    return tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]
+
+
 def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
-    return tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    return encode_prompts(tokenizer, [prompt])[0]
 
 
-def encode_completion(tokenizer, completion: str) -> list[int]:
+def encode_completions(tokenizer, completions: list[str]) -> list[list[int]]:
     """Response tokens followed by EOS: the model must learn to stop."""
-    return tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if not completions:
+        return []
+    ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    return [c + [tokenizer.eos_token_id] for c in ids]
 
 
-def sft_example(tokenizer, row: dict, max_length: int) -> dict | None:
-    """input_ids and labels (-100 on prompt tokens). Truncation: the prompt loses tokens from the left,
-    the completion is never cut; an example whose completion alone does not fit is dropped (None)."""
-    if "messages" in row and "prompt" not in row:
-        prompt, completion = split_messages(row)
-    else:
-        prompt, completion = row["prompt"], row["completion"]
-    p, c = encode_prompt(tokenizer, prompt), encode_completion(tokenizer, completion)
-    if len(c) >= max_length:
-        return None
-    p = p[max(0, len(p) + len(c) - max_length):]
-    return {"input_ids": p + c, "labels": [-100] * len(p) + c}
+def sft_examples(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
+    """input_ids and labels (-100 on prompt tokens) per row. Truncation: the prompt loses tokens from the left,
+    the completion is never cut; a row whose completion alone does not fit is dropped."""
+    prompts, completions = [], []
+    for row in rows:
+        if "messages" in row and "prompt" not in row:
+            p, c = split_messages(row)
+        else:
+            p, c = row["prompt"], row["completion"]
+        prompts.append(p)
+        completions.append(c)
+    out = []
+    for p, c in zip(encode_prompts(tokenizer, prompts), encode_completions(tokenizer, completions)):
+        if len(c) >= max_length:
+            continue
+        p = p[max(0, len(p) + len(c) - max_length):]
+        out.append({"input_ids": p + c, "labels": [-100] * len(p) + c, "n_labels": len(c)})
+    return out
 
 
 def pad(seqs: list[list[int]], value: int, side: str = "right") -> list[list[int]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from align import runtime
-from align.data import encode_prompt
+from align.data import encode_prompts
 from align.generation import Sampling, generate
 
 VERIFIERS = ("math", "sort", "exact")
@@ -27,16 +27,17 @@ def guess_verifier(rows: list[dict]) -> str:
 
 def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=(1,), samples: int = 0,
                     sampling: Sampling | None = None, verifier: str = "auto", batch_size: int = 64,
-                    gather: bool = True) -> tuple[dict, list[dict]]:
+                    gather: bool = True, use_evaluate: bool = False) -> tuple[dict, list[dict]]:
     """Greedy pass@1 (`pass@1/greedy`) and, with `samples` = n > 0, unbiased sampled pass@k for k <= n.
 
     Returns (metrics, per-problem records). Call on every rank; generation is sharded over the ranks.
+    `use_evaluate` computes pass@k through the shipped `evaluate` metric module (align/metrics/pass_at_k).
     """
-    from align.passk import pass_at_k
+    from align.passk import mean_pass_at_k
 
     sampling = sampling or Sampling()
     verifier = guess_verifier(rows) if verifier == "auto" else verifier
-    prompts = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows])
     greedy = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
     outs = generate(eng, tokenizer, prompts, greedy, dist, batch_size=batch_size, gather=gather)
     records = [
@@ -52,7 +53,13 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
             group = many[i * samples : (i + 1) * samples]
             rec["samples"] = [o.text for o in group]
             rec["n_correct"] = sum(verify(o.text, rec["answer"], verifier) for o in group)
-        for k in ks:
-            if k <= samples:
-                metrics[f"pass@{k}"] = sum(pass_at_k(samples, rec["n_correct"], k) for rec in records) / len(records)
+        ks = [k for k in ks if k <= samples]
+        ns, cs = [samples] * len(records), [rec["n_correct"] for rec in records]
+        if use_evaluate:
+            from align.metrics import load_metric
+
+            passk = load_metric("pass_at_k").compute(predictions=cs, references=ns, k=ks)
+        else:
+            passk = mean_pass_at_k(ns, cs, ks)
+        metrics.update({k: v for k, v in passk.items() if v is not None})
     return metrics, records

@@ -74,12 +74,12 @@ def run(cfg: SFTConfig) -> dict:
     out = Path(cfg.out)
     writer = ArtifactWriter(out, "sft", as_dict(cfg), describe_inputs(ref, cfg.data, cfg.eval_data), dist.is_main)
     tok = load_tokenizer(ref, cfg.trust_remote_code)
-    examples = [e for e in (D.sft_example(tok, r, cfg.max_length) for r in train_rows) if e]
+    examples = D.sft_examples(tok, train_rows, cfg.max_length)
     if len(examples) < len(train_rows):
         info(f"[yellow]dropped {len(train_rows) - len(examples)} examples whose completion exceeds --max-length[/]")
     if not examples:
         raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}.")
-    eval_examples = [e for e in (D.sft_example(tok, r, cfg.max_length) for r in eval_rows) if e]
+    eval_examples = D.sft_examples(tok, eval_rows, cfg.max_length)
     verifiable = [r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples]
 
     # ---- model and engine
@@ -90,8 +90,8 @@ def run(cfg: SFTConfig) -> dict:
     loader = runtime.ZeroLoader(ds)  # noqa: F841  (keeps ZeRO-3 partitioned loading on for this stage)
     model = load_causal_lm(ref, tok, dtype, cfg.seed, cfg.trust_remote_code)
     optimizer = training.adamw(model, cfg.lr, cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, training.lr_lambda(cfg.schedule, cfg.warmup_steps, cfg.max_steps))
-    eng = runtime.engine(model, ds, optimizer, sched)
+    schedule = training.lr_lambda(cfg.schedule, cfg.warmup_steps, cfg.max_steps)
+    eng = runtime.engine(model, ds, optimizer, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     n_params = count_parameters(eng.module)
     info(f"sft: {n_params / 1e6:.2f}M parameters, {len(examples)} examples, {dist.world_size} process(es), "
          f"ZeRO-{cfg.zero_stage}, {dtype}, micro batch {micro} x accum {accum}, device {dist.device.type}")
@@ -126,7 +126,7 @@ def run(cfg: SFTConfig) -> dict:
         for step in range(start, cfg.max_steps):
             idx = training.rank_share(training.step_indices(len(examples), cfg.batch_size, step, cfg.seed), dist)
             batch = [examples[i] for i in idx]
-            n_global = runtime.all_reduce_sum(torch.tensor(float(sum(sum(l != -100 for l in e["labels"]) for e in batch)), device=dist.device))
+            n_global = runtime.all_reduce_sum(torch.tensor(float(sum(e["n_labels"] for e in batch)), device=dist.device))
             nll_total = torch.zeros((), device=dist.device)
             for m in range(accum):
                 b = {k: v.to(dist.device) for k, v in D.collate_sft(batch[m * micro : (m + 1) * micro], tok.pad_token_id).items()}
@@ -137,7 +137,7 @@ def run(cfg: SFTConfig) -> dict:
                 nll_total += nll.detach().float()
                 tokens_seen += int(b["attention_mask"].sum()) * dist.world_size
             loss = (runtime.all_reduce_sum(nll_total) / n_global).item()
-            metrics = {"loss": loss, "grad_norm": float(eng.get_global_grad_norm() or 0.0), "lr": sched.get_last_lr()[0]}
+            metrics = {"loss": loss, "grad_norm": float(eng.get_global_grad_norm() or 0.0), "lr": eng.lr_scheduler.get_last_lr()[0]}
             metrics["tokens_per_s"] = tokens_seen / (time.time() - t0)
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
