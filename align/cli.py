@@ -40,7 +40,14 @@ def relaunch(nproc: int) -> None:
         return
     from align.runtime import free_port
 
-    argv = sys.argv[1:]
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # drop --nproc: torchrun would take it for an abbreviation of its own flag
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            argv.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", "-m", "align", *argv]
     console.print(f"[dim]launching {nproc} processes: torchrun --nproc_per_node={nproc} -m align {' '.join(argv)}[/]")

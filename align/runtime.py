@@ -225,6 +225,18 @@ def all_gather_objects(obj):
     return out
 
 
+def partition_stats(eng) -> dict:
+    """Parameter elements per rank, outside forward/backward. `shard`: the ZeRO-3 partition a rank owns
+    (~1/world of each tensor); `resident`: full tensors kept materialised (ZeRO-3 keeps tensors under
+    stage3_param_persistence_threshold whole on every rank; 0 when everything is sharded)."""
+    params = list(eng.module.parameters())
+    full = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    shard = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    resident = sum(p.data.numel() for p in params if hasattr(p, "ds_tensor"))
+    return {"params": full, "shard_per_rank": all_gather_objects(shard),
+            "resident_per_rank": all_gather_objects(resident)}
+
+
 def peak_memory_gib(dist: Dist) -> float:
     if dist.device.type == "cuda":
         return torch.cuda.max_memory_allocated(dist.device) / 2**30

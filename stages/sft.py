@@ -120,25 +120,28 @@ def run(cfg: SFTConfig) -> dict:
         return metrics
 
     # ---- train
-    t0, tokens_seen, last_eval = time.time(), 0, {}
+    t0, train_time, tokens_seen, last_eval = time.time(), 0.0, 0, {}
     eng.train()
     with TrainProgress("sft", cfg.max_steps, start, keys=("loss", "lr", "eval/loss", "eval/pass@1")) as bar:
         for step in range(start, cfg.max_steps):
+            t_step = time.time()
             idx = training.rank_share(training.step_indices(len(examples), cfg.batch_size, step, cfg.seed), dist)
             batch = [examples[i] for i in idx]
             n_global = runtime.all_reduce_sum(torch.tensor(float(sum(e["n_labels"] for e in batch)), device=dist.device))
-            nll_total = torch.zeros((), device=dist.device)
+            sums = torch.zeros(2, device=dist.device)  # [summed NLL, tokens incl. prompt] on this rank
             for m in range(accum):
                 b = {k: v.to(dist.device) for k, v in D.collate_sft(batch[m * micro : (m + 1) * micro], tok.pad_token_id).items()}
                 nll, _ = completion_nll(eng(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
                 # DeepSpeed divides by `accum` and averages over ranks: undo both to get sum / N_global.
                 eng.backward(nll / n_global * dist.world_size * accum)
                 eng.step()
-                nll_total += nll.detach().float()
-                tokens_seen += int(b["attention_mask"].sum()) * dist.world_size
-            loss = (runtime.all_reduce_sum(nll_total) / n_global).item()
+                sums += torch.stack([nll.detach().float(), b["attention_mask"].sum().float()])
+            runtime.all_reduce_sum(sums)
+            loss = (sums[0] / n_global).item()
+            tokens_seen += int(sums[1])
+            train_time += time.time() - t_step
             metrics = {"loss": loss, "grad_norm": float(eng.get_global_grad_norm() or 0.0), "lr": eng.lr_scheduler.get_last_lr()[0]}
-            metrics["tokens_per_s"] = tokens_seen / (time.time() - t0)
+            metrics["tokens_per_s"] = tokens_seen / train_time
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
                 last_eval = evaluate(done)
@@ -162,11 +165,14 @@ def run(cfg: SFTConfig) -> dict:
     runtime.save_model(eng, tok, writer.begin_model(), dist)
     final = {
         "train/loss": loss, **last_eval, "parameters": n_params, "steps": cfg.max_steps,
-        "wall_seconds": round(wall, 1), "tokens_per_s": round(tokens_seen / max(wall, 1e-9), 1),
-        "peak_memory_gib": round(runtime.peak_memory_gib(dist), 3),
+        "wall_seconds": round(wall, 1), "train_seconds": round(train_time, 1),
+        "tokens_per_s": round(tokens_seen / train_time, 1),
+        "peak_memory_gib_per_rank": [round(m, 3) for m in runtime.all_gather_objects(runtime.peak_memory_gib(dist))],
     }
+    partition = runtime.partition_stats(eng)
     if dist.is_main:
         plot_report(out / "metrics.jsonl", out / "report.png", f"sft — {cfg.model}")
-    writer.complete(final, monitor.summary(), extra={"model_kind": "policy"})
+    writer.complete(final, monitor.summary(), extra={"model_kind": "policy", "world_size": dist.world_size,
+                                                      "zero_partition": partition})
     summary_table(f"sft complete → {out}", final)
     return final
