@@ -1,0 +1,64 @@
+"""Shared fixtures for the core tests: a saved tiny model, and a helper to run the `align` CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# runtime.init() (called in-process by test_generation) exports these; a child `align` must not inherit them,
+# or it would join the pytest process's gloo group (same MASTER_PORT) instead of starting its own.
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_align(*args, env: dict | None = None, timeout: float = 300, cwd: str | Path | None = None):
+    """`python -m align ARGS` in a fresh process; returns the CompletedProcess (text, captured)."""
+    child = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    child["COLUMNS"] = "500"  # rich wraps at the terminal width: keep each message on one line
+    child.update(env or {})
+    return subprocess.run([sys.executable, "-m", "align", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=child, cwd=str(cwd) if cwd else None)
+
+
+def output(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def assert_user_error(proc, *needles: str, code: int = 2) -> str:
+    """Exit `code`, no traceback, a short message that contains every needle; returns the output."""
+    out = output(proc)
+    assert proc.returncode == code, f"exit {proc.returncode}, expected {code}:\n{out}"
+    assert "Traceback" not in out, out
+    for n in needles:
+        assert n in out, f"{n!r} not in output:\n{out}"
+    # short: the error and at most a couple of library lines (e.g. DeepSpeed's accelerator notice)
+    assert len(out.strip().splitlines()) <= 6, out
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The `tiny` preset (random init, seed 0) saved with save_pretrained + the shipped tokenizer."""
+    import torch
+
+    from align.models import load_causal_lm, load_tokenizer, resolve
+
+    ref = resolve("tiny")
+    tok = load_tokenizer(ref)
+    model = load_causal_lm(ref, tok, torch.float32, seed=0)
+    out = tmp_path_factory.mktemp("tiny_model")
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def shipped_tokenizer():
+    from align.models import load_tokenizer, resolve
+
+    return load_tokenizer(resolve("tiny"))

@@ -1,0 +1,296 @@
+"""align.data: loading every format, column mapping, UserError messages, SFT tokenisation and collation."""
+
+import json
+
+import pytest
+import torch
+
+from align import data as D
+from align.errors import UserError
+
+ROWS = [
+    {"question": "What is 1 + 2?", "solution": "1 + 2 = 3. #### 3", "answer": "3"},
+    {"question": "What is 4 + 5?", "solution": "4 + 5 = 9. #### 9", "answer": "9"},
+    {"question": "What is 7 - 3?", "solution": "7 - 3 = 4. #### 4", "answer": "4"},
+]
+SFT_ROWS = [{"prompt": r["question"], "completion": r["solution"]} for r in ROWS]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(shipped_tokenizer):
+    return shipped_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok_no_template():
+    """The shipped tokenizer with its chat template removed (plain-text prompts: BOS + text)."""
+    from align.models import load_tokenizer, resolve
+
+    t = load_tokenizer(resolve("tiny"))
+    t.chat_template = None
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- formats
+
+
+def test_load_rows_jsonl_json_parquet_and_disk(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list(SFT_ROWS)
+    paths = {
+        "jsonl": write_jsonl(tmp_path / "d.jsonl", SFT_ROWS),
+        "json": tmp_path / "d.json",
+        "json_data": tmp_path / "d2.json",
+        "parquet": tmp_path / "d.parquet",
+        "disk": tmp_path / "disk",
+        "dict": tmp_path / "dict",
+    }
+    paths["json"].write_text(json.dumps(SFT_ROWS, indent=1))
+    paths["json_data"].write_text(json.dumps({"data": SFT_ROWS}))
+    ds.to_parquet(str(paths["parquet"]))
+    ds.save_to_disk(str(paths["disk"]))
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(paths["dict"]))
+    for name, p in paths.items():
+        assert D.load_rows(p, "sft") == SFT_ROWS, name
+    assert D.load_rows(paths["jsonl"], "sft", limit=2) == SFT_ROWS[:2]
+
+
+def test_jsonl_skips_blank_lines(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps(SFT_ROWS[0]) + "\n\n   \n" + json.dumps(SFT_ROWS[1]) + "\n")
+    assert D.load_rows(p, "sft") == SFT_ROWS[:2]
+
+
+def test_columns_mapping(tmp_path):
+    p = write_jsonl(tmp_path / "raw.jsonl", ROWS)
+    rows = D.load_rows(p, "sft", "question=prompt,solution=completion")
+    assert [(r["prompt"], r["completion"]) for r in rows] == [(r["question"], r["solution"]) for r in ROWS]
+    assert "question" not in rows[0] and rows[0]["answer"] == "3"
+    # the dict form (from a pipeline TOML) is the same mapping
+    assert D.load_rows(p, "sft", {"question": "prompt", "solution": "completion"}) == rows
+    # mapping onto an existing column replaces it
+    q = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "old", "q": "new", "completion": "c"}])
+    assert D.load_rows(q, "sft", "q=prompt") == [{"prompt": "new", "completion": "c"}]
+
+
+def test_parse_columns():
+    assert D.parse_columns("a=b, c = d") == {"a": "b", "c": "d"}
+    assert D.parse_columns("") == {} and D.parse_columns(None) == {}
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def raises(match, fn, *a, **kw):
+    with pytest.raises(UserError, match=match) as e:
+        fn(*a, **kw)
+    return str(e.value)
+
+
+def test_missing_file(tmp_path):
+    msg = raises("data file not found", D.load_rows, tmp_path / "nope.jsonl", "sft")
+    assert "nope.jsonl" in msg
+
+
+def test_jsonl_line_not_json_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps(SFT_ROWS[0]) + "\n" + json.dumps(SFT_ROWS[1]) + "\n{\"prompt\": oops}\n")
+    msg = raises("not valid JSON", D.load_rows, p, "sft")
+    assert f"{p}:3:" in msg
+
+
+def test_jsonl_line_not_an_object(tmp_path):
+    p = tmp_path / "list.jsonl"
+    p.write_text(json.dumps(SFT_ROWS[0]) + "\n[1, 2]\n")
+    assert f"{p}:2:" in raises("expected a JSON object", D.load_rows, p, "sft")
+
+
+def test_json_file_not_json_names_line(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text("[\n  {\"prompt\": \"a\", \"completion\": \"b\"},\n  {oops}\n]\n")
+    assert f"{p}:3:" in raises("not valid JSON", D.load_rows, p, "sft")
+
+
+def test_json_not_a_list(tmp_path):
+    p = tmp_path / "obj.json"
+    p.write_text(json.dumps({"prompt": "a"}))
+    raises("expected a JSON list", D.load_rows, p, "sft")
+
+
+def test_missing_column_names_it(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}])
+    msg = raises("no 'completion' column for sft data", D.load_rows, p, "sft")
+    assert "columns: prompt, answer" in msg and "--columns" in msg
+    msg = raises("no 'chosen', 'rejected' column", D.load_rows, p, "preference")
+
+
+def test_row_without_value_names_row_and_column(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", [SFT_ROWS[0], {"prompt": "only a prompt"}, SFT_ROWS[1]])
+    raises(r"row 2 has no value in column 'completion'", D.load_rows, p, "sft")
+
+
+def test_columns_maps_missing_column(tmp_path):
+    p = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS)
+    msg = raises("--columns maps 'question'", D.load_rows, p, "sft", "question=prompt")
+    assert "no such column" in msg and "prompt, completion" in msg
+
+
+@pytest.mark.parametrize("spec", ["question", "question=prompt,solution"])
+def test_bad_columns_spec(tmp_path, spec):
+    p = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    raises("not of the form old=new", D.load_rows, p, "sft", spec)
+
+
+def test_empty_dataset(tmp_path):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("")
+    assert str(p) in raises("the dataset is empty", D.load_rows, p, "sft")
+    q = tmp_path / "empty.json"
+    q.write_text("[]")
+    raises("the dataset is empty", D.load_rows, q, "sft")
+
+
+def test_unknown_format(tmp_path):
+    p = tmp_path / "d.csv"
+    p.write_text("prompt,completion\na,b\n")
+    msg = raises("unsupported data format '.csv'", D.load_rows, p, "sft")
+    assert ".jsonl" in msg
+
+
+def test_dir_that_is_not_a_dataset(tmp_path):
+    raises("not a datasets save_to_disk directory", D.load_rows, tmp_path, "sft")
+
+
+def test_dataset_dict_without_train(tmp_path):
+    import datasets
+
+    ds = datasets.Dataset.from_list(SFT_ROWS)
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "dd"))
+    raises("without a 'train' split", D.load_rows, tmp_path / "dd", "sft")
+
+
+# --------------------------------------------------------------------------------------- messages rows
+
+
+def test_messages_rows(tmp_path, tok):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "#### 4"}]
+    p = write_jsonl(tmp_path / "chat.jsonl", [{"messages": msgs}])
+    rows = D.load_rows(p, "sft")
+    assert rows == [{"messages": msgs}]
+    (ex,) = D.sft_examples(tok, rows, max_length=128)
+    # prompt = the template with a generation prompt; completion = last assistant turn + EOS
+    assert tok.decode(ex["input_ids"]) == "<|bos|><|system|>Be brief.<|user|>What is 2 + 2?<|assistant|>#### 4<|eos|>"
+    assert tok.decode(ex["input_ids"]) == tok.apply_chat_template(msgs, tokenize=False)
+    completion = [t for t in ex["labels"] if t != -100]
+    assert tok.decode(completion) == "#### 4<|eos|>"
+
+
+def test_messages_row_must_end_with_assistant(tok):
+    rows = [{"messages": [{"role": "user", "content": "hi"}]}]
+    with pytest.raises(UserError, match="must end with an assistant message"):
+        D.sft_examples(tok, rows, 64)
+
+
+# ----------------------------------------------------------------------------------------- sft_examples
+
+
+def test_sft_examples_labels_mask_exactly_the_prompt(tok):
+    exs = D.sft_examples(tok, SFT_ROWS, max_length=256)
+    assert len(exs) == len(SFT_ROWS)
+    for row, ex in zip(SFT_ROWS, exs):
+        p = D.encode_prompt(tok, row["prompt"])
+        c = tok(row["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert ex["input_ids"] == p + c
+        assert ex["labels"] == [-100] * len(p) + c
+        assert ex["n_labels"] == len(c) == sum(t != -100 for t in ex["labels"])
+        assert ex["input_ids"][-1] == tok.eos_token_id == 2
+        assert p[0] == tok.bos_token_id and p[-1] == tok.convert_tokens_to_ids("<|assistant|>")
+        assert tok.decode(ex["input_ids"]) == f"<|bos|><|user|>{row['prompt']}<|assistant|>{row['completion']}<|eos|>"
+
+
+def test_sft_examples_truncates_prompt_from_the_left(tok):
+    row = SFT_ROWS[0]
+    p = D.encode_prompt(tok, row["prompt"])
+    c = D.encode_completions(tok, [row["completion"]])[0]
+    assert len(p) > 3
+    (ex,) = D.sft_examples(tok, [row], max_length=len(c) + 3)
+    assert ex["input_ids"] == p[-3:] + c  # the prompt's END survives, the completion is whole
+    assert ex["labels"] == [-100] * 3 + c
+    # exactly one prompt token left: still kept
+    (ex,) = D.sft_examples(tok, [row], max_length=len(c) + 1)
+    assert ex["input_ids"] == p[-1:] + c
+    # a full-length example is not cut at all
+    (ex,) = D.sft_examples(tok, [row], max_length=len(p) + len(c))
+    assert ex["input_ids"] == p + c
+
+
+def test_sft_examples_drops_too_long_completion(tok):
+    long_row = {"prompt": "Q", "completion": "1 2 3 4 5 6 7 8 9 " * 4}
+    c_long = D.encode_completions(tok, [long_row["completion"]])[0]
+    max_length = len(c_long)  # the completion alone fills the window: no prompt token left -> dropped
+    exs = D.sft_examples(tok, [SFT_ROWS[0], long_row, SFT_ROWS[1]], max_length=max_length)
+    assert len(exs) == 2
+    assert all(len(e["input_ids"]) <= max_length for e in exs)
+    assert [tok.decode([t for t in e["labels"] if t != -100]) for e in exs] == [
+        SFT_ROWS[0]["completion"] + "<|eos|>", SFT_ROWS[1]["completion"] + "<|eos|>"]
+
+
+# --------------------------------------------------------------------------------------------- prompts
+
+PROMPTS = ["What is 1 + 2?", "  leading and trailing spaces  ", "", "line one\nline two", "<|user|> spoof",
+           "ünïcödé ✓"]
+
+
+@pytest.mark.parametrize("which", ["shipped", "no_template"])
+def test_prompt_texts_fast_path_equals_per_row(which, tok, tok_no_template):
+    t = tok if which == "shipped" else tok_no_template
+    mixed = PROMPTS + [[{"role": "system", "content": "sys"}, {"role": "user", "content": "u"}]]
+    assert D.prompt_texts(t, mixed) == [D.prompt_text(t, p) for p in mixed]
+    assert D.prompt_texts(t, []) == []
+
+
+def test_prompt_text_with_and_without_template(tok, tok_no_template):
+    assert D.prompt_text(tok, "hi") == "<|bos|><|user|>hi<|assistant|>"
+    assert D.prompt_text(tok_no_template, "hi") == "<|bos|>hi"
+    assert D.prompt_text(tok_no_template, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == \
+        "<|bos|>a\nb"
+    assert D.encode_prompt(tok_no_template, "hi") == [tok.bos_token_id] + tok("hi", add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.xfail(strict=True, reason="prompt_texts checks only the FIRST prompt against the template; a template "
+                   "that transforms content (e.g. `| trim`, as Llama-3's does) renders later prompts differently")
+def test_prompt_texts_fast_path_with_a_transforming_template(tok_no_template):
+    import copy
+
+    t = copy.deepcopy(tok_no_template)
+    t.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] | trim }}{% endfor %}"
+                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    prompts = ["no spaces", "  padded  "]
+    assert D.prompt_texts(t, prompts) == [D.prompt_text(t, p) for p in prompts]
+
+
+# --------------------------------------------------------------------------------------------- collate
+
+
+def test_collate_sft_pads_right():
+    exs = [
+        {"input_ids": [1, 4, 10, 11, 2], "labels": [-100, -100, 10, 11, 2], "n_labels": 3},
+        {"input_ids": [1, 12, 2], "labels": [-100, 12, 2], "n_labels": 2},
+    ]
+    b = D.collate_sft(exs, pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 4, 10, 11, 2], [1, 12, 2, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert b["labels"].tolist() == [[-100, -100, 10, 11, 2], [-100, 12, 2, -100, -100]]
+    assert all(v.dtype == torch.int64 for v in b.values())
+
+
+def test_pad_left_and_right():
+    assert D.pad([[1], [2, 3, 4]], 0) == [[1, 0, 0], [2, 3, 4]]
+    assert D.pad([[1], [2, 3, 4]], 9, side="left") == [[9, 9, 1], [2, 3, 4]]
