@@ -51,7 +51,8 @@ def _generation_config(tokenizer, s: Sampling):
 
 
 def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bool]:
-    """Cut a generated row after its first EOS (kept); without EOS drop trailing padding."""
+    """Cut a generated row after its first EOS (kept). Without EOS the row is returned as is (generate pads
+    only after EOS, so such a row has no padding)."""
     if eos_id in ids:
         return ids[: ids.index(eos_id) + 1], True
     return ids, False

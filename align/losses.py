@@ -8,6 +8,11 @@ import torch.nn.functional as F
 IGNORE = -100
 
 
+def _at_least_fp32(t: torch.Tensor) -> torch.dtype:
+    """bf16/fp16 logits are upcast for the softmax; fp64 stays fp64 (gradcheck)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Token t is predicted from positions < t: logits[:, t-1] scores labels[:, t]."""
     return labels[:, 1:]
@@ -22,7 +27,7 @@ def completion_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     """
     target = shift_labels(labels)
     logits = logits[:, :-1]
-    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1),
+    nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)).to(_at_least_fp32(logits)), target.reshape(-1),
                           ignore_index=IGNORE, reduction="sum")
     return nll, (target != IGNORE).sum()
 
@@ -32,8 +37,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk: int = 1024) -
     full B×T×V fp32 log-softmax never exists at once. logits: [B, T, V], ids: [B, T] -> [B, T]."""
     flat_logits = logits.reshape(-1, logits.size(-1))
     flat_ids = ids.reshape(-1)
-    out = torch.empty(flat_ids.shape, dtype=torch.float32, device=logits.device)
+    dtype = _at_least_fp32(logits)
+    out = torch.empty(flat_ids.shape, dtype=dtype, device=logits.device)
     for i in range(0, flat_ids.numel(), chunk):
-        lg = flat_logits[i : i + chunk].float()
+        lg = flat_logits[i : i + chunk].to(dtype)
         out[i : i + chunk] = lg.gather(-1, flat_ids[i : i + chunk, None]).squeeze(-1) - lg.logsumexp(-1)
     return out.view(ids.shape)

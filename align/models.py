@@ -120,11 +120,18 @@ def load_causal_lm(ref: ModelRef, tokenizer, dtype, seed: int = 0, trust_remote_
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(preset_config(ref.preset, tokenizer), dtype=dtype)
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             ref.model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
         )
     except ValueError as e:
         raise UserError(f"{ref.model_dir}: cannot load as a causal LM ({str(e).splitlines()[0]}).") from None
+    if len(tokenizer) > model.config.vocab_size:
+        raise UserError(
+            f"{ref.model_dir}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+            f"{model.config.vocab_size}; token ids past it would index outside the embedding. Use the tokenizer "
+            "the model was trained with (tokenizer_class in tokenizer_config.json)."
+        )
+    return model
 
 
 def count_parameters(model) -> int:

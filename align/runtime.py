@@ -41,9 +41,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(timeout_s: int = 1800) -> Dist:
-    """Start (once) the process group DeepSpeed needs, even for a single process."""
+def init(timeout_s: int | None = None) -> Dist:
+    """Start (once) the process group DeepSpeed needs, even for a single process.
+
+    `timeout_s` (default: $ALIGN_DIST_TIMEOUT or 1800) bounds how long a rank waits for its peers."""
     global _DIST
+    timeout_s = timeout_s or int(os.environ.get("ALIGN_DIST_TIMEOUT", 1800))
     if _DIST is not None:
         return _DIST
     if "RANK" not in os.environ:  # single process: DeepSpeed would otherwise try MPI discovery

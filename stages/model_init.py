@@ -17,6 +17,8 @@ class ModelInitConfig:
 def run(cfg: ModelInitConfig) -> dict:
     import torch
 
+    from align.runtime import quiet_libraries
+
     from align.artifacts import ArtifactWriter
     from align.config import as_dict
     from align.console import summary_table
@@ -26,6 +28,7 @@ def run(cfg: ModelInitConfig) -> dict:
 
     if cfg.preset not in PRESETS:
         raise UserError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}.")
+    quiet_libraries()
     ref = resolve(cfg.preset)
     writer = ArtifactWriter(cfg.out, "model-init", as_dict(cfg), {"tokenizer": str(TOKENIZER_DIR)})
     tok = load_tokenizer(ref)

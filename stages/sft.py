@@ -19,7 +19,7 @@ class SFTConfig(StageConfig):
     data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion} or {messages}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has 'answer'.", path=True)
     columns: str = opt("", "Rename columns: old=new,old2=new2.")
-    max_steps: int = opt(2500, "Optimiser steps.")
+    max_steps: int = opt(1500, "Optimiser steps.")
     batch_size: int = opt(32, "Global batch size (examples per optimiser step, all processes).")
     micro_batch_size: int = opt(0, "Examples per forward per process (0: batch_size / processes).")
     lr: float = opt(2e-3, "Peak learning rate (AdamW).")
@@ -68,19 +68,19 @@ def run(cfg: SFTConfig) -> dict:
     ref = resolve(cfg.model)
     train_rows = D.load_rows(cfg.data, "sft", cfg.columns)
     eval_rows = D.load_rows(cfg.eval_data, "sft", cfg.columns) if cfg.eval_data else []
+    tok = load_tokenizer(ref, cfg.trust_remote_code)
+    examples = D.sft_examples(tok, train_rows, cfg.max_length)
+    if not examples:
+        raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}; raise it.")
+    eval_examples = D.sft_examples(tok, eval_rows, cfg.max_length)
+    verifiable = [r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples]
     dist = runtime.init()
+    if len(examples) < len(train_rows):
+        info(f"[yellow]dropped {len(train_rows) - len(examples)} examples whose completion exceeds --max-length[/]")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     writer = ArtifactWriter(out, "sft", as_dict(cfg), describe_inputs(ref, cfg.data, cfg.eval_data), dist.is_main)
-    tok = load_tokenizer(ref, cfg.trust_remote_code)
-    examples = D.sft_examples(tok, train_rows, cfg.max_length)
-    if len(examples) < len(train_rows):
-        info(f"[yellow]dropped {len(train_rows) - len(examples)} examples whose completion exceeds --max-length[/]")
-    if not examples:
-        raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}.")
-    eval_examples = D.sft_examples(tok, eval_rows, cfg.max_length)
-    verifiable = [r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples]
 
     # ---- model and engine
     micro, accum = training.batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)

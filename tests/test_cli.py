@@ -178,9 +178,6 @@ def test_rerun_with_unknown_toml_key_keeps_existing_artifact(complete_artifact, 
     assert_intact(out, before)
 
 
-@pytest.mark.xfail(strict=True, reason="stages/sft.py creates the ArtifactWriter (artifact.json -> status 'running', "
-                   "metrics.jsonl/health.jsonl truncated) BEFORE tokenising, so a --max-length no example fits "
-                   "destroys the previous complete artifact in --out")
 def test_rerun_with_no_example_fitting_keeps_existing_artifact(complete_artifact, data_dir):
     out, before = complete_artifact
     proc = run_align(*sft_args(data_dir, out), "--max-length", 2)

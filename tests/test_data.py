@@ -264,8 +264,6 @@ def test_prompt_text_with_and_without_template(tok, tok_no_template):
     assert D.encode_prompt(tok_no_template, "hi") == [tok.bos_token_id] + tok("hi", add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.xfail(strict=True, reason="prompt_texts checks only the FIRST prompt against the template; a template "
-                   "that transforms content (e.g. `| trim`, as Llama-3's does) renders later prompts differently")
 def test_prompt_texts_fast_path_with_a_transforming_template(tok_no_template):
     import copy
 

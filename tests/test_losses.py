@@ -73,14 +73,6 @@ def test_completion_nll_gradient_by_hand():
     torch.testing.assert_close(logits.grad, expected, atol=1e-6, rtol=0)
 
 
-FP64_DOWNCAST = pytest.mark.xfail(
-    strict=True,
-    reason="losses.py computes in `.float()`, which DOWNcasts float64 logits to float32: the 1e-6 finite "
-    "differences of an fp64 gradcheck are lost (fix: promote_types(logits.dtype, float32) instead of .float())",
-)
-
-
-@FP64_DOWNCAST
 def test_completion_nll_gradcheck_fp64():
     torch.manual_seed(0)
     logits = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
@@ -126,7 +118,6 @@ def test_token_logprobs_bf16_is_computed_in_fp32():
     torch.testing.assert_close(out, naive, atol=1e-5, rtol=0)
 
 
-@FP64_DOWNCAST
 def test_token_logprobs_gradcheck_fp64():
     torch.manual_seed(3)
     logits = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)

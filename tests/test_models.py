@@ -42,7 +42,9 @@ def save_arch(arch: str, root: Path) -> Path:
     from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
 
     tok = load_tokenizer(resolve("tiny"))
-    ids = dict(vocab_size=512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    # Qwen2: transformers 5 picks Qwen2Tokenizer from config.json's model_type and appends '<|endoftext|>' as
+    # id 512, so give the model a padded vocabulary (as real checkpoints do) that covers it.
+    ids = dict(vocab_size=576 if arch == "qwen2" else 512, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                pad_token_id=tok.pad_token_id)
     if arch == "qwen2":
         cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -64,7 +66,7 @@ def finite_logits(model_dir: Path):
     ids = torch.tensor([[1, 4, 20, 30, 40, 5]])
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    assert logits.shape == (1, 6, 512)
+    assert logits.shape == (1, 6, model.config.vocab_size)
     assert torch.isfinite(logits).all()
     return model
 
@@ -79,10 +81,9 @@ def test_architecture_resolves_loads_and_trains(arch, tiny_model_dir, sft_data, 
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 0)
     text = "<|bos|><|user|>Tom has 23 apples. #### 68<|assistant|>"
     assert tok(text, add_special_tokens=False)["input_ids"] == shipped(text, add_special_tokens=False)["input_ids"]
-    # (transformers 5 picks Qwen2Tokenizer from config.json's model_type and may append '<|endoftext|>' as id 512)
     assert len(tok) == 512 or arch == "qwen2"
     model = load_causal_lm(ref, tok, torch.float32)
-    assert model.config.model_type == arch and model.config.vocab_size == 512
+    assert model.config.model_type == arch and model.config.vocab_size == (576 if arch == "qwen2" else 512)
 
     if arch == "llama":
         out = request.getfixturevalue("sft_artifact")
