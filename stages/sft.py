@@ -28,6 +28,8 @@ class SFTConfig(StageConfig):
     weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
     grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
     max_length: int = opt(256, "Max tokens per example; the prompt is cut from the left, never the completion.")
+    packing: bool = opt(False, "Pack examples into rows of --max-length (block-diagonal attention); "
+                               "--batch-size then counts packed rows.")
     eval_every: int = opt(500, "Evaluate (loss, pass@1) every N steps; 0: only at the end.")
     eval_samples: int = opt(200, "Held-out problems for pass@1.")
     max_new_tokens: int = opt(48, "Generation budget for pass@1.")
@@ -72,11 +74,14 @@ def run(cfg: SFTConfig) -> dict:
     examples = D.sft_examples(tok, train_rows, cfg.max_length)
     if not examples:
         raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}; raise it.")
+    n_examples = len(examples)
+    if cfg.packing:
+        examples = D.pack_examples(examples, cfg.max_length)
     eval_examples = D.sft_examples(tok, eval_rows, cfg.max_length)
     verifiable = [r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples]
     dist = runtime.init()
-    if len(examples) < len(train_rows):
-        info(f"[yellow]dropped {len(train_rows) - len(examples)} examples whose completion exceeds --max-length[/]")
+    if n_examples < len(train_rows):
+        info(f"[yellow]dropped {len(train_rows) - n_examples} examples whose completion exceeds --max-length[/]")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
@@ -93,7 +98,8 @@ def run(cfg: SFTConfig) -> dict:
     schedule = training.lr_lambda(cfg.schedule, cfg.warmup_steps, cfg.max_steps)
     eng = runtime.engine(model, ds, optimizer, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     n_params = count_parameters(eng.module)
-    info(f"sft: {n_params / 1e6:.2f}M parameters, {len(examples)} examples, {dist.world_size} process(es), "
+    packed = f" in {len(examples)} packed rows" if cfg.packing else ""
+    info(f"sft: {n_params / 1e6:.2f}M parameters, {n_examples} examples{packed}, {dist.world_size} process(es), "
          f"ZeRO-{cfg.zero_stage}, {dtype}, micro batch {micro} x accum {accum}, device {dist.device.type}")
     start = training.load_checkpoint(eng, out)["step"] if cfg.resume else 0
 
@@ -108,7 +114,7 @@ def run(cfg: SFTConfig) -> dict:
                 tot = torch.zeros(2, device=dist.device)
                 for i in range(0, len(mine), 64):
                     b = {k: v.to(dist.device) for k, v in D.collate_sft(mine[i : i + 64], tok.pad_token_id).items()}
-                    nll, n = completion_nll(eng(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+                    nll, n = completion_nll(eng(**D.model_inputs(b)).logits, b["labels"])
                     tot += torch.stack([nll.float(), n.float()])
                 runtime.all_reduce_sum(tot)
             metrics["eval/loss"] = (tot[0] / tot[1]).item()
@@ -131,11 +137,11 @@ def run(cfg: SFTConfig) -> dict:
             sums = torch.zeros(2, device=dist.device)  # [summed NLL, tokens incl. prompt] on this rank
             for m in range(accum):
                 b = {k: v.to(dist.device) for k, v in D.collate_sft(batch[m * micro : (m + 1) * micro], tok.pad_token_id).items()}
-                nll, _ = completion_nll(eng(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, b["labels"])
+                nll, _ = completion_nll(eng(**D.model_inputs(b)).logits, b["labels"])
                 # DeepSpeed divides by `accum` and averages over ranks: undo both to get sum / N_global.
                 eng.backward(nll / n_global * dist.world_size * accum)
                 eng.step()
-                sums += torch.stack([nll.detach().float(), b["attention_mask"].sum().float()])
+                sums += torch.stack([nll.detach().float(), (b["input_ids"] != tok.pad_token_id).sum().float()])
             runtime.all_reduce_sum(sums)
             loss = (sums[0] / n_global).item()
             tokens_seen += int(sums[1])
