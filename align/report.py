@@ -71,9 +71,15 @@ def _save_atomic(fig, out_png: Path) -> Path:
     return out_png
 
 
-def _draw(ax, xs: list, ys: list, color: str = "C0", label: str | None = None):
+# Deterministic or already-averaged series: an EMA would only add lag.
+UNSMOOTHED = ("lr", "tokens_per_s")
+
+
+def _draw(ax, xs: list, ys: list, color: str = "C0", label: str | None = None, smooth: bool = True):
     """Raw points (faint when many, with an EMA line on top) of one curve."""
-    if len(xs) > RAW_POINTS_MAX:
+    if not smooth:
+        ax.plot(xs, ys, "-", color=color, linewidth=1.5, label=label)
+    elif len(xs) > RAW_POINTS_MAX:
         ax.plot(xs, ys, ".", color=color, alpha=0.3, markersize=3)
         ax.plot(xs, ema(ys, span=max(2, len(ys) // 20)), "-", color=color, linewidth=1.5, label=label)
     else:
@@ -99,7 +105,7 @@ def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None
     fig.suptitle(title)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, (key, xs, ys) in zip(axes, curves):
-        _draw(ax, xs, ys)
+        _draw(ax, xs, ys, smooth=key not in UNSMOOTHED)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
