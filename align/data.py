@@ -6,6 +6,7 @@ Formats (column names after `--columns old=new` mapping):
   prompts      {prompt}
   verifiable   {prompt, answer}
   text         {text}
+  responses    {prompt, response}            (rm score)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ FORMATS = {
     "prompts": ("prompt",),
     "verifiable": ("prompt", "answer"),
     "text": ("text",),
+    "responses": ("prompt", "response"),
 }
 
 
@@ -243,3 +245,70 @@ def model_inputs(batch: dict) -> dict:
     transformers ignores restarting position_ids (packing) and lets packed examples see each other."""
     keep = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     return {**keep, "use_cache": False}
+
+
+# ---- preference pairs (rm, dpo)
+
+PAIR_DROP_REASONS = ("empty", "identical", "too_long")
+
+
+def preference_examples(tokenizer, rows: list[dict], max_length: int, source: str = "data") -> tuple[list[dict], dict]:
+    """Tokenise {prompt, chosen, rejected[, margin]} rows once, for the reward model and DPO.
+
+    The prompt is rendered with the chat template (`encode_prompts`); chosen and rejected each end with EOS
+    (`encode_completions`). Truncation policy: the prompt loses tokens from the LEFT so that prompt + the longer
+    response fits `max_length`; a response is never cut, and a pair whose longer response alone does not fit
+    (with at least one prompt token left) is dropped. Pairs with chosen == rejected, or an empty prompt, chosen or
+    rejected, are dropped too. Returns (examples, report); the report counts every drop reason and the prompts
+    that were cut. A UserError naming `source` when no pair is left.
+    """
+    report = {"pairs": len(rows), "kept": 0, "prompt_truncated": 0, **{f"dropped_{r}": 0 for r in PAIR_DROP_REASONS}}
+    valid = []
+    for row in rows:
+        texts = (row["prompt"], row["chosen"], row["rejected"])
+        if any((t.strip() if isinstance(t, str) else t) in ("", [], None) for t in texts):
+            report["dropped_empty"] += 1
+        elif row["chosen"] == row["rejected"]:
+            report["dropped_identical"] += 1
+        else:
+            valid.append(row)
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in valid])
+    chosen = encode_completions(tokenizer, [r["chosen"] for r in valid])
+    rejected = encode_completions(tokenizer, [r["rejected"] for r in valid])
+    out = []
+    for row, p, c, r in zip(valid, prompts, chosen, rejected):
+        longer = max(len(c), len(r))
+        if longer >= max_length:
+            report["dropped_too_long"] += 1
+            continue
+        cut = max(0, len(p) + longer - max_length)
+        report["prompt_truncated"] += cut > 0
+        out.append({"prompt_ids": p[cut:], "chosen_ids": c, "rejected_ids": r,
+                    "margin": float(row["margin"]) if row.get("margin") is not None else 0.0})
+    report["kept"] = len(out)
+    if not out:
+        reasons = {"empty": "every pair has an empty prompt, chosen or rejected",
+                   "identical": "every pair has chosen == rejected",
+                   "too_long": f"all pairs too long: no response fits --max-length {max_length}"}
+        worst = max(PAIR_DROP_REASONS, key=lambda k: report[f"dropped_{k}"])
+        raise UserError(f"{source}: no usable preference pair ({reasons[worst]}; dropped: "
+                        + ", ".join(f"{report[f'dropped_{k}']} {k}" for k in PAIR_DROP_REASONS) + ").")
+    return out, report
+
+
+def pair_report_text(report: dict) -> str:
+    """One line for the console: kept pairs and every drop reason."""
+    drops = ", ".join(f"{report[f'dropped_{k}']} {k.replace('_', ' ')}" for k in PAIR_DROP_REASONS)
+    return f"{report['kept']}/{report['pairs']} pairs kept (dropped: {drops}; prompts cut: {report['prompt_truncated']})"
+
+
+def collate_pairs(examples: list[dict], pad_id: int):
+    """One right-padded batch of 2B rows: the B chosen sequences, then the B rejected ones (one forward for both).
+    labels are -100 on prompt and padding; `margin` is the per-pair margin (0 when the data has none)."""
+    import torch
+
+    seqs = [e["prompt_ids"] + e["chosen_ids"] for e in examples] + [e["prompt_ids"] + e["rejected_ids"] for e in examples]
+    labels = ([[-100] * len(e["prompt_ids"]) + e["chosen_ids"] for e in examples]
+              + [[-100] * len(e["prompt_ids"]) + e["rejected_ids"] for e in examples])
+    return {"input_ids": torch.tensor(pad(seqs, pad_id)), "attention_mask": torch.tensor(pad([[1] * len(s) for s in seqs], 0)),
+            "labels": torch.tensor(pad(labels, -100)), "margin": torch.tensor([e["margin"] for e in examples])}

@@ -43,3 +43,59 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk: int = 1024) -
         lg = flat_logits[i : i + chunk].to(dtype)
         out[i : i + chunk] = lg.gather(-1, flat_ids[i : i + chunk, None]).squeeze(-1) - lg.logsumexp(-1)
     return out.view(ids.shape)
+
+
+# ---- preference losses (reward model, DPO)
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair reward-model loss −log σ(r_w − r_l − m) (Bradley–Terry preference model as used for RLHF reward
+    models: Stiennon et al. 2020, Ouyang et al. 2022 "InstructGPT"; the optional margin m is Llama 2's).
+    Computed with logsigmoid, stable for any reward gap. Returns one value per pair (the caller normalises)."""
+    diff = r_chosen - r_rejected
+    if margin is not None:
+        diff = diff - margin
+    return -F.logsigmoid(diff)
+
+
+def centering_penalty(r_chosen: torch.Tensor, r_rejected: torch.Tensor, coef: float) -> torch.Tensor:
+    """Per-pair reward-centring regulariser coef · (r_w + r_l)² (its mean over pairs is the usual
+    coef · mean((r_w + r_l)²), Eisenstein et al. 2023): keeps the rewards near zero, since BT sees only differences."""
+    return coef * (r_chosen + r_rejected) ** 2
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed response log-probability log π(y|x) = Σ_t m_t · log π(y_t | x, y_<t) per row (NOT averaged: the DPO
+    objective is on sequence likelihoods), m_t = 1 where labels ≠ −100. logits [B, T, V], labels [B, T] -> [B]."""
+    target = shift_labels(labels)
+    mask = target != IGNORE
+    lp = token_logprobs(logits[:, :-1], target.clamp(min=0))
+    return (lp * mask).sum(-1)
+
+
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+    """Per-pair DPO loss and implicit rewards from summed sequence log-probs.
+
+    Δ = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))
+      sigmoid  −(1−ε)·log σ(βΔ) − ε·log σ(−βΔ)   (Rafailov et al. 2023, DPO; ε > 0 is conservative DPO, cDPO)
+      ipo      (Δ − 1/(2β))²                      (Azar et al. 2023, IPO)
+      hinge    max(0, 1 − βΔ)                      (Zhao et al. 2023, SLiC-HF)
+    Returns (loss per pair, implicit reward of chosen β(log π − log π_ref)(y_w), of rejected β(...)(y_l)); the
+    rewards are detached.
+    """
+    chosen_ratio = policy_chosen - ref_chosen
+    rejected_ratio = policy_rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        loss = -(1 - label_smoothing) * F.logsigmoid(beta * delta) - label_smoothing * F.logsigmoid(-beta * delta)
+    elif loss_type == "ipo":
+        loss = (delta - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        loss = torch.relu(1 - beta * delta)
+    else:
+        raise ValueError(f"unknown DPO loss {loss_type!r}; choose one of {', '.join(DPO_LOSSES)}")
+    return loss, (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()

@@ -1,0 +1,97 @@
+"""Preference losses: hand-computed values and numerical gradients (gradcheck, float64)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from align.losses import bradley_terry_loss, centering_penalty, dpo_loss, sequence_logps
+
+D = torch.float64
+
+
+def t(*xs):
+    return torch.tensor(xs, dtype=D)
+
+
+def test_bradley_terry_hand_values():
+    # r_w − r_l = 0  -> −log σ(0) = log 2 = 0.693147
+    # r_w − r_l = 2  -> −log σ(2) = log(1 + e^−2) = log(1.135335) = 0.126928
+    # r_w − r_l = −1 -> log(1 + e^1) = log(3.718282) = 1.313262
+    loss = bradley_terry_loss(t(1.0, 3.0, 0.0), t(1.0, 1.0, 1.0))
+    assert torch.allclose(loss, t(math.log(2), 0.126928, 1.313262), atol=1e-6)
+    # margin m = 2 on a gap of 2: −log σ(2 − 2) = log 2
+    assert torch.allclose(bradley_terry_loss(t(3.0), t(1.0), t(2.0)), t(math.log(2)))
+    # huge gaps stay finite (logsigmoid): gap −1000 -> 1000, gap +1000 -> 0
+    assert torch.allclose(bradley_terry_loss(t(0.0, 1000.0), t(1000.0, 0.0)), t(1000.0, 0.0))
+
+
+def test_centering_penalty_hand_values():
+    # coef 0.01: (1 + 2)² = 9 -> 0.09; (−1 + 1)² = 0 -> 0; mean over pairs = 0.045
+    p = centering_penalty(t(1.0, -1.0), t(2.0, 1.0), 0.01)
+    assert torch.allclose(p, t(0.09, 0.0)) and abs(p.mean().item() - 0.045) < 1e-12
+
+
+def test_sequence_logps_sums_response_tokens_only():
+    # vocab 2, uniform logits -> every token has log π = log 0.5; 2 response tokens -> 2·log 0.5 = −1.386294
+    logits = torch.zeros(1, 4, 2, dtype=D)
+    labels = torch.tensor([[-100, -100, 1, 0]])
+    assert torch.allclose(sequence_logps(logits, labels), t(2 * math.log(0.5)))
+    # logits [0, ln 3] at the position predicting token 1: p = 3/4 -> log 0.75 = −0.287682; the other token
+    # stays uniform (log 0.5 = −0.693147): sum = −0.980829 (summed, NOT averaged)
+    logits[0, 1, 1] = math.log(3)
+    assert torch.allclose(sequence_logps(logits, labels), t(math.log(0.75) + math.log(0.5)))
+    # padding (−100 after the response) changes nothing
+    padded = torch.cat([logits, torch.randn(1, 2, 2, dtype=D)], 1)
+    assert torch.allclose(sequence_logps(padded, torch.tensor([[-100, -100, 1, 0, -100, -100]])),
+                          sequence_logps(logits, labels))
+
+
+def test_dpo_hand_values():
+    # pc=−1, pr=−3, rc=−2, rr=−2: Δ = (−1+2) − (−3+2) = 1 − (−1) = 2; β = 0.5 -> βΔ = 1
+    args = (t(-1.0), t(-3.0), t(-2.0), t(-2.0))
+    loss, rc, rr = dpo_loss(*args, beta=0.5)
+    assert torch.allclose(loss, t(math.log(1 + math.exp(-1))))  # −log σ(1) = 0.313262
+    assert torch.allclose(rc, t(0.5)) and torch.allclose(rr, t(-0.5))  # β·1, β·(−1)
+    # cDPO ε = 0.1: 0.9·0.313262 + 0.1·(−log σ(−1) = 1.313262) = 0.281936 + 0.131326 = 0.413262
+    loss, _, _ = dpo_loss(*args, beta=0.5, label_smoothing=0.1)
+    assert torch.allclose(loss, t(0.413262), atol=1e-6)
+    # IPO: (Δ − 1/(2β))² = (2 − 1)² = 1
+    assert torch.allclose(dpo_loss(*args, beta=0.5, loss_type="ipo")[0], t(1.0))
+    # hinge: max(0, 1 − βΔ) = max(0, 1 − 1) = 0; with β = 0.25: 1 − 0.5 = 0.5
+    assert torch.allclose(dpo_loss(*args, beta=0.5, loss_type="hinge")[0], t(0.0))
+    assert torch.allclose(dpo_loss(*args, beta=0.25, loss_type="hinge")[0], t(0.5))
+    # policy == reference: Δ = 0 -> sigmoid loss log 2, implicit rewards 0
+    loss, rc, rr = dpo_loss(t(-5.0), t(-7.0), t(-5.0), t(-7.0), beta=0.1)
+    assert torch.allclose(loss, t(math.log(2))) and rc.item() == 0 and rr.item() == 0
+    with pytest.raises(ValueError):
+        dpo_loss(*args, beta=0.5, loss_type="nope")
+
+
+def _rand(n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, dtype=D, generator=g, requires_grad=True) for _ in range(4)]
+
+
+def test_gradcheck_bradley_terry_and_centering():
+    a, b, m, _ = _rand()
+    assert torch.autograd.gradcheck(lambda x, y, z: bradley_terry_loss(x, y, z), (a, b, m))
+    assert torch.autograd.gradcheck(lambda x, y: bradley_terry_loss(x, y), (a, b))
+    assert torch.autograd.gradcheck(lambda x, y: centering_penalty(x, y, 0.3), (a, b))
+
+
+@pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)])
+def test_gradcheck_dpo(loss_type, eps):
+    ins = _rand(seed=1)
+    if loss_type == "hinge":  # stay away from the kink at βΔ = 1
+        ins = [x.detach().mul(0.1).requires_grad_() for x in ins]
+    assert torch.autograd.gradcheck(lambda *x: dpo_loss(*x, beta=0.7, loss_type=loss_type, label_smoothing=eps)[0],
+                                    tuple(ins))
+
+
+def test_gradcheck_sequence_logps():
+    logits = torch.randn(2, 5, 4, dtype=D, requires_grad=True)
+    labels = torch.tensor([[-100, 1, 2, 3, -100], [-100, -100, 0, 1, 2]])
+    assert torch.autograd.gradcheck(lambda lg: sequence_logps(lg, labels), (logits,))
