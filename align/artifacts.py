@@ -122,6 +122,16 @@ class ArtifactWriter:
         self._metrics = open(self.out / "metrics.jsonl", "a" if config.get("resume") else "w")
         self._health = open(self.out / "health.jsonl", "a" if config.get("resume") else "w")
 
+    def rewind(self, step: int) -> None:
+        """On --resume from a checkpoint at `step`: forget metric lines a killed run wrote after it."""
+        if not self.is_main:
+            return
+        path = self.out / "metrics.jsonl"
+        self._metrics.close()
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in kept))
+        self._metrics = open(path, "a")
+
     @property
     def model_tmp(self) -> Path:
         return self.out / (MODEL_DIR + ".tmp")

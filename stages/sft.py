@@ -70,6 +70,8 @@ def run(cfg: SFTConfig) -> dict:
     ref = resolve(cfg.model)
     train_rows = D.load_rows(cfg.data, "sft", cfg.columns)
     eval_rows = D.load_rows(cfg.eval_data, "sft", cfg.columns) if cfg.eval_data else []
+    if cfg.resume and not (Path(cfg.out) / "checkpoints" / "latest").is_file():
+        raise UserError(f"{cfg.out}: no checkpoint to resume from (checkpoints/latest); run without --resume.")
     tok = load_tokenizer(ref, cfg.trust_remote_code)
     examples = D.sft_examples(tok, train_rows, cfg.max_length)
     if not examples:
@@ -101,7 +103,11 @@ def run(cfg: SFTConfig) -> dict:
     packed = f" in {len(examples)} packed rows" if cfg.packing else ""
     info(f"sft: {n_params / 1e6:.2f}M parameters, {n_examples} examples{packed}, {dist.world_size} process(es), "
          f"ZeRO-{cfg.zero_stage}, {dtype}, micro batch {micro} x accum {accum}, device {dist.device.type}")
-    start = training.load_checkpoint(eng, out)["step"] if cfg.resume else 0
+    start = 0
+    if cfg.resume:
+        start = training.load_checkpoint(eng, out)["step"]
+        writer.rewind(start)
+        info(f"resumed from the checkpoint at step {start}")
 
     monitor = M.RLMonitor(overrides=monitor_overrides(cfg.monitor))
     sampling = Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
@@ -160,7 +166,10 @@ def run(cfg: SFTConfig) -> dict:
             bar.update(done, {**last_eval, **metrics})
             if monitor.should_stop(events):
                 training.save_checkpoint(eng, out, done)
-                writer.fail(f"RLMonitor stop at step {done}: {events[-1].message}", metrics, monitor.summary())
+                stop = next(e for e in events if e.severity == "stop")
+                reason = f"RLMonitor stop at step {done}: {stop.rule}: {stop.message}"
+                writer.fail(reason, metrics, monitor.summary())
+                bar.print(f"[bold red]{reason} (checkpoint saved; fix and rerun, or --resume)[/]")
                 raise SystemExit(1)
             if cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps:
                 training.save_checkpoint(eng, out, done)
