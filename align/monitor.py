@@ -174,6 +174,22 @@ def check_below(xs: list, window: int, min_value: float) -> Check:
     return QUIET
 
 
+def check_below_start(xs: list, window: int, min_ratio: float, min_value: float) -> Check:
+    """Mean of the last `window` values < max(min_value, min_ratio × mean of the first `window` values).
+
+    Relative to the run's own start, because absolute diversity depends on the task (arithmetic answers
+    reuse a dozen tokens). Needs 2 * window values.
+    """
+    if len(xs) < 2 * window:
+        return QUIET
+    floor = max(min_value, min_ratio * _mean(xs[:window]))
+    m = _mean(xs[-window:])
+    if m < floor:
+        return Check(True, m, floor, f"mean of last {window} values {m:.4g} < {floor:.4g} "
+                                     f"({min_ratio:g} x the first {window}: {_mean(xs[:window]):.4g})")
+    return QUIET
+
+
 def check_falling(xs: list, window: int, min_drop: float, min_z: float) -> Check:
     """Mean of the last `window` values is below the mean of the `window` before it.
 
@@ -271,10 +287,10 @@ def default_rules() -> list:
              params={"max_rel_change": 1.0},
              message="Response length drifted far from the start: length hacking or EOS lost. "
                      "Add a length penalty, check EOS/stop-token handling and max_new_tokens truncation."),
-        Rule("low_distinct_1", "distinct_1", check_below, "warn", 10, params={"min_value": 0.2},
+        Rule("low_distinct_1", "distinct_1", check_below_start, "warn", 10, params={"min_ratio": 0.5, "min_value": 0.0},
              message="Low distinct-1 (unigram diversity): mode collapse. "
                      "Raise the sampling temperature, lower the LR, raise the KL coefficient."),
-        Rule("low_distinct_2", "distinct_2", check_below, "warn", 10, params={"min_value": 0.3},
+        Rule("low_distinct_2", "distinct_2", check_below_start, "warn", 10, params={"min_ratio": 0.5, "min_value": 0.0},
              message="Low distinct-2 (bigram diversity): mode collapse. "
                      "Raise the sampling temperature, lower the LR, raise the KL coefficient."),
         Rule("chosen_logp_falling", "logps/chosen", check_fell_from_start, "warn", 10,

@@ -133,8 +133,11 @@ def test_length_drift_growing_and_shrinking():
 
 def test_low_diversity():
     m = feed([{"distinct_1": 0.6, "distinct_2": 0.8}] * 20 + [{"distinct_1": 0.05, "distinct_2": 0.1}] * 20)
-    assert fired(m, "low_distinct_1") == [(27, "warn")]
-    assert fired(m, "low_distinct_2") == [(27, "warn")]
+    # relative to the run's start: first-window means 0.6 / 0.8 -> floors 0.3 / 0.4.
+    # step 25 (values 16..25): (4 * 0.6 + 6 * 0.05) / 10 = 0.27 < 0.3 and (4 * 0.8 + 6 * 0.1) / 10 = 0.38 < 0.4;
+    # step 24: (5 * 0.6 + 5 * 0.05) / 10 = 0.325, (5 * 0.8 + 5 * 0.1) / 10 = 0.45: not yet.
+    assert fired(m, "low_distinct_1") == [(25, "warn")]
+    assert fired(m, "low_distinct_2") == [(25, "warn")]
 
 
 def test_chosen_logp_falling():
