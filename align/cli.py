@@ -65,12 +65,13 @@ def stage_command(parent: typer.Typer, name: str, cfg_cls, help: str, positional
             t = types[f.name]
             flag = "--" + f.name.replace("_", "-")
             h = f.metadata.get("help", "")
+            default_value = f.default_factory() if C.is_list(t) else f.default
             if f.name in positional:
-                default = typer.Argument(f.default, help=h, show_default=True)
+                default = typer.Argument(default_value, help=h, show_default=True)
             elif t is bool:
                 default = typer.Option(f.default, f"{flag}/--no-{flag[2:]}", help=h)
             else:
-                default = typer.Option(f.default, flag, help=h)
+                default = typer.Option(default_value, flag, help=h)
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=t))
             annotations[f.name] = t
         params.append(inspect.Parameter(

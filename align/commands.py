@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 from align.cli import app, data_app, model_app, not_implemented, pipeline_app, rm_app, stage_command
 from align.config import opt
+from stages.dpo import DPOConfig
 from stages.eval import EvalConfig
 from stages.model_init import ModelInitConfig
+from stages.rm import RMConfig, RMEvalConfig, RMScoreConfig
+from stages.grpo import GRPOConfig
 from stages.sft import SFTConfig
 
 
@@ -70,12 +73,45 @@ def data_make(cfg):
     summary_table("data make", summary)
 
 
-not_implemented(rm_app, "train", "Train a Bradley-Terry reward model", 3)
-not_implemented(rm_app, "eval", "Pairwise accuracy of a reward model", 3)
-not_implemented(rm_app, "score", "Score prompt/response rows with a reward model", 3)
-not_implemented(app, "dpo", "Direct Preference Optimization", 3)
+
+
+@stage_command(rm_app, "train", RMConfig, "Train a Bradley-Terry reward model (scalar head on the SFT model).")
+def rm_train(cfg):
+    from stages import rm
+
+    rm.run(cfg)
+
+
+@stage_command(rm_app, "eval", RMEvalConfig, "Held-out pairwise accuracy, mean margin and calibration of a reward model.")
+def rm_eval(cfg):
+    from stages import rm
+
+    rm.run_eval(cfg)
+
+
+@stage_command(rm_app, "score", RMScoreConfig, "Score {prompt, response} rows with a reward model (normalised) to JSONL.")
+def rm_score(cfg):
+    from stages import rm
+
+    rm.run_score(cfg)
+
+
+@stage_command(app, "dpo", DPOConfig, "Direct Preference Optimization against a frozen reference (sigmoid, IPO, hinge).")
+def dpo(cfg):
+    from stages import dpo
+
+    dpo.run(cfg)
+
+
 not_implemented(app, "ppo", "PPO-ptx with a separate value network and adaptive KL", 4)
-not_implemented(app, "grpo", "GRPO / RLVR with verifiable rewards", 5)
+
+
+@stage_command(app, "grpo", GRPOConfig, "GRPO / RLVR: G samples per prompt, verifiable rewards, group-relative "
+                                          "advantages, pass@k.")
+def grpo(cfg):
+    from stages import grpo
+
+    grpo.run(cfg)
 
 from align import pipeline_cli  # noqa: E402,F401  (pipeline run|validate|show)
 

@@ -16,7 +16,13 @@ from align.errors import UserError
 
 
 def opt(default, help: str, **meta):
+    if isinstance(default, list):  # repeatable flag (--reward a --reward b) / TOML array
+        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
+
+
+def is_list(t) -> bool:
+    return typing.get_origin(t) is list
 
 
 @dataclass
@@ -64,9 +70,11 @@ def check_value(cls, key: str, value, where: str) -> object:
         or (want is int and isinstance(value, int) and not isinstance(value, bool))
         or (want is float and isinstance(value, (int, float)) and not isinstance(value, bool))
         or (want is str and isinstance(value, str))
+        or (is_list(want) and isinstance(value, list) and all(isinstance(v, str) for v in value))
     )
     if not ok:
-        raise UserError(f"{where}: {key!r} must be {want.__name__}, got {type(value).__name__} {value!r}.")
+        name = "a list of strings" if is_list(want) else want.__name__
+        raise UserError(f"{where}: {key!r} must be {name}, got {type(value).__name__} {value!r}.")
     return float(value) if want is float else value
 
 

@@ -531,6 +531,8 @@ def toml_value(v) -> str:
         return r if any(c in r for c in ".enai") else r + ".0"
     if isinstance(v, str):
         return json.dumps(v, ensure_ascii=False)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {type(v).__name__} {v!r} to a stage TOML")
 
 

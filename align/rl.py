@@ -1,0 +1,128 @@
+"""RL estimators shared by GRPO and PPO: advantages, KL estimators, the clipped surrogate, loss aggregation.
+
+Every function is pure (tensors in, tensors out). Masks are float/bool tensors with 1 on response tokens the
+loss may see and 0 on prompt, padding, post-EOS and dropped tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADVANTAGE_MODES = ("zscore", "mean", "batch")
+LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-sum")
+
+
+def group_advantages(rewards: torch.Tensor, mode: str = "zscore", eps: float = 1e-4,
+                     batch_std: torch.Tensor | None = None) -> torch.Tensor:
+    """Group-relative advantages for rewards of shape [P prompts, G samples].
+
+    zscore (GRPO, Shao et al. 2024):  A_ij = (r_ij − mean_j r_ij) / (std_j r_ij + eps)
+    mean   (Dr. GRPO, Liu et al. 2025; nanochat): A_ij = r_ij − mean_j r_ij
+    batch  (std over the whole batch, REINFORCE++-style): A_ij = (r_ij − mean_j r_ij) / (std(r) + eps);
+           `batch_std` passes the std of the GLOBAL batch when the batch is spread over ranks.
+    std is the unbiased sample std (as in TRL). A group whose rewards are all equal gets A = 0 exactly.
+    """
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"advantage mode {mode!r} not in {ADVANTAGE_MODES}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if mode == "mean":
+        return centred
+    if mode == "zscore":
+        std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(rewards[:, :1])
+        return centred / (std + eps)
+    std = batch_std if batch_std is not None else rewards.flatten().std()
+    return centred / (std + eps)
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log π(a|s) − log π_ref(a|s): unbiased per-token estimate of KL(π‖π_ref), can be negative
+    (Schulman 2020, "Approximating KL divergence")."""
+    return logp - ref_logp
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 10.0) -> torch.Tensor:
+    """k3 = exp(r) − r − 1 with r = log π_ref − log π, clamped to [−clamp, clamp]: unbiased, always >= 0,
+    low variance (Schulman 2020); GRPO's KL term. The clamp keeps exp(r) finite on rare tokens."""
+    r = (ref_logp - logp).clamp(-clamp, clamp)
+    return torch.exp(r) - r - 1
+
+
+def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
+                      eps_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped objective as a per-token loss (Schulman et al. 2017), with DAPO's clip-higher
+    (Yu et al. 2025: eps_high > eps_low lets low-probability tokens grow):
+
+        ρ = exp(log π_θ − log π_old),  L = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+
+    Returns (loss, low_clipped, high_clipped): where the clip is active, i.e. ρ < 1 − ε_low with A < 0,
+    and ρ > 1 + ε_high with A > 0 (there the gradient is zero). `adv` broadcasts against `logp`.
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    low = (ratio < 1 - eps_low) & (adv < 0)
+    high = (ratio > 1 + eps_high) & (adv > 0)
+    return loss, low, high
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, n_tokens: float, n_seqs: float,
+                   max_len: int) -> torch.Tensor:
+    """Reduce a [N, T] per-token loss to a scalar. Counts are GLOBAL (all ranks, all micro-batches), so
+    micro-batching and data parallelism do not change the objective.
+
+    seq-mean-token-mean (GRPO): (1/N) Σ_i (1/|o_i|) Σ_t ℓ_it      — N = n_seqs
+    token-mean (DAPO):          (1/Σ_i |o_i|) Σ_i Σ_t ℓ_it      — Σ|o_i| = n_tokens
+    seq-sum (Dr. GRPO):         (1/(N·L_max)) Σ_i Σ_t ℓ_it       — a constant normaliser, no length bias
+    """
+    mask = mask.to(per_token.dtype)
+    summed = per_token * mask
+    if mode == "token-mean":
+        return summed.sum() / max(n_tokens, 1.0)
+    if mode == "seq-mean-token-mean":
+        lengths = mask.sum(dim=1).clamp(min=1)
+        return (summed.sum(dim=1) / lengths).sum() / max(n_seqs, 1.0)
+    if mode == "seq-sum":
+        return summed.sum() / (max(n_seqs, 1.0) * max_len)
+    raise ValueError(f"loss aggregation {mode!r} not in {LOSS_AGGREGATIONS}")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Per-position entropy H = logsumexp(z) − Σ softmax(z)·z, chunked over positions ([B, T, V] -> [B, T])."""
+    flat = logits.reshape(-1, logits.size(-1))
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for i in range(0, flat.shape[0], chunk):
+        z = flat[i : i + chunk].float()
+        out[i : i + chunk] = z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)
+    return out.view(logits.shape[:-1])
+
+
+def distinct_n(sequences: list[list[int]], n: int) -> float:
+    """Distinct-n (Li et al. 2016): unique n-grams / total n-grams over a set of generations."""
+    grams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def overlong_penalty(length: int, max_len: int, cache: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_len − cache, then falls linearly to −1 at max_len."""
+    start = max_len - cache
+    if length <= start:
+        return 0.0
+    return max(-1.0, (start - length) / cache)
+
+
+def length_rewards(lengths: list[int], correct: list[bool]) -> list[float]:
+    """Kimi k1.5 length reward within a group: λ = 0.5 − (len − min_len)/(max_len − min_len);
+    correct answers get λ, wrong ones min(0, λ). All equal lengths give 0."""
+    lo, hi = min(lengths), max(lengths)
+    if hi == lo:
+        return [0.0] * len(lengths)
+    lam = [0.5 - (n - lo) / (hi - lo) for n in lengths]
+    return [l if c else min(0.0, l) for l, c in zip(lam, correct)]

@@ -1,0 +1,193 @@
+"""RL estimators against hand-computed values and numerical gradients (align/rl.py, align/reward_fns.py)."""
+
+import math
+
+import pytest
+import torch
+
+from align import rl
+from align.errors import UserError
+from align.generation import Completion
+from align.reward_fns import RewardError, call_reward, parse_rewards
+from align.rollout import rollout_batch
+
+
+# ---- advantages
+def test_zscore_advantage_by_hand():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    # mean 0.5; unbiased std = sqrt((4 * 0.25) / 3) = 0.57735
+    a = rl.group_advantages(r, "zscore", eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5, rtol=0)
+
+
+def test_mean_advantage_by_hand():
+    r = torch.tensor([[3.0, 1.0, 2.0], [0.0, 0.0, 3.0]])
+    a = rl.group_advantages(r, "mean")
+    torch.testing.assert_close(a, torch.tensor([[1.0, -1.0, 0.0], [-1.0, -1.0, 2.0]]))
+
+
+def test_batch_advantage_uses_the_batch_std():
+    r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    # group means 0.5 and 1; batch std (unbiased) of [1, 0, 1, 1] = sqrt(0.75 / 3) = 0.5
+    a = rl.group_advantages(r, "batch", eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([[1.0, -1.0], [0.0, 0.0]]))
+    a2 = rl.group_advantages(r, "batch", eps=0.0, batch_std=torch.tensor(0.25))
+    torch.testing.assert_close(a2, torch.tensor([[2.0, -2.0], [0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("mode", rl.ADVANTAGE_MODES)
+def test_all_equal_group_gives_zero_advantage_never_nan(mode):
+    r = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    a = rl.group_advantages(r, mode)
+    assert torch.isfinite(a).all() and (a == 0).all()
+
+
+# ---- KL estimators
+def test_k1_and_k3_by_hand():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    torch.testing.assert_close(rl.kl_k1(logp, ref), torch.tensor([0.5, -1.0]))
+    # r = ref - logp = [-0.5, 1.0]; k3 = e^r - r - 1 = [0.606531 + 0.5 - 1, 2.718282 - 1 - 1]
+    torch.testing.assert_close(rl.kl_k3(logp, ref), torch.tensor([0.106531, 0.718282]), atol=1e-5, rtol=0)
+
+
+def test_k3_is_zero_at_equality_nonnegative_and_clamped():
+    x = torch.randn(100)
+    assert (rl.kl_k3(x, x) == 0).all()
+    assert (rl.kl_k3(x, torch.randn(100)) >= 0).all()
+    # log-ratio 50 clamps to 10: e^10 - 10 - 1
+    assert rl.kl_k3(torch.tensor([0.0]), torch.tensor([50.0])).item() == pytest.approx(math.exp(10) - 11)
+
+
+def test_k3_gradcheck():
+    logp = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(6, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x: rl.kl_k3(x, ref), (logp,))
+
+
+# ---- clipped surrogate
+def test_clipped_surrogate_by_hand():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7]))  # ratios
+    adv = torch.tensor([1.0, -1.0, -2.0, 1.0])
+    loss, low, high = rl.clipped_surrogate(logp, old, adv, eps_low=0.2, eps_high=0.28)
+    # ratio 1.5, A=+1: min(1.5, 1.28) -> -1.28 (clipped high)
+    # ratio 0.5, A=-1: min(-0.5, -0.8) = -0.8 -> 0.8 (clipped low)
+    # ratio 1.1, A=-2: min(-2.2, -2.2) -> 2.2 (inside)
+    # ratio 0.7, A=+1: min(0.7, 0.8) = 0.7 -> -0.7 (below range but A>0: not clipped, gradient flows)
+    torch.testing.assert_close(loss, torch.tensor([-1.28, 0.8, 2.2, -0.7]), atol=1e-6, rtol=0)
+    assert high.tolist() == [True, False, False, False]
+    assert low.tolist() == [False, True, False, False]
+
+
+def test_clipped_surrogate_gradient_zero_where_clipped():
+    old = torch.zeros(2, dtype=torch.float64)
+    logp = torch.log(torch.tensor([1.5, 1.1], dtype=torch.float64)).requires_grad_()
+    loss, _, _ = rl.clipped_surrogate(logp, old, torch.tensor([1.0, 1.0], dtype=torch.float64), 0.2, 0.28)
+    loss.sum().backward()
+    # d/dlogp of -ratio*A = -ratio = -1.1 inside; 0 where clipped
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, -1.1], dtype=torch.float64))
+
+
+def test_clipped_surrogate_gradcheck_inside_the_clip_range():
+    old = torch.zeros(5, dtype=torch.float64)
+    logp = (torch.rand(5, dtype=torch.float64) * 0.2 - 0.1).requires_grad_()
+    adv = torch.randn(5, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x: rl.clipped_surrogate(x, old, adv, 0.2, 0.28)[0], (logp,))
+
+
+# ---- loss aggregation
+LOSS = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 9.0, 9.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+
+
+def test_aggregations_by_hand():
+    # token-mean: (1+2+3+4+5)/5 = 3
+    assert rl.aggregate_loss(LOSS, MASK, "token-mean", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(3.0)
+    # seq-mean-token-mean: ((1+2+3)/3 + (4+5)/2) / 2 = (2 + 4.5) / 2 = 3.25
+    assert rl.aggregate_loss(LOSS, MASK, "seq-mean-token-mean", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(3.25)
+    # seq-sum (Dr. GRPO): 15 / (2 * 4) = 1.875
+    assert rl.aggregate_loss(LOSS, MASK, "seq-sum", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(1.875)
+
+
+def test_aggregation_with_global_counts_splits_exactly():
+    """Two micro-batches (or ranks) with global counts sum to the whole-batch value."""
+    for mode in rl.LOSS_AGGREGATIONS:
+        whole = rl.aggregate_loss(LOSS, MASK, mode, n_tokens=5, n_seqs=2, max_len=4)
+        parts = sum(rl.aggregate_loss(LOSS[i : i + 1], MASK[i : i + 1], mode, n_tokens=5, n_seqs=2, max_len=4)
+                    for i in range(2))
+        assert parts.item() == pytest.approx(whole.item())
+
+
+def test_masked_tokens_never_reach_the_loss():
+    poisoned = LOSS.clone()
+    poisoned[MASK == 0] = float("nan")
+    for mode in rl.LOSS_AGGREGATIONS:
+        v = rl.aggregate_loss(torch.nan_to_num(poisoned, nan=1e9) * MASK, MASK, mode, n_tokens=5, n_seqs=2, max_len=4)
+        assert v.item() == pytest.approx(rl.aggregate_loss(LOSS, MASK, mode, n_tokens=5, n_seqs=2, max_len=4).item())
+
+
+def test_aggregation_gradcheck():
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    for mode in rl.LOSS_AGGREGATIONS:
+        assert torch.autograd.gradcheck(
+            lambda t: rl.aggregate_loss(t, MASK.double(), mode, n_tokens=5, n_seqs=2, max_len=4), (x,))
+
+
+# ---- rollout masks
+def test_response_mask_covers_response_and_eos_only():
+    eos, pad = 2, 0
+    comps = [Completion([1, 4, 7], [9, 9, eos], "", True), Completion([1, 5], [8], "", False)]
+    b = rollout_batch(comps, pad, "cpu")
+    assert b["input_ids"].tolist() == [[1, 4, 7, 9, 9, eos], [1, 5, 8, pad, pad, pad]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    # target t predicts token t+1: row 0 predicts tokens 3..5 (9, 9, EOS); row 1 predicts token 2 (8) only
+    assert b["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+
+
+# ---- misc estimators
+def test_distinct_n_and_overlong_and_length_reward_by_hand():
+    assert rl.distinct_n([[1, 2, 3], [1, 2, 4]], 1) == pytest.approx(4 / 6)
+    assert rl.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)  # (1,2) (2,3) (1,2) (2,4)
+    assert rl.overlong_penalty(10, max_len=20, cache=5) == 0.0
+    assert rl.overlong_penalty(17, max_len=20, cache=5) == pytest.approx(-0.4)  # (15 - 17) / 5
+    assert rl.overlong_penalty(25, max_len=20, cache=5) == -1.0
+    # lengths 10, 20, 30: λ = 0.5, 0, -0.5; wrong answers get min(0, λ)
+    assert rl.length_rewards([10, 20, 30], [True, False, True]) == [0.5, 0.0, -0.5]
+    assert rl.length_rewards([10, 20, 30], [False, True, False]) == [0.0, 0.0, -0.5]
+    assert rl.length_rewards([5, 5], [True, False]) == [0.0, 0.0]
+
+
+def test_entropy_from_logits_by_hand():
+    z = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
+    # H = -(0.5 ln 0.5 + 2 * 0.25 ln 0.25) = 1.0397
+    assert rl.entropy_from_logits(z).item() == pytest.approx(1.039721, abs=1e-5)
+
+
+# ---- reward functions
+def test_reward_specs_weights_and_user_functions(tmp_path):
+    f = tmp_path / "myrewards.py"
+    f.write_text("def short(prompt, completion, **row):\n    return 1.0 if len(completion) < 5 else 0.0\n"
+                 "def broken(prompt, completion, **row):\n    raise ValueError('boom')\n"
+                 "def nan(prompt, completion, **row):\n    return float('nan')\n"
+                 "def text(prompt, completion, **row):\n    return 'yes'\n")
+    fns = parse_rewards(["math", "answer_format:0.2", f"{f}:short:0.5"])
+    assert [(r.name, r.weight) for r in fns] == [("math", 1.0), ("answer_format", 0.2), ("myrewards.short", 0.5)]
+    row = {"prompt": "p", "answer": "68"}
+    assert call_reward(fns[0], "p", "23 + 45 = 68. #### 68", row) == 1.0
+    assert call_reward(fns[1], "p", "23 + 45 = 68. #### 68", row) == 1.0
+    assert call_reward(fns[1], "p", "68", row) == 0.0
+    assert call_reward(fns[2], "p", "abc", row) == 1.0
+    for name, needle in (("broken", "ValueError: boom"), ("nan", "nan"), ("text", "not a number")):
+        (bad,) = parse_rewards([f"{f}:{name}"])
+        with pytest.raises(RewardError, match=needle) as e:
+            call_reward(bad, "p", "the completion", row)
+        assert "the completion" in str(e.value)
+
+
+def test_reward_spec_errors(tmp_path):
+    with pytest.raises(UserError, match="unknown reward"):
+        parse_rewards(["nope"])
+    with pytest.raises(UserError, match="not found"):
+        parse_rewards([str(tmp_path / "missing.py") + ":fn"])
+    with pytest.raises(UserError, match="add --reward math"):
+        parse_rewards(["length"])
