@@ -1,0 +1,109 @@
+"""Reward models: loading, raw scoring and THE normalisation every consumer (rm score, PPO, GRPO) applies.
+
+A reward model is a `save_pretrained` AutoModelForSequenceClassification (num_labels=1) whose config carries
+`pad_token_id` (transformers reads the score at the last non-padding token) and align's normalisation:
+    normalised = (raw − align_reward_offset) / align_reward_scale
+fitted after `align rm train` so that the reference responses score 0 on average (InstructGPT).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from align.errors import UserError
+
+OFFSET_KEY = "align_reward_offset"
+SCALE_KEY = "align_reward_scale"
+
+
+def normalized_reward(raw, config) -> torch.Tensor | float:
+    """(raw − offset) / scale with the offset and scale stored in a model config (or an artifact/config dict)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    offset = get(OFFSET_KEY, None)
+    if offset is None:
+        offset = get("reward_offset", 0.0)
+    scale = get(SCALE_KEY, None)
+    if scale is None:
+        scale = get("reward_scale", 1.0)
+    return (raw - float(offset)) / float(scale)
+
+
+def load_sequence_classifier(ref, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
+    """A scalar-head model: from a reward model (its head), or from a causal LM / preset (body weights, new head).
+    pad_token_id is set in the config so the reward is read at the last non-padding token."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from align.models import preset_config
+
+    torch.manual_seed(seed)  # the new score head
+    if ref.preset:
+        cfg = preset_config(ref.preset, tokenizer)
+        cfg.num_labels = 1
+        return AutoModelForSequenceClassification.from_config(cfg, dtype=dtype)
+    try:
+        cfg = AutoConfig.from_pretrained(ref.model_dir, num_labels=1, trust_remote_code=trust_remote_code)
+        cfg.pad_token_id = tokenizer.pad_token_id
+        model = AutoModelForSequenceClassification.from_pretrained(
+            ref.model_dir, config=cfg, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise UserError(f"{ref.model_dir}: cannot load as a sequence classifier ({str(e).splitlines()[0]}).") from None
+    return model
+
+
+def raw_rewards(model, batch: dict) -> torch.Tensor:
+    """Raw scalar reward per row of a right-padded batch (input_ids, attention_mask): [B] in fp32."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    return out.logits[:, 0].float()
+
+
+def load_reward_model(spec: str, dist=None, *, zero_stage: int = 3, deepspeed: str = "", trust_remote_code: bool = False):
+    """(inference engine, tokenizer, ModelRef) of a reward model (`resolve(spec, expect="reward")`: a policy is
+    refused). Call on every rank."""
+    from align import runtime
+    from align.models import load_tokenizer, resolve
+
+    ref = resolve(spec, expect="reward")
+    dist = dist or runtime.init()
+    tok = load_tokenizer(ref, trust_remote_code)
+    dtype = runtime.compute_dtype(dist)
+    ds = runtime.ds_config(zero_stage=zero_stage, micro_batch=1, grad_accum=1, world_size=dist.world_size,
+                           dtype=dtype, user_config=deepspeed)
+    loader = runtime.ZeroLoader(ds)  # noqa: F841
+    eng = runtime.engine(load_sequence_classifier(ref, tok, dtype, trust_remote_code=trust_remote_code), ds)
+    return eng, tok, ref
+
+
+def encode_scored(tokenizer, prompts: list, responses: list[str], max_length: int = 0) -> list[list[int]]:
+    """prompt (chat template) + response + EOS, exactly as the reward model was trained; the prompt loses tokens
+    from the left when `max_length` is set."""
+    from align.data import encode_completions, encode_prompts
+
+    out = []
+    for p, r in zip(encode_prompts(tokenizer, prompts), encode_completions(tokenizer, responses)):
+        if max_length and len(p) + len(r) > max_length:
+            p = p[max(0, len(p) + len(r) - max_length):]
+        out.append(p + r)
+    return out
+
+
+@torch.no_grad()
+def score_ids(eng, tokenizer, seqs: list[list[int]], batch_size: int = 64, normalize: bool = True) -> torch.Tensor:
+    """Rewards of token sequences on this rank. Under ZeRO-3 with several ranks every rank must make the same
+    number of calls (equal-length lists): each forward gathers parameters collectively."""
+    from align.data import pad
+
+    device = next(eng.module.parameters()).device
+    out = []
+    for i in range(0, len(seqs), batch_size):
+        chunk = seqs[i : i + batch_size]
+        batch = {"input_ids": torch.tensor(pad(chunk, tokenizer.pad_token_id), device=device),
+                 "attention_mask": torch.tensor(pad([[1] * len(s) for s in chunk], 0), device=device)}
+        out.append(raw_rewards(eng, batch).cpu())
+    raw = torch.cat(out) if out else torch.zeros(0)
+    return normalized_reward(raw, eng.module.config) if normalize else raw
+
+
+def score(eng, tokenizer, prompts: list, responses: list[str], batch_size: int = 64, max_length: int = 0) -> torch.Tensor:
+    """Normalised rewards [N] of prompt/response pairs (rendered as in training). Same collective rule as
+    `score_ids`."""
+    return score_ids(eng, tokenizer, encode_scored(tokenizer, prompts, responses, max_length), batch_size)
