@@ -1,0 +1,94 @@
+"""GRPO end to end on the tiny model (short runs): 2-process ZeRO-3, the KL/reference switch, user rewards and
+the reward-error policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from align.runtime import free_port
+
+SHORT = ["--max-steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
+         "--eval-samples", "4", "--eval-k", "1,2", "--micro-batch-size", "8"]
+
+
+def align(*args, nproc=1):
+    if nproc == 1:
+        return [sys.executable, "-m", "align", *args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            "-m", "align", *args]
+
+
+def run(cmd):
+    env = {**os.environ, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def metric_rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_process_zero3_grpo_run(tmp_path):
+    out = tmp_path / "grpo2"
+    proc = run(align("grpo", "--out", str(out), *SHORT, nproc=2))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "complete" and art["world_size"] == 2 and art["model_kind"] == "policy"
+    steps = [r for r in metric_rows(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "clip_ratio/low", "clip_ratio/high", "entropy",
+                "completions/mean_length", "completions/clipped_ratio", "rewards/math", "distinct_1"):
+        assert key in steps[0], key
+    assert "kl" not in steps[0]  # beta 0: no reference model, no KL
+    evals = [r for r in metric_rows(out) if "eval/pass@1/greedy" in r]
+    assert [r["step"] for r in evals] == [0, 2] and "eval/pass@2" in evals[0]
+    assert "start/pass@1/greedy" in art["metrics"] and "gain/pass@1/greedy" in art["metrics"]
+
+
+def test_beta_loads_a_reference_and_logs_kl(tmp_path):
+    out = tmp_path / "kl"
+    proc = run(align("grpo", "--out", str(out), "--beta", "0.1", "--num-iterations", "2", *SHORT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "reference model on" in proc.stdout
+    steps = [r for r in metric_rows(out) if "reward" in r]
+    assert all(r["kl"] >= 0 for r in steps)
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    f = tmp_path / "rewards.py"
+    f.write_text("def boom(prompt, completion, **row):\n    raise RuntimeError('bad reward')\n"
+                 "def sorted_ok(prompt, completion, **row):\n    return float(completion.split() == row['answer'].split())\n")
+    return f
+
+
+def test_reward_error_fails_clearly_or_is_skipped(tmp_path, reward_file):
+    proc = run(align("grpo", "--out", str(tmp_path / "fail"), "--reward", f"{reward_file}:boom", *SHORT))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "bad reward" in text and "on completion" in text and "Traceback" not in text
+    ok = run(align("grpo", "--out", str(tmp_path / "skip"), "--reward", f"{reward_file}:boom",
+                   "--on-reward-error", "zero", *SHORT))
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+
+
+def test_sort_task_with_a_user_reward_file(tmp_path, reward_file):
+    from align.paths import DATA_DIR
+
+    out = tmp_path / "sort"
+    proc = run(align("grpo", "--out", str(out), "--data", str(DATA_DIR / "sort/train.jsonl"),
+                     "--eval-data", str(DATA_DIR / "sort/test.jsonl"), "--reward", f"{reward_file}:sorted_ok",
+                     "--reward", "sort_inclusion:0.5", *SHORT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [r for r in metric_rows(out) if "reward" in r]
+    assert "rewards/rewards.sorted_ok" in steps[0] and "rewards/sort_inclusion" in steps[0]
+
+
+def test_bad_grpo_flags_exit_2(tmp_path):
+    for args, needle in ((["--advantage", "median"], "--advantage"), (["--num-generations", "1"], ">= 2"),
+                         (["--reward", "nope"], "unknown reward")):
+        proc = run(align("grpo", "--out", str(tmp_path / "x"), *args))
+        assert proc.returncode == 2 and needle in proc.stdout + proc.stderr, proc.stdout + proc.stderr
