@@ -283,6 +283,7 @@ def run(cfg: GRPOConfig) -> dict:
                 "clip_ratio/low": stats[2].item() / tok_n, "clip_ratio/high": stats[3].item() / tok_n,
                 "clip_ratio": (stats[2] + stats[3]).item() / tok_n, "entropy": stats[4].item() / tok_n,
                 "completions/mean_length": lengths.mean().item(),
+                "completions/tokens_per_s": lengths.sum().item() * dist.world_size / max(times["time/generate"], 1e-9),
                 "completions/clipped_ratio": sum(not c.finished for c in comps) / len(comps),
                 "distinct_1": rl.distinct_n([c.ids for c in comps], 1), "distinct_2": rl.distinct_n([c.ids for c in comps], 2),
                 "lr": eng.lr_scheduler.get_last_lr()[0], **times,
