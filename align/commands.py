@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from align.cli import app, data_app, model_app, not_implemented, pipeline_app, rm_app, stage_command
 from align.config import opt
+from stages.dpo import DPOConfig
 from stages.eval import EvalConfig
 from stages.model_init import ModelInitConfig
 from stages.rm import RMConfig, RMEvalConfig, RMScoreConfig
@@ -95,7 +96,13 @@ def rm_score(cfg):
     rm.run_score(cfg)
 
 
-not_implemented(app, "dpo", "Direct Preference Optimization", 3)
+@stage_command(app, "dpo", DPOConfig, "Direct Preference Optimization against a frozen reference (sigmoid, IPO, hinge).")
+def dpo(cfg):
+    from stages import dpo
+
+    dpo.run(cfg)
+
+
 not_implemented(app, "ppo", "PPO-ptx with a separate value network and adaptive KL", 4)
 
 

@@ -1,0 +1,112 @@
+"""DPO end to end on a tiny model: log 2 at step 0, --precompute-ref == live reference, 2-process ZeRO-3 ==
+1 process, pass@1 of policy and input model in the artifact, bad input (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _DIST_ENV, ROOT, assert_user_error, run_align
+
+PAIRS = ROOT / "data/prefs/train.jsonl"
+ARGS = ["--max-steps", "3", "--batch-size", "8", "--eval-every", "0", "--lr", "1e-3", "--warmup-steps", "1",
+        "--max-new-tokens", "8"]
+
+
+def write_rows(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def steps(out: Path) -> list[dict]:
+    return [r for r in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def metrics(out: Path) -> dict:
+    return json.loads((out / "artifact.json").read_text())["metrics"]
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def dpo(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("dpo")
+    lines = PAIRS.read_text().splitlines()
+    train = write_rows(root / "train.jsonl", [json.loads(x) for x in lines[:64]])
+    test = write_rows(root / "test.jsonl", [json.loads(x) for x in lines[64:96]])
+    probs = write_rows(root / "arith.jsonl", [json.loads(x) for x in (ROOT / "data/arithmetic/test.jsonl").read_text().splitlines()[:8]])
+    common = ["--model", str(tiny_model_dir), "--data", str(train), "--eval-data", str(test), "--pass-data", str(probs), *ARGS]
+    live, pre = root / "live", root / "pre"
+    ok(run_align("dpo", *common, "--out", live, "--eval-samples", "8"))
+    ok(run_align("dpo", *common, "--out", pre, "--eval-samples", "0", "--precompute-ref"))
+    return root, live, pre, common
+
+
+def test_step_zero_policy_equals_reference(dpo):
+    _, live, _, _ = dpo
+    first = steps(live)[0]  # logged from the forward before the first update: policy == reference
+    assert abs(first["loss"] - math.log(2)) < 1e-5
+    assert abs(first["rewards/chosen"]) < 1e-6 and abs(first["rewards/rejected"]) < 1e-6
+    assert abs(first["rewards/margins"]) < 1e-6 and first["rewards/accuracies"] == 0.0
+    for k in ("logps/chosen", "logps/rejected", "grad_norm"):
+        assert k in first
+    assert first["logps/chosen"] < 0
+
+
+def test_artifact_reports_pass_at_1_of_policy_and_reference(dpo):
+    _, live, _, _ = dpo
+    art = json.loads((live / "artifact.json").read_text())
+    assert art["status"] == "complete" and art["model_kind"] == "policy"
+    m = art["metrics"]
+    assert 0 <= m["pass@1/policy"] <= 1 and 0 <= m["pass@1/reference"] <= 1
+    assert 0 <= m["eval/rewards/accuracies"] <= 1
+
+
+def test_precomputed_reference_gives_the_same_losses(dpo):
+    _, live, pre, _ = dpo
+    a, b = steps(live), steps(pre)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+            assert abs(x[k] - y[k]) <= 1e-4 * max(1.0, abs(x[k])), (k, a, b)
+    assert abs(metrics(live)["eval/rewards/accuracies"] - metrics(pre)["eval/rewards/accuracies"]) < 1e-9
+    assert "pass@1/policy" not in metrics(pre)  # --eval-samples 0 skips generation
+
+
+def test_two_processes_match_one_process(dpo):
+    from align.runtime import free_port
+
+    root, live, _, common = dpo
+    two = root / "two"
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env["ALIGN_DIST_TIMEOUT"] = "120"
+    ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                       "-m", "align", "dpo", *common, "--out", str(two), "--eval-samples", "0"],
+                      capture_output=True, text=True, timeout=600, env=env))
+    a, b = steps(live), steps(two)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-4 * max(1.0, abs(x["loss"])), (a, b)
+    assert json.loads((two / "artifact.json").read_text())["world_size"] == 2
+    assert abs(metrics(live)["eval/rewards/accuracies"] - metrics(two)["eval/rewards/accuracies"]) < 1e-9
+
+
+def test_missing_chosen_column(tmp_path, tiny_model_dir):
+    data = write_rows(tmp_path / "p.jsonl", [{"prompt": "p", "rejected": "b"}])
+    assert_user_error(run_align("dpo", "--model", tiny_model_dir, "--data", data, "--out", tmp_path / "o"),
+                      "no 'chosen' column", "p.jsonl")
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_loss_name(tmp_path, tiny_model_dir):
+    assert_user_error(run_align("dpo", "--model", tiny_model_dir, "--loss", "kto", "--out", tmp_path / "o"),
+                      "--loss must be one of sigmoid, ipo, hinge")
