@@ -40,8 +40,10 @@ from align import config as C
 from align.artifacts import ARTIFACT_FILE, artifact_digest, hash_tree, read_artifact, sha256_file, verify_artifact
 from align.console import console
 from align.errors import UserError
+from stages.dpo import DPOConfig
 from stages.eval import EvalConfig
 from stages.model_init import ModelInitConfig
+from stages.rm import RMConfig
 from stages.sft import SFTConfig
 
 
@@ -56,6 +58,8 @@ KINDS: dict[str, Kind] = {
     "model-init": Kind(("model", "init"), ModelInitConfig),
     "sft": Kind(("sft",), SFTConfig),
     "eval": Kind(("eval",), EvalConfig),
+    "rm": Kind(("rm", "train"), RMConfig),
+    "dpo": Kind(("dpo",), DPOConfig),
 }
 
 PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int}
