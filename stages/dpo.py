@@ -35,7 +35,7 @@ class DPOConfig(StageConfig):
     max_steps: int = opt(300, "Optimiser steps.")
     batch_size: int = opt(32, "Global batch size in pairs (all processes).")
     micro_batch_size: int = opt(0, "Pairs per forward per process (0: batch_size / processes).")
-    lr: float = opt(2e-4, "Peak learning rate (AdamW).")
+    lr: float = opt(1e-4, "Peak learning rate (AdamW).")
     schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear or constant.")
     warmup_steps: int = opt(20, "Linear warmup steps.")
     weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
