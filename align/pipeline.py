@@ -41,6 +41,7 @@ from align.artifacts import ARTIFACT_FILE, artifact_digest, hash_tree, read_arti
 from align.console import console
 from align.errors import UserError
 from stages.dpo import DPOConfig
+from stages.grpo import GRPOConfig
 from stages.eval import EvalConfig
 from stages.model_init import ModelInitConfig
 from stages.rm import RMConfig
@@ -60,6 +61,7 @@ KINDS: dict[str, Kind] = {
     "eval": Kind(("eval",), EvalConfig),
     "rm": Kind(("rm", "train"), RMConfig),
     "dpo": Kind(("dpo",), DPOConfig),
+    "grpo": Kind(("grpo",), GRPOConfig),
 }
 
 PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int}
