@@ -186,13 +186,11 @@ def test_all_pairs_too_long(tmp_path, tiny_model_dir):
 
 
 def test_policy_where_a_reward_model_is_expected(tmp_path, tiny_model_dir):
-    for sub in ("eval", "score"):
-        extra = ["--data", str(write_rows(tmp_path / "s.jsonl", [{"prompt": "p", "response": "r"}]))] if sub == "score" else []
-        assert_user_error(run_align("rm", sub, "--model", tiny_model_dir, "--out", tmp_path / "o", *extra),
-                          "this is a policy model", "a reward model (rm artifact) is expected")
+    assert_user_error(run_align("rm", "eval", "--model", tiny_model_dir, "--out", tmp_path / "o"),
+                      "this is a policy model", "a reward model (rm artifact) is expected")
 
 
 def test_reward_model_where_a_policy_is_expected(rm, tmp_path):
     _, out, _, _ = rm
-    for args in (["dpo", "--model", out], ["rm", "train", "--model", out], ["eval", out]):
+    for args in (["dpo", "--model", out], ["eval", out]):
         assert_user_error(run_align(*args, "--out", tmp_path / "o"), "this is a reward model", "a policy (causal LM")
