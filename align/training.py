@@ -87,3 +87,26 @@ def load_checkpoint(eng, out: Path) -> dict:
     if path is None:
         raise UserError(f"{ckpt}: checkpoint could not be loaded; run without --resume.")
     return state or {}
+
+
+def end_step(step: int, metrics: dict, *, writer, monitor, bar, eng, out: Path, shown: dict | None = None,
+             save_every: int = 0, max_steps: int = 0) -> None:
+    """Everything a stage does after an optimiser step: log the step's metrics (eval lines are logged where they
+    are computed), feed RLMonitor and print its events, move the progress bar, and on a `stop` event
+    checkpoint, mark the artifact failed and exit 1; else checkpoint every `save_every` steps."""
+    writer.log(step, {k: v for k, v in metrics.items() if not k.startswith("eval/")})
+    events = monitor.update(step, metrics)
+    writer.log_events(events)
+    for e in events:
+        colour = "red" if e.severity == "stop" else "yellow"
+        bar.print(f"[{colour}]health {e.severity}: {e.rule} at step {step}: {e.message}[/]")
+    bar.update(step, {**(shown or {}), **metrics})
+    if monitor.should_stop(events):
+        stop = next(e for e in events if e.severity == "stop")
+        reason = f"RLMonitor stop at step {step}: {stop.rule}: {stop.message}"
+        save_checkpoint(eng, out, step)
+        writer.fail(reason, metrics, monitor.summary())
+        bar.print(f"[bold red]{reason} (checkpoint saved; fix and rerun, or --resume)[/]")
+        raise SystemExit(1)
+    if save_every and step % save_every == 0 and step < max_steps:
+        save_checkpoint(eng, out, step)

@@ -296,19 +296,7 @@ def run(cfg: GRPOConfig) -> dict:
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
                 last_eval = evaluate(done)
-            writer.log(done, metrics)
-            events = monitor.update(done, metrics)
-            writer.log_events(events)
-            for e in events:
-                bar.print(f"[{'red' if e.severity == 'stop' else 'yellow'}]health {e.severity}: {e.rule} at step {done}: {e.message}[/]")
-            bar.update(done, {**metrics, **last_eval})
-            if monitor.should_stop(events):
-                stop = next(e for e in events if e.severity == "stop")
-                reason = f"RLMonitor stop at step {done}: {stop.rule}: {stop.message}"
-                training.save_checkpoint(eng, out, done)
-                writer.fail(reason, metrics, monitor.summary())
-                bar.print(f"[bold red]{reason}[/]")
-                raise SystemExit(1)
+            training.end_step(done, metrics, writer=writer, monitor=monitor, bar=bar, eng=eng, out=out, shown=last_eval)
 
     # ---- save
     wall = time.time() - t0
