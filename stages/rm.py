@@ -256,18 +256,8 @@ def run(cfg: RMConfig) -> dict:
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
                 last_eval = evaluate(done)
                 metrics.update(last_eval)
-            writer.log(done, {k: v for k, v in metrics.items() if not k.startswith("eval/")})
-            events = monitor.update(done, metrics)
-            writer.log_events(events)
-            for e in events:
-                bar.print(f"[{'red' if e.severity == 'stop' else 'yellow'}]health {e.severity}: {e.rule} at step {done}: {e.message}[/]")
-            bar.update(done, {**last_eval, **metrics})
-            if monitor.should_stop(events):
-                training.save_checkpoint(eng, out, done)
-                writer.fail(f"RLMonitor stop at step {done}: {events[-1].message}", metrics, monitor.summary())
-                raise SystemExit(1)
-            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps:
-                training.save_checkpoint(eng, out, done)
+            training.end_step(done, metrics, writer=writer, monitor=monitor, bar=bar, eng=eng, out=out,
+                              shown=last_eval, save_every=cfg.save_every, max_steps=cfg.max_steps)
 
     # ---- normalisation: the reference responses score 0 on average (and std 1 with --normalize-scale)
     eng.eval()

@@ -53,7 +53,7 @@ def test_sft_help_shows_defaults():
     assert "--config" in proc.stdout
 
 
-@pytest.mark.parametrize("cmd", [["ppo"], ["grpo"]])
+@pytest.mark.parametrize("cmd", [["ppo"]])
 def test_not_implemented_exits_3(cmd):
     proc = run_align(*cmd, timeout=120)
     out = assert_user_error(proc, "not implemented", code=3)
