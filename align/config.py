@@ -38,6 +38,35 @@ class StageConfig:
     trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
 
 
+@dataclass
+class TrainConfig(StageConfig):
+    """Options of every stage that trains on a fixed dataset with a schedule (sft, rm, dpo). Subclasses
+    override defaults (and help) where they differ."""
+
+    columns: str = opt("", "Rename columns: old=new,old2=new2.")
+    max_steps: int = opt(1000, "Optimiser steps.")
+    batch_size: int = opt(32, "Global batch size (all processes).")
+    micro_batch_size: int = opt(0, "Examples per forward per process (0: batch_size / processes).")
+    lr: float = opt(1e-4, "Peak learning rate (AdamW).")
+    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear or constant.")
+    warmup_steps: int = opt(20, "Linear warmup steps.")
+    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
+    grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
+    max_length: int = opt(256, "Max tokens per example; the prompt is cut from the left, never the response.")
+    eval_every: int = opt(100, "Evaluate every N steps; 0: only at the end.")
+    save_every: int = opt(0, "DeepSpeed checkpoint every N steps (always one at the end; 0: end only).")
+    resume: bool = opt(False, "Resume from the checkpoint in --out.")
+    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
+
+    def validate(self):
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise UserError(f"--schedule must be cosine, linear or constant, not {self.schedule!r}.")
+        if not 0 <= self.zero_stage <= 3:
+            raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
+        if self.max_steps <= 0 or self.batch_size <= 0:
+            raise UserError("--max-steps and --batch-size must be positive.")
+
+
 def fields(cls) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls))
 

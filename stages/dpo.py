@@ -15,43 +15,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import StageConfig, opt
+from align.config import StageConfig, TrainConfig, opt
 from align.errors import UserError
 from align.paths import DATA_DIR
 
 
 @dataclass
-class DPOConfig(StageConfig):
+class DPOConfig(TrainConfig):
     out: str = opt("runs/dpo", "Output artifact directory.", path=True)
     ref_model: str = opt("", "Frozen reference model (default: the input --model).", path=True)
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for implicit-reward accuracy ('' : none).", path=True)
     pass_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data for greedy pass@1 of policy and input model ('' : skip).", path=True)
-    columns: str = opt("", "Rename columns: old=new,old2=new2.")
     beta: float = opt(0.1, "β: strength of the implicit KL to the reference.")
     loss: str = opt("sigmoid", "sigmoid (DPO), ipo or hinge (SLiC).")
     label_smoothing: float = opt(0.0, "ε of conservative DPO (sigmoid loss only), 0 <= ε < 0.5.")
     precompute_ref: bool = opt(False, "Compute reference log-probs once before training and free the reference model.")
     max_steps: int = opt(300, "Optimiser steps.")
     batch_size: int = opt(32, "Global batch size in pairs (all processes).")
-    micro_batch_size: int = opt(0, "Pairs per forward per process (0: batch_size / processes).")
     lr: float = opt(1e-4, "Peak learning rate (AdamW).")
-    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear or constant.")
     warmup_steps: int = opt(20, "Linear warmup steps.")
-    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
-    grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
     max_length: int = opt(256, "Max tokens of prompt + the longer response; the prompt is cut from the left.")
     eval_every: int = opt(100, "Held-out implicit-reward accuracy every N steps; 0: only at the end.")
     eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).")
     eval_samples: int = opt(200, "Problems of --pass-data for greedy pass@1 (0: skip).")
     max_new_tokens: int = opt(48, "Generation budget for pass@1.")
-    save_every: int = opt(0, "DeepSpeed checkpoint every N steps (always one at the end; 0: end only).")
-    resume: bool = opt(False, "Resume from the checkpoint in --out.")
-    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
 
     def validate(self):
         from align.losses import DPO_LOSSES
 
+        super().validate()
         if self.loss not in DPO_LOSSES:
             raise UserError(f"--loss must be one of {', '.join(DPO_LOSSES)}, not {self.loss!r}.")
         if not 0 <= self.label_smoothing < 0.5:
@@ -60,12 +53,6 @@ class DPOConfig(StageConfig):
             raise UserError("--label-smoothing applies to --loss sigmoid only.")
         if self.beta <= 0:
             raise UserError(f"--beta must be positive, not {self.beta}.")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise UserError(f"--schedule must be cosine, linear or constant, not {self.schedule!r}.")
-        if not 0 <= self.zero_stage <= 3:
-            raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
-        if self.max_steps <= 0 or self.batch_size <= 0:
-            raise UserError("--max-steps and --batch-size must be positive.")
 
 
 def pair_logps(eng, batch: dict):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import StageConfig, opt
+from align.config import StageConfig, TrainConfig, opt
 from align.errors import UserError
 from align.paths import DATA_DIR
 
@@ -23,19 +23,14 @@ CALIBRATION_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)  # buckets of the BT confi
 
 
 @dataclass
-class RMConfig(StageConfig):
+class RMConfig(TrainConfig):
     out: str = opt("runs/rm", "Output artifact directory.", path=True)
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected[, margin]}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for pairwise accuracy ('' : none).", path=True)
-    columns: str = opt("", "Rename columns: old=new,old2=new2.")
     max_steps: int = opt(600, "Optimiser steps.")
     batch_size: int = opt(32, "Global batch size in pairs (all processes).")
-    micro_batch_size: int = opt(0, "Pairs per forward per process (0: batch_size / processes).")
     lr: float = opt(1e-3, "Peak learning rate (AdamW).")
-    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear or constant.")
     warmup_steps: int = opt(20, "Linear warmup steps.")
-    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
-    grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
     max_length: int = opt(256, "Max tokens of prompt + the longer response; the prompt is cut from the left.")
     center_coef: float = opt(0.0, "Reward-centring regulariser coefficient c · (r_w + r_l)² (0: off).")
     eval_every: int = opt(200, "Held-out pairwise accuracy every N steps; 0: only at the end.")
@@ -43,17 +38,11 @@ class RMConfig(StageConfig):
     normalize_on_policy: str = opt("", "Normalise on samples of this policy (artifact/dir) instead of chosen responses.", path=True)
     normalize_scale: bool = opt(False, "Also scale rewards to std 1 on the reference set.")
     max_new_tokens: int = opt(48, "Generation budget for --normalize-on-policy samples.")
-    save_every: int = opt(0, "DeepSpeed checkpoint every N steps (always one at the end; 0: end only).")
-    resume: bool = opt(False, "Resume from the checkpoint in --out.")
-    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
 
     def validate(self):
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise UserError(f"--schedule must be cosine, linear or constant, not {self.schedule!r}.")
-        if not 0 <= self.zero_stage <= 3:
-            raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
-        if self.max_steps <= 0 or self.batch_size <= 0 or self.normalize_samples <= 0:
-            raise UserError("--max-steps, --batch-size and --normalize-samples must be positive.")
+        super().validate()
+        if self.normalize_samples <= 0:
+            raise UserError("--normalize-samples must be positive.")
 
 
 @dataclass

@@ -8,42 +8,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import StageConfig, opt
+from align.config import StageConfig, TrainConfig, opt
 from align.errors import UserError
 from align.paths import DATA_DIR
 
 
 @dataclass
-class SFTConfig(StageConfig):
+class SFTConfig(TrainConfig):
     out: str = opt("runs/sft", "Output artifact directory.", path=True)
     data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion} or {messages}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has 'answer'.", path=True)
-    columns: str = opt("", "Rename columns: old=new,old2=new2.")
     max_steps: int = opt(1500, "Optimiser steps.")
     batch_size: int = opt(32, "Global batch size (examples per optimiser step, all processes).")
-    micro_batch_size: int = opt(0, "Examples per forward per process (0: batch_size / processes).")
     lr: float = opt(2e-3, "Peak learning rate (AdamW).")
-    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear or constant.")
     warmup_steps: int = opt(50, "Linear warmup steps.")
-    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
-    grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
     max_length: int = opt(256, "Max tokens per example; the prompt is cut from the left, never the completion.")
     packing: bool = opt(False, "Pack examples into rows of --max-length (block-diagonal attention); "
                                "--batch-size then counts packed rows.")
     eval_every: int = opt(500, "Evaluate (loss, pass@1) every N steps; 0: only at the end.")
     eval_samples: int = opt(200, "Held-out problems for pass@1.")
     max_new_tokens: int = opt(48, "Generation budget for pass@1.")
-    save_every: int = opt(0, "DeepSpeed checkpoint every N steps (always one at the end; 0: end only).")
-    resume: bool = opt(False, "Resume from the checkpoint in --out.")
-    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
-
-    def validate(self):
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise UserError(f"--schedule must be cosine, linear or constant, not {self.schedule!r}.")
-        if not 0 <= self.zero_stage <= 3:
-            raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
-        if self.max_steps <= 0 or self.batch_size <= 0:
-            raise UserError("--max-steps and --batch-size must be positive.")
 
 
 def run(cfg: SFTConfig) -> dict:
