@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -110,3 +111,31 @@ def end_step(step: int, metrics: dict, *, writer, monitor, bar, eng, out: Path, 
         raise SystemExit(1)
     if save_every and step % save_every == 0 and step < max_steps:
         save_checkpoint(eng, out, step)
+
+
+@dataclass
+class Setup:
+    """A trainable engine and what it was built with. Keep it alive for the stage: `loader` keeps ZeRO-3
+    partitioned loading on for any further model (a reference) loaded with `ds`."""
+
+    eng: object
+    ds: dict
+    dtype: torch.dtype
+    micro: int
+    accum: int
+    loader: object
+
+
+def trainable_engine(cfg, dist: runtime.Dist, load_model) -> Setup:
+    """DeepSpeed config from a TrainConfig's batch/clip/zero options, the model from `load_model(dtype)` (loaded
+    straight into ZeRO-3 shards), AdamW and warmup + decay schedule, all wrapped in one engine."""
+    micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
+    dtype = runtime.compute_dtype(dist)
+    ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum, world_size=dist.world_size,
+                           dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
+    loader = runtime.ZeroLoader(ds)
+    model = load_model(dtype)
+    optimizer = adamw(model, cfg.lr, cfg.weight_decay)
+    schedule = lr_lambda(cfg.schedule, cfg.warmup_steps, cfg.max_steps)
+    eng = runtime.engine(model, ds, optimizer, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    return Setup(eng, ds, dtype, micro, accum, loader)

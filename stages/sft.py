@@ -74,15 +74,9 @@ def run(cfg: SFTConfig) -> dict:
     writer = ArtifactWriter(out, "sft", as_dict(cfg), describe_inputs(ref, cfg.data, cfg.eval_data), dist.is_main)
 
     # ---- model and engine
-    micro, accum = training.batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
-    dtype = runtime.compute_dtype(dist)
-    ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum,
-                           world_size=dist.world_size, dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
-    loader = runtime.ZeroLoader(ds)  # noqa: F841  (keeps ZeRO-3 partitioned loading on for this stage)
-    model = load_causal_lm(ref, tok, dtype, cfg.seed, cfg.trust_remote_code)
-    optimizer = training.adamw(model, cfg.lr, cfg.weight_decay)
-    schedule = training.lr_lambda(cfg.schedule, cfg.warmup_steps, cfg.max_steps)
-    eng = runtime.engine(model, ds, optimizer, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+    setup = training.trainable_engine(
+        cfg, dist, lambda dtype: load_causal_lm(ref, tok, dtype, cfg.seed, cfg.trust_remote_code))
+    eng, dtype, micro, accum = setup.eng, setup.dtype, setup.micro, setup.accum
     n_params = count_parameters(eng.module)
     packed = f" in {len(examples)} packed rows" if cfg.packing else ""
     info(f"sft: {n_params / 1e6:.2f}M parameters, {n_examples} examples{packed}, {dist.world_size} process(es), "
