@@ -1,4 +1,5 @@
-"""RL estimators shared by GRPO and PPO: advantages, KL estimators, the clipped surrogate, loss aggregation.
+"""RL estimators shared by GRPO and PPO: advantages, KL estimators, the clipped surrogate, loss aggregation,
+and PPO's per-token rewards, GAE, whitening, clipped value loss and KL controllers.
 
 Every function is pure (tensors in, tensors out). Masks are float/bool tensors with 1 on response tokens the
 loss may see and 0 on prompt, padding, post-EOS and dropped tokens.
@@ -93,9 +94,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-@torch.no_grad()
 def entropy_from_logits(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Per-position entropy H = logsumexp(z) − Σ softmax(z)·z, chunked over positions ([B, T, V] -> [B, T])."""
+    """Per-position entropy H = logsumexp(z) − Σ softmax(z)·z, chunked over positions ([B, T, V] -> [B, T]).
+    Differentiable (PPO's entropy bonus); pass detached logits when it is only a metric."""
     flat = logits.reshape(-1, logits.size(-1))
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     for i in range(0, flat.shape[0], chunk):
@@ -126,3 +127,131 @@ def length_rewards(lengths: list[int], correct: list[bool]) -> list[float]:
         return [0.0] * len(lengths)
     lam = [0.5 - (n - lo) / (hi - lo) for n in lengths]
     return [l if c else min(0.0, l) for l, c in zip(lam, correct)]
+
+
+# ---- PPO (Schulman et al. 2017) for language models (Ziegler et al. 2019, Stiennon et al. 2020, Ouyang et al. 2022)
+
+KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a [N, T] mask (0 for an all-zero row)."""
+    T = mask.shape[1]
+    return (T - 1 - mask.flip(1).to(torch.float32).argmax(dim=1)).clamp(min=0) * (mask.sum(1) > 0)
+
+
+def token_rewards(score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-token rewards of a response (Ziegler et al. 2019; InstructGPT's R(x, y) spread over tokens):
+
+        r_t = −β · KL_t                 on every response token t (KL_t from kl_k1 or kl_k3)
+        r_T = −β · KL_T + score         on the last response token T (the reward model's score)
+
+    score: [N], kl and mask: [N, T]. Prompt, padding and post-EOS positions (mask 0) get 0.
+    """
+    mask = mask.to(kl.dtype)
+    rewards = -beta * kl * mask
+    rows = torch.arange(len(score), device=kl.device)
+    has_response = (mask.sum(1) > 0).to(kl.dtype)
+    return rewards.index_put((rows, last_token_index(mask)), score.to(kl.dtype) * has_response, accumulate=True)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over the response tokens of each row:
+
+        δ_t = r_t + γ · m_{t+1} · V_{t+1} − V_t           (V after the last response token is 0: the episode ends)
+        A_t = m_t · (δ_t + γλ · A_{t+1}),   returns R_t = A_t + V_t
+
+    rewards, values, mask: [N, T]; the mask is 1 on one contiguous span of response tokens per row. Returns
+    (advantages, returns), both 0 wherever the mask is 0.
+    """
+    mask = mask.to(values.dtype)
+    values, rewards = values * mask, rewards * mask
+    T = rewards.shape[1]
+    next_value = torch.zeros_like(values[:, 0])
+    last = torch.zeros_like(values[:, 0])
+    out = []
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = (delta + gamma * lam * last) * mask[:, t]
+        out.append(last)
+        next_value = values[:, t]
+    adv = torch.stack(out[::-1], dim=1)
+    return adv, (adv + values) * mask
+
+
+def masked_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[Σ m·x, Σ m·x², Σ m] in float64: the sufficient statistics of a masked mean/variance. Sum them over
+    ranks (all-reduce) to get the moments of the global batch."""
+    m, x = mask.to(torch.float64), x.to(torch.float64)
+    return torch.stack([(m * x).sum(), (m * x * x).sum(), m.sum()])
+
+
+def moments(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, unbiased variance) from `masked_sums`."""
+    s, s2, n = sums[0], sums[1], sums[2].clamp(min=1)
+    mean = s / n
+    var = ((s2 - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
+    return mean, var
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, reduce=None, eps: float = 1e-8) -> torch.Tensor:
+    """(x − μ) / sqrt(σ² + eps) with μ, σ² over the masked entries (PPO's advantage normalisation);
+    `reduce` (e.g. an all-reduce sum) makes them the global batch's. shift_mean=False keeps the mean.
+    Masked-out entries come back 0."""
+    sums = masked_sums(x, mask)
+    mean, var = moments(reduce(sums) if reduce else sums)
+    mean, var = mean.to(x.dtype), var.to(x.dtype)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask.to(x.dtype)
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss per token (OpenAI baselines; Ziegler et al. 2019):
+
+        V_clip = V_old + clip(V − V_old, −c, c),   L = ½ · max((V − R)², (V_clip − R)²)
+
+    Returns (loss, clipped): `clipped` marks tokens where the clipped term is the larger one (no gradient
+    flows through V there once |V − V_old| > c): TRL's val/clipfrac."""
+    v_clipped = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_sq, clipped_sq = (values - returns) ** 2, (v_clipped - returns) ** 2
+    return 0.5 * torch.maximum(unclipped_sq, clipped_sq), clipped_sq > unclipped_sq
+
+
+def explained_variance(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reduce=None) -> float:
+    """1 − Var[target − pred] / Var[target] over the masked entries (1: perfect value function, 0: no better
+    than a constant, < 0: worse). `reduce` sums the statistics over ranks. nan when Var[target] = 0."""
+    r = reduce or (lambda s: s)
+    var_y = moments(r(masked_sums(target, mask)))[1].item()
+    var_res = moments(r(masked_sums(target - pred, mask)))[1].item()
+    return 1.0 - var_res / var_y if var_y > 0 else float("nan")
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"):
+
+        e = clip(KL / KL_target − 1, −0.2, 0.2),   β ← β · (1 + e · n / horizon)
+
+    KL is the batch's mean per-episode KL, n the episodes in the batch. β rises while KL > target and
+    falls while KL < target, by at most 20% · n / horizon per update."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, kl: float, n_episodes: int) -> float:
+        e = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + e * n_episodes / self.horizon
+        return self.value
+
+
+class FixedKLController:
+    """A constant β (--fixed-kl)."""
+
+    def __init__(self, init_kl_coef: float):
+        self.value = init_kl_coef
+
+    def update(self, kl: float, n_episodes: int) -> float:
+        return self.value
