@@ -58,10 +58,25 @@ def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bo
     return ids, False
 
 
+def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None = None) -> bool:
+    """The compiled static-cache decoder (align.fast_generate) is used on CUDA by default for Llama / Qwen2
+    models; `fast=False` or ALIGN_FAST_GENERATION=0 selects HF `generate`; `fast=True` forces it (also on CPU,
+    eagerly: tests). Never with `synced_gpus` (sharded weights)."""
+    from align import fast_generate as FG
+
+    if synced_gpus or fast is False or not FG.enabled_by_env():
+        return False
+    if FG.unsupported_reason(module) is not None:
+        return False
+    return bool(fast) or torch.device(device).type == "cuda"
+
+
 @torch.no_grad()
 def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, batch_size: int,
-                   device, synced_gpus: bool = False) -> list[Completion]:
+                   device, synced_gpus: bool = False, fast: bool | None = None) -> list[Completion]:
     """Generate for this rank's prompts with a plain (already gathered or unsharded) module."""
+    if use_fast_path(module, device, synced_gpus, fast):
+        return _generate_fast(module, tokenizer, prompts, s, batch_size, device)
     cfg = _generation_config(tokenizer, s)
     was_training = module.training
     module.eval()
@@ -77,6 +92,20 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
                 resp = resp[: s.max_new_tokens]
             out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
     module.train(was_training)
+    return out
+
+
+def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device) -> list[Completion]:
+    from align.fast_generate import decoder_for
+
+    dec = decoder_for(module, device)
+    eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    out: list[Completion] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        for p, row in zip(chunk, dec.generate(chunk, s, eos, pad_id)):
+            resp, finished = trim_at_eos(row, eos, pad_id)
+            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
     return out
 
 

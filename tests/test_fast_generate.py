@@ -1,0 +1,106 @@
+"""align.fast_generate on CPU (eager: no compile, no CUDA graphs): the fast decoder must reproduce HF
+`generate` token for token under greedy decoding, for Llama and Qwen2 (q/k/v biases, grouped KV heads, tied and
+untied heads), with left-padded prompts of different lengths; and its sampling rules must behave."""
+
+import pytest
+import torch
+
+from align.fast_generate import FastDecoder, decoder_for, filter_logits, unsupported_reason
+from align.generation import Sampling, generate_local, use_fast_path
+
+EOS, PAD = 2, 0
+
+
+class Tok:
+    eos_token_id, pad_token_id, bos_token_id = EOS, PAD, 1
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def make(kind: str, tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=96, vocab_size=97, tie_word_embeddings=tied, max_position_embeddings=256,
+              eos_token_id=EOS, pad_token_id=PAD, bos_token_id=1)
+    torch.manual_seed(0)
+    m = (LlamaForCausalLM(LlamaConfig(**kw)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))).eval()
+    with torch.no_grad():  # bigger weights: sharper, more varied greedy continuations
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+            elif kind == "qwen2":
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+PROMPTS = [[1, 5, 9, 11], [1, 7], [1, 30, 31, 32, 33, 34, 35], [1, 40, 41]]
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", True), ("llama", False), ("qwen2", True)])
+def test_greedy_matches_hf_generate(kind, tied):
+    m = make(kind, tied)
+    assert unsupported_reason(m) is None
+    s = Sampling(max_new_tokens=12, temperature=0.0)
+    plain = generate_local(m, Tok(), PROMPTS, s, batch_size=4, device="cpu", fast=False)
+    fast = generate_local(m, Tok(), PROMPTS, s, batch_size=4, device="cpu", fast=True)
+    assert [c.ids for c in fast] == [c.ids for c in plain]
+    assert [c.finished for c in fast] == [c.finished for c in plain]
+    assert len({len(c.ids) for c in plain} | {12}) >= 1
+
+
+def test_weights_follow_the_module_and_eos_stops():
+    m = make("llama", True)
+    s = Sampling(max_new_tokens=10, temperature=0.0)
+    first = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    dec = m._align_fast_decoder
+    addr = dec.layers[0]["qkv"].data_ptr()
+    with torch.no_grad():
+        m.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
+    again = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    plain = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
+    assert m._align_fast_decoder is dec and dec.layers[0]["qkv"].data_ptr() == addr  # stable addresses
+    assert [c.ids for c in again] == [c.ids for c in plain]
+    assert [c.ids for c in again] != [c.ids for c in first]
+    # a row that emits EOS stops there (trimmed, finished), the rest go on
+    eos_tok = plain[0].ids[2]
+    tok = Tok()
+    tok.eos_token_id = eos_tok
+    out = generate_local(m, tok, PROMPTS[:1], s, 4, "cpu", fast=True)
+    assert out[0].finished and out[0].ids == plain[0].ids[:3]
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    k2 = filter_logits(logits.clone(), top_k=2, top_p=1.0)
+    assert torch.isfinite(k2).tolist() == [[True, True, False, False, False]] or (k2[0, 2:] < -1e30).all()
+    p = logits.softmax(-1)[0]
+    # top_p just above p0: keeps the first two tokens
+    kp = filter_logits(logits.clone(), top_k=0, top_p=float(p[0]) + 1e-3)
+    assert (kp[0, :2] == logits[0, :2]).all() and (kp[0, 2:] < -1e30).all()
+    # sampling from the fast path follows the distribution (temperature 1, no filters)
+    m = make("llama", True)
+    dec = FastDecoder(m, "cpu")
+    dec.load_weights(m)
+    torch.manual_seed(0)
+    noise = torch.empty(20000, 5).exponential_()
+    draws = dec._choose(logits.expand(20000, 5), noise, Sampling(temperature=1.0))
+    freq = torch.bincount(draws, minlength=5).float() / 20000
+    assert (freq - p).abs().max() < 0.02
+    # top_k=1 sampling is greedy
+    s = Sampling(max_new_tokens=6, temperature=0.7, top_k=1)
+    a = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    b = generate_local(m, Tok(), PROMPTS, Sampling(max_new_tokens=6, temperature=0.0), 4, "cpu", fast=False)
+    assert [c.ids for c in a] == [c.ids for c in b]
+
+
+def test_selection(monkeypatch):
+    m = make("llama", True)
+    assert not use_fast_path(m, "cpu")  # CPU: HF generate unless asked
+    assert use_fast_path(m, "cpu", fast=True)
+    assert not use_fast_path(m, "cpu", synced_gpus=True, fast=True)
+    monkeypatch.setenv("ALIGN_FAST_GENERATION", "0")
+    assert not use_fast_path(m, "cpu", fast=True)
+    m.config.model_type = "gpt2"
+    assert unsupported_reason(m) is not None
