@@ -76,7 +76,19 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
                    device, synced_gpus: bool = False, fast: bool | None = None) -> list[Completion]:
     """Generate for this rank's prompts with a plain (already gathered or unsharded) module."""
     if use_fast_path(module, device, synced_gpus, fast):
-        return _generate_fast(module, tokenizer, prompts, s, batch_size, device)
+        if fast:  # forced (tests): errors surface
+            return _generate_fast(module, tokenizer, prompts, s, batch_size, device)
+        try:
+            return _generate_fast(module, tokenizer, prompts, s, batch_size, device)
+        except Exception as e:  # never lose a run to the fast path: say so once, then use HF generate
+            import os
+            import traceback
+
+            from align.console import warn
+
+            traceback.print_exc()
+            warn(f"fast generation failed ({type(e).__name__}: {e}); falling back to HF generate for this process")
+            os.environ["ALIGN_FAST_GENERATION"] = "0"
     cfg = _generation_config(tokenizer, s)
     was_training = module.training
     module.eval()

@@ -58,8 +58,13 @@ class DPOConfig(TrainConfig):
 def pair_logps(eng, batch: dict):
     """(log π(y_w|x), log π(y_l|x)) summed over response tokens, from ONE forward of the 2B-row pair batch."""
     from align import data as D
-    from align.losses import sequence_logps
+    from align.fast_logprobs import fused_logprobs, supports
+    from align.losses import IGNORE, sequence_logps
 
+    if supports(getattr(eng, "module", eng)):  # chunked LM head: no [2B, T, V] logits
+        sel = batch["labels"][:, 1:] != IGNORE
+        lp, _ = fused_logprobs(eng, {**D.model_inputs(batch), "response_mask": sel})
+        return lp.sum(-1).view(2, -1)
     logps = sequence_logps(eng(**D.model_inputs(batch)).logits, batch["labels"])
     return logps.view(2, -1)
 
@@ -194,9 +199,11 @@ def run(cfg: DPOConfig) -> dict:
                 sums += torch.stack([loss.detach().sum(), rw_c.sum(), rw_r.sum(), (rw_c > rw_r).float().sum(),
                                      (rw_c - rw_r).sum(), pc.detach().sum(), pr.detach().sum()]).float()
             runtime.all_reduce_sum(sums)
-            train_time += time.time() - t_step
+            step_time = time.time() - t_step
+            train_time += step_time
             metrics = dict(zip(keys, (sums / cfg.batch_size).tolist()))
             metrics.update(grad_norm=float(eng.get_global_grad_norm() or 0.0), lr=eng.lr_scheduler.get_last_lr()[0])
+            metrics["time/step"] = step_time
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
                 last_eval = evaluate(done)

@@ -53,6 +53,7 @@ class GRPOConfig(StageConfig):
     eval_samples: int = opt(200, "Held-out problems for pass@k.")
     eval_k: str = opt("1,4,8", "pass@k values (samples per problem = max k).")
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus).")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward (less memory, more compute).")
     monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
 
     def validate(self):
@@ -97,6 +98,7 @@ def run(cfg: GRPOConfig) -> dict:
     from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
     from align.report import plot_report
     from align.reward_fns import RewardError, call_reward, parse_rewards
+    from align.fast_logprobs import batched_fused_logprobs, fused_logprobs, supports
     from align.rollout import batched_logprobs, forward_logprobs, rollout_batch, select
     from align.stage_io import describe_inputs, monitor_overrides
 
@@ -126,6 +128,11 @@ def run(cfg: GRPOConfig) -> dict:
                            dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
     loader = runtime.ZeroLoader(ds)  # noqa: F841
     policy = load_causal_lm(ref_spec, tok, dtype, cfg.seed, cfg.trust_remote_code)
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # log-probs through a chunked LM head (no [B, T, V] logits) where the model allows it
+    logprobs_fn = fused_logprobs if supports(policy) else forward_logprobs
+    batched_fn = batched_fused_logprobs if supports(policy) else batched_logprobs
     schedule = training.lr_lambda("constant", cfg.warmup_steps, cfg.max_steps)
     # β2 = 0.999 (not SFT's 0.95): policy gradients are noisy, a longer second-moment memory keeps steps small.
     optimizer = training.adamw(policy, cfg.lr, 0.0, betas=(0.9, 0.999))
@@ -232,8 +239,8 @@ def run(cfg: GRPOConfig) -> dict:
             batch = rollout_batch(comps, tok.pad_token_id, dist.device)
             batch["response_mask"] *= keep.to(dist.device)[:, None]
             adv_t = adv.to(dist.device)
-            old_logp = batched_logprobs(eng, batch, micro) if cfg.num_iterations > 1 else None
-            ref_logp = batched_logprobs(ref_eng, batch, micro) if ref_eng is not None else None
+            old_logp = batched_fn(eng, batch, micro) if cfg.num_iterations > 1 else None
+            ref_logp = batched_fn(ref_eng, batch, micro) if ref_eng is not None else None
             counts = runtime.all_reduce_sum(torch.stack([batch["response_mask"].sum(), keep.sum().to(dist.device),
                                                          zero_std.sum().to(dist.device),
                                                          torch.tensor(float(len(zero_std)), device=dist.device)]))
@@ -248,7 +255,7 @@ def run(cfg: GRPOConfig) -> dict:
                     sl = slice(m * micro, (m + 1) * micro)
                     mb = select(batch, sl)
                     mask = mb["response_mask"]
-                    logp, ent = forward_logprobs(eng, mb, with_entropy=(it == 0))
+                    logp, ent = logprobs_fn(eng, mb, with_entropy=(it == 0))
                     a = adv_t[sl, None]
                     if cfg.reinforce:
                         per_tok = -a * logp

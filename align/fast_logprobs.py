@@ -1,0 +1,106 @@
+"""Per-token log-probs (and entropies) without materialising the [B, T, V] logits.
+
+The LM head's forward is swapped, for the length of one call, for a chunked "linear + selective log-softmax":
+for the selected positions only (the response tokens), `chunk` rows at a time, logits = h·Wᵀ in fp32,
+log π(target) = z[target] − logsumexp(z), entropy = logsumexp(z) − Σ softmax(z)·z. The backward recomputes
+each chunk's logits (grad_z = g·(onehot − softmax)), so memory is O(chunk × V) instead of O(B × T × V) — the
+largest activation of an RL update at a 150k vocabulary. Exact (same function as log_softmax + gather).
+
+Works on a plain module and on a DeepSpeed engine (ZeRO-3 included: the head runs inside its own module call,
+so its weight is gathered there and again for the backward, as for any Linear).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class _LinearLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, ids, chunk: int):
+        n = h.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=h.device)
+        ent = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for i in range(0, n, chunk):
+            z = (h[i : i + chunk] @ w.t()).float()
+            l = z.logsumexp(-1)
+            logp[i : i + chunk] = z.gather(-1, ids[i : i + chunk, None]).squeeze(-1) - l
+            ent[i : i + chunk] = l - ((z - l[:, None]).exp() * z).sum(-1)
+            lse[i : i + chunk] = l
+        ctx.save_for_backward(h, w, ids, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g, _g_ent):
+        h, w, ids, lse = ctx.saved_tensors
+        chunk = ctx.chunk
+        gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if ctx.needs_input_grad[1] else None
+        for i in range(0, h.shape[0], chunk):
+            hc, gc = h[i : i + chunk], g[i : i + chunk].float()
+            z = (hc @ w.t()).float()
+            dz = (z - lse[i : i + chunk, None]).exp_().mul_(-gc[:, None])
+            dz.scatter_add_(1, ids[i : i + chunk, None], gc[:, None])
+            dz = dz.to(h.dtype)
+            if gh is not None:
+                gh[i : i + chunk] = dz @ w
+            if gw is not None:
+                gw.addmm_(dz.t().float(), hc.float())
+        return gh, (gw.to(w.dtype) if gw is not None else None), None, None
+
+
+def linear_logprobs(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, chunk: int = 2048):
+    """h [N, H], w [V, H], ids [N] -> (log softmax(h·wᵀ)[ids] [N] fp32, entropy [N] fp32, no grad)."""
+    return _LinearLogprob.apply(h, w, ids, chunk)
+
+
+def supports(module) -> bool:
+    head = getattr(module, "lm_head", None)
+    return isinstance(head, torch.nn.Linear) and head.bias is None
+
+
+@contextlib.contextmanager
+def _head_as_logprobs(module, targets: torch.Tensor, select: torch.Tensor, chunk: int):
+    head = module.lm_head
+
+    def forward(hidden):
+        h = hidden[:, :-1]
+        sel = select.bool()
+        lp, ent = linear_logprobs(h[sel], head.weight, targets[sel], chunk)
+        zeros = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
+        return zeros.masked_scatter(sel, lp), zeros.masked_scatter(sel, ent)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def fused_logprobs(model, batch: dict, with_entropy: bool = False, select: torch.Tensor | None = None,
+                   chunk: int = 2048):
+    """Like rollout.forward_logprobs: log π(token_{t+1} | ≤ t), [N, L-1] fp32, (entropy or None); computed only
+    where `select` (default: batch["response_mask"]) is non-zero, 0 elsewhere. `model`: module or engine."""
+    module = getattr(model, "module", model)
+    ids = batch["input_ids"]
+    sel = batch["response_mask"] if select is None else select
+    extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
+    with _head_as_logprobs(module, ids[:, 1:], sel, chunk):
+        out = model(input_ids=ids, attention_mask=batch["attention_mask"], use_cache=False, **extra).logits
+    logp, ent = out
+    return logp, (ent if with_entropy else None)
+
+
+@torch.no_grad()
+def batched_fused_logprobs(model, batch: dict, micro: int) -> torch.Tensor:
+    n = batch["input_ids"].shape[0]
+    parts = []
+    for i in range(0, n, micro):
+        mb = {k: v[i : i + micro] for k, v in batch.items()}
+        parts.append(fused_logprobs(model, mb)[0])
+    return torch.cat(parts)

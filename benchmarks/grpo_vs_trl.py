@@ -1,0 +1,196 @@
+"""GRPO, ours vs TRL's GRPOTrainer, on the same GPU, one after the other, in one command.
+
+    python -m benchmarks.grpo_vs_trl --models 135m,0.5b --steps 4 [--nproc 1,2] [--only ours|trl]
+
+Same model directory (random init, bf16), tokenizer, prompts (data/arithmetic/train.jsonl, each prompt templated
+the way align does it), G, prompts per step, completion length, micro-batch size (TRL:
+per_device_train_batch_size x gradient_accumulation_steps = one generation batch = one optimizer step), sampling
+temperature 1, β = 0, one update per rollout batch, gradient checkpointing (TRL's default, on for both) and a
+noise reward (every group keeps its variance). Prints per step (median of steps 2..N): generation / reward /
+log-prob / backward+step seconds, generated tokens/s, peak GPU memory, ours/TRL ratios, and the decode roofline
+(bytes a decode step must read over the card's measured copy bandwidth, vs the achieved time per token).
+TRL runs without DeepSpeed (its plain single-GPU path, model and AdamW states in bf16); ours is `align grpo`
+(DeepSpeed ZeRO-3, bf16 with fp32 master weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import vs_trl as V
+
+PHASES = ["time/generate", "time/reward", "time/logprobs", "time/update"]
+
+
+def prompts_text(n: int) -> list[str]:
+    from align import data as D
+    from align.models import load_tokenizer, resolve
+    from align.paths import DATA_DIR
+
+    tok = load_tokenizer(resolve("tiny"))
+    rows = D.load_rows(str(DATA_DIR / "arithmetic/train.jsonl"), "prompts")[:n]
+    return D.prompt_texts(tok, [r["prompt"] for r in rows])
+
+
+def trl_worker(a) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from benchmarks.bench_reward import trl_noise
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16)
+    n = a.prompts * a.generations
+    ds = Dataset.from_list([{"prompt": p} for p in prompts_text(2000)])
+    args = GRPOConfig(
+        output_dir=a.json + ".trl", per_device_train_batch_size=a.micro_batch_size,
+        gradient_accumulation_steps=n // a.micro_batch_size, num_generations=a.generations,
+        max_completion_length=a.max_new_tokens, max_steps=a.steps, learning_rate=5e-5, bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=a.gradient_checkpointing, beta=0.0, num_iterations=1, temperature=1.0,
+        logging_steps=1, report_to=[], save_strategy="no", seed=0, log_completions=False,
+        dataloader_num_workers=0)
+    tr = GRPOTrainer(model=model, reward_funcs=[trl_noise], args=args, train_dataset=ds, processing_class=tok)
+    timer = V.StepTimer(tr, {"_generate": "time/generate", "_calculate_rewards": "time/reward",
+                             "_get_per_token_logps_and_entropies": "time/logprobs"}, nograd_only={"time/logprobs"})
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    tr.train()
+    rows = []
+    for r in timer.rows:
+        r = dict(r)
+        r["time/update"] = r["time/step"] - r["time/generate"] - r["time/reward"] - r["time/logprobs"]
+        rows.append(r)
+    V.write_json(Path(a.json), {"rows": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                                "gen_tokens_per_step": None})
+
+
+def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None) -> dict | None:
+    cmd = [*V.torchrun(nproc), "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--eval-data", "",
+           "--max-steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--num-generations", str(a.generations),
+           "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size * 1),
+           "--reward", "benchmarks/bench_reward.py:noise", "--temperature", "1.0", "--beta", "0",
+           "--num-iterations", "1", "--lr", "5e-5"]
+    if nproc > 1:
+        cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, a.prompts * a.generations // nproc))
+    if a.gradient_checkpointing:
+        cmd.append("--gradient-checkpointing")
+    if not V.run(cmd, out.with_suffix(".log"), env=env):
+        return None
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "time/generate" in r]
+    for r in rows:
+        r["time/step"] = sum(r[k] for k in PHASES)
+        r["tokens"] = r["completions/mean_length"] * a.prompts * a.generations
+    art = json.loads((out / "artifact.json").read_text())
+    med = V.median_rows(rows, PHASES + ["time/step", "tokens"])
+    return {**med, "peak_gib": max(art["metrics"]["peak_memory_gib_per_rank"]),
+            "peak_per_rank": art["metrics"]["peak_memory_gib_per_rank"], "cmd": " ".join(cmd)}
+
+
+def trl(model: Path, a, out: Path) -> dict | None:
+    js = out.with_suffix(".json")
+    cmd = [sys.executable, "-m", "benchmarks.grpo_vs_trl", "--trl-worker", "--model", str(model), "--json", str(js),
+           "--steps", str(a.steps), "--prompts", str(a.prompts), "--generations", str(a.generations),
+           "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size)]
+    if not a.gradient_checkpointing:
+        cmd.append("--no-gradient-checkpointing")
+    if not V.run(cmd, out.with_suffix(".log")):
+        return None
+    res = json.loads(js.read_text())
+    med = V.median_rows(res["rows"], PHASES + ["time/step"])
+    med["tokens"] = a.prompts * a.generations * a.max_new_tokens  # TRL pads to the budget; random weights never stop
+    return {**med, "peak_gib": res["peak_gib"], "cmd": " ".join(cmd)}
+
+
+def table(name: str, a, o: dict | None, t: dict | None, bw: float | None, prompt_len: float) -> list[str]:
+    lines = [f"\n### GRPO {name}: {a.prompts} prompts x G={a.generations}, {a.max_new_tokens} new tokens, micro "
+             f"{a.micro_batch_size}, bf16, grad ckpt {'on' if a.gradient_checkpointing else 'off'}, 1 GPU; "
+             f"median of steps 2..{a.steps}",
+             f"| | ours | TRL | ours/TRL |", "|---|---|---|---|"]
+    g = lambda d, k: None if d is None else d.get(k)  # noqa: E731
+    for k in PHASES + ["time/step"]:
+        lines.append(f"| {k[5:]} (s) | {V.fmt(g(o, k))} | {V.fmt(g(t, k))} | {V.ratio(g(o, k), g(t, k))} |")
+    tps = {n: (d["tokens"] / d["time/generate"] if d and d.get("time/generate") else None) for n, d in (("o", o), ("t", t))}
+    lines.append(f"| generated tokens/s | {V.fmt(tps['o'], ',.0f')} | {V.fmt(tps['t'], ',.0f')} | {V.ratio(tps['o'], tps['t'])} |")
+    lines.append(f"| peak GPU memory (GiB) | {V.fmt(g(o, 'peak_gib'), '.2f')} | {V.fmt(g(t, 'peak_gib'), '.2f')} | "
+                 f"{V.ratio(g(o, 'peak_gib'), g(t, 'peak_gib'))} |")
+    if bw:
+        for label, d in (("ours", o), ("TRL", t)):
+            if d and d.get("time/generate"):
+                r = V.roofline(name, a.prompts * a.generations, prompt_len, a.max_new_tokens, d["time/generate"], bw)
+                lines.append(f"decode roofline ({label}): {r['bytes_per_step_mb']:.0f} MB per decode step at "
+                             f"{bw / 1e12:.2f} TB/s -> floor {r['floor_ms']:.3f} ms; achieved {r['achieved_ms']:.3f} ms "
+                             f"per token (prefill included) = {r['fraction']:.1%} of the floor")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="135m")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    ap.add_argument("--nproc", default="1", help="ours: process counts, e.g. 1,2 (TRL: 1 GPU)")
+    ap.add_argument("--only", choices=["both", "ours", "trl"], default="both")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--json", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.trl_worker:
+        return trl_worker(a)
+    root = Path(a.out or tempfile.mkdtemp(prefix="align-grpo-vs-trl-"))
+    root.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    bw = V.measure_bandwidth() if torch.cuda.is_available() else None
+    if bw:
+        print(f"{torch.cuda.get_device_name()}: device copy {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    from align.models import load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve("tiny"))
+    prompt_len = statistics.mean(len(x) for x in tok(prompts_text(64), add_special_tokens=False)["input_ids"])
+    report, results = [], {}
+    for name in a.models.split(","):
+        model = V.make_model(name, root)
+        o = t = None
+        nprocs = [int(x) for x in a.nproc.split(",")]
+        if a.only in ("both", "ours"):
+            o = ours(model, a, nprocs[0], root / f"ours-{name}-n{nprocs[0]}")
+        if a.only in ("both", "trl"):
+            t = trl(model, a, root / f"trl-{name}")
+        report += table(name, a, o, t, bw, prompt_len)
+        scale = []
+        for n in nprocs[1:]:
+            on = ours(model, a, n, root / f"ours-{name}-n{n}")
+            if on and o:
+                base = o["tokens"] / o["time/step"]
+                thr = on["tokens"] / on["time/step"]
+                scale.append(f"| {n} | {thr:,.0f} | {thr / base:.2f} | {on['time/generate']:.3f} | "
+                             f"{on['time/update']:.3f} | {', '.join(f'{m:.2f}' for m in on['peak_per_rank'])} |")
+                results[f"ours-{name}-n{n}"] = on
+        if scale:
+            report += [f"\nZeRO-3 scaling, ours, {name} (throughput = completion tokens per step time; "
+                       f"1 GPU: {o['tokens'] / o['time/step']:,.0f} tok/s, peak {', '.join(f'{m:.2f}' for m in o['peak_per_rank'])} GiB)",
+                       "| GPUs | tokens/s | vs 1 GPU | generate (s) | update (s) | peak GiB per rank |",
+                       "|---|---|---|---|---|---|", *scale]
+        results[f"ours-{name}"], results[f"trl-{name}"] = o, t
+    V.write_json(root / "grpo_vs_trl.json", {"bandwidth": bw, "prompt_len": prompt_len, "results": results,
+                                             "argv": sys.argv})
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Shared parts of the side-by-side benchmarks against TRL (`benchmarks.grpo_vs_trl`, `benchmarks.dpo_vs_trl`).
+
+Each run is a fresh subprocess (clean CUDA memory statistics): ours is the real `align <stage>` command, TRL's
+is its trainer on the same saved model directory, tokenizer, data, batch sizes, lengths, precision and steps.
+TRL is a benchmark-only extra: `pip install .[bench]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODELS = {
+    # SmolLM2-135M's shape (random init: speed does not depend on the weights' values)
+    "135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                           max_position_embeddings=2048)),
+    # Qwen2-0.5B's shape
+    # CPU smoke test of the harness itself
+    "tiny": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+                           max_position_embeddings=512)),
+    "0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                           intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                           max_position_embeddings=4096, rms_norm_eps=1e-6)),
+}
+
+
+def make_model(name: str, root: Path) -> Path:
+    out = root / f"model-{name}"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from align.paths import TOKENIZER_DIR
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    arch, kw = MODELS[name]
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(**kw, **ids) if arch == "llama" else Qwen2Config(**kw, **ids)
+    torch.manual_seed(0)
+    model = (LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM)(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def n_params(name: str) -> int:
+    _, kw = MODELS[name]
+    h, i, L, V = kw["hidden_size"], kw["intermediate_size"], kw["num_hidden_layers"], kw["vocab_size"]
+    d = h // kw["num_attention_heads"]
+    kv = kw["num_key_value_heads"] * d
+    attn = h * h * 2 + h * kv * 2 + (2 * kv + h if name == "0.5b" else 0)
+    return V * h * (1 if kw["tie_word_embeddings"] else 2) + L * (attn + 3 * h * i + 2 * h) + h
+
+
+def kv_bytes_per_token(name: str, elem: int = 2) -> int:
+    _, kw = MODELS[name]
+    d = kw["hidden_size"] // kw["num_attention_heads"]
+    return 2 * kw["num_hidden_layers"] * kw["num_key_value_heads"] * d * elem
+
+
+def measure_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the decode roofline's ceiling)."""
+    import torch
+
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync()
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * 2 * 2**30 / statistics.median(ts)
+
+
+def roofline(name: str, rows: int, prompt_len: float, new_tokens: int, gen_seconds: float, bw: float) -> dict:
+    """Bytes one decode step must read (bf16 weights once + the batch's KV cache at its mean length) over the
+    measured bandwidth: the floor per decode step; achieved = generation time / tokens per row."""
+    w = n_params(name) * 2
+    kv = rows * (prompt_len + new_tokens / 2) * kv_bytes_per_token(name)
+    floor = (w + kv) / bw
+    achieved = gen_seconds / new_tokens
+    return {"floor_ms": floor * 1e3, "achieved_ms": achieved * 1e3, "fraction": floor / achieved,
+            "bytes_per_step_mb": (w + kv) / 1e6}
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 420) -> bool:
+    t = time.time()
+    e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=e, timeout=timeout)
+            ok = p.returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+    print(f"  [{'ok' if ok else 'FAILED'}] {time.time() - t:6.1f} s  {' '.join(cmd[-12:])[:160]}  (log {log})",
+          flush=True)
+    if not ok:
+        print("".join(open(log).readlines()[-25:]), flush=True)
+    return ok
+
+
+def torchrun(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable]
+    from align.runtime import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+
+
+def median_rows(rows: list[dict], keys: list[str]) -> dict:
+    rows = rows[1:] if len(rows) > 1 else rows  # the first step includes compile / warm-up
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in keys if any(k in r for r in rows)}
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def fmt(v, spec=".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+class StepTimer:
+    """TRL side: wraps trainer methods to accumulate CUDA-synchronised time per phase; a callback records them
+    per optimizer step."""
+
+    def __init__(self, trainer, phases: dict[str, str], nograd_only: set[str] = frozenset()):
+        import torch
+        from transformers import TrainerCallback
+
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+        self.acc = {k: 0.0 for k in phases.values()}
+        self.rows: list[dict] = []
+        timer = self
+
+        for meth, key in phases.items():
+            orig = getattr(trainer, meth)
+
+            def wrapped(*a, _orig=orig, _key=key, **kw):
+                if _key in nograd_only and torch.is_grad_enabled():
+                    return _orig(*a, **kw)
+                sync()
+                t = time.perf_counter()
+                try:
+                    return _orig(*a, **kw)
+                finally:
+                    sync()
+                    timer.acc[_key] += time.perf_counter() - t
+
+            setattr(trainer, meth, wrapped)
+
+        class CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                sync()
+                timer.t0 = time.perf_counter()
+                timer.acc = {k: 0.0 for k in timer.acc}
+
+            def on_step_end(self, args, state, control, **kw):
+                sync()
+                timer.rows.append({"time/step": time.perf_counter() - timer.t0, **timer.acc})
+
+        trainer.add_callback(CB())
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1))
