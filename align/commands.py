@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.cli import app, data_app, model_app, not_implemented, pipeline_app, rm_app, stage_command
+from align.cli import app, data_app, model_app, pipeline_app, rm_app, stage_command
 from align.config import opt
 from stages.dpo import DPOConfig
 from stages.eval import EvalConfig
 from stages.model_init import ModelInitConfig
+from stages.ppo import PPOConfig
 from stages.rm import RMConfig, RMEvalConfig, RMScoreConfig
 from stages.grpo import GRPOConfig
 from stages.sft import SFTConfig
@@ -103,7 +104,12 @@ def dpo(cfg):
     dpo.run(cfg)
 
 
-not_implemented(app, "ppo", "PPO-ptx with a separate value network and adaptive KL", 4)
+@stage_command(app, "ppo", PPOConfig, "PPO-ptx: policy, frozen reference and reward model, a separate value "
+                                        "network, adaptive KL, pretraining mix, gold-vs-proxy reward.")
+def ppo(cfg):
+    from stages import ppo
+
+    ppo.run(cfg)
 
 
 @stage_command(app, "grpo", GRPOConfig, "GRPO / RLVR: G samples per prompt, verifiable rewards, group-relative "

@@ -44,6 +44,7 @@ from stages.dpo import DPOConfig
 from stages.grpo import GRPOConfig
 from stages.eval import EvalConfig
 from stages.model_init import ModelInitConfig
+from stages.ppo import PPOConfig
 from stages.rm import RMConfig
 from stages.sft import SFTConfig
 
@@ -60,6 +61,7 @@ KINDS: dict[str, Kind] = {
     "sft": Kind(("sft",), SFTConfig),
     "eval": Kind(("eval",), EvalConfig),
     "rm": Kind(("rm", "train"), RMConfig),
+    "ppo": Kind(("ppo",), PPOConfig),
     "dpo": Kind(("dpo",), DPOConfig),
     "grpo": Kind(("grpo",), GRPOConfig),
 }

@@ -86,24 +86,41 @@ def _draw(ax, xs: list, ys: list, color: str = "C0", label: str | None = None, s
         ax.plot(xs, ys, ".-", color=color, linewidth=1, markersize=4, label=label)
 
 
-def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None = None) -> Path | None:
+def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None = None,
+                xy: tuple | None = None) -> Path | None:
     """Plot each numeric metric (or `keys`) against step, one small subplot each, into out_png.
 
+    `xy = (x, [y1, y2])` adds a first panel of y1 (left axis) and y2 (right axis) against metric x, e.g. PPO's
+    proxy and gold reward against KL (the over-optimisation curve); left out when x or y1 was never logged.
     Returns the PNG path, or None when there is nothing to plot (no file, no rows, no data for
     any of the keys).
     """
     rows = read_metrics(metrics_path) if Path(metrics_path).exists() else []
     curves = [(k, *series(rows, "step", k)) for k in (keys or numeric_keys(rows))]
     curves = [c for c in curves if c[1]]
+    pairs = [(y, *series(rows, xy[0], y)) for y in xy[1]] if xy else []
+    pairs = [c for c in pairs if c[1]]
     if not curves:
         return None
     from matplotlib.figure import Figure
 
-    ncols = min(3, len(curves))
-    nrows = math.ceil(len(curves) / ncols)
+    n = len(curves) + bool(pairs)
+    ncols = min(3, n)
+    nrows = math.ceil(n / ncols)
     fig = Figure(figsize=(4 * ncols, 2.8 * nrows + 0.5), layout="constrained")
     fig.suptitle(title)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    if pairs:
+        ax = axes[0]
+        for i, (y, xs, ys) in enumerate(pairs[:2]):
+            side = ax if i == 0 else ax.twinx()
+            _draw(side, xs, ys, color=f"C{i}", label=y)
+            side.set_ylabel(y, fontsize=8, color=f"C{i}")
+            side.tick_params(labelsize=7)
+        ax.set_title(" and ".join(p[0] for p in pairs[:2]) + f" vs {xy[0]}", fontsize=9)
+        ax.set_xlabel(xy[0], fontsize=8)
+        ax.grid(alpha=0.3)
+        axes = axes[1:]
     for ax, (key, xs, ys) in zip(axes, curves):
         _draw(ax, xs, ys, smooth=key not in UNSMOOTHED)
         ax.set_title(key, fontsize=9)

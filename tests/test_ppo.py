@@ -1,0 +1,154 @@
+"""PPO-ptx end to end on the tiny model: one shared 2-process ZeRO-3 run (value network, KL controller, ptx, gold
+reward, report), the value head read at every position, and bad input (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from align.errors import UserError
+from align.runtime import free_port
+from tests.conftest import assert_user_error, run_align
+
+SHORT = ["--max-steps", "2", "--prompts-per-step", "8", "--minibatch-size", "4", "--micro-batch-size", "2",
+         "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, shipped_tokenizer, tiny_model_dir):
+    """A tiny reward model (sequence classifier, random head, offset 0.5 in its config) and small data files."""
+    from align.models import resolve
+    from align.paths import DATA_DIR
+    from align.reward_model import OFFSET_KEY, load_sequence_classifier
+
+    d = tmp_path_factory.mktemp("ppo")
+    rm = load_sequence_classifier(resolve("tiny"), shipped_tokenizer, torch.float32, seed=1)
+    rm.config.pad_token_id = shipped_tokenizer.pad_token_id
+    setattr(rm.config, OFFSET_KEY, 0.5)
+    rm.save_pretrained(d / "rm", safe_serialization=True)
+    shipped_tokenizer.save_pretrained(d / "rm")
+    rows = [json.loads(line) for line in (DATA_DIR / "arithmetic/train.jsonl").read_text().splitlines()[:16]]
+    texts = [json.loads(line) for line in (DATA_DIR / "text/train.jsonl").read_text().splitlines()[:8]]
+    return {"dir": d, "rm": d / "rm", "policy": tiny_model_dir, "prompts": write_jsonl(d / "prompts.jsonl", rows),
+            "eval": write_jsonl(d / "eval.jsonl", rows[:4]), "text": write_jsonl(d / "text.jsonl", texts)}
+
+
+def base_args(files, out):
+    return ["--model", "tiny", "--reward-model", str(files["rm"]), "--data", str(files["prompts"]),
+            "--eval-data", str(files["eval"]), "--ptx-data", str(files["text"]), "--out", str(out), *SHORT]
+
+
+@pytest.fixture(scope="module")
+def two_proc_run(files):
+    out = files["dir"] / "ppo2"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           "-m", "align", "ppo", *base_args(files, out), "--ptx-coef", "0.1", "--kl-horizon", "100"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, [r for r in rows if "reward" in r], [r for r in rows if "eval/reward" in r]
+
+
+def test_two_process_zero3_ppo_ptx_run(two_proc_run):
+    out, steps, evals = two_proc_run
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "complete" and art["world_size"] == 2 and art["model_kind"] == "policy"
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 2]
+    for key in ("reward", "gold_reward", "objective/kl", "objective/scores", "objective/rlhf_reward", "kl", "kl_coef",
+                "entropy", "clip_ratio", "val/clipfrac", "policy/approxkl", "val/explained_variance",
+                "completions/mean_length", "distinct_1", "distinct_2", "loss/policy", "loss/value", "loss/ptx"):
+        assert key in steps[0] and steps[0][key] == steps[0][key], key  # present and not NaN
+    assert 0.0 <= steps[0]["gold_reward"] <= 1.0
+    assert "eval/pass@1/greedy" in evals[0] and "start/reward" in art["metrics"]
+    assert (out / "report.png").stat().st_size > 5000 and (out / "value" / "checkpoints" / "latest").is_file()
+    assert art["inputs"]["reward_model"]["spec"] == art["inputs"]["value_model"]["spec"]  # V starts from the RM
+
+
+def test_kl_controller_in_the_run_follows_the_formula(two_proc_run):
+    """β of step 2 = β₁·(1 + clip(KL₁/target − 1, ±0.2)·n/horizon), n = 8 episodes, target 1, horizon 100."""
+    _, steps, _ = two_proc_run
+    b1, kl1 = steps[0]["kl_coef"], steps[0]["objective/kl"]
+    assert b1 == 0.05
+    e = min(max(kl1 / 1.0 - 1, -0.2), 0.2)
+    assert steps[1]["kl_coef"] == pytest.approx(b1 * (1 + e * 8 / 100))
+    final = json.loads((two_proc_run[0] / "artifact.json").read_text())["metrics"]["kl_coef/final"]
+    e2 = min(max(steps[1]["objective/kl"] - 1, -0.2), 0.2)
+    assert final == pytest.approx(steps[1]["kl_coef"] * (1 + e2 * 8 / 100))
+
+
+def test_value_head_at_every_position_matches_the_reward_model(files, shipped_tokenizer):
+    """token_values reads the score head at each position; at the last token it is the RM's (normalised) reward."""
+    from align.reward_model import normalized_reward, raw_rewards
+    from stages.ppo import token_values
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(files["rm"]).eval()
+
+    class Engine:  # what token_values needs of a DeepSpeed engine: callable, .module
+        module = model
+
+        def __call__(self, **kw):
+            return model(**kw)
+
+    seqs = [[1, 5, 9, 30, 40, 2], [1, 7, 8, 2]]
+    pad = shipped_tokenizer.pad_token_id
+    width = max(map(len, seqs)) + 1  # one pad more: token_values drops the last position (it predicts nothing)
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    with torch.no_grad():
+        v = token_values(Engine(), {"input_ids": ids, "attention_mask": attn})
+        r = normalized_reward(raw_rewards(model, {"input_ids": ids, "attention_mask": attn}), model.config)
+    assert v.shape == (2, width - 1)
+    torch.testing.assert_close(v[[0, 1], [5, 3]], r)
+    assert not torch.allclose(v[0, :5], v[0, 5].expand(5))  # a value per position, not one per sequence
+
+
+def test_bad_input_is_refused_before_anything_is_written(files, tmp_path, shipped_tokenizer, monkeypatch):
+    from stages.ppo import PPOConfig, run
+
+    def refused(match, **kw):
+        args = dict(model="tiny", reward_model=str(files["rm"]), data=str(files["prompts"]), ptx_data=str(files["text"]),
+                    eval_data="", out=str(tmp_path / "never"), max_steps=1, prompts_per_step=2, minibatch_size=2,
+                    max_new_tokens=2)  # tiny budgets: a refusal that fails must not train for long
+        with pytest.raises(UserError, match=match):
+            run(PPOConfig(**{**args, **kw}))
+        assert not (tmp_path / "never").exists()
+
+    # an RM whose tokenizer differs: the RM could score re-tokenised text, but the value network (initialised
+    # from it) must read the policy's tokens
+    other = tmp_path / "rm-other-tok"
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(files["rm"]).save_pretrained(other)
+    tok = type(shipped_tokenizer).from_pretrained(files["rm"])
+    tok.add_tokens(["<new>"])
+    tok.save_pretrained(other)
+    refused(r"rm-other-tok: its tokenizer differs.*vocabularies differ.*value network.*--value-model", reward_model=str(other))
+    refused(r"every prompt is longer than --max-prompt-length 4", max_prompt_length=4)
+    refused(r"empty.jsonl: the dataset is empty", ptx_data=str(write_jsonl(tmp_path / "empty.jsonl", [])))
+    refused(r"no usable pretraining text", ptx_data=str(write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}])))
+    refused(r"a preset is an untrained model, not a reward model", reward_model="tiny")
+    refused(r"this is a policy model, but a reward model", reward_model=str(files["policy"]))
+    monkeypatch.chdir(tmp_path)  # no runs/default here: the defaults say how to make them
+    refused(r"runs/default/rm: not found.*align pipeline run pipelines.toml", reward_model="runs/default/rm")
+    with pytest.raises(UserError, match="--minibatch-size 5 must divide"):
+        PPOConfig(minibatch_size=5).validate()
+
+
+def test_bad_input_exits_2_on_the_command_line(files, tmp_path):
+    proc = run_align("ppo", "--model", "tiny", "--reward-model", files["rm"], "--data", files["prompts"],
+                     "--ptx-data", write_jsonl(tmp_path / "empty.jsonl", []), "--out", tmp_path / "o")
+    assert_user_error(proc, "empty.jsonl", "the dataset is empty")
+    assert not (tmp_path / "o").exists()
