@@ -33,6 +33,12 @@ def enabled_by_env() -> bool:
     return os.environ.get("ALIGN_FAST_GENERATION", "1").lower() not in ("0", "false", "no", "off")
 
 
+def bare(module):
+    """The HF model inside a DeepSpeed engine (DeepSpeed's unwrap_model_for_generation yields the engine)."""
+    inner = getattr(module, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") else module
+
+
 def unsupported_reason(module) -> str | None:
     """None when `module` can use the fast path, else why not."""
     cfg = getattr(module, "config", None)
@@ -352,7 +358,17 @@ class FastDecoder:
             self.out = torch.full((B, sampling.max_new_tokens), pad, dtype=torch.long, device=self.device)
             self._out_len = sampling.max_new_tokens
             self._graphs = {}  # the graphs hold the old `out`
+        dbg = os.environ.get("ALIGN_FAST_DEBUG") == "1"
+        if dbg:
+            import sys
+            import time
+
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
         runner = self._runner(sampling, eos, pad)  # before the prefill: warm-up scribbles on the state
+        if dbg:
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
         logits = self._prefill(ids, mask)
         if not sampling.greedy:
             self.noise.exponential_()
@@ -370,6 +386,13 @@ class FastDecoder:
             steps += 1
             if steps % self.check_every == 0 and bool(self.finished[:n].all()):
                 break
+        if dbg:
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            print(f"[fast_generate] rows {n}/{B} cap {cap} graphs {self.use_graphs} runner {t1 - t0:.2f}s "
+                  f"prefill+decode {t2 - t1:.2f}s for {steps} tokens = {(t2 - t1) / steps * 1e3:.2f} ms/token; "
+                  f"grad {torch.is_grad_enabled()} dynamo counters {dict(torch._dynamo.utils.counters['stats'])}",
+                  file=sys.stderr, flush=True)
         return self.out[:n, :steps].tolist()
 
 

@@ -64,6 +64,7 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
     eagerly: tests). Never with `synced_gpus` (sharded weights)."""
     from align import fast_generate as FG
 
+    module = FG.bare(module)
     if synced_gpus or fast is False or not FG.enabled_by_env():
         return False
     if FG.unsupported_reason(module) is not None:
@@ -108,9 +109,9 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
 
 
 def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device) -> list[Completion]:
-    from align.fast_generate import decoder_for
+    from align.fast_generate import bare, decoder_for
 
-    dec = decoder_for(module, device)
+    dec = decoder_for(bare(module), device)
     eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     out: list[Completion] = []
     for i in range(0, len(prompts), batch_size):

@@ -104,3 +104,22 @@ def test_selection(monkeypatch):
     assert not use_fast_path(m, "cpu", fast=True)
     m.config.model_type = "gpt2"
     assert unsupported_reason(m) is not None
+
+
+def test_engine_wrapper_is_unwrapped():
+    """DeepSpeed's unwrap_model_for_generation yields the engine (whose .config is DeepSpeed's, not the model's):
+    the fast path must look through it, and keep its decoder on the inner model."""
+    m = make("llama", True)
+
+    class Engine(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+            self.config = {"zero_optimization": {"stage": 3}}
+
+    eng = Engine(m)
+    assert use_fast_path(eng, "cuda")
+    s = Sampling(max_new_tokens=6, temperature=0.0)
+    a = generate_local(eng, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    b = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
+    assert [c.ids for c in a] == [c.ids for c in b] and hasattr(m, "_align_fast_decoder")
