@@ -36,6 +36,7 @@ class StageConfig:
     nproc: int = opt(1, "Processes to launch on this machine (relaunches itself with torchrun).")
     deepspeed: str = opt("", "A DeepSpeed JSON config; its keys win over align's.", path=True)
     trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
+    precision: str = opt("auto", "Compute precision: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32.")
 
 
 @dataclass

@@ -88,8 +88,17 @@ def quiet_libraries() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
-def compute_dtype(dist: Dist) -> torch.dtype:
-    return torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def compute_dtype(dist: Dist, precision: str = "auto") -> torch.dtype:
+    """bf16 on CUDA and fp32 on CPU ("auto"), or what --precision asks for (bf16 mixed precision keeps fp32
+    master weights in the optimizer)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}.")
+    if precision == "auto":
+        return torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def ds_config(

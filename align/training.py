@@ -130,7 +130,7 @@ def trainable_engine(cfg, dist: runtime.Dist, load_model) -> Setup:
     """DeepSpeed config from a TrainConfig's batch/clip/zero options, the model from `load_model(dtype)` (loaded
     straight into ZeRO-3 shards), AdamW and warmup + decay schedule, all wrapped in one engine."""
     micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
-    dtype = runtime.compute_dtype(dist)
+    dtype = runtime.compute_dtype(dist, cfg.precision)
     ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum, world_size=dist.world_size,
                            dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
     loader = runtime.ZeroLoader(ds)

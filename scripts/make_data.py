@@ -6,10 +6,10 @@
 Data (fixed seeds, train and test prompts disjoint; arithmetic test prompts never appear in any
 train file and prefs test prompts never appear in arithmetic train):
     arithmetic 20000 / 500 (levels 1-4 in equal shares), sort 5000 / 200,
-    prefs 4000 / 300 (arithmetic pairs), text 3000 / 200.
+    prefs 20000 / 300 (arithmetic pairs), text 3000 / 200.
 
 Tokenizer: byte-level BPE with 512 tokens (6 specials + 256 bytes + merges), digits always split
-into single tokens, trained on all train text. Specials, ids 0..5:
+into single tokens, trained on all train text (of prefs, the first 4,000 pairs). Specials, ids 0..5:
     <|pad|> <|bos|> <|eos|> <|system|> <|user|> <|assistant|>
 Chat template: bos, then <|system|>text / <|user|>text / <|assistant|>text<|eos|> per message,
 and a trailing <|assistant|> when add_generation_prompt=True.
@@ -29,6 +29,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DATA = os.path.join(ROOT, "data")
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"]
 VOCAB_SIZE = 512
+TOKENIZER_PREF_ROWS = 4000
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -48,7 +49,7 @@ def build_data():
     prefs_test = make_dataset("prefs", 300, seed=3001, exclude={row_key(r) for r in arith_test})
     held_out = {row_key(r) for r in arith_test + prefs_test}
     arith_train = make_dataset("arithmetic", 20000, seed=1000, exclude=held_out)
-    prefs_train = make_dataset("prefs", 4000, seed=3000, exclude=held_out)
+    prefs_train = make_dataset("prefs", 20000, seed=3000, exclude=held_out)
     sort_test = make_dataset("sort", 200, seed=2001)
     sort_train = make_dataset("sort", 5000, seed=2000, exclude={row_key(r) for r in sort_test})
     text_test = make_dataset("text", 200, seed=4001)
@@ -108,7 +109,10 @@ def main():
         write_jsonl(train, os.path.join(DATA, task, "train.jsonl"))
         write_jsonl(test, os.path.join(DATA, task, "test.jsonl"))
         print(f"{task}: {len(train)} train, {len(test)} test")
-    texts = [t for train, _ in splits.values() for row in train for t in row_texts(row)]
+    # The tokenizer sees the first 4,000 preference pairs only: it was trained when prefs had 4,000 rows, and
+    # growing the pair set must not change token ids (trained models would no longer match).
+    texts = [t for task, (train, _) in splits.items() for row in (train[:TOKENIZER_PREF_ROWS] if task == "prefs" else train)
+             for t in row_texts(row)]
     path = os.path.join(DATA, "tokenizer")
     train_tokenizer(texts).save_pretrained(path)
     samples = [t for _, test in splits.values() for row in test[:20] for t in row_texts(row)]

@@ -62,7 +62,7 @@ def run(cfg: EvalConfig) -> dict:
     torch.manual_seed(cfg.seed * 1000 + dist.rank)
     writer = ArtifactWriter(cfg.out, "eval", as_dict(cfg), describe_inputs(ref, cfg.data), dist.is_main)
     tok = load_tokenizer(ref, cfg.trust_remote_code)
-    dtype = runtime.compute_dtype(dist)
+    dtype = runtime.compute_dtype(dist, cfg.precision)
     ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=1, grad_accum=1, world_size=dist.world_size,
                            dtype=dtype, user_config=cfg.deepspeed)
     loader = runtime.ZeroLoader(ds)  # noqa: F841
