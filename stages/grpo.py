@@ -123,7 +123,7 @@ def run(cfg: GRPOConfig) -> dict:
     if n_local % micro:
         raise UserError(f"--micro-batch-size {micro} must divide the {n_local} sequences per process and step.")
     accum = n_local // micro
-    dtype = runtime.compute_dtype(dist)
+    dtype = runtime.compute_dtype(dist, cfg.precision)
     ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum, world_size=dist.world_size,
                            dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
     loader = runtime.ZeroLoader(ds)  # noqa: F841
