@@ -83,7 +83,7 @@ def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None) -> dict
         cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, a.prompts * a.generations // nproc))
     if a.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
-    if not V.run(cmd, out.with_suffix(".log"), env=env):
+    if not V.run(cmd, out.with_suffix(".log"), env=env, gpus=nproc):
         return None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/generate" in r]

@@ -74,7 +74,7 @@ def measure_bandwidth() -> float:
     y = torch.empty_like(x)
     for _ in range(3):
         y.copy_(x)
-    sync()
+    torch.cuda.synchronize()
     ts = []
     for _ in range(10):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -98,9 +98,12 @@ def roofline(name: str, rows: int, prompt_len: float, new_tokens: int, gen_secon
             "bytes_per_step_mb": (w + kv) / 1e6}
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 420) -> bool:
+def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 420, gpus: int = 1) -> bool:
+    """Run one benchmark subprocess; one-GPU runs see GPU 0 only (TRL's Trainer would use DataParallel)."""
     t = time.time()
     e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if gpus == 1:
+        e["CUDA_VISIBLE_DEVICES"] = e.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
