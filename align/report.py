@@ -114,7 +114,10 @@ def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None
         ax = axes[0]
         for i, (y, xs, ys) in enumerate(pairs[:2]):
             side = ax if i == 0 else ax.twinx()
-            _draw(side, xs, ys, color=f"C{i}", label=y)
+            # noisy per-step points, faint; the trajectory as EMAs of both coordinates (in step order) on top
+            side.plot(xs, ys, ".", color=f"C{i}", alpha=0.3, markersize=3)
+            span = max(2, len(xs) // 5)
+            side.plot(ema(xs, span), ema(ys, span), "-", color=f"C{i}", linewidth=1.5, label=y)
             side.set_ylabel(y, fontsize=8, color=f"C{i}")
             side.tick_params(labelsize=7)
         ax.set_title(" and ".join(p[0] for p in pairs[:2]) + f" vs {xy[0]}", fontsize=9)
