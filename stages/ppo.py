@@ -263,7 +263,7 @@ def run(cfg: PPOConfig) -> dict:
     accum = mb_local // micro
     updates_per_step = cfg.ppo_epochs * (n_local // mb_local)
     p_accum = accum + bool(ptx)  # the ptx batch is one more micro-batch of each policy optimiser step
-    dtype = runtime.compute_dtype(dist)
+    dtype = runtime.compute_dtype(dist, cfg.precision)
     schedule = training.lr_lambda("constant", cfg.warmup_steps, cfg.max_steps * updates_per_step)
 
     def ds_for(grad_accum: int) -> dict:
