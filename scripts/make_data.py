@@ -6,7 +6,7 @@
 Data (fixed seeds, train and test prompts disjoint; arithmetic test prompts never appear in any
 train file and prefs test prompts never appear in arithmetic train):
     arithmetic 20000 / 500 (levels 1-4 in equal shares), sort 5000 / 200,
-    prefs 20000 / 300 (arithmetic pairs), text 3000 / 200.
+    prefs 50000 / 300 (arithmetic pairs), text 3000 / 200.
 
 Tokenizer: byte-level BPE with 512 tokens (6 specials + 256 bytes + merges), digits always split
 into single tokens, trained on all train text (of prefs, the first 4,000 pairs). Specials, ids 0..5:
@@ -49,7 +49,7 @@ def build_data():
     prefs_test = make_dataset("prefs", 300, seed=3001, exclude={row_key(r) for r in arith_test})
     held_out = {row_key(r) for r in arith_test + prefs_test}
     arith_train = make_dataset("arithmetic", 20000, seed=1000, exclude=held_out)
-    prefs_train = make_dataset("prefs", 20000, seed=3000, exclude=held_out)
+    prefs_train = make_dataset("prefs", 50000, seed=3000, exclude=held_out)
     sort_test = make_dataset("sort", 200, seed=2001)
     sort_train = make_dataset("sort", 5000, seed=2000, exclude={row_key(r) for r in sort_test})
     text_test = make_dataset("text", 200, seed=4001)
