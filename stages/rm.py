@@ -150,6 +150,7 @@ def _load_pairs(path: str, columns: str, tok, max_length: int) -> list[dict]:
 
 
 def run(cfg: RMConfig) -> dict:
+    import json
     import random
     import time
     from pathlib import Path
@@ -265,6 +266,11 @@ def run(cfg: RMConfig) -> dict:
     if not scale > 1e-8:
         raise UserError("the reference rewards have zero spread; cannot --normalize-scale.")
     info(f"normalisation on {norm_on}: offset {offset:.4f}, scale {scale:.4f}")
+    if dist.is_main:  # the reference set itself, so the normalisation can be audited (and re-checked)
+        with open(out / "normalization.jsonl", "w") as f:
+            for e, seq, r in zip(ref_examples, seqs, raw.tolist()):
+                f.write(json.dumps({"prompt_ids": e["prompt_ids"], "response_ids": seq[len(e["prompt_ids"]):],
+                                    "raw": r, "reward": (r - offset) / scale}) + "\n")
 
     # ---- save
     wall = time.time() - t0

@@ -96,6 +96,28 @@ def test_normalised_reference_mean_is_zero(rm):
     assert raw.std() > 0  # a real spread, not a constant
 
 
+def test_normalize_on_policy_samples_score_zero_mean_unit_std(rm, tmp_path, tiny_model_dir):
+    """--normalize-on-policy: the reference set is samples of the given policy (written to normalization.jsonl);
+    rescored by plain transformers their normalised rewards have mean 0 and (--normalize-scale) std 1."""
+    from align.data import preference_examples
+    from align.reward_model import normalized_reward
+
+    _, _, train, _ = rm
+    out = tmp_path / "rm_on_policy"
+    ok(run_align("rm", "train", "--model", tiny_model_dir, "--data", train, "--eval-data", "", "--out", out,
+                 *RM_ARGS, "--normalize-on-policy", tiny_model_dir, "--normalize-scale", "--max-new-tokens", "6"))
+    art = json.loads((out / "artifact.json").read_text())
+    assert "samples (T=1) of" in art["normalized_on"] and art["reward_scale"] != 1.0
+    ref = [json.loads(line) for line in (out / "normalization.jsonl").read_text().splitlines()]
+    assert len(ref) == NORM_N
+    model, tok = load_plain(out)
+    chosen = {tuple(e["chosen_ids"]) for e in preference_examples(tok, head(64), 256)[0]}
+    assert sum(tuple(r["response_ids"]) in chosen for r in ref) < NORM_N // 2  # samples, not the chosen responses
+    raw = plain_rewards(model, [r["prompt_ids"] + r["response_ids"] for r in ref], tok.pad_token_id)
+    norm = normalized_reward(raw, model.config)
+    assert abs(norm.mean().item()) < 0.01 and abs(norm.std().item() - 1.0) < 0.01
+
+
 def test_padding_does_not_change_the_reward(rm):
     _, out, _, _ = rm
     model, tok = load_plain(out)
