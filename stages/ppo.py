@@ -47,7 +47,8 @@ class PPOConfig(StageConfig):
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data: greedy pass@1 and RM "
                                                                       "reward at start and end ('' : skip).", path=True)
     eval_samples: int = opt(200, "Held-out problems to evaluate.")
-    ptx_data: str = opt(str(DATA_DIR / "text/train.jsonl"), "Pretraining text {text} for the ptx term.", path=True)
+    ptx_data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "ptx data: pretraining text {text} (loss on every "
+                        "token) or SFT data {prompt, completion} (loss on the completion).", path=True)
     ptx_coef: float = opt(0.1, "γ: weight of the pretraining LM loss (PPO-ptx); 0: plain PPO.")
     ptx_batch_size: int = opt(8, "Pretraining texts per optimiser step (all processes).")
     ptx_max_length: int = opt(128, "Max tokens per pretraining text (cut on the right).")
@@ -127,14 +128,23 @@ def tokenizer_difference(a, b) -> str:
     return ""
 
 
-def ptx_examples(tok, rows: list[dict], max_length: int, path: str) -> list[dict]:
-    """BOS + text + EOS, cut on the right at `max_length`; the LM loss covers every token. Empty texts dropped."""
-    ids = tok([str(r["text"]) for r in rows], add_special_tokens=False)["input_ids"]
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    out = [{"input_ids": s, "labels": s} for x in ids if x for s in [(bos + x + [tok.eos_token_id])[:max_length]]]
+def ptx_examples(tok, path: str, max_length: int) -> list[dict]:
+    """The ptx batch source. Pretraining text {text}: BOS + text + EOS cut on the right at `max_length`, LM loss
+    on every token. SFT data {prompt, completion} (or {messages}): the chat-templated example, loss on the
+    completion only — the right "pretraining distribution" for a model whose only training is its SFT corpus
+    (the embedded tiny model). Empty texts are dropped."""
+    from align import data as D
+
+    cols = D.load_dataset(path).column_names
+    if "text" not in cols and ("prompt" in cols or "messages" in cols):
+        out = D.sft_examples(tok, D.load_rows(path, "sft"), max_length)
+    else:
+        ids = tok([str(r["text"]) for r in D.load_rows(path, "text")], add_special_tokens=False)["input_ids"]
+        bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+        out = [{"input_ids": s, "labels": s} for x in ids if x for s in [(bos + x + [tok.eos_token_id])[:max_length]]]
     if not out:
-        raise UserError(f"{path}: no usable pretraining text (every `text` is empty); fix --ptx-data or pass "
-                        "--ptx-coef 0.")
+        raise UserError(f"{path}: no usable pretraining text (every `text` is empty, or no completion fits "
+                        "--ptx-max-length); fix --ptx-data or pass --ptx-coef 0.")
     return out
 
 
@@ -240,8 +250,7 @@ def run(cfg: PPOConfig) -> dict:
     gold_fn = parse_rewards([cfg.gold_reward])[0] if cfg.gold_reward and "answer" in rows[0] else None
     eval_rows = (D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples)
                  if cfg.eval_data and cfg.eval_samples else [])
-    ptx = (ptx_examples(tok, D.load_rows(cfg.ptx_data, "text"), cfg.ptx_max_length, cfg.ptx_data)
-           if cfg.ptx_coef else [])
+    ptx = ptx_examples(tok, cfg.ptx_data, cfg.ptx_max_length) if cfg.ptx_coef else []
     dist = runtime.init()
     world = dist.world_size
     for flag, n in (("--prompts-per-step", cfg.prompts_per_step), ("--minibatch-size", cfg.minibatch_size),

@@ -152,3 +152,24 @@ def test_bad_input_exits_2_on_the_command_line(files, tmp_path):
                      "--ptx-data", write_jsonl(tmp_path / "empty.jsonl", []), "--out", tmp_path / "o")
     assert_user_error(proc, "empty.jsonl", "the dataset is empty")
     assert not (tmp_path / "o").exists()
+
+
+def test_ptx_examples_text_and_sft_rows(tmp_path, shipped_tokenizer):
+    """--ptx-data: {text} rows -> LM loss on every token (BOS + text + EOS, cut on the right); {prompt,
+    completion} rows -> the chat-templated SFT example with the prompt masked (-100)."""
+    from stages.ppo import ptx_examples
+
+    tok = shipped_tokenizer
+    text = ptx_examples(tok, str(write_jsonl(tmp_path / "t.jsonl", [{"text": "Tom has 3 apples."}])), 128)
+    ids = tok("Tom has 3 apples.", add_special_tokens=False)["input_ids"]
+    assert text == [{"input_ids": [tok.bos_token_id, *ids, tok.eos_token_id],
+                     "labels": [tok.bos_token_id, *ids, tok.eos_token_id]}]
+    assert len(ptx_examples(tok, str(tmp_path / "t.jsonl"), 4)[0]["input_ids"]) == 4
+    sft = ptx_examples(tok, str(write_jsonl(tmp_path / "s.jsonl", [{"prompt": "2 + 3?", "completion": "5"}])), 128)
+    (ex,) = sft
+    from align.data import encode_prompts
+
+    n_prompt = len(encode_prompts(tok, ["2 + 3?"])[0])
+    assert ex["labels"][:n_prompt] == [-100] * n_prompt
+    assert ex["labels"][n_prompt:] == ex["input_ids"][n_prompt:] == [*tok("5", add_special_tokens=False)["input_ids"],
+                                                                     tok.eos_token_id]
