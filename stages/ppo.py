@@ -73,7 +73,7 @@ class PPOConfig(StageConfig):
     gamma: float = opt(1.0, "GAE discount γ.")
     lam: float = opt(0.95, "GAE λ.")
     kl_estimator: str = opt("k1", "Per-token KL penalty: k1 (log π − log π_ref) or k3 (clamped log-ratio).")
-    init_kl_coef: float = opt(0.05, "Initial β of the KL penalty.")
+    init_kl_coef: float = opt(0.1, "Initial β of the KL penalty.")
     target_kl: float = opt(2.0, "Adaptive controller target: mean KL per episode (nats, summed over tokens).")
     kl_horizon: float = opt(200.0, "Adaptive controller horizon (episodes).")
     fixed_kl: bool = opt(False, "Keep β fixed at --init-kl-coef (no adaptive controller).")
