@@ -53,7 +53,8 @@ def two_proc_run(files):
     out = files["dir"] / "ppo2"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "align", "ppo", *base_args(files, out), "--ptx-coef", "0.1", "--kl-horizon", "100"]
+           "-m", "align", "ppo", *base_args(files, out), "--ptx-coef", "0.1", "--kl-horizon", "100",
+           "--init-kl-coef", "0.05"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
