@@ -29,16 +29,23 @@ def select(batch: dict, idx: slice) -> dict:
     return {k: v[idx] for k, v in batch.items()}
 
 
-def forward_logprobs(model, batch: dict, with_entropy: bool = False):
-    """log π(token_{t+1} | ≤ t) for every position, [N, L-1]; optionally the per-position entropy."""
+def forward_logprobs(model, batch: dict, with_entropy: bool = False, temperature: float = 1.0,
+                     entropy_grad: bool = False):
+    """log π(token_{t+1} | ≤ t) for every position, [N, L-1], from logits / temperature (as sampled); optionally
+    the per-position entropy (detached, or differentiable with `entropy_grad` for an entropy bonus)."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
     logits = logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
     logp = token_logprobs(logits, batch["input_ids"][:, 1:])
-    return (logp, entropy_from_logits(logits.detach())) if with_entropy else (logp, None)
+    if not with_entropy:
+        return logp, None
+    return logp, entropy_from_logits(logits if entropy_grad else logits.detach())
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch: dict, micro: int) -> torch.Tensor:
+def batched_logprobs(model, batch: dict, micro: int, temperature: float = 1.0) -> torch.Tensor:
     """No-grad log-probs over a whole rollout batch, `micro` rows at a time (π_old or π_ref)."""
     n = batch["input_ids"].shape[0]
-    return torch.cat([forward_logprobs(model, select(batch, slice(i, i + micro)))[0] for i in range(0, n, micro)])
+    return torch.cat([forward_logprobs(model, select(batch, slice(i, i + micro)), temperature=temperature)[0]
+                      for i in range(0, n, micro)])

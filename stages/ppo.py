@@ -148,20 +148,6 @@ def ptx_examples(tok, path: str, max_length: int) -> list[dict]:
     return out
 
 
-def policy_logprobs(eng, mb: dict, temperature: float, entropy: str = ""):
-    """log π(token_{t+1} | ≤ t) at every position [N, L−1] (logits / temperature, as sampled), and the entropy:
-    entropy='grad' differentiable (the bonus), 'metric' detached, '' none."""
-    from align import rl
-    from align.losses import token_logprobs
-
-    logits = eng(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = token_logprobs(logits, mb["input_ids"][:, 1:])
-    ent = rl.entropy_from_logits(logits if entropy == "grad" else logits.detach()) if entropy else None
-    return logp, ent
-
-
 def token_values(v_eng, mb: dict):
     """V(s_t) at every position [N, L−1]: the scalar head applied to every position's hidden state. A sequence
     classifier returns only the last token's score, so the head's own output (all positions) is captured with a
@@ -182,15 +168,15 @@ def token_values(v_eng, mb: dict):
     return normalized_reward(got["v"][..., 0][:, :-1].float(), v_eng.module.config)
 
 
-def no_grad_batched(fn, eng, batch: dict, micro: int, *args):
+def batched_values(v_eng, batch: dict, micro: int):
+    """No-grad token_values over a whole rollout batch, `micro` rows at a time (V_old)."""
     import torch
 
     from align.rollout import select
 
     n = batch["input_ids"].shape[0]
     with torch.no_grad():
-        outs = [fn(eng, select(batch, slice(i, i + micro)), *args) for i in range(0, n, micro)]
-    return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs])
+        return torch.cat([token_values(v_eng, select(batch, slice(i, i + micro))) for i in range(0, n, micro)])
 
 
 # ---------------------------------------------------------------------------------------------------- run
@@ -217,7 +203,7 @@ def run(cfg: PPOConfig) -> dict:
     from align.report import plot_report
     from align.reward_fns import RewardError, call_reward, parse_rewards
     from align.reward_model import load_sequence_classifier, score, score_ids
-    from align.rollout import rollout_batch, select
+    from align.rollout import batched_logprobs, forward_logprobs, rollout_batch, select
     from align.stage_io import describe_inputs, monitor_overrides
 
     # ---- inputs, all checked before --out is touched
@@ -377,9 +363,9 @@ def run(cfg: PPOConfig) -> dict:
             t = time.time()
             batch = rollout_batch(comps, tok.pad_token_id, dist.device)
             mask = batch["response_mask"]
-            old_logp = no_grad_batched(policy_logprobs, eng, batch, micro, cfg.temperature)
-            ref_logp = no_grad_batched(policy_logprobs, ref_eng, batch, micro, cfg.temperature)
-            old_values = no_grad_batched(token_values, v_eng, batch, micro) * mask
+            old_logp = batched_logprobs(eng, batch, micro, cfg.temperature)
+            ref_logp = batched_logprobs(ref_eng, batch, micro, cfg.temperature)
+            old_values = batched_values(v_eng, batch, micro) * mask
             kl = kl_fn(old_logp, ref_logp) * mask
             rewards = rl.token_rewards(scores, kl, mask, beta)
             adv, returns = rl.gae(rewards, old_values, mask, cfg.gamma, cfg.lam)
@@ -403,7 +389,8 @@ def run(cfg: PPOConfig) -> dict:
                     for m in range(accum):
                         mm = select(mb, slice(m * micro, (m + 1) * micro))
                         mmask = mm["response_mask"]
-                        logp, ent = policy_logprobs(eng, mm, cfg.temperature, "grad" if cfg.ent_coef else "metric")
+                        logp, ent = forward_logprobs(eng, mm, with_entropy=True, temperature=cfg.temperature,
+                                                     entropy_grad=bool(cfg.ent_coef))
                         pg, low, high = rl.clipped_surrogate(logp, mm["old_logp"], mm["adv"], cfg.cliprange)
                         per_tok = pg - cfg.ent_coef * ent if cfg.ent_coef else pg
                         loss = rl.aggregate_loss(per_tok, mmask, "token-mean", n_tokens=n_tok, n_seqs=0, max_len=0)
