@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from benchmarks import vs_trl as V
@@ -54,20 +53,13 @@ def trl_worker(a) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="0.5b")
-    ap.add_argument("--steps", type=int, default=8)
+    V.harness_args(ap, models="0.5b", steps=8)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--micro-batch-size", type=int, default=16)
-    ap.add_argument("--only", choices=["both", "ours", "trl"], default="both")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.trl_worker:
         return trl_worker(a)
-    root = Path(a.out or tempfile.mkdtemp(prefix="align-dpo-vs-trl-"))
-    root.mkdir(parents=True, exist_ok=True)
+    root = V.out_root(a.out, "align-dpo-vs-trl-")
     report, results = [], {}
     for name in a.models.split(","):
         model = V.make_model(name, root)

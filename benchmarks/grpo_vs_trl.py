@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from benchmarks import vs_trl as V
@@ -135,24 +134,17 @@ def table(name: str, a, o: dict | None, t: dict | None, bw: float | None, prompt
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="135m")
-    ap.add_argument("--steps", type=int, default=4)
+    V.harness_args(ap, models="135m", steps=4)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--micro-batch-size", type=int, default=16)
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     ap.add_argument("--nproc", default="1", help="ours: process counts, e.g. 1,2 (TRL: 1 GPU)")
-    ap.add_argument("--only", choices=["both", "ours", "trl"], default="both")
-    ap.add_argument("--out", default="")
-    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--model", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--json", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.trl_worker:
         return trl_worker(a)
-    root = Path(a.out or tempfile.mkdtemp(prefix="align-grpo-vs-trl-"))
-    root.mkdir(parents=True, exist_ok=True)
+    root = V.out_root(a.out, "align-grpo-vs-trl-")
     import torch
 
     bw = V.measure_bandwidth() if torch.cuda.is_available() else None

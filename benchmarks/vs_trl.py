@@ -31,6 +31,27 @@ MODELS = {
 }
 
 
+def harness_args(ap, models: str, steps: int) -> None:
+    """The options every *_vs_trl harness shares (the hidden ones drive its TRL worker subprocess)."""
+    import argparse
+
+    ap.add_argument("--models", default=models)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--only", choices=["both", "ours", "trl"], default="both")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--json", default="", help=argparse.SUPPRESS)
+
+
+def out_root(out: str, prefix: str) -> Path:
+    import tempfile
+
+    root = Path(out or tempfile.mkdtemp(prefix=prefix))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def make_model(name: str, root: Path) -> Path:
     out = root / f"model-{name}"
     if (out / "config.json").exists():
