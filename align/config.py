@@ -14,6 +14,8 @@ from pathlib import Path
 
 from align.errors import UserError
 
+PRECISIONS = ("auto", "bf16", "fp32")
+
 
 def opt(default, help: str, **meta):
     if isinstance(default, list):  # repeatable flag (--reward a --reward b) / TOML array
@@ -37,6 +39,12 @@ class StageConfig:
     deepspeed: str = opt("", "A DeepSpeed JSON config; its keys win over align's.", path=True)
     trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
     precision: str = opt("auto", "Compute precision: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32.")
+
+    def __post_init__(self):
+        # checked at construction, so every entry point (flags, --config, pipeline validate) refuses it before
+        # anything is written
+        if self.precision not in PRECISIONS:
+            raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}.")
 
 
 @dataclass

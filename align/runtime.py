@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from align.config import PRECISIONS
 from align.errors import UserError
 
 
@@ -86,9 +87,6 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
-
-PRECISIONS = ("auto", "bf16", "fp32")
 
 
 def compute_dtype(dist: Dist, precision: str = "auto") -> torch.dtype:

@@ -122,6 +122,12 @@ def test_bad_schedule(data_dir, tmp_path):
     assert_user_error(proc, "--schedule", "'cosnie'", "cosine, linear or constant")
 
 
+def test_bad_precision_is_refused_before_out_is_written(data_dir, tmp_path):
+    proc = run_align(*sft_args(data_dir, tmp_path / "o"), "--precision", "fp8")
+    assert_user_error(proc, "--precision", "'fp8'", "auto, bf16, fp32")
+    assert not (tmp_path / "o").exists()
+
+
 def test_flag_of_wrong_type_is_a_usage_error(data_dir, tmp_path):
     proc = run_align(*sft_args(data_dir, tmp_path / "o"), "--max-steps", "many")
     out = output(proc)
