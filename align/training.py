@@ -132,7 +132,8 @@ def trainable_engine(cfg, dist: runtime.Dist, load_model) -> Setup:
     micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
     dtype = runtime.compute_dtype(dist, cfg.precision)
     ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum, world_size=dist.world_size,
-                           dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
+                           dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed,
+                           precision=cfg.precision)
     loader = runtime.ZeroLoader(ds)
     model = load_model(dtype)
     optimizer = adamw(model, cfg.lr, cfg.weight_decay)

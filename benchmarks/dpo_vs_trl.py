@@ -69,7 +69,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "align", "dpo", "--model", str(model), "--out", str(out), "--eval-data", "",
                    "--eval-samples", "0", "--max-steps", str(a.steps), "--batch-size", str(a.batch_size),
                    "--micro-batch-size", str(a.micro_batch_size), "--beta", "0.1", "--loss", "sigmoid",
-                   "--max-length", "256", "--lr", "5e-7"]
+                   "--max-length", "256", "--lr", "5e-7", *a.ours_extra.split()]
             if V.run(cmd, out.with_suffix(".log")):
                 rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
                 rows = [r for r in rows if "time/step" in r]
@@ -87,7 +87,7 @@ def main() -> None:
         g = lambda d, k: None if d is None else d.get(k)  # noqa: E731
         pps = {n: (a.batch_size / d["time/step"] if d and d.get("time/step") else None) for n, d in (("o", o), ("t", t))}
         report += [f"\n### DPO {name}: {a.batch_size} pairs per step (micro {a.micro_batch_size}), bf16, live reference, "
-                   f"1 GPU; median of steps 2..{a.steps}",
+                   f"1 GPU; median of steps 2..{a.steps}{'; ours with ' + a.ours_extra if a.ours_extra else ''}",
                    "| | ours | TRL | ours/TRL |", "|---|---|---|---|",
                    f"| step (s) | {V.fmt(g(o, 'time/step'))} | {V.fmt(g(t, 'time/step'))} | {V.ratio(g(o, 'time/step'), g(t, 'time/step'))} |",
                    f"| pairs/s | {V.fmt(pps['o'], '.1f')} | {V.fmt(pps['t'], '.1f')} | {V.ratio(pps['o'], pps['t'])} |",

@@ -10,7 +10,7 @@ noise reward (every group keeps its variance). Prints per step (median of steps 
 log-prob / backward+step seconds, generated tokens/s, peak GPU memory, ours/TRL ratios, and the decode roofline
 (bytes a decode step must read over the card's measured copy bandwidth, vs the achieved time per token).
 TRL runs without DeepSpeed (its plain single-GPU path, model and AdamW states in bf16); ours is `align grpo`
-(DeepSpeed ZeRO-3, bf16 with fp32 master weights).
+(DeepSpeed ZeRO-3, bf16 with fp32 master weights; `--ours-extra "--precision bf16-pure"` keeps ours in bf16 too).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None) -> dict
         cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, a.prompts * a.generations // nproc))
     if a.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
+    cmd += a.ours_extra.split()
     if not V.run(cmd, out.with_suffix(".log"), env=env, gpus=nproc):
         return None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -113,7 +114,7 @@ def trl(model: Path, a, out: Path) -> dict | None:
 def table(name: str, a, o: dict | None, t: dict | None, bw: float | None, prompt_len: float) -> list[str]:
     lines = [f"\n### GRPO {name}: {a.prompts} prompts x G={a.generations}, {a.max_new_tokens} new tokens, micro "
              f"{a.micro_batch_size}, bf16, grad ckpt {'on' if a.gradient_checkpointing else 'off'}, 1 GPU; "
-             f"median of steps 2..{a.steps}",
+             f"median of steps 2..{a.steps}{'; ours with ' + a.ours_extra if a.ours_extra else ''}",
              f"| | ours | TRL | ours/TRL |", "|---|---|---|---|"]
     g = lambda d, k: None if d is None else d.get(k)  # noqa: E731
     for k in PHASES + ["time/step"]:

@@ -39,6 +39,7 @@ def harness_args(ap, models: str, steps: int) -> None:
     ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--only", choices=["both", "ours", "trl"], default="both")
     ap.add_argument("--out", default="")
+    ap.add_argument("--ours-extra", default="", help="extra flags for our command, e.g. '--precision bf16-pure'")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="", help=argparse.SUPPRESS)

@@ -125,7 +125,8 @@ def run(cfg: GRPOConfig) -> dict:
     accum = n_local // micro
     dtype = runtime.compute_dtype(dist, cfg.precision)
     ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum, world_size=dist.world_size,
-                           dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
+                           dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed,
+                           precision=cfg.precision)
     loader = runtime.ZeroLoader(ds)  # noqa: F841
     policy = load_causal_lm(ref_spec, tok, dtype, cfg.seed, cfg.trust_remote_code)
     if cfg.gradient_checkpointing:

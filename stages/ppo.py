@@ -263,7 +263,8 @@ def run(cfg: PPOConfig) -> dict:
 
     def ds_for(grad_accum: int) -> dict:
         return runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=grad_accum, world_size=world,
-                                 dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed)
+                                 dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed,
+                                 precision=cfg.precision)
 
     def trainable(model, lr, ds):
         opt_ = training.adamw(model, lr, 0.0, betas=(0.9, 0.999))
