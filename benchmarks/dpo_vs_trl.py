@@ -70,7 +70,7 @@ def main() -> None:
                    "--eval-samples", "0", "--max-steps", str(a.steps), "--batch-size", str(a.batch_size),
                    "--micro-batch-size", str(a.micro_batch_size), "--beta", "0.1", "--loss", "sigmoid",
                    "--max-length", "256", "--lr", "5e-7", *a.ours_extra.split()]
-            if V.run(cmd, out.with_suffix(".log")):
+            if V.run(cmd, out.parent / (out.name + ".log")):
                 rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
                 rows = [r for r in rows if "time/step" in r]
                 art = json.loads((out / "artifact.json").read_text())

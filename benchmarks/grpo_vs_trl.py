@@ -83,7 +83,7 @@ def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None) -> dict
     if a.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
     cmd += a.ours_extra.split()
-    if not V.run(cmd, out.with_suffix(".log"), env=env, gpus=nproc):
+    if not V.run(cmd, out.parent / (out.name + ".log"), env=env, gpus=nproc):
         return None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/generate" in r]
@@ -103,7 +103,7 @@ def trl(model: Path, a, out: Path) -> dict | None:
            "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size)]
     if not a.gradient_checkpointing:
         cmd.append("--no-gradient-checkpointing")
-    if not V.run(cmd, out.with_suffix(".log")):
+    if not V.run(cmd, out.parent / (out.name + ".log")):
         return None
     res = json.loads(js.read_text())
     med = V.median_rows(res["rows"], PHASES + ["time/step"])
