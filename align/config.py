@@ -53,7 +53,22 @@ class StageConfig:
 
 
 @dataclass
-class TrainConfig(StageConfig):
+class TrainedStageConfig(StageConfig):
+    """Flags of every stage that trains a model (sft, rm, dpo, ppo, grpo)."""
+
+    offload_optimizer: bool = opt(False, "ZeRO-Offload: fp32 master weights, gradients and Adam moments in CPU memory "
+                                         "(−12 bytes per trained parameter on the GPU; the optimiser step runs on "
+                                         "the CPU).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.offload_optimizer and (self.zero_stage == 0 or self.precision == "bf16-pure"):
+            raise UserError("--offload-optimizer needs --zero-stage 1, 2 or 3 and fp32 master weights (not "
+                            "--precision bf16-pure).")
+
+
+@dataclass
+class TrainConfig(TrainedStageConfig):
     """Options of every stage that trains on a fixed dataset with a schedule (sft, rm, dpo). Subclasses
     override defaults (and help) where they differ."""
 

@@ -54,9 +54,17 @@ class _LinearLogprob(torch.autograd.Function):
         return gh, (gw.to(w.dtype) if gw is not None else None), None, None
 
 
-def linear_logprobs(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, chunk: int = 2048):
-    """h [N, H], w [V, H], ids [N] -> (log softmax(h·wᵀ)[ids] [N] fp32, entropy [N] fp32, no grad)."""
-    return _LinearLogprob.apply(h, w, ids, chunk)
+CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk: 128 MB (a 152k vocabulary: 220 rows; 49k: 680)
+
+
+def rows_per_chunk(vocab: int) -> int:
+    return max(64, CHUNK_ELEMENTS // vocab)
+
+
+def linear_logprobs(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, chunk: int = 0):
+    """h [N, H], w [V, H], ids [N] -> (log softmax(h·wᵀ)[ids] [N] fp32, entropy [N] fp32, no grad).
+    `chunk` rows at a time (0: as many as fit CHUNK_ELEMENTS fp32 logits)."""
+    return _LinearLogprob.apply(h, w, ids, chunk or rows_per_chunk(w.shape[0]))
 
 
 def supports(module) -> bool:
@@ -83,7 +91,7 @@ def _head_as_logprobs(module, targets: torch.Tensor, select: torch.Tensor, chunk
 
 
 def fused_logprobs(model, batch: dict, with_entropy: bool = False, select: torch.Tensor | None = None,
-                   chunk: int = 2048):
+                   chunk: int = 0):
     """Like rollout.forward_logprobs: log π(token_{t+1} | ≤ t), [N, L-1] fp32, (entropy or None); computed only
     where `select` (default: batch["response_mask"]) is non-zero, 0 elsewhere. `model`: module or engine."""
     module = getattr(model, "module", model)

@@ -109,13 +109,16 @@ def ds_config(
     grad_clip: float = 1.0,
     user_config: str | None = None,
     precision: str = "auto",
+    offload_optimizer: bool = False,
 ) -> dict:
     """The DeepSpeed config for one engine. A user's --deepspeed JSON wins key by key.
 
     --precision bf16-pure: ZeRO's master weights, gradients and Adam moments in bf16 (DeepSpeed's
     bf16_master_weights_and_grads + bf16_optimizer_states): 2 + 2 + 2 + 4 = 10 bytes per trained parameter
     instead of 2 + 4 (fp32 grads) + 4 (fp32 master) + 8 (fp32 moments) — the memory of a plain bf16 PyTorch
-    loop such as TRL's, with its coarser updates (small updates can round away in a bf16 master copy)."""
+    loop such as TRL's, with its coarser updates (small updates can round away in a bf16 master copy).
+    offload_optimizer: ZeRO-Offload — master weights, gradients and moments live in (pinned) CPU memory and
+    torch's AdamW steps there; the GPU keeps only the compute-dtype parameters and a small gradient bucket."""
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
@@ -140,6 +143,10 @@ def ds_config(
     }
     if precision == "bf16-pure" and dtype == torch.bfloat16:
         cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    if offload_optimizer:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        cfg["zero_optimization"]["reduce_bucket_size"] = 50_000_000  # DeepSpeed's 5e8 would be 1 GB on the GPU
+        cfg["zero_force_ds_cpu_optimizer"] = False  # our torch AdamW (DeepSpeedCPUAdam needs a C++ build)
     if user_config:
         path = Path(user_config)
         try:

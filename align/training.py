@@ -133,7 +133,7 @@ def trainable_engine(cfg, dist: runtime.Dist, load_model) -> Setup:
     dtype = runtime.compute_dtype(dist, cfg.precision)
     ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum, world_size=dist.world_size,
                            dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed,
-                           precision=cfg.precision)
+                           precision=cfg.precision, offload_optimizer=cfg.offload_optimizer)
     loader = runtime.ZeroLoader(ds)
     model = load_model(dtype)
     optimizer = adamw(model, cfg.lr, cfg.weight_decay)

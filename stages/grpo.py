@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import StageConfig, opt
+from align.config import TrainedStageConfig, opt
 from align.errors import UserError
 from align.paths import DATA_DIR
 
 
 @dataclass
-class GRPOConfig(StageConfig):
+class GRPOConfig(TrainedStageConfig):
     out: str = opt("runs/grpo", "Output artifact directory.", path=True)
     data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Prompts with answers: {prompt, answer, ...}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data for pass@k.", path=True)
@@ -126,7 +126,7 @@ def run(cfg: GRPOConfig) -> dict:
     dtype = runtime.compute_dtype(dist, cfg.precision)
     ds = runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum, world_size=dist.world_size,
                            dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed,
-                           precision=cfg.precision)
+                           precision=cfg.precision, offload_optimizer=cfg.offload_optimizer)
     loader = runtime.ZeroLoader(ds)  # noqa: F841
     policy = load_causal_lm(ref_spec, tok, dtype, cfg.seed, cfg.trust_remote_code)
     if cfg.gradient_checkpointing:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import StageConfig, opt
+from align.config import TrainedStageConfig, opt
 from align.errors import UserError
 from align.paths import DATA_DIR
 
@@ -32,7 +32,7 @@ DEFAULT_SFT, DEFAULT_RM = "runs/default/sft", "runs/default/rm"
 
 
 @dataclass
-class PPOConfig(StageConfig):
+class PPOConfig(TrainedStageConfig):
     model: str = opt(DEFAULT_SFT, "Policy to train (an sft artifact); also the reference unless --ref-model.", path=True)
     out: str = opt("runs/ppo", "Output artifact directory.", path=True)
     ref_model: str = opt("", "Frozen reference policy for the KL penalty (default: --model).", path=True)
@@ -264,7 +264,7 @@ def run(cfg: PPOConfig) -> dict:
     def ds_for(grad_accum: int) -> dict:
         return runtime.ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=grad_accum, world_size=world,
                                  dtype=dtype, grad_clip=cfg.grad_clip, user_config=cfg.deepspeed,
-                                 precision=cfg.precision)
+                                 precision=cfg.precision, offload_optimizer=cfg.offload_optimizer)
 
     def trainable(model, lr, ds):
         opt_ = training.adamw(model, lr, 0.0, betas=(0.9, 0.999))

@@ -1,4 +1,5 @@
-"""--precision bf16-pure: ZeRO keeps master weights and Adam moments in bf16 (bf16: in fp32)."""
+"""--precision bf16-pure: ZeRO keeps master weights and Adam moments in bf16 (bf16: in fp32).
+--offload-optimizer: the same updates with the optimizer in CPU memory."""
 
 import pytest
 import torch
@@ -8,20 +9,29 @@ from align.errors import UserError
 from align.models import load_causal_lm, load_tokenizer, resolve
 
 
-def optimizer_dtypes(tiny_model_dir, precision: str) -> set:
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
+def train_three_steps(tiny_model_dir, dtype, **ds_kw):
+    """A ZeRO-3 engine on the tiny model after three AdamW steps on a fixed batch: (engine, losses)."""
     runtime.init()
     ref = resolve(str(tiny_model_dir))
     tok = load_tokenizer(ref)
-    cfg = runtime.ds_config(zero_stage=3, micro_batch=2, grad_accum=1, world_size=1, dtype=torch.bfloat16,
-                            precision=precision)
+    cfg = runtime.ds_config(zero_stage=3, micro_batch=2, grad_accum=1, world_size=1, dtype=dtype, **ds_kw)
     loader = runtime.ZeroLoader(cfg)  # noqa: F841
-    model = load_causal_lm(ref, tok, torch.bfloat16)
+    model = load_causal_lm(ref, tok, dtype, seed=0)
     eng = runtime.engine(model, cfg, training.adamw(model, 1e-3, 0.0))
     ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 10, 2]])
-    eng.backward(eng(input_ids=ids, labels=ids).loss)
-    eng.step()
+    losses = []
+    for _ in range(3):
+        loss = eng(input_ids=ids, labels=ids).loss
+        losses.append(loss.item())
+        eng.backward(loss)
+        eng.step()
+    return eng, losses
+
+
+def optimizer_dtypes(tiny_model_dir, precision: str) -> set:
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    eng, _ = train_three_steps(tiny_model_dir, torch.bfloat16, precision=precision)
     inner = eng.optimizer.optimizer  # the torch AdamW that ZeRO drives
     dtypes = {t.dtype for st in inner.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")}
     dtypes |= {p.dtype for g in inner.param_groups for p in g["params"]}  # the master partitions
@@ -34,8 +44,24 @@ def test_bf16_pure_keeps_master_weights_and_moments_in_bf16(tiny_model_dir):
     assert optimizer_dtypes(tiny_model_dir, "bf16") == {torch.float32}
 
 
-def test_bf16_pure_needs_zero():
-    from align.config import StageConfig
+def test_offload_optimizer_gives_the_same_updates(tiny_model_dir):
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    eng, plain = train_three_steps(tiny_model_dir, torch.float32)
+    unset_hf_deepspeed_config()
+    eng, offloaded = train_three_steps(tiny_model_dir, torch.float32, offload_optimizer=True)
+    assert eng.zero_optimization_partition_weights() and eng.zero_offload_optimizer()
+    unset_hf_deepspeed_config()
+    assert plain[0] == pytest.approx(offloaded[0], abs=1e-6) and plain[0] - plain[-1] > 0.01
+    assert offloaded == pytest.approx(plain, abs=1e-5)
+
+
+def test_bf16_pure_and_offload_need_zero():
+    from align.config import StageConfig, TrainedStageConfig
 
     with pytest.raises(UserError, match="zero-stage"):
         StageConfig(precision="bf16-pure", zero_stage=0)
+    with pytest.raises(UserError, match="--offload-optimizer"):
+        TrainedStageConfig(offload_optimizer=True, zero_stage=0)
+    with pytest.raises(UserError, match="--offload-optimizer"):
+        TrainedStageConfig(offload_optimizer=True, precision="bf16-pure")
