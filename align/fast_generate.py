@@ -198,9 +198,34 @@ class FastDecoder:
         self._out_len = 0
         if d.type == "cuda":
             for t in self.k_cache + self.v_cache + [self.attn_bias]:
-                torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_static_address(t)  # unguarded: a new address re-records, never recompiles
         self._shape_key = (B, cap)
         self._graphs = {}
+        self._released = False
+
+    def _big(self) -> list[torch.Tensor]:
+        return self.k_cache + self.v_cache + [self.noise]
+
+    def release(self) -> None:
+        """Free the KV cache and sampling buffer between rollouts (the training step needs the memory): the
+        tensors stay (no recompile), their storage goes. The next `generate` re-allocates them, zeroed, and
+        re-captures the graphs only if the allocator placed them elsewhere."""
+        if self._shape_key is None or self._released:
+            return
+        self._ptrs = [t.data_ptr() for t in self._big()]
+        for t in self._big():
+            t.untyped_storage().resize_(0)
+        self._released = True
+
+    def _restore(self) -> None:
+        if not self._released:
+            return
+        for t in self._big():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.zero_()  # masked cache slots are multiplied by 0: they must not hold NaN/inf garbage
+        if [t.data_ptr() for t in self._big()] != self._ptrs:
+            self._graphs = {}
+        self._released = False
 
     def kv_cache_bytes(self, rows: int, length: int) -> int:
         return 2 * self.n_layers * rows * self.n_kv * length * self.head_dim * torch.finfo(self.dtype).bits // 8
@@ -340,10 +365,11 @@ class FastDecoder:
         B = n if not self.use_graphs else max(8, 1 << (n - 1).bit_length())  # graph shapes: powers of two
         P = max(len(p) for p in prompts)
         cap = P + sampling.max_new_tokens
-        cap = -(-cap // 256) * 256 if self.use_graphs else cap
+        cap = -(-cap // 128) * 128 if self.use_graphs else cap  # few shapes: one compile per (B, cap)
         if self._shape_key is not None and self._shape_key[0] == B and self._shape_key[1] >= cap:
             cap = self._shape_key[1]  # keep the captured graphs: a larger cache is fine
         self._alloc(B, cap)
+        self._restore()
         rows = prompts + [prompts[-1]] * (B - n)
         ids = torch.full((B, P), pad, dtype=torch.long)
         mask = torch.zeros(B, P, dtype=torch.long)

@@ -119,6 +119,7 @@ def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, dev
         for p, row in zip(chunk, dec.generate(chunk, s, eos, pad_id)):
             resp, finished = trim_at_eos(row, eos, pad_id)
             out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
+    dec.release()  # the KV cache is not needed until the next rollout
     return out
 
 

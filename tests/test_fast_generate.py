@@ -123,3 +123,17 @@ def test_engine_wrapper_is_unwrapped():
     a = generate_local(eng, Tok(), PROMPTS, s, 4, "cpu", fast=True)
     b = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
     assert [c.ids for c in a] == [c.ids for c in b] and hasattr(m, "_align_fast_decoder")
+
+
+def test_kv_cache_is_freed_between_rollouts_and_comes_back_zeroed():
+    m = make("qwen2", True)
+    s = Sampling(max_new_tokens=10, temperature=0.0)
+    plain = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
+    first = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    dec = m._align_fast_decoder
+    assert all(t.untyped_storage().nbytes() == 0 for t in dec.k_cache + dec.v_cache)  # freed after the rollout
+    dec._restore()
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() and not t.any() for t in dec.k_cache)
+    dec.release()
+    again = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    assert [c.ids for c in first] == [c.ids for c in again] == [c.ids for c in plain]
