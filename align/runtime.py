@@ -146,7 +146,7 @@ def ds_config(
     if offload_optimizer:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         cfg["zero_optimization"]["reduce_bucket_size"] = 50_000_000  # DeepSpeed's 5e8 would be 1 GB on the GPU
-        cfg["zero_force_ds_cpu_optimizer"] = False  # our torch AdamW (DeepSpeedCPUAdam needs a C++ build)
+        cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW where DeepSpeedCPUAdam cannot be built (CPU-only)
     if user_config:
         path = Path(user_config)
         try:

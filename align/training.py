@@ -61,10 +61,23 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95)):
+def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: bool = False):
+    """AdamW, weight decay on matrices only. With --offload-optimizer on a GPU machine the step runs on the CPU:
+    DeepSpeed's vectorised CPUAdam (built once per machine, ~1 min; several times faster than torch's CPU AdamW),
+    or torch's AdamW where the build fails."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if offload and torch.cuda.is_available():
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
+        except Exception as e:  # no compiler / build error: still correct, just a slower optimiser step
+            from align.console import warn
+
+            warn(f"DeepSpeedCPUAdam unavailable ({type(e).__name__}: {str(e)[:200]}); the offloaded optimiser "
+                 "step uses torch's AdamW on the CPU")
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
@@ -136,7 +149,7 @@ def trainable_engine(cfg, dist: runtime.Dist, load_model) -> Setup:
                            precision=cfg.precision, offload_optimizer=cfg.offload_optimizer)
     loader = runtime.ZeroLoader(ds)
     model = load_model(dtype)
-    optimizer = adamw(model, cfg.lr, cfg.weight_decay)
+    optimizer = adamw(model, cfg.lr, cfg.weight_decay, offload=cfg.offload_optimizer)
     schedule = lr_lambda(cfg.schedule, cfg.warmup_steps, cfg.max_steps)
     eng = runtime.engine(model, ds, optimizer, lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     return Setup(eng, ds, dtype, micro, accum, loader)

@@ -136,7 +136,7 @@ def run(cfg: GRPOConfig) -> dict:
     batched_fn = batched_fused_logprobs if supports(policy) else batched_logprobs
     schedule = training.lr_lambda("constant", cfg.warmup_steps, cfg.max_steps)
     # β2 = 0.999 (not SFT's 0.95): policy gradients are noisy, a longer second-moment memory keeps steps small.
-    optimizer = training.adamw(policy, cfg.lr, 0.0, betas=(0.9, 0.999))
+    optimizer = training.adamw(policy, cfg.lr, 0.0, betas=(0.9, 0.999), offload=cfg.offload_optimizer)
     eng = runtime.engine(policy, ds, optimizer, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
     ref_eng = runtime.engine(load_causal_lm(ref_spec, tok, dtype, cfg.seed, cfg.trust_remote_code), ds) if cfg.beta else None
     info(f"grpo: {count_parameters(eng.module) / 1e6:.2f}M parameters, {len(rows)} prompts, "

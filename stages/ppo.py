@@ -267,7 +267,7 @@ def run(cfg: PPOConfig) -> dict:
                                  precision=cfg.precision, offload_optimizer=cfg.offload_optimizer)
 
     def trainable(model, lr, ds):
-        opt_ = training.adamw(model, lr, 0.0, betas=(0.9, 0.999))
+        opt_ = training.adamw(model, lr, 0.0, betas=(0.9, 0.999), offload=cfg.offload_optimizer)
         return runtime.engine(model, ds, opt_, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
 
     ds = ds_for(accum)
