@@ -297,3 +297,15 @@ max_new_tokens = 4
     plans = P.plan(P.load(f))
     assert [(pl.run, pl.state.status) for pl in plans] == [(True, "incomplete"), (True, "stale")]
     assert statuses(P.run(f, from_stage="base", dry_run=True)) == {"base": "would run", "eval": "would run"}
+
+
+def test_the_shipped_pipeline_is_valid_and_ends_with_grpo_from_dpo():
+    from align.paths import ROOT
+    from tests.conftest import output, run_align
+
+    proc = run_align("pipeline", "validate", str(ROOT / "pipelines.toml"), env={"COLUMNS": "200"})
+    assert proc.returncode == 0, output(proc)
+    stages = tomllib.loads((ROOT / "pipelines.toml").read_text())["stages"]
+    assert list(stages) == ["base", "eval_base", "sft", "eval", "rm", "ppo", "dpo", "grpo"]
+    assert stages["ppo"]["model"] == "@sft" and stages["ppo"]["reward_model"] == "@rm"
+    assert stages["dpo"]["model"] == "@ppo" and stages["grpo"]["model"] == "@dpo"
