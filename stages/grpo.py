@@ -2,7 +2,8 @@
 
 Per step (Shao et al. 2024, with DAPO's and Dr. GRPO's options):
   1. sample G completions for each of P prompts from π_θ (the shared generation path);
-  2. reward r_ij = Σ_k w_k · f_k(prompt_i, completion_ij, **row_i) (+ optional overlong penalty);
+  2. reward r_ij = Σ_k w_k · f_k(prompt_i, completion_ij, **row_i) (+ w_RM · RM(prompt_i, completion_ij), the
+     normalised score of an `align rm train` artifact, with --reward-model; + optional overlong penalty);
   3. advantages A_ij from the group of prompt i (zscore | mean | batch); groups with no reward variance carry
      no signal and are dropped from the loss with --drop-zero-std-groups (DAPO dynamic sampling);
   4. --num-iterations updates on the batch: ρ = π_θ/π_old, loss = −min(ρA, clip(ρ, 1−ε, 1+ε_high)A)
@@ -25,6 +26,9 @@ class GRPOConfig(TrainedStageConfig):
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data for pass@k.", path=True)
     columns: str = opt("", "Rename columns: old=new,old2=new2.")
     reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT] or file.py:FUNCTION[:WEIGHT]; repeat for several.")
+    reward_model: str = opt("", "An `align rm train` artifact as one more reward: its normalised score of prompt + "
+                                "completion, times --reward-model-weight, added to --reward's ('' : none).", path=True)
+    reward_model_weight: float = opt(1.0, "Weight of the --reward-model score.")
     on_reward_error: str = opt("fail", "A reward that raises or returns NaN/non-number: fail, skip (drop the "
                                        "sample) or zero.")
     max_steps: int = opt(150, "Optimiser steps (batches of rollouts x --num-iterations).")
@@ -98,6 +102,8 @@ def run(cfg: GRPOConfig) -> dict:
     from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
     from align.report import plot_report
     from align.reward_fns import RewardError, call_reward, parse_rewards
+    from align.reward_model import load_sequence_classifier
+    from align.reward_model import score as score_rm
     from align.fast_logprobs import batched_fused_logprobs, fused_logprobs, supports
     from align.rollout import batched_logprobs, forward_logprobs, rollout_batch, select
     from align.stage_io import describe_inputs, monitor_overrides
@@ -109,13 +115,21 @@ def run(cfg: GRPOConfig) -> dict:
     rows = D.load_rows(cfg.data, "prompts", cfg.columns)
     eval_rows = D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples) if cfg.eval_data else []
     tok = load_tokenizer(ref_spec, cfg.trust_remote_code)
+    rm_spec = resolve(cfg.reward_model, expect="reward") if cfg.reward_model else None
+    if rm_spec and rm_spec.preset:
+        raise UserError(f"--reward-model {cfg.reward_model}: a preset is an untrained model, not a reward model; pass "
+                        "an `align rm train` artifact.")
+    rm_tok = load_tokenizer(rm_spec, cfg.trust_remote_code) if rm_spec else None
     prompt_ids = D.encode_prompts(tok, [r["prompt"] for r in rows])
     dist = runtime.init()
     if cfg.prompts_per_step % dist.world_size:
         raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {dist.world_size} processes.")
     random.seed(cfg.seed)
     out = Path(cfg.out)
-    writer = ArtifactWriter(out, "grpo", as_dict(cfg), describe_inputs(ref_spec, cfg.data, cfg.eval_data), dist.is_main)
+    inputs = describe_inputs(ref_spec, cfg.data, cfg.eval_data)
+    if rm_spec:
+        inputs["reward_model"] = describe_inputs(rm_spec)["model"]
+    writer = ArtifactWriter(out, "grpo", as_dict(cfg), inputs, dist.is_main)
 
     # ---- models: the policy, and a frozen reference only when β > 0
     n_local = cfg.prompts_per_step // dist.world_size * cfg.num_generations
@@ -139,9 +153,12 @@ def run(cfg: GRPOConfig) -> dict:
     optimizer = training.adamw(policy, cfg.lr, 0.0, betas=(0.9, 0.999), offload=cfg.offload_optimizer)
     eng = runtime.engine(policy, ds, optimizer, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
     ref_eng = runtime.engine(load_causal_lm(ref_spec, tok, dtype, cfg.seed, cfg.trust_remote_code), ds) if cfg.beta else None
+    rm_eng = (runtime.engine(load_sequence_classifier(rm_spec, rm_tok, dtype, cfg.seed, cfg.trust_remote_code), ds)
+              if rm_spec else None)
     info(f"grpo: {count_parameters(eng.module) / 1e6:.2f}M parameters, {len(rows)} prompts, "
          f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "
-         f"ZeRO-{cfg.zero_stage}, rewards {', '.join(f'{r.name}:{r.weight:g}' for r in reward_fns)}, "
+         f"ZeRO-{cfg.zero_stage}, rewards {', '.join(f'{r.name}:{r.weight:g}' for r in reward_fns)}"
+         f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if rm_eng else ''}, "
          f"reference model {'on (beta ' + str(cfg.beta) + ')' if ref_eng else 'off (beta 0)'}")
 
     monitor = M.RLMonitor(overrides=monitor_overrides(cfg.monitor))
@@ -216,6 +233,12 @@ def run(cfg: GRPOConfig) -> dict:
                     correct = [parts_all[j].get("math") == 1.0 for j in group]
                     for j, v in zip(group, rl.length_rewards([len(comps[j].ids) for j in group], correct)):
                         rewards[j] += length_fn.weight * v
+            if rm_eng is not None:  # the RM's normalised score (every rank scores its equal share: ZeRO-3 collectives)
+                rm_scores = score_rm(rm_eng, rm_tok, [rows[idx[j // G]]["prompt"] for j in range(len(comps))],
+                                     [c.text for c in comps], micro).float().cpu()
+                rewards += cfg.reward_model_weight * rm_scores
+                for parts, v in zip(parts_all, rm_scores.tolist()):
+                    parts["reward_model"] = v
             per_fn: dict[str, list[float]] = {}
             for parts in parts_all:
                 for k, v in parts.items():
