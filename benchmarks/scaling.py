@@ -53,16 +53,21 @@ def tokens_per_pair(data: str) -> float:
     return sum(2 * len(a) + len(b) + len(d) for a, b, d in zip(p, c, r)) / len(rows)
 
 
+def run_align(cmd: list[str], out: Path) -> dict:
+    """Run one `align` command (exit on failure, with its output) and return its artifact.json."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return json.loads((out / "artifact.json").read_text())
+
+
 def run_stage(stage: str, preset: str, steps: int, batch: int, nproc: int, out: Path, extra: list[str]) -> dict:
     words, defaults = STAGE_ARGS[stage]
     cmd = [sys.executable, "-m", "align", *words, "--model", preset, "--max-steps", str(steps),
            "--batch-size", str(batch), *defaults, "--nproc", str(nproc), "--out", str(out), *extra]
     t = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"failed: {' '.join(cmd)}")
-    art = json.loads((out / "artifact.json").read_text())
+    art = run_align(cmd, out)
     m = art["metrics"]
     if "tokens_per_s" in m:
         tps = m["tokens_per_s"]
@@ -87,17 +92,13 @@ def run_rl(stage: str, preset: str, steps: int, batch: int, nproc: int, out: Pat
                            check=True, capture_output=True)
         cmd += ["--reward-model", str(rm)]
     t = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit(f"failed: {' '.join(cmd)}")
-    art = json.loads((out / "artifact.json").read_text())
+    art = run_align(cmd, out)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "time/generate" in r]
     rows = rows[1:] if len(rows) > 1 else rows  # step 1 compiles the fast decoder
     med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in RL_PHASES}
     step = sum(med.values())
-    n_gen = batch * (8 if stage == "grpo" else 1)
+    n_gen = batch * art["config"].get("num_generations", 1)  # GRPO: G completions per prompt
     tokens = statistics.median(r["completions/mean_length"] for r in rows) * n_gen
     return {"nproc": nproc, "cmd": " ".join(cmd[1:]), "tokens_per_s": tokens / step, "step_s": step, **med,
             "peak_gib": art["metrics"]["peak_memory_gib_per_rank"], "wall_s": round(time.time() - t, 1)}
