@@ -28,6 +28,16 @@ def normalized_reward(raw, config) -> torch.Tensor | float:
     return (raw - float(offset)) / float(scale)
 
 
+def require_trained(ref, spec: str, flag: str = "--reward-model"):
+    """`ref` (a resolved --reward-model) unless it is a preset: an untrained model is no reward model."""
+    from align.errors import UserError
+
+    if ref.preset:
+        raise UserError(f"{flag} {spec}: a preset is an untrained model, not a reward model; pass an "
+                        "`align rm train` artifact.")
+    return ref
+
+
 def load_sequence_classifier(ref, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
     """A scalar-head model: from a reward model (its head), or from a causal LM / preset (body weights, new head).
     pad_token_id is set in the config so the reward is read at the last non-padding token."""

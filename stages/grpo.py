@@ -102,7 +102,7 @@ def run(cfg: GRPOConfig) -> dict:
     from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
     from align.report import plot_report
     from align.reward_fns import RewardError, call_reward, parse_rewards
-    from align.reward_model import load_sequence_classifier
+    from align.reward_model import load_sequence_classifier, require_trained
     from align.reward_model import score as score_rm
     from align.fast_logprobs import batched_fused_logprobs, fused_logprobs, supports
     from align.rollout import batched_logprobs, forward_logprobs, rollout_batch, select
@@ -115,10 +115,8 @@ def run(cfg: GRPOConfig) -> dict:
     rows = D.load_rows(cfg.data, "prompts", cfg.columns)
     eval_rows = D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples) if cfg.eval_data else []
     tok = load_tokenizer(ref_spec, cfg.trust_remote_code)
-    rm_spec = resolve(cfg.reward_model, expect="reward") if cfg.reward_model else None
-    if rm_spec and rm_spec.preset:
-        raise UserError(f"--reward-model {cfg.reward_model}: a preset is an untrained model, not a reward model; pass "
-                        "an `align rm train` artifact.")
+    rm_spec = (require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model)
+               if cfg.reward_model else None)
     rm_tok = load_tokenizer(rm_spec, cfg.trust_remote_code) if rm_spec else None
     prompt_ids = D.encode_prompts(tok, [r["prompt"] for r in rows])
     dist = runtime.init()

@@ -202,17 +202,15 @@ def run(cfg: PPOConfig) -> dict:
     from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
     from align.report import plot_report
     from align.reward_fns import RewardError, call_reward, parse_rewards
-    from align.reward_model import load_sequence_classifier, score, score_ids
+    from align.reward_model import load_sequence_classifier, require_trained, score, score_ids
     from align.rollout import batched_logprobs, forward_logprobs, rollout_batch, select
     from align.stage_io import describe_inputs, monitor_overrides
 
     # ---- inputs, all checked before --out is touched
     pol_ref = resolve_default(cfg.model, "policy", "--model SFT_ARTIFACT")
     ref_ref = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else pol_ref
-    rm_ref = resolve_default(cfg.reward_model, "reward", "--reward-model RM_ARTIFACT")
-    if rm_ref.preset:
-        raise UserError(f"--reward-model {cfg.reward_model}: a preset is an untrained model, not a reward model; pass "
-                        "an `align rm train` artifact.")
+    rm_ref = require_trained(resolve_default(cfg.reward_model, "reward", "--reward-model RM_ARTIFACT"),
+                             cfg.reward_model)
     v_ref = resolve(cfg.value_model, expect=None) if cfg.value_model else rm_ref
     tok = load_tokenizer(pol_ref, cfg.trust_remote_code)
     rm_tok = load_tokenizer(rm_ref, cfg.trust_remote_code)
