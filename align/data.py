@@ -247,6 +247,16 @@ def model_inputs(batch: dict) -> dict:
     return {**keep, "use_cache": False}
 
 
+def right_padded_inputs(batch: dict) -> dict:
+    """Forward kwargs for a RIGHT-padded batch, without its attention mask: under causal attention a token never
+    sees the padding after it, so every real position's output is the same with or without the mask, and
+    without one attention runs the fused causal kernel (flash) instead of a masked one. Padding positions'
+    outputs differ; callers ignore them (labels -100)."""
+    inputs = model_inputs(batch)
+    inputs.pop("attention_mask", None)
+    return inputs
+
+
 # ---- preference pairs (rm, dpo)
 
 PAIR_DROP_REASONS = ("empty", "identical", "too_long")

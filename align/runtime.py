@@ -67,6 +67,10 @@ def init(timeout_s: int | None = None) -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
+        # cuDNN's fused attention builds an execution plan on the CPU for every new (batch, length, mask)
+        # shape: ~4 ms per call, measured on H100 with variable-length training batches (benchmarks/RESULTS.md);
+        # flash / memory-efficient attention launch in microseconds.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     backend = "nccl" if cuda else "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), verbose=False)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -135,6 +139,9 @@ def ds_config(
             # DeepSpeed's default: tensors under 100k elements stay whole on every rank (gathering them each
             # forward costs more than they weigh). Set 0 in --deepspeed to shard everything.
             "stage3_param_persistence_threshold": 100_000,
+            # DeepSpeed's 5e8-element gradient bucket would be 1-2 GB on the GPU; 5e7 is as fast at our sizes.
+            "reduce_bucket_size": 50_000_000,
+            "allgather_bucket_size": 50_000_000,
         },
         "bf16": {"enabled": dtype == torch.bfloat16},
         "zero_allow_untested_optimizer": True,
@@ -145,7 +152,6 @@ def ds_config(
         cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if offload_optimizer:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        cfg["zero_optimization"]["reduce_bucket_size"] = 50_000_000  # DeepSpeed's 5e8 would be 1 GB on the GPU
         cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW where DeepSpeedCPUAdam cannot be built (CPU-only)
     if user_config:
         path = Path(user_config)
@@ -183,10 +189,35 @@ def engine(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None)
 
     if optimizer is None:
         model.requires_grad_(False)
+        cfg = frozen_config(cfg)
+    if cfg["zero_optimization"]["stage"] == 3:
+        set_block_leaves(model)
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
     if optimizer is None:
         eng.eval()
     return eng
+
+
+def frozen_config(cfg: dict) -> dict:
+    """The config of an inference-only engine built beside a trained one: ZeRO stages 1 and 2 partition only
+    gradients and optimiser states, which a frozen model has none of (stage 0: a plain replica); no optimiser
+    offload and no master-weight settings."""
+    zero = {k: v for k, v in cfg["zero_optimization"].items() if k != "offload_optimizer"}
+    if zero["stage"] in (1, 2):
+        zero["stage"] = 0
+    return {**cfg, "zero_optimization": zero, "bf16": {"enabled": cfg["bf16"]["enabled"]}}
+
+
+def set_block_leaves(model: torch.nn.Module) -> None:
+    """ZeRO-3 fetches and releases each transformer block's parameters as one unit (the block classes the model
+    names in `_no_split_modules`): one pair of hooks per block instead of one per Linear / norm inside it,
+    ~10× fewer Python hook calls per forward and backward, the step's main CPU cost on one GPU."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
+    if classes:
+        set_z3_leaf_modules(model, classes)
 
 
 def is_zero3(eng) -> bool:

@@ -63,9 +63,9 @@ def pair_logps(eng, batch: dict):
 
     if supports(getattr(eng, "module", eng)):  # chunked LM head: no [2B, T, V] logits
         sel = batch["labels"][:, 1:] != IGNORE
-        lp, _ = fused_logprobs(eng, {**D.model_inputs(batch), "response_mask": sel})
+        lp, _ = fused_logprobs(eng, {**D.right_padded_inputs(batch), "response_mask": sel})
         return lp.sum(-1).view(2, -1)
-    logps = sequence_logps(eng(**D.model_inputs(batch)).logits, batch["labels"])
+    logps = sequence_logps(eng(**D.right_padded_inputs(batch)).logits, batch["labels"])
     return logps.view(2, -1)
 
 

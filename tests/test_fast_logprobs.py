@@ -46,3 +46,22 @@ def test_fused_logprobs_on_a_model_matches_the_plain_path():
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert "forward" not in vars(m.lm_head)  # the head is restored
+
+
+def test_bf16_gradients_match_fp64_within_bf16_rounding():
+    """The backward slices the vocabulary (uneven last slice here) and writes grad_w in bf16: each element is one
+    GEMM's sum, rounded once, so it stays within bf16 rounding of the exact fp64 gradient."""
+    torch.manual_seed(1)
+    h64 = torch.randn(29, 24, dtype=torch.float64)
+    w64 = torch.randn(70, 24, dtype=torch.float64) / 4
+    ids = torch.randint(0, 70, (29,))
+    g = torch.randn(29, dtype=torch.float64)
+    h, w = h64.bfloat16().requires_grad_(), w64.bfloat16().requires_grad_()
+    gh, gw = torch.autograd.grad((linear_logprobs(h, w, ids, chunk=6)[0] * g.float()).sum(), (h, w))
+    assert gh.dtype == gw.dtype == torch.bfloat16
+    hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = (hr @ wr.t()).log_softmax(-1).gather(-1, ids[:, None]).squeeze(-1)
+    rh, rw = torch.autograd.grad((ref * g).sum(), (hr, wr))
+    for got, want in ((gh, rh), (gw, rw)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 2e-2, err

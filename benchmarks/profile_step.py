@@ -1,0 +1,95 @@
+"""Where a training step's time goes: one `align` stage run in this process, its steps profiled.
+
+    python -m benchmarks.profile_step --out /tmp/prof -- dpo --model DIR --max-steps 6 --batch-size 64
+
+Steps 0-1 are warm-up (compiles, allocator growth). Steps 2-3 run under torch.profiler: the table of the ops
+that take the most GPU time and the most CPU time, and the GPU's busy fraction (kernel time / wall time) — a
+step that keeps the GPU busy under ~50 % is bound by the CPU (Python, hooks, launches), not by the GPU.
+Steps 4-5 run under cProfile: the Python functions with the most cumulative time (which library's hooks, which
+of our functions). The run needs at least 6 steps. Tables go to stdout and to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="profile")
+    ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("stage_args", nargs=argparse.REMAINDER, help="-- then an align command, e.g. -- dpo --model DIR")
+    a = ap.parse_args()
+    args = a.stage_args[1:] if a.stage_args[:1] == ["--"] else a.stage_args
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from align import training
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    tp = profile(activities=acts)
+    cp = cProfile.Profile()
+    walls: dict[str, float] = {}
+    marks: dict[str, float] = {}
+    original = training.end_step
+
+    def end_step(step, metrics, **kw):  # `step` is 1-based: called after optimiser step `step - 1`
+        if cuda:
+            torch.cuda.synchronize()
+        now = time.time()
+        if step == 2:
+            tp.start()
+            marks["torch"] = now
+        elif step == 4:
+            tp.stop()
+            walls["torch"] = now - marks["torch"]
+            cp.enable()
+            marks["python"] = time.time()
+        elif step == 6:
+            cp.disable()
+            walls["python"] = now - marks["python"]
+        return original(step, metrics, **kw)
+
+    training.end_step = end_step
+    from align import cli, commands  # noqa: F401  (registers the commands)
+
+    sys.argv = ["align", *args]
+    try:
+        cli.app(standalone_mode=False)
+    except SystemExit:
+        pass
+    if "torch" not in walls or "python" not in walls:
+        raise SystemExit("the run ended before step 6: pass --max-steps 6 or more")
+
+    lines = [f"command: align {' '.join(args)}"]
+    ev = tp.key_averages()
+    dev_key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, dev_key) for e in ev if e.device_type.name != "CPU") / 1e6 if cuda else 0.0
+    lines.append(f"profiled steps 2-3 (torch.profiler): wall {walls['torch']:.3f} s"
+                 + (f", GPU kernels {busy:.3f} s = {100 * busy / walls['torch']:.1f} % busy" if cuda else ""))
+    if cuda:
+        lines += ["", "top ops by self GPU time:", ev.table(sort_by="self_cuda_time_total", row_limit=a.rows)]
+    lines += ["", "top ops by self CPU time:", ev.table(sort_by="self_cpu_time_total", row_limit=a.rows)]
+    s = io.StringIO()
+    pstats.Stats(cp, stream=s).sort_stats("cumulative").print_stats(a.rows * 2)
+    lines += ["", f"profiled steps 4-5 (cProfile, adds overhead): wall {walls['python']:.3f} s", s.getvalue()]
+    s = io.StringIO()
+    pstats.Stats(cp, stream=s).sort_stats("tottime").print_stats(a.rows)
+    lines += ["by own time:", s.getvalue()]
+    text = "\n".join(lines)
+    (out / "profile.txt").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
