@@ -40,16 +40,14 @@ class StageConfig:
     trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
     precision: str = opt("auto", "Compute precision: auto (bf16 on CUDA, fp32 on CPU), bf16 (fp32 master weights), "
                                  "bf16-pure (master weights, gradients and Adam moments in bf16 too: 10 instead of "
-                                 "16 bytes per trained parameter, coarser updates) or fp32.")
+                                 "16 bytes per trained parameter, coarser updates; with --zero-stage 0 no master "
+                                 "copy at all: 8 bytes) or fp32.")
 
     def __post_init__(self):
         # checked at construction, so every entry point (flags, --config, pipeline validate) refuses it before
         # anything is written
         if self.precision not in PRECISIONS:
             raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}.")
-        if self.precision == "bf16-pure" and self.zero_stage == 0:
-            raise UserError("--precision bf16-pure keeps bf16 master weights in the ZeRO optimizer: use --zero-stage "
-                            "1, 2 or 3.")
 
 
 @dataclass

@@ -119,8 +119,10 @@ def ds_config(
 
     --precision bf16-pure: ZeRO's master weights, gradients and Adam moments in bf16 (DeepSpeed's
     bf16_master_weights_and_grads + bf16_optimizer_states): 2 + 2 + 2 + 4 = 10 bytes per trained parameter
-    instead of 2 + 4 (fp32 grads) + 4 (fp32 master) + 8 (fp32 moments) — the memory of a plain bf16 PyTorch
-    loop such as TRL's, with its coarser updates (small updates can round away in a bf16 master copy).
+    instead of 2 + 4 (fp32 grads) + 4 (fp32 master) + 8 (fp32 moments), with the coarser updates of bf16
+    (small updates can round away). With ZeRO stage 0 there is no ZeRO optimizer to hold a master copy:
+    DeepSpeed's mixed precision is off and AdamW updates the bf16 module itself (2 + 2 + 4 = 8 bytes, a plain
+    bf16 PyTorch loop such as TRL's).
     offload_optimizer: ZeRO-Offload — master weights, gradients and moments live in (pinned) CPU memory and
     torch's AdamW steps there; the GPU keeps only the compute-dtype parameters and a small gradient bucket."""
     cfg = {
@@ -149,7 +151,10 @@ def ds_config(
         "wall_clock_breakdown": False,
     }
     if precision == "bf16-pure" and dtype == torch.bfloat16:
-        cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+        if zero_stage == 0:  # no ZeRO optimizer: AdamW steps the bf16 module itself (bf16 grads and moments)
+            cfg["bf16"] = {"enabled": False}
+        else:
+            cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if offload_optimizer:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW where DeepSpeedCPUAdam cannot be built (CPU-only)

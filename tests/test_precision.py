@@ -22,12 +22,12 @@ def single_process_env(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", str(free_port())))
 
 
-def train_three_steps(tiny_model_dir, dtype, **ds_kw):
-    """A ZeRO-3 engine on the tiny model after three AdamW steps on a fixed batch: (engine, losses)."""
+def train_three_steps(tiny_model_dir, dtype, zero_stage=3, **ds_kw):
+    """A ZeRO engine on the tiny model after three AdamW steps on a fixed batch: (engine, losses)."""
     runtime.init()
     ref = resolve(str(tiny_model_dir))
     tok = load_tokenizer(ref)
-    cfg = runtime.ds_config(zero_stage=3, micro_batch=2, grad_accum=1, world_size=1, dtype=dtype, **ds_kw)
+    cfg = runtime.ds_config(zero_stage=zero_stage, micro_batch=2, grad_accum=1, world_size=1, dtype=dtype, **ds_kw)
     loader = runtime.ZeroLoader(cfg)  # noqa: F841
     model = load_causal_lm(ref, tok, dtype, seed=0)
     eng = runtime.engine(model, cfg, training.adamw(model, 1e-3, 0.0))
@@ -57,6 +57,17 @@ def test_bf16_pure_keeps_master_weights_and_moments_in_bf16(tiny_model_dir):
     assert optimizer_dtypes(tiny_model_dir, "bf16") == {torch.float32}
 
 
+def test_bf16_pure_on_zero_0_is_plain_bf16_training(tiny_model_dir):
+    """No ZeRO optimizer, no master copy: AdamW steps the bf16 module's own parameters (TRL's memory layout)."""
+    eng, losses = train_three_steps(tiny_model_dir, torch.bfloat16, zero_stage=0, precision="bf16-pure")
+    assert isinstance(eng.optimizer, torch.optim.AdamW)
+    params = [p for g in eng.optimizer.param_groups for p in g["params"]]
+    assert {p.dtype for p in params} == {torch.bfloat16}
+    assert {p.data_ptr() for p in params} <= {p.data_ptr() for p in eng.module.parameters()}  # no copy
+    assert {t.dtype for st in eng.optimizer.state.values() for t in st.values() if t.ndim} == {torch.bfloat16}
+    assert losses[-1] < losses[0]
+
+
 def test_offload_optimizer_gives_the_same_updates(tiny_model_dir):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -69,11 +80,10 @@ def test_offload_optimizer_gives_the_same_updates(tiny_model_dir):
     assert offloaded == pytest.approx(plain, abs=1e-5)
 
 
-def test_bf16_pure_and_offload_need_zero():
+def test_offload_needs_zero_and_fp32_master_weights():
     from align.config import StageConfig, TrainedStageConfig
 
-    with pytest.raises(UserError, match="zero-stage"):
-        StageConfig(precision="bf16-pure", zero_stage=0)
+    StageConfig(precision="bf16-pure", zero_stage=0)  # plain bf16 training, see above
     with pytest.raises(UserError, match="--offload-optimizer"):
         TrainedStageConfig(offload_optimizer=True, zero_stage=0)
     with pytest.raises(UserError, match="--offload-optimizer"):
