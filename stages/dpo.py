@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import StageConfig, TrainConfig, opt
+from align.config import TrainConfig, opt
 from align.errors import UserError
 from align.paths import DATA_DIR
 

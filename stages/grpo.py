@@ -84,7 +84,6 @@ class GRPOConfig(TrainedStageConfig):
 
 
 def run(cfg: GRPOConfig) -> dict:
-    import math
     import random
     import time
     from pathlib import Path
@@ -96,7 +95,7 @@ def run(cfg: GRPOConfig) -> dict:
     from align import rl, runtime, training
     from align.artifacts import ArtifactWriter
     from align.config import as_dict
-    from align.console import TrainProgress, info, summary_table, warn
+    from align.console import TrainProgress, info, summary_table
     from align.evaluation import evaluate_policy
     from align.generation import Sampling, generate_local
     from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
