@@ -1,6 +1,6 @@
 """GRPO, ours vs TRL's GRPOTrainer, on the same GPU, one after the other, in one command.
 
-    python -m benchmarks.grpo_vs_trl --models 135m,0.5b --steps 4 [--nproc 1,2] [--only ours|trl]
+    python -m benchmarks.grpo_vs_trl --models 135m,0.5b --steps 4 [--nproc 1,2 [--scaling weak]] [--only ours|trl]
 
 Same model directory (random init, bf16), tokenizer, prompts (data/arithmetic/train.jsonl, each prompt templated
 the way align does it), G, prompts per step, completion length, micro-batch size (TRL:
@@ -73,13 +73,16 @@ def trl_worker(a) -> None:
 
 
 def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None) -> dict | None:
+    """`align grpo` on `nproc` processes. Weak scaling (--scaling weak): `nproc` × --prompts per step, so every
+    GPU keeps the 1-GPU batch; strong (default): the same global batch split over the GPUs."""
+    prompts = a.prompts * nproc if a.scaling == "weak" else a.prompts
     cmd = [*V.torchrun(nproc), "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--eval-data", "",
-           "--max-steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--num-generations", str(a.generations),
+           "--max-steps", str(a.steps), "--prompts-per-step", str(prompts), "--num-generations", str(a.generations),
            "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size * 1),
            "--reward", "benchmarks/bench_reward.py:noise", "--temperature", "1.0", "--beta", "0",
            "--num-iterations", "1", "--lr", "5e-5"]
     if nproc > 1:
-        cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, a.prompts * a.generations // nproc))
+        cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, prompts * a.generations // nproc))
     if a.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
     cmd += a.ours_extra.split()
@@ -89,7 +92,7 @@ def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None) -> dict
     rows = [r for r in rows if "time/generate" in r]
     for r in rows:
         r["time/step"] = sum(r[k] for k in PHASES)
-        r["tokens"] = r["completions/mean_length"] * a.prompts * a.generations
+        r["tokens"] = r["completions/mean_length"] * prompts * a.generations
     art = json.loads((out / "artifact.json").read_text())
     med = V.median_rows(rows, PHASES + ["time/step", "tokens"])
     return {**med, "peak_gib": max(art["metrics"]["peak_memory_gib_per_rank"]),
@@ -115,7 +118,7 @@ def table(name: str, a, o: dict | None, t: dict | None, bw: float | None, prompt
     lines = [f"\n### GRPO {name}: {a.prompts} prompts x G={a.generations}, {a.max_new_tokens} new tokens, micro "
              f"{a.micro_batch_size}, bf16, grad ckpt {'on' if a.gradient_checkpointing else 'off'}, 1 GPU; "
              f"median of steps 2..{a.steps}{'; ours with ' + a.ours_extra if a.ours_extra else ''}",
-             f"| | ours | TRL | ours/TRL |", "|---|---|---|---|"]
+             "| | ours | TRL | ours/TRL |", "|---|---|---|---|"]
     g = lambda d, k: None if d is None else d.get(k)  # noqa: E731
     for k in PHASES + ["time/step"]:
         lines.append(f"| {k[5:]} (s) | {V.fmt(g(o, k))} | {V.fmt(g(t, k))} | {V.ratio(g(o, k), g(t, k))} |")
@@ -142,6 +145,9 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=16)
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     ap.add_argument("--nproc", default="1", help="ours: process counts, e.g. 1,2 (TRL: 1 GPU)")
+    ap.add_argument("--scaling", choices=["strong", "weak"], default="strong",
+                    help="N processes: the same prompts per step (strong) or N x as many (weak: each GPU keeps "
+                         "the 1-GPU batch)")
     a = ap.parse_args()
     if a.trl_worker:
         return trl_worker(a)
@@ -175,7 +181,7 @@ def main() -> None:
                              f"{on['time/update']:.3f} | {', '.join(f'{m:.2f}' for m in on['peak_per_rank'])} |")
                 results[f"ours-{name}-n{n}"] = on
         if scale:
-            report += [f"\nZeRO-3 scaling, ours, {name} (throughput = completion tokens per step time; "
+            report += [f"\nZeRO-3 {a.scaling} scaling, ours, {name} (throughput = completion tokens per step time; "
                        f"1 GPU: {o['tokens'] / o['time/step']:,.0f} tok/s, peak {', '.join(f'{m:.2f}' for m in o['peak_per_rank'])} GiB)",
                        "| GPUs | tokens/s | vs 1 GPU | generate (s) | update (s) | peak GiB per rank |",
                        "|---|---|---|---|---|---|", *scale]
