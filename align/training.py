@@ -62,9 +62,9 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: bool = False):
-    """AdamW, weight decay on matrices only (fused on CUDA). With --offload-optimizer on a GPU machine the step runs on the CPU:
-    DeepSpeed's vectorised CPUAdam (built once per machine, ~1 min; several times faster than torch's CPU AdamW),
-    or torch's AdamW where the build fails."""
+    """AdamW, weight decay on matrices only (the fused kernel on GPU machines). With --offload-optimizer on a GPU
+    machine the step runs on the CPU: DeepSpeed's vectorised CPUAdam (built once per machine, ~1 min; several
+    times faster than torch's CPU AdamW), or torch's AdamW where the build fails."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -78,8 +78,8 @@ def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: boo
 
             warn(f"DeepSpeedCPUAdam unavailable ({type(e).__name__}: {str(e)[:200]}); the offloaded optimiser "
                  "step uses torch's AdamW on the CPU")
-    # CUDA: the fused kernel — one launch per parameter group and no temporaries (the default foreach AdamW
-    # allocates parameter-sized intermediates at every step: ~1 GB more peak memory at 0.5B).
+    # GPU machines: the fused kernel (a few launches per step, no parameter-sized temporaries as the default
+    # foreach AdamW allocates); on CPU-only machines torch's default, which the CPU tests pin down.
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=torch.cuda.is_available() or None)
 
 
