@@ -38,7 +38,7 @@ def relaunch(nproc: int) -> None:
     """`--nproc N`: re-run this very command under torchrun with N processes, then exit with its code."""
     if nproc <= 1 or "LOCAL_RANK" in os.environ:
         return
-    from align.runtime import free_port
+    from align.runtime import free_port, launch_env
 
     argv, skip = [], False
     for a in sys.argv[1:]:  # drop --nproc: torchrun would take it for an abbreviation of its own flag
@@ -51,7 +51,7 @@ def relaunch(nproc: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", "-m", "align", *argv]
     console.print(f"[dim]launching {nproc} processes: torchrun --nproc_per_node={nproc} -m align {' '.join(argv)}[/]")
-    raise SystemExit(subprocess.call(cmd))
+    raise SystemExit(subprocess.call(cmd, env=launch_env(nproc)))
 
 
 def stage_command(parent: typer.Typer, name: str, cfg_cls, help: str, positional: tuple[str, ...] = ()):

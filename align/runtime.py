@@ -42,6 +42,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_env(nproc: int) -> dict[str, str]:
+    """Environment for `nproc` processes started on this machine. torchrun pins every process to one OpenMP
+    thread unless OMP_NUM_THREADS is set; that left DeepSpeed's CPU Adam (`--offload-optimizer`) single-threaded
+    on 2 GPUs while one process used every core. Give each process its share of the cores instead (a value the
+    user set is kept)."""
+    env = dict(os.environ)
+    if nproc > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // nproc))
+    return env
+
+
 def init(timeout_s: int | None = None) -> Dist:
     """Start (once) the process group DeepSpeed needs, even for a single process.
 

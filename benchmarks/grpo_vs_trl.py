@@ -1,6 +1,6 @@
 """GRPO, ours vs TRL's GRPOTrainer, on the same GPU, one after the other, in one command.
 
-    python -m benchmarks.grpo_vs_trl --models 135m,0.5b --steps 4 [--nproc 1,2 [--scaling weak]] [--only ours|trl]
+    python -m benchmarks.grpo_vs_trl --models 135m,0.5b --steps 4 [--nproc 1,2 [--scaling strong,weak]] [--only ours|trl]
 
 Same model directory (random init, bf16), tokenizer, prompts (data/arithmetic/train.jsonl, each prompt templated
 the way align does it), G, prompts per step, completion length, micro-batch size (TRL:
@@ -72,10 +72,10 @@ def trl_worker(a) -> None:
                                 "gen_tokens_per_step": None})
 
 
-def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None) -> dict | None:
-    """`align grpo` on `nproc` processes. Weak scaling (--scaling weak): `nproc` × --prompts per step, so every
-    GPU keeps the 1-GPU batch; strong (default): the same global batch split over the GPUs."""
-    prompts = a.prompts * nproc if a.scaling == "weak" else a.prompts
+def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling: str = "strong") -> dict | None:
+    """`align grpo` on `nproc` processes. Weak scaling: `nproc` × --prompts per step, so every GPU keeps the
+    1-GPU batch; strong: the same global batch split over the GPUs."""
+    prompts = a.prompts * nproc if scaling == "weak" else a.prompts
     cmd = [*V.torchrun(nproc), "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--eval-data", "",
            "--max-steps", str(a.steps), "--prompts-per-step", str(prompts), "--num-generations", str(a.generations),
            "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size * 1),
@@ -145,10 +145,12 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=16)
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     ap.add_argument("--nproc", default="1", help="ours: process counts, e.g. 1,2 (TRL: 1 GPU)")
-    ap.add_argument("--scaling", choices=["strong", "weak"], default="strong",
+    ap.add_argument("--scaling", default="strong",
                     help="N processes: the same prompts per step (strong) or N x as many (weak: each GPU keeps "
-                         "the 1-GPU batch)")
+                         "the 1-GPU batch); 'strong,weak' runs both against one 1-GPU baseline")
     a = ap.parse_args()
+    if not set(a.scaling.split(",")) <= {"strong", "weak"}:
+        ap.error(f"--scaling {a.scaling!r}: use strong, weak or strong,weak")
     if a.trl_worker:
         return trl_worker(a)
     root = V.out_root(a.out, "align-grpo-vs-trl-")
@@ -171,20 +173,23 @@ def main() -> None:
         if a.only in ("both", "trl"):
             t = trl(model, a, root / f"trl-{name}")
         report += table(name, a, o, t, bw, prompt_len)
-        scale = []
-        for n in nprocs[1:]:
-            on = ours(model, a, n, root / f"ours-{name}-n{n}")
-            if on and o:
-                base = o["tokens"] / o["time/step"]
-                thr = on["tokens"] / on["time/step"]
-                scale.append(f"| {n} | {thr:,.0f} | {thr / base:.2f} | {on['time/generate']:.3f} | "
-                             f"{on['time/update']:.3f} | {', '.join(f'{m:.2f}' for m in on['peak_per_rank'])} |")
-                results[f"ours-{name}-n{n}"] = on
-        if scale:
-            report += [f"\nZeRO-3 {a.scaling} scaling, ours, {name} (throughput = completion tokens per step time; "
-                       f"1 GPU: {o['tokens'] / o['time/step']:,.0f} tok/s, peak {', '.join(f'{m:.2f}' for m in o['peak_per_rank'])} GiB)",
-                       "| GPUs | tokens/s | vs 1 GPU | generate (s) | update (s) | peak GiB per rank |",
-                       "|---|---|---|---|---|---|", *scale]
+        for scaling in a.scaling.split(",") if nprocs[1:] and o else []:
+            scale = []
+            for n in nprocs[1:]:
+                on = ours(model, a, n, root / f"ours-{name}-n{n}-{scaling}", scaling=scaling)
+                if on:
+                    base = o["tokens"] / o["time/step"]
+                    thr = on["tokens"] / on["time/step"]
+                    scale.append(f"| {n} | {on['tokens'] / n:,.0f} | {on['time/step']:.3f} | {thr:,.0f} | "
+                                 f"{thr / base:.2f} | {on['time/generate']:.3f} | {on['time/update']:.3f} | "
+                                 f"{', '.join(f'{m:.2f}' for m in on['peak_per_rank'])} |")
+                    results[f"ours-{name}-n{n}-{scaling}"] = on
+            report += [f"\nZeRO-3 {scaling} scaling, ours, {name} (throughput = completion tokens per step time)",
+                       "| GPUs | tokens per GPU per step | step (s) | tokens/s | vs 1 GPU | generate (s) | update (s) | "
+                       "peak GiB per rank |", "|---|---|---|---|---|---|---|---|",
+                       f"| 1 | {o['tokens']:,.0f} | {o['time/step']:.3f} | {o['tokens'] / o['time/step']:,.0f} | 1.00 | "
+                       f"{o['time/generate']:.3f} | {o['time/update']:.3f} | "
+                       f"{', '.join(f'{m:.2f}' for m in o['peak_per_rank'])} |", *scale]
         results[f"ours-{name}"], results[f"trl-{name}"] = o, t
     V.write_json(root / "grpo_vs_trl.json", {"bandwidth": bw, "prompt_len": prompt_len, "results": results,
                                              "argv": sys.argv})

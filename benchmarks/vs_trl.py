@@ -8,7 +8,6 @@ TRL is a benchmark-only extra: `pip install .[bench]`.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -123,7 +122,9 @@ def roofline(name: str, rows: int, prompt_len: float, new_tokens: int, gen_secon
 def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 420, gpus: int = 1) -> bool:
     """Run one benchmark subprocess; one-GPU runs see GPU 0 only (TRL's Trainer would use DataParallel)."""
     t = time.time()
-    e = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    from align.runtime import launch_env
+
+    e = {**launch_env(gpus), "PYTHONUNBUFFERED": "1", **(env or {})}
     if gpus == 1:
         e["CUDA_VISIBLE_DEVICES"] = e.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     with open(log, "w") as f:

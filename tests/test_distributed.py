@@ -119,3 +119,17 @@ def test_killed_stage_leaves_no_complete_artifact_and_rerun_completes(tmp_path):
     run(align_cmd("sft", "--out", str(out), "--max-steps", "3", "--eval-every", "0", "--eval-samples", "4",
                   "--max-new-tokens", "4"))
     assert verify_artifact(out)["status"] == "complete"
+
+
+def test_launch_env_gives_each_process_its_share_of_cores(monkeypatch):
+    """torchrun would pin each process to 1 OpenMP thread (CPU Adam with --offload-optimizer then ran on one core
+    per GPU); `align --nproc N` gives each process cores // N, and keeps a value the user set."""
+    from align.runtime import launch_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    assert launch_env(2)["OMP_NUM_THREADS"] == "16"
+    assert launch_env(64)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in launch_env(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch_env(2)["OMP_NUM_THREADS"] == "3"
