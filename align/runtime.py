@@ -53,6 +53,16 @@ def launch_env(nproc: int) -> dict[str, str]:
     return env
 
 
+def offload_threads_hint(local_world: int, threads: int, cores: int) -> str | None:
+    """A warning when CPU Adam would run on fewer threads than this process's share of the cores (torchrun's
+    default OMP_NUM_THREADS=1 under a launcher that is not `align --nproc`), else None."""
+    share = max(1, cores // max(1, local_world))
+    if threads >= share:
+        return None
+    return (f"--offload-optimizer: the CPU Adam step runs on {threads} thread(s) per process, {share} cores "
+            f"are this process's share; set OMP_NUM_THREADS={share} (torchrun sets 1) or launch with align --nproc.")
+
+
 def init(timeout_s: int | None = None) -> Dist:
     """Start (once) the process group DeepSpeed needs, even for a single process.
 
@@ -206,6 +216,13 @@ def engine(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None)
     if optimizer is None:
         model.requires_grad_(False)
         cfg = frozen_config(cfg)
+    elif "offload_optimizer" in cfg["zero_optimization"]:
+        hint = offload_threads_hint(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads(),
+                                    len(os.sched_getaffinity(0)))
+        if hint:
+            from align.console import warn
+
+            warn(hint)
     if cfg["zero_optimization"]["stage"] == 3:
         set_block_leaves(model)
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)

@@ -133,3 +133,12 @@ def test_launch_env_gives_each_process_its_share_of_cores(monkeypatch):
     assert "OMP_NUM_THREADS" not in launch_env(1)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert launch_env(2)["OMP_NUM_THREADS"] == "3"
+
+
+def test_offload_threads_hint():
+    from align.runtime import offload_threads_hint
+
+    assert "OMP_NUM_THREADS=16" in offload_threads_hint(local_world=2, threads=1, cores=32)
+    assert offload_threads_hint(local_world=2, threads=16, cores=32) is None
+    assert offload_threads_hint(local_world=2, threads=1, cores=2) is None  # the CI machine: 1 core each
+    assert offload_threads_hint(local_world=1, threads=8, cores=8) is None
