@@ -158,6 +158,22 @@ def check_spike(xs: list, window: int, factor: float, max_value: float, min_hist
     return QUIET
 
 
+def check_jump(xs: list, window: int, factor: float, min_value: float, min_history: float) -> Check:
+    """Latest value > factor x median of the previous `window` values, and > min_value.
+
+    A one-step jump that a window mean (check_above) averages away; min_value keeps tiny absolute values
+    (early KL of ~0.01 nats) from firing on noise."""
+    x = xs[-1]
+    prev = _finite(xs[-window - 1 : -1])
+    if not math.isfinite(x) or len(prev) < min_history:
+        return QUIET
+    limit = max(min_value, factor * statistics.median(prev))
+    if x > limit:
+        return Check(True, x, limit, f"latest {x:.4g} > {factor:g} x median of the previous {len(prev)} "
+                                     f"({factor * statistics.median(prev):.4g}) and > {min_value:g}")
+    return QUIET
+
+
 def check_above(xs: list, window: int, max_value: float) -> Check:
     """Mean of the last `window` values (fewer at the start) > max_value."""
     m = _mean(xs[-window:])
@@ -271,6 +287,10 @@ def default_rules() -> list:
         Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5},
              message="KL to the reference is high: the policy is drifting away. "
                      "Raise the KL coefficient (or lower the KL target), lower the LR."),
+        Rule("kl_spike", "kl", check_jump, "warn", 10, params={"factor": 5.0, "min_value": 0.2, "min_history": 5},
+             message="KL to the reference jumped in one step: an update moved the policy far (often once an "
+                     "adaptive KL coefficient has decayed). Lower the LR, use fewer epochs per batch, or put a "
+                     "floor under the KL coefficient."),
         # window 20 (not 10) and min_z 3.5: on a noisy 300-step plateau this warns in ~4% of runs
         # (window 10, z 3: ~30%) and still catches a 2-sigma drop within ~10 steps.
         Rule("reward_falling", "reward", check_falling, "warn", 20,

@@ -60,7 +60,7 @@ def test_healthy_run_is_silent(seed):
 
 def test_every_default_rule_is_covered():
     names = [r.name for r in default_rules()]
-    assert names == ["nan", "grad_explode", "kl_high", "reward_falling", "entropy_collapse", "clip_high",
+    assert names == ["nan", "grad_explode", "kl_high", "kl_spike", "reward_falling", "entropy_collapse", "clip_high",
                      "length_drift", "low_distinct_1", "low_distinct_2", "chosen_logp_falling", "reward_hacking"]
 
 
@@ -95,6 +95,20 @@ def test_grad_explode_needs_history_but_max_value_always_applies():
 def test_kl_high():
     # window mean over the last 10 crosses 0.5 after 3 steps at 2.0: (3 * 2.0 + 7 * 0.05) / 10 = 0.635
     assert fired(feed(flat_then("kl", 0.05, 2.0)), "kl_high") == [(22, "warn")]
+
+
+def test_kl_spike_fires_on_a_jump_that_the_window_mean_misses():
+    # the default PPO chain's per-token KL: ~0.06 for 40 steps, then 0.586 at the last step
+    stream = [{"kl": 0.05 + 0.01 * (s % 3)} for s in range(40)] + [{"kl": 0.586}]
+    m = feed(stream)
+    assert fired(m, "kl_spike") == [(40, "warn")] and fired(m, "kl_high") == []
+    assert m.events[0].threshold == pytest.approx(5 * 0.06)
+
+
+def test_kl_spike_ignores_small_values_and_needs_history():
+    tiny = [{"kl": 0.01}] * 20 + [{"kl": 0.15}]  # 15 x the median, but under min_value 0.2
+    assert fired(feed(tiny), "kl_spike") == []
+    assert fired(feed([{"kl": 0.01}] * 3 + [{"kl": 5.0}]), "kl_spike") == []  # 3 < min_history
 
 
 def test_reward_falling():
@@ -167,8 +181,9 @@ def test_debounce_reports_start_and_recurrence():
     stream = flat_then("kl", 0.05, 2.0) + [{"kl": 0.05}] * 30 + [{"kl": 2.0}] * 20
     m = feed(stream)
     assert fired(m, "kl_high") == [(22, "warn"), (72, "warn")]
-    assert m.summary()["counts"] == {"kl_high": 2}
-    assert m.summary()["first_step"] == {"kl_high": 22}
+    assert fired(m, "kl_spike") == [(20, "warn"), (70, "warn")]  # the jumps themselves, at once
+    assert m.summary()["counts"] == {"kl_high": 2, "kl_spike": 2}
+    assert m.summary()["first_step"] == {"kl_high": 22, "kl_spike": 20}
 
 
 def test_steps_without_the_metric_do_not_clear_a_firing_rule():
@@ -178,8 +193,10 @@ def test_steps_without_the_metric_do_not_clear_a_firing_rule():
 
 def test_update_returns_only_new_events():
     m = RLMonitor()
-    for s in range(22):
-        assert m.update(s, {"kl": 0.05 if s < 20 else 2.0}) == []
+    for s in range(20):
+        assert m.update(s, {"kl": 0.05}) == []
+    assert [e.rule for e in m.update(20, {"kl": 2.0})] == ["kl_spike"]
+    assert m.update(21, {"kl": 2.0}) == []
     (event,) = m.update(22, {"kl": 2.0})
     assert isinstance(event, Event) and event.rule == "kl_high" and event.threshold == 0.5
     assert "KL coefficient" in event.message and "kl_high" in str(event)
