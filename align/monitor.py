@@ -141,36 +141,25 @@ def check_nonfinite(loss: list, grad_norm: list, window: int) -> Check:
     return QUIET
 
 
-def check_spike(xs: list, window: int, factor: float, max_value: float, min_history: float) -> Check:
-    """Latest value > max_value, or > factor x median of the previous `window` values."""
+def check_spike(xs: list, window: int, factor: float, max_value: float, min_history: float,
+                min_value: float = 0.0) -> Check:
+    """Latest value > max_value, or > factor x median of the previous `window` values and > min_value.
+
+    The jump test catches a single step that a window mean (check_above) averages away; min_value keeps
+    tiny absolute values (early KL of ~0.01 nats) from firing on noise."""
     x = xs[-1]
     if not math.isfinite(x):
         return QUIET  # the nan rule owns non-finite values
     if x > max_value:
-        return Check(True, x, max_value, f"grad_norm {x:.4g} > {max_value:.4g}")
+        return Check(True, x, max_value, f"latest {x:.4g} > {max_value:.4g}")
     prev = _finite(xs[-window - 1 : -1])
     if len(prev) < min_history:
         return QUIET
-    limit = factor * statistics.median(prev)
+    jump = factor * statistics.median(prev)
+    limit = max(min_value, jump)
     if x > limit:
-        detail = f"grad_norm {x:.4g} > {factor:g} x median of the previous {len(prev)} ({limit:.4g})"
-        return Check(True, x, limit, detail)
-    return QUIET
-
-
-def check_jump(xs: list, window: int, factor: float, min_value: float, min_history: float) -> Check:
-    """Latest value > factor x median of the previous `window` values, and > min_value.
-
-    A one-step jump that a window mean (check_above) averages away; min_value keeps tiny absolute values
-    (early KL of ~0.01 nats) from firing on noise."""
-    x = xs[-1]
-    prev = _finite(xs[-window - 1 : -1])
-    if not math.isfinite(x) or len(prev) < min_history:
-        return QUIET
-    limit = max(min_value, factor * statistics.median(prev))
-    if x > limit:
-        return Check(True, x, limit, f"latest {x:.4g} > {factor:g} x median of the previous {len(prev)} "
-                                     f"({factor * statistics.median(prev):.4g}) and > {min_value:g}")
+        floor = f" and > {min_value:g}" if min_value else ""
+        return Check(True, x, limit, f"latest {x:.4g} > {factor:g} x median of the previous {len(prev)} ({jump:.4g}){floor}")
     return QUIET
 
 
@@ -287,7 +276,8 @@ def default_rules() -> list:
         Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5},
              message="KL to the reference is high: the policy is drifting away. "
                      "Raise the KL coefficient (or lower the KL target), lower the LR."),
-        Rule("kl_spike", "kl", check_jump, "warn", 10, params={"factor": 5.0, "min_value": 0.2, "min_history": 5},
+        Rule("kl_spike", "kl", check_spike, "warn", 10,
+             params={"factor": 5.0, "max_value": math.inf, "min_history": 5, "min_value": 0.2},
              message="KL to the reference jumped in one step: an update moved the policy far (often once an "
                      "adaptive KL coefficient has decayed). Lower the LR, use fewer epochs per batch, or put a "
                      "floor under the KL coefficient."),
