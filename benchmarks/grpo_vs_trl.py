@@ -136,6 +136,14 @@ def table(name: str, a, o: dict | None, t: dict | None, bw: float | None, prompt
     return lines
 
 
+def scaling_row(n: int, d: dict, base: dict) -> str:
+    """One row of the scaling table: run `d` on `n` GPUs against the 1-GPU run `base`."""
+    thr = d["tokens"] / d["time/step"]
+    return (f"| {n} | {d['tokens'] / n:,.0f} | {d['time/step']:.3f} | {thr:,.0f} | "
+            f"{thr / (base['tokens'] / base['time/step']):.2f} | {d['time/generate']:.3f} | {d['time/update']:.3f} | "
+            f"{', '.join(f'{m:.2f}' for m in d['peak_per_rank'])} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     V.harness_args(ap, models="135m", steps=4)
@@ -174,22 +182,15 @@ def main() -> None:
             t = trl(model, a, root / f"trl-{name}")
         report += table(name, a, o, t, bw, prompt_len)
         for scaling in a.scaling.split(",") if nprocs[1:] and o else []:
-            scale = []
+            rows = [scaling_row(1, o, o)]
             for n in nprocs[1:]:
                 on = ours(model, a, n, root / f"ours-{name}-n{n}-{scaling}", scaling=scaling)
                 if on:
-                    base = o["tokens"] / o["time/step"]
-                    thr = on["tokens"] / on["time/step"]
-                    scale.append(f"| {n} | {on['tokens'] / n:,.0f} | {on['time/step']:.3f} | {thr:,.0f} | "
-                                 f"{thr / base:.2f} | {on['time/generate']:.3f} | {on['time/update']:.3f} | "
-                                 f"{', '.join(f'{m:.2f}' for m in on['peak_per_rank'])} |")
+                    rows.append(scaling_row(n, on, o))
                     results[f"ours-{name}-n{n}-{scaling}"] = on
             report += [f"\nZeRO-3 {scaling} scaling, ours, {name} (throughput = completion tokens per step time)",
                        "| GPUs | tokens per GPU per step | step (s) | tokens/s | vs 1 GPU | generate (s) | update (s) | "
-                       "peak GiB per rank |", "|---|---|---|---|---|---|---|---|",
-                       f"| 1 | {o['tokens']:,.0f} | {o['time/step']:.3f} | {o['tokens'] / o['time/step']:,.0f} | 1.00 | "
-                       f"{o['time/generate']:.3f} | {o['time/update']:.3f} | "
-                       f"{', '.join(f'{m:.2f}' for m in o['peak_per_rank'])} |", *scale]
+                       "peak GiB per rank |", "|---|---|---|---|---|---|---|---|", *rows]
         results[f"ours-{name}"], results[f"trl-{name}"] = o, t
     V.write_json(root / "grpo_vs_trl.json", {"bandwidth": bw, "prompt_len": prompt_len, "results": results,
                                              "argv": sys.argv})
