@@ -133,6 +133,11 @@ class ArtifactWriter:
         self._metrics = open(path, "a")
 
     @property
+    def running(self) -> bool:
+        """Still "running": neither complete nor failed (always False off rank 0, which writes nothing)."""
+        return self.is_main and self.record["status"] == "running"
+
+    @property
     def model_tmp(self) -> Path:
         return self.out / (MODEL_DIR + ".tmp")
 
@@ -188,3 +193,20 @@ class ArtifactWriter:
         for f in (self._metrics, self._health):
             if not f.closed:
                 f.close()
+
+
+def describe_inputs(source, *data_paths: str) -> dict:
+    """{'model': {...}, 'data': {path: sha256}} for artifact.json: what this run was made from (`source`: a
+    models.ModelSource)."""
+    model = {"spec": source.spec}
+    if source.artifact is not None:
+        model.update(artifact=str(Path(source.spec).resolve()), sha256=artifact_digest(Path(source.spec)),
+                     stage=source.artifact.get("stage"))
+    elif source.model_dir is not None:
+        model.update(dir=str(source.model_dir.resolve()), files=hash_tree(source.model_dir))
+    data = {}
+    for p in data_paths:
+        if p:
+            path = Path(p)
+            data[str(path)] = sha256_file(path) if path.is_file() else hash_tree(path)
+    return {"model": model, "data": data}

@@ -1,4 +1,5 @@
-"""The `align` command line. Heavy libraries are imported inside commands so `align --help` is instant."""
+"""The `align` command line, built from align.registry. A command's module is imported only when it runs (or
+shows its --help), so `align --help` is instant."""
 
 from __future__ import annotations
 
@@ -8,30 +9,18 @@ import subprocess
 import sys
 from typing import Optional
 
+import click
 import typer
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from align import config as C
+from align import registry
 from align.console import console
-from align.errors import NotImplementedStage, UserError
+from align.errors import UserError
 
-app = typer.Typer(
-    name="align",
-    help="Align causal language models: SFT -> reward model -> PPO-ptx -> DPO -> GRPO, on DeepSpeed ZeRO-3.",
-    no_args_is_help=True,
-    rich_markup_mode="rich",
-    pretty_exceptions_enable=False,
-    add_completion=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-model_app = typer.Typer(help="Create models.", no_args_is_help=True)
-data_app = typer.Typer(help="Generate datasets.", no_args_is_help=True)
-rm_app = typer.Typer(help="Bradley-Terry reward model: train, eval, score.", no_args_is_help=True)
-pipeline_app = typer.Typer(help="Run a chain of stages from a TOML file.", no_args_is_help=True)
-app.add_typer(model_app, name="model")
-app.add_typer(data_app, name="data")
-app.add_typer(rm_app, name="rm")
-app.add_typer(pipeline_app, name="pipeline")
+TYPER = dict(no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False, add_completion=False,
+             context_settings={"help_option_names": ["-h", "--help"]})
 
 
 def relaunch(nproc: int) -> None:
@@ -54,58 +43,80 @@ def relaunch(nproc: int) -> None:
     raise SystemExit(subprocess.call(cmd, env=launch_env(nproc)))
 
 
-def stage_command(parent: typer.Typer, name: str, cfg_cls, help: str, positional: tuple[str, ...] = ()):
-    """Register a command whose options are the fields of `cfg_cls`; decorate the runner `fn(cfg)`."""
+def build_command(cmd: registry.Command) -> click.Command:
+    """The click command whose options are the fields of the command's config dataclass (defaults < --config
+    TOML < flags), running `cmd.run(config)`."""
+    cfg_cls = cmd.config_class()
+    params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
+    types = C.field_types(cfg_cls)
+    for f in C.fields(cfg_cls):
+        t = types[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        h = escape(f.metadata.get("help", ""))  # rich markup: a literal [...] in a help text stays
+        default_value = f.default_factory() if C.is_list(t) else f.default
+        if f.name in cmd.positional:
+            default = typer.Argument(default_value, help=h, show_default=True)
+        elif t is bool:
+            default = typer.Option(f.default, f"{flag}/--no-{flag[2:]}", help=h)
+        else:
+            default = typer.Option(default_value, flag, help=h)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=t))
+    params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
+                                    default=typer.Option(None, "--config", help="TOML file with this command's "
+                                                                                "options (flags win).")))
 
-    def decorate(fn):
-        params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
-        annotations = {"ctx": typer.Context}
-        types = C.field_types(cfg_cls)
-        for f in C.fields(cfg_cls):
-            t = types[f.name]
-            flag = "--" + f.name.replace("_", "-")
-            h = f.metadata.get("help", "")
-            default_value = f.default_factory() if C.is_list(t) else f.default
-            if f.name in positional:
-                default = typer.Argument(default_value, help=h, show_default=True)
-            elif t is bool:
-                default = typer.Option(f.default, f"{flag}/--no-{flag[2:]}", help=h)
-            else:
-                default = typer.Option(default_value, flag, help=h)
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=t))
-            annotations[f.name] = t
-        params.append(inspect.Parameter(
-            "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
-            default=typer.Option(None, "--config", help="TOML file with this command's options (flags win)."),
-        ))
-        annotations["config"] = Optional[str]
+    def command(ctx: typer.Context, **kw):
+        toml = kw.pop("config")
+        explicit = {k: v for k, v in kw.items()
+                    if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") != "DEFAULT"}
+        cfg = C.build(cfg_cls, toml, explicit)
+        relaunch(getattr(cfg, "nproc", 1))
+        cmd.run(cfg)
 
-        def command(ctx: typer.Context, **kw):
-            toml = kw.pop("config")
-            explicit = {
-                k: v for k, v in kw.items()
-                if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") != "DEFAULT"
-            }
-            cfg = C.build(cfg_cls, toml, explicit)
-            relaunch(getattr(cfg, "nproc", 1))
-            fn(cfg)
-
-        command.__signature__ = inspect.Signature(params)
-        command.__annotations__ = annotations
-        command.__doc__ = help
-        command.__name__ = name
-        parent.command(name, help=help)(command)
-        return fn
-
-    return decorate
+    command.__signature__ = inspect.Signature(params)
+    command.__doc__ = cmd.help
+    app = typer.Typer(**TYPER)
+    app.command(cmd.words[-1], help=cmd.help)(command)
+    return typer.main.get_command(app)
 
 
-def not_implemented(parent: typer.Typer, name: str, what: str, issue: int) -> None:
-    def command(args: Optional[list[str]] = typer.Argument(None, hidden=True)):
-        raise NotImplementedStage(f"`align {what}` is not implemented yet (planned in issue #{issue}).")
+class Listing(click.Command):
+    """A registry command as `--help` lists it (name and help), before its module is imported."""
 
-    parent.command(name, help=f"{what} (not implemented yet: issue #{issue})",
-                   context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(command)
+    def __init__(self, cmd: registry.Command):
+        super().__init__(cmd.words[-1], help=cmd.help)
+        self.entry = cmd
+
+
+class LazyGroup(TyperGroup):
+    """Lists its registry commands without importing them; builds the one that is invoked."""
+
+    def __init__(self, *args, prefix: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        for cmd in registry.COMMANDS:
+            if cmd.words[:-1] == prefix:
+                self.add_command(Listing(cmd))
+            elif cmd.words[: len(prefix)] == prefix and len(cmd.words) == len(prefix) + 2:
+                word = cmd.words[len(prefix)]
+                if word not in self.commands:
+                    self.add_command(LazyGroup(name=word, prefix=(*prefix, word), help=registry.GROUPS[word],
+                                               rich_markup_mode="rich", no_args_is_help=True))
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted(self.commands, key=lambda name: name == "pipeline")  # registry order, pipeline last
+
+    def resolve_command(self, ctx, args):
+        name, cmd, rest = super().resolve_command(ctx, args)
+        return name, (build_command(cmd.entry) if isinstance(cmd, Listing) else cmd), rest
+
+
+def app() -> click.Group:
+    from align import pipeline_cli
+
+    root = typer.Typer(name="align", cls=LazyGroup, help="Align causal language models: SFT -> reward model -> "
+                       "PPO-ptx -> DPO -> GRPO, on DeepSpeed ZeRO-3.", **TYPER)
+    root.add_typer(pipeline_cli.app, name="pipeline", help=registry.GROUPS["pipeline"])
+    return typer.main.get_command(root)
 
 
 def main() -> None:
@@ -115,16 +126,11 @@ def main() -> None:
             sys.argv.remove(a)
             if "=" in a:
                 os.environ.setdefault("LOCAL_RANK", a.split("=", 1)[1])
-    from align import commands  # noqa: F401  (registers the commands)
-
     try:
-        app()  # standalone: usage errors exit 2 with click's message
+        app()(prog_name="align")  # standalone: usage errors exit 2 with click's message
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             console.print("[bold red]error:[/]", escape(str(e)))
-        raise SystemExit(e.exit_code)
-    except NotImplementedStage as e:
-        console.print("[bold yellow]not implemented:[/]", escape(str(e)))
         raise SystemExit(e.exit_code)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from align.errors import UserError
+from align.paths import DATA_DIR
 
 PRECISIONS = ("auto", "bf16", "bf16-pure", "fp32")
 
@@ -25,6 +26,24 @@ def opt(default, help: str, **meta):
 
 def is_list(t) -> bool:
     return typing.get_origin(t) is list
+
+
+def defaults(**values):
+    """Class decorator, under @dataclass: new defaults for options a stage inherits (their help stays), e.g.
+    `@defaults(lr=2e-3, max_steps=1500)`. The option keeps its place in --help."""
+
+    def decorate(cls):
+        inherited = {f.name: f for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)
+                     for f in dataclasses.fields(base)}
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for name, value in values.items():
+            f = inherited[name]
+            setattr(cls, name, opt(value, **f.metadata))
+            annotations[name] = f.type
+        cls.__annotations__ = annotations
+        return cls
+
+    return decorate
 
 
 @dataclass
@@ -48,15 +67,30 @@ class StageConfig:
         # anything is written
         if self.precision not in PRECISIONS:
             raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}.")
+        if not 0 <= self.zero_stage <= 3:
+            raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
 
 
 @dataclass
-class TrainedStageConfig(StageConfig):
-    """Flags of every stage that trains a model (sft, rm, dpo, ppo, grpo)."""
+class TrainConfig(StageConfig):
+    """Flags of every stage that trains a model (sft, rm, dpo, ppo, grpo). A stage changes their defaults with
+    @defaults."""
 
     offload_optimizer: bool = opt(False, "ZeRO-Offload: fp32 master weights, gradients and Adam moments in CPU memory "
                                          "(−12 bytes per trained parameter on the GPU; the optimiser step runs on "
                                          "the CPU).")
+    columns: str = opt("", "Rename columns: old=new,old2=new2.")
+    max_steps: int = opt(1000, "Optimiser steps.")
+    micro_batch_size: int = opt(0, "Sequences (pairs) per forward per process (0: the whole batch of a process).")
+    lr: float = opt(1e-4, "Peak learning rate (AdamW).")
+    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear (both to 10%) or constant.")
+    warmup_steps: int = opt(20, "Linear warmup steps.")
+    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
+    grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
+    eval_every: int = opt(100, "Evaluate on the held-out data every N steps (and always at the end; 0: only then).")
+    save_every: int = opt(0, "Checkpoint every N steps (always one at the end; 0: end only).")
+    resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).")
+    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
 
     def __post_init__(self):
         super().__post_init__()
@@ -64,34 +98,59 @@ class TrainedStageConfig(StageConfig):
             raise UserError("--offload-optimizer needs --zero-stage 1, 2 or 3 and fp32 master weights (not "
                             "--precision bf16-pure).")
 
-
-@dataclass
-class TrainConfig(TrainedStageConfig):
-    """Options of every stage that trains on a fixed dataset with a schedule (sft, rm, dpo). Subclasses
-    override defaults (and help) where they differ."""
-
-    columns: str = opt("", "Rename columns: old=new,old2=new2.")
-    max_steps: int = opt(1000, "Optimiser steps.")
-    batch_size: int = opt(32, "Global batch size (all processes).")
-    micro_batch_size: int = opt(0, "Examples per forward per process (0: batch_size / processes).")
-    lr: float = opt(1e-4, "Peak learning rate (AdamW).")
-    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear or constant.")
-    warmup_steps: int = opt(20, "Linear warmup steps.")
-    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
-    grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
-    max_length: int = opt(256, "Max tokens per example; the prompt is cut from the left, never the response.")
-    eval_every: int = opt(100, "Evaluate every N steps; 0: only at the end.")
-    save_every: int = opt(0, "DeepSpeed checkpoint every N steps (always one at the end; 0: end only).")
-    resume: bool = opt(False, "Resume from the checkpoint in --out.")
-    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
-
     def validate(self):
         if self.schedule not in ("cosine", "linear", "constant"):
             raise UserError(f"--schedule must be cosine, linear or constant, not {self.schedule!r}.")
-        if not 0 <= self.zero_stage <= 3:
-            raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
-        if self.max_steps <= 0 or self.batch_size <= 0:
-            raise UserError("--max-steps and --batch-size must be positive.")
+        if self.max_steps <= 0 or not self.lr > 0:
+            raise UserError(f"--max-steps and --lr must be positive (got {self.max_steps} and {self.lr}).")
+        if min(self.warmup_steps, self.eval_every, self.save_every, self.micro_batch_size, self.weight_decay) < 0:
+            raise UserError("--warmup-steps, --eval-every, --save-every, --micro-batch-size and --weight-decay "
+                            "must be >= 0.")
+        if not self.grad_clip > 0:
+            raise UserError(f"--grad-clip must be positive, not {self.grad_clip}.")
+
+
+@dataclass
+class SupervisedConfig(TrainConfig):
+    """A stage that trains on a fixed dataset (sft, rm, dpo)."""
+
+    batch_size: int = opt(32, "Global batch size (examples or pairs per optimiser step, all processes).")
+    max_length: int = opt(256, "Max tokens of an example (prompt + the longer response of a pair); the prompt is "
+                               "cut from the left, a response never.")
+
+    def validate(self):
+        super().validate()
+        if self.batch_size <= 0:
+            raise UserError("--batch-size must be positive.")
+
+
+@dataclass
+class SamplingConfig:
+    """How responses are sampled (eval, rollouts)."""
+
+    max_new_tokens: int = opt(48, "Max new tokens per response.")
+    temperature: float = opt(1.0, "Sampling temperature (the RL stages score log-probs at the same temperature).")
+    top_k: int = opt(0, "Top-k sampling (0: off).")
+    top_p: float = opt(1.0, "Top-p sampling (1: off).")
+
+
+@dataclass
+class RLConfig(SamplingConfig, TrainConfig):
+    """An RL stage (ppo, grpo): rollouts of the policy on prompts, pass@k on held-out verifiable data."""
+
+    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Prompts {prompt[, answer, ...]}.", path=True)
+    eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data {prompt, answer} "
+                                                                    "('' : skip).", path=True)
+    eval_samples: int = opt(200, "Held-out problems to evaluate (0: skip).")
+    prompts_per_step: int = opt(16, "Prompts per step (all processes).")
+    gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus).")
+
+    def validate(self):
+        super().validate()
+        if self.prompts_per_step <= 0:
+            raise UserError("--prompts-per-step must be positive.")
+        if not self.temperature > 0:
+            raise UserError("--temperature must be > 0: rollouts are sampled.")
 
 
 def fields(cls) -> list[dataclasses.Field]:

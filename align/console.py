@@ -38,11 +38,14 @@ def fmt(v) -> str:
 
 
 class TrainProgress:
-    """`with TrainProgress("sft", total) as p: p.update(step, {"loss": ...})` — a bar with ETA and metrics."""
+    """`with TrainProgress("sft", total) as p: p.update(step, {"loss": ...})`: a bar with ETA and live metrics on a
+    terminal; elsewhere (a log file, CI, a pipe) a plain line every `total // 20` steps and at the last."""
 
     def __init__(self, title: str, total: int, start: int = 0, keys: tuple[str, ...] = ()):
-        self.total, self.start, self.keys = total, start, keys
+        self.title, self.total, self.start, self.keys = title, total, start, keys
         self.enabled = is_main()
+        self.live = self.enabled and console.is_terminal
+        self.every = max(1, total // 20)
         self.t0 = time.time()
         self.progress = Progress(
             TextColumn(f"[bold]{title}[/]"),
@@ -54,7 +57,7 @@ class TrainProgress:
             TextColumn("{task.fields[metrics]}"),
             console=console,
             transient=False,
-            disable=not self.enabled,
+            disable=not self.live,
         )
         self.task = None
 
@@ -66,7 +69,13 @@ class TrainProgress:
     def update(self, step: int, metrics: dict) -> None:
         shown = {k: metrics[k] for k in (self.keys or metrics) if k in metrics}
         text = "  ".join(f"{k} {fmt(v)}" for k, v in shown.items())
-        self.progress.update(self.task, completed=step, metrics=text)
+        if self.live:
+            self.progress.update(self.task, completed=step, metrics=text)
+        elif self.enabled and (step % self.every == 0 or step == self.total):
+            elapsed = time.time() - self.t0
+            eta = elapsed / max(step - self.start, 1) * (self.total - step)
+            console.print(f"{self.title} {step}/{self.total} {_clock(elapsed)} eta {_clock(eta)}  {text}",
+                          markup=False, soft_wrap=True)
 
     def print(self, msg: str) -> None:
         if self.enabled:
@@ -74,6 +83,11 @@ class TrainProgress:
 
     def __exit__(self, *exc):
         self.progress.__exit__(*exc)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 
 def summary_table(title: str, rows: dict) -> None:

@@ -168,10 +168,6 @@ def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
     return tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
-    return encode_prompts(tokenizer, [prompt])[0]
-
-
 def encode_completions(tokenizer, completions: list[str]) -> list[list[int]]:
     """Response tokens followed by EOS: the model must learn to stop."""
     if not completions:
@@ -240,21 +236,15 @@ def collate_sft(examples: list[dict], pad_id: int):
     return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
 
 
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def model_inputs(batch: dict) -> dict:
     """Forward kwargs for a collated training batch. No KV cache: it costs memory, and with a cache
     transformers ignores restarting position_ids (packing) and lets packed examples see each other."""
     keep = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     return {**keep, "use_cache": False}
-
-
-def right_padded_inputs(batch: dict) -> dict:
-    """Forward kwargs for a RIGHT-padded batch, without its attention mask: under causal attention a token never
-    sees the padding after it, so every real position's output is the same with or without the mask, and
-    without one attention runs the fused causal kernel (flash) instead of a masked one. Padding positions'
-    outputs differ; callers ignore them (labels -100)."""
-    inputs = model_inputs(batch)
-    inputs.pop("attention_mask", None)
-    return inputs
 
 
 # ---- preference pairs (rm, dpo)

@@ -8,9 +8,3 @@ class UserError(Exception):
     """
 
     exit_code = 2
-
-
-class NotImplementedStage(Exception):
-    """A command a later release implements: the CLI says so and exits 3."""
-
-    exit_code = 3

@@ -5,24 +5,8 @@ from __future__ import annotations
 from align import runtime
 from align.data import encode_prompts
 from align.generation import Sampling, generate
-
-VERIFIERS = ("math", "sort", "exact")
-
-
-def verify(completion: str, answer: str, verifier: str) -> bool:
-    from align import rewards
-
-    if verifier == "math":
-        return rewards.math_reward(completion, answer) == 1.0
-    if verifier == "sort":
-        return rewards.sort_reward(completion, answer) == 1.0
-    return completion.strip() == str(answer).strip()
-
-
-def guess_verifier(rows: list[dict]) -> str:
-    from align import rewards
-
-    return "math" if rewards.parse_number(str(rows[0]["answer"])) is not None else "exact"
+from align.passk import mean_pass_at_k
+from align.rewards import guess_verifier, verify
 
 
 def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=(1,), samples: int = 0,
@@ -33,8 +17,6 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
     Returns (metrics, per-problem records). Call on every rank; generation is sharded over the ranks.
     `use_evaluate` computes pass@k through the shipped `evaluate` metric module (align/metrics/pass_at_k).
     """
-    from align.passk import mean_pass_at_k
-
     sampling = sampling or Sampling()
     verifier = guess_verifier(rows) if verifier == "auto" else verifier
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows])

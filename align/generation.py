@@ -123,17 +123,19 @@ def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, dev
     return out
 
 
+def generate_on_rank(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,
+                     batch_size: int = 64, gather: bool = True) -> list[Completion]:
+    """Generate for THIS rank's `prompts` with a DeepSpeed engine: under ZeRO-3 its weights are gathered once for
+    the whole phase (`gather=False`: they stay sharded and every rank joins every forward, so every rank must
+    pass as many prompts)."""
+    synced = runtime.is_zero3(eng) and not gather and dist.world_size > 1
+    with runtime.gathered_for_generation(eng, gather) as module:
+        return generate_local(module, tokenizer, prompts, s, batch_size, dist.device, synced_gpus=synced)
+
+
 def generate(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,
              batch_size: int = 64, gather: bool = True) -> list[Completion]:
-    """Generate for ALL `prompts` across the ranks (each rank takes a shard) and return them in order on
+    """Generate for ALL `prompts` across the ranks (each rank takes an equal shard) and return them in order on
     every rank. Call on every rank."""
-    world, rank = dist.world_size, dist.rank
-    n = len(prompts)
-    per_rank = -(-n // world)
-    padded = prompts + [prompts[-1]] * (per_rank * world - n)  # equal shards: needed for synced_gpus
-    mine = padded[rank * per_rank : (rank + 1) * per_rank]
-    synced = runtime.is_zero3(eng) and not gather and world > 1
-    with runtime.gathered_for_generation(eng, gather) as module:
-        local = generate_local(module, tokenizer, mine, s, batch_size, dist.device, synced_gpus=synced)
-    gathered = runtime.all_gather_objects(local)
-    return [c for shard in gathered for c in shard][:n]
+    local = generate_on_rank(eng, tokenizer, runtime.shard(prompts, dist, pad=True), s, dist, batch_size, gather)
+    return [c for part in runtime.all_gather_objects(local) for c in part][: len(prompts)]

@@ -19,14 +19,14 @@ PRESETS = {
     # ~0.5M parameters: 2 layers x d128 with RoPE learns the arithmetic task in minutes on 2 CPU cores.
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                  intermediate_size=384, max_position_embeddings=512),
-    # ~71M parameters: for a GPU.
+    # ~63M parameters: for a GPU.
     "small": dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
                   intermediate_size=2048, max_position_embeddings=1024),
 }
 
 
 @dataclass
-class ModelRef:
+class ModelSource:
     """Where a model comes from: a preset (built fresh) or a directory (artifact or plain)."""
 
     spec: str
@@ -51,12 +51,12 @@ class ModelRef:
         return "policy"
 
 
-def resolve(spec: str, expect: str | None = "policy") -> ModelRef:
-    """Turn a --model value into a ModelRef, or a UserError that says what is wrong with it."""
+def resolve(spec: str, expect: str | None = "policy") -> ModelSource:
+    """Turn a --model value into a ModelSource, or a UserError that says what is wrong with it."""
     from align.artifacts import ARTIFACT_FILE, MODEL_DIR, verify_artifact
 
     if spec in PRESETS and not Path(spec).exists():
-        return ModelRef(spec, None, preset=spec)
+        return ModelSource(spec, None, preset=spec)
     path = Path(spec)
     if not path.exists():
         raise UserError(
@@ -68,30 +68,30 @@ def resolve(spec: str, expect: str | None = "policy") -> ModelRef:
         model_dir = path / MODEL_DIR
         if not (model_dir / "config.json").is_file():
             raise UserError(f"{path}: this {art.get('stage')} artifact holds no model (no {MODEL_DIR}/config.json).")
-        ref = ModelRef(spec, model_dir, artifact=art)
+        source = ModelSource(spec, model_dir, artifact=art)
     elif (path / "config.json").is_file():
-        ref = ModelRef(spec, path)
+        source = ModelSource(spec, path)
     else:
         raise UserError(f"{path}: neither an align artifact (artifact.json) nor a model directory (config.json).")
-    if expect and ref.kind != expect:
+    if expect and source.kind != expect:
         want = "a policy (causal LM, e.g. an sft artifact)" if expect == "policy" else "a reward model (rm artifact)"
-        raise UserError(f"{spec}: this is a {ref.kind} model, but {want} is expected here.")
-    if ref.model_dir is not None and not any(ref.model_dir.glob("*.safetensors")):
-        raise UserError(f"{ref.model_dir}: no .safetensors weights (align loads safetensors only, never pickles).")
-    return ref
+        raise UserError(f"{spec}: this is a {source.kind} model, but {want} is expected here.")
+    if source.model_dir is not None and not any(source.model_dir.glob("*.safetensors")):
+        raise UserError(f"{source.model_dir}: no .safetensors weights (align loads safetensors only, never pickles).")
+    return source
 
 
-def load_tokenizer(ref: ModelRef, trust_remote_code: bool = False):
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(ref.tokenizer_dir, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(source.tokenizer_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UserError(f"{ref.tokenizer_dir}: cannot load a tokenizer ({str(e).splitlines()[0]}).") from None
+        raise UserError(f"{source.tokenizer_dir}: cannot load a tokenizer ({str(e).splitlines()[0]}).") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.eos_token is None:
-        raise UserError(f"{ref.tokenizer_dir}: tokenizer has no EOS token; set eos_token in tokenizer_config.json.")
+        raise UserError(f"{source.tokenizer_dir}: tokenizer has no EOS token; set eos_token in tokenizer_config.json.")
     return tok
 
 
@@ -111,23 +111,24 @@ def preset_config(name: str, tokenizer):
     )
 
 
-def load_causal_lm(ref: ModelRef, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
-    """Build or load the policy. Call inside a live `runtime.ZeroLoader` to load straight into ZeRO-3 shards."""
+def load_causal_lm(source: ModelSource, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
+    """Build or load the policy (under a live ZeRO-3 link, see engine.build.load_partitioned, straight into
+    shards)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    if ref.preset:
+    if source.preset:
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(preset_config(ref.preset, tokenizer), dtype=dtype)
+        return AutoModelForCausalLM.from_config(preset_config(source.preset, tokenizer), dtype=dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            ref.model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+            source.model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
         )
     except ValueError as e:
-        raise UserError(f"{ref.model_dir}: cannot load as a causal LM ({str(e).splitlines()[0]}).") from None
+        raise UserError(f"{source.model_dir}: cannot load as a causal LM ({str(e).splitlines()[0]}).") from None
     if len(tokenizer) > model.config.vocab_size:
         raise UserError(
-            f"{ref.model_dir}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+            f"{source.model_dir}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
             f"{model.config.vocab_size}; token ids past it would index outside the embedding. Use the tokenizer "
             "the model was trained with (tokenizer_class in tokenizer_config.json)."
         )

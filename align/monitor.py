@@ -417,6 +417,18 @@ class RLMonitor:
         self.events.extend(new)
         return new
 
+    def state_dict(self) -> dict:
+        """Everything the rules remember (histories, windows, events, which rules are firing), JSON-ready."""
+        return {"history": self.history, "events": [asdict(e) for e in self.events],
+                "paired": {k: [list(r) for r in rows] for k, rows in self._paired.items()},
+                "firing": sorted(self._firing)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = {k: list(v) for k, v in state["history"].items()}
+        self.events = [Event(**e) for e in state["events"]]
+        self._paired = {k: [tuple(r) for r in rows] for k, rows in state["paired"].items()}
+        self._firing = set(state["firing"])
+
     def should_stop(self, events: list | None = None) -> bool:
         """True if any of `events` (default: all events so far) has severity stop."""
         return any(e.severity == "stop" for e in (self.events if events is None else events))

@@ -40,31 +40,7 @@ from align import config as C
 from align.artifacts import ARTIFACT_FILE, artifact_digest, hash_tree, read_artifact, sha256_file, verify_artifact
 from align.console import console
 from align.errors import UserError
-from stages.dpo import DPOConfig
-from stages.grpo import GRPOConfig
-from stages.eval import EvalConfig
-from stages.model_init import ModelInitConfig
-from stages.ppo import PPOConfig
-from stages.rm import RMConfig
-from stages.sft import SFTConfig
-
-
-@dataclass(frozen=True)
-class Kind:
-    words: tuple[str, ...]  # the CLI words: `align <words...> --config FILE`
-    config: type  # the stage's config dataclass
-
-
-# One line per stage kind; later stages (rm, ppo, dpo, grpo) add theirs here.
-KINDS: dict[str, Kind] = {
-    "model-init": Kind(("model", "init"), ModelInitConfig),
-    "sft": Kind(("sft",), SFTConfig),
-    "eval": Kind(("eval",), EvalConfig),
-    "rm": Kind(("rm", "train"), RMConfig),
-    "ppo": Kind(("ppo",), PPOConfig),
-    "dpo": Kind(("dpo",), DPOConfig),
-    "grpo": Kind(("grpo",), GRPOConfig),
-}
+from align.registry import KINDS
 
 PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int}
 TOP_LEVEL = ("pipeline", "stages")
@@ -83,8 +59,12 @@ class Stage:
     refs: dict[str, str] = field(default_factory=dict)  # field name -> referenced stage name
 
     @property
-    def spec(self) -> Kind:
+    def command(self):
         return KINDS[self.kind]
+
+    @property
+    def config(self) -> type:
+        return self.command.config_class()
 
 
 @dataclass
@@ -288,7 +268,7 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
                 f"unknown stage kind {kind!r}{_close(kind, KINDS)} (kinds: {', '.join(KINDS)})")
         kind = None
 
-    cls = KINDS[kind].config if kind else None
+    cls = KINDS[kind].config_class() if kind else None
     types = C.field_types(cls) if cls else {}
     paths = _path_fields(cls) if cls else set()
     values: dict = {}
@@ -394,7 +374,7 @@ def stage_out(root: Path, pipeline_out: Path, stage: Stage) -> Path:
 def _base_values(stage: Stage, nproc: int | None) -> dict:
     """The stage's values with the pipeline defaults applied (refs left as written)."""
     values = {}
-    if nproc is not None and "nproc" in C.field_types(stage.spec.config):
+    if nproc is not None and "nproc" in C.field_types(stage.config):
         values["nproc"] = nproc
     values.update(stage.values)
     return values
@@ -402,7 +382,7 @@ def _base_values(stage: Stage, nproc: int | None) -> dict:
 
 def resolve(p: Pipeline, stage: Stage) -> dict:
     """The full config the stage runs with: every field, refs -> absolute out dirs, paths -> absolute."""
-    cls = stage.spec.config
+    cls = stage.config
     cfg = C.as_dict(cls())
     cfg.update(_base_values(stage, p.nproc))
     for key in _path_fields(cls):
@@ -435,7 +415,7 @@ def _input_digest(p: Pipeline, stage: Stage, key: str, value: str):
 def fingerprint(p: Pipeline, stage: Stage, cfg: dict | None = None) -> str:
     """sha256 of json(kind, resolved config, digest of every input: upstream artifact.json / data file / tree)."""
     cfg = cfg if cfg is not None else resolve(p, stage)
-    inputs = {k: _input_digest(p, stage, k, cfg[k]) for k in sorted(_path_fields(stage.spec.config)) if k != "out"}
+    inputs = {k: _input_digest(p, stage, k, cfg[k]) for k in sorted(_path_fields(stage.config)) if k != "out"}
     blob = json.dumps({"kind": stage.kind, "config": cfg, "inputs": inputs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -558,7 +538,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def command(stage: Stage, stage_toml: Path) -> list[str]:
-    return [sys.executable, "-m", "align", *stage.spec.words, "--config", str(stage_toml)]
+    return [sys.executable, "-m", "align", *stage.command.words, "--config", str(stage_toml)]
 
 
 @dataclass
@@ -631,7 +611,7 @@ def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, 
         stage_toml = out / STAGE_TOML
         write_stage_toml(stage_toml, cfg, f"written by `align pipeline run {path}` for stage {stage.name!r}")
         cmd = command(stage, stage_toml)
-        echo(f"[bold]> {escape(stage.name)}[/] ({stage.kind}, {reason}): align {' '.join(stage.spec.words)} "
+        echo(f"[bold]> {escape(stage.name)}[/] ({stage.kind}, {reason}): align {' '.join(stage.command.words)} "
              f"--config {escape(str(stage_toml))}")
         t0 = time.time()
         rc = subprocess.call(cmd)

@@ -1,4 +1,4 @@
-"""`align pipeline run|validate|show FILE.toml` (the logic is in align.pipeline)."""
+"""`align pipeline run|validate|show FILE.toml` (the logic is in align.pipeline; align.cli mounts `app`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from align import pipeline as P
-from align.cli import pipeline_app
 from align.console import console, fmt
+
+app = typer.Typer(help="Run a chain of stages from a TOML file.", no_args_is_help=True, rich_markup_mode="rich")
 
 FILE = typer.Argument("pipelines.toml", help="Pipeline TOML file ([pipeline] + [stages.NAME] tables).")
 
@@ -39,7 +40,7 @@ STATUS_STYLE = {"ran": "green", "skipped (up to date)": "dim", "would run": "yel
                 "complete": "green", "stale": "yellow", "incomplete": "red", "missing": "dim"}
 
 
-@pipeline_app.command("validate")
+@app.command("validate")
 def validate(file: str = FILE):
     """Check a pipeline file: every problem is reported (key path and line), none is run."""
     p = P.load(file)
@@ -48,7 +49,7 @@ def validate(file: str = FILE):
     console.print(f"[green]ok[/] {escape(file)}: {n} stage{'s' if n > 1 else ''}: {escape(chain)}")
 
 
-@pipeline_app.command("show")
+@app.command("show")
 def show(file: str = FILE):
     """The plan: each stage's kind, inputs, out dir and status (complete / stale / incomplete / missing)."""
     p = P.load(file)
@@ -66,7 +67,7 @@ def show(file: str = FILE):
     console.print(table)
 
 
-@pipeline_app.command("run")
+@app.command("run")
 def run(
     file: str = FILE,
     from_: Optional[str] = typer.Option(None, "--from", help="Rerun this stage and every stage after it."),

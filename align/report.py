@@ -133,27 +133,3 @@ def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None
     for ax in axes[len(curves) :]:
         ax.set_axis_off()
     return _save_atomic(fig, out_png)
-
-
-def plot_xy(metrics_path: Path | list, out_png: Path, x: str, ys: list, title: str) -> Path | None:
-    """Plot metrics `ys` against metric `x` on one axis (e.g. gold and proxy reward vs KL).
-
-    `metrics_path` is a metrics.jsonl path or a list of row dicts. Points are joined in row
-    (step) order, so the curve shows the run's trajectory. Returns None if nothing to plot.
-    """
-    rows = metrics_path if isinstance(metrics_path, list) else read_metrics(metrics_path)
-    curves = [(y, *series(rows, x, y)) for y in ([ys] if isinstance(ys, str) else ys)]
-    curves = [c for c in curves if c[1]]
-    if not curves:
-        return None
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(5.5, 4), layout="constrained")
-    ax = fig.subplots()
-    for i, (y, cx, cy) in enumerate(curves):
-        _draw(ax, cx, cy, color=f"C{i}", label=y)
-    ax.set_xlabel(x)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save_atomic(fig, out_png)

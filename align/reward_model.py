@@ -28,17 +28,15 @@ def normalized_reward(raw, config) -> torch.Tensor | float:
     return (raw - float(offset)) / float(scale)
 
 
-def require_trained(ref, spec: str, flag: str = "--reward-model"):
-    """`ref` (a resolved --reward-model) unless it is a preset: an untrained model is no reward model."""
-    from align.errors import UserError
-
-    if ref.preset:
+def require_trained(source, spec: str, flag: str = "--reward-model"):
+    """`source` (a resolved --reward-model) unless it is a preset: an untrained model is no reward model."""
+    if source.preset:
         raise UserError(f"{flag} {spec}: a preset is an untrained model, not a reward model; pass an "
                         "`align rm train` artifact.")
-    return ref
+    return source
 
 
-def load_sequence_classifier(ref, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
+def load_sequence_classifier(source, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
     """A scalar-head model: from a reward model (its head), or from a causal LM / preset (body weights, new head).
     pad_token_id is set in the config so the reward is read at the last non-padding token."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -46,17 +44,17 @@ def load_sequence_classifier(ref, tokenizer, dtype, seed: int = 0, trust_remote_
     from align.models import preset_config
 
     torch.manual_seed(seed)  # the new score head
-    if ref.preset:
-        cfg = preset_config(ref.preset, tokenizer)
+    if source.preset:
+        cfg = preset_config(source.preset, tokenizer)
         cfg.num_labels = 1
         return AutoModelForSequenceClassification.from_config(cfg, dtype=dtype)
     try:
-        cfg = AutoConfig.from_pretrained(ref.model_dir, num_labels=1, trust_remote_code=trust_remote_code)
+        cfg = AutoConfig.from_pretrained(source.model_dir, num_labels=1, trust_remote_code=trust_remote_code)
         cfg.pad_token_id = tokenizer.pad_token_id
         model = AutoModelForSequenceClassification.from_pretrained(
-            ref.model_dir, config=cfg, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
+            source.model_dir, config=cfg, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
     except ValueError as e:
-        raise UserError(f"{ref.model_dir}: cannot load as a sequence classifier ({str(e).splitlines()[0]}).") from None
+        raise UserError(f"{source.model_dir}: cannot load as a sequence classifier ({str(e).splitlines()[0]}).") from None
     return model
 
 
@@ -64,23 +62,6 @@ def raw_rewards(model, batch: dict) -> torch.Tensor:
     """Raw scalar reward per row of a right-padded batch (input_ids, attention_mask): [B] in fp32."""
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     return out.logits[:, 0].float()
-
-
-def load_reward_model(spec: str, dist=None, *, zero_stage: int = 3, deepspeed: str = "", trust_remote_code: bool = False):
-    """(inference engine, tokenizer, ModelRef) of a reward model (`resolve(spec, expect="reward")`: a policy is
-    refused). Call on every rank."""
-    from align import runtime
-    from align.models import load_tokenizer, resolve
-
-    ref = resolve(spec, expect="reward")
-    dist = dist or runtime.init()
-    tok = load_tokenizer(ref, trust_remote_code)
-    dtype = runtime.compute_dtype(dist)
-    ds = runtime.ds_config(zero_stage=zero_stage, micro_batch=1, grad_accum=1, world_size=dist.world_size,
-                           dtype=dtype, user_config=deepspeed)
-    loader = runtime.ZeroLoader(ds)  # noqa: F841
-    eng = runtime.engine(load_sequence_classifier(ref, tok, dtype, trust_remote_code=trust_remote_code), ds)
-    return eng, tok, ref
 
 
 def encode_scored(tokenizer, prompts: list, responses: list[str], max_length: int = 0) -> list[list[int]]:

@@ -9,30 +9,44 @@ from __future__ import annotations
 
 import torch
 
-ADVANTAGE_MODES = ("zscore", "mean", "batch")
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-sum")
 
 
-def group_advantages(rewards: torch.Tensor, mode: str = "zscore", eps: float = 1e-4,
-                     batch_std: torch.Tensor | None = None) -> torch.Tensor:
-    """Group-relative advantages for rewards of shape [P prompts, G samples].
+# ---- group-relative advantages: rewards [P prompts, G samples] -> advantages [P, G]. Each is registered in
+# ADVANTAGES under its --advantage name; `reduce` (an all-reduce sum) makes a statistic the global batch's.
 
-    zscore (GRPO, Shao et al. 2024):  A_ij = (r_ij − mean_j r_ij) / (std_j r_ij + eps)
-    mean   (Dr. GRPO, Liu et al. 2025; nanochat): A_ij = r_ij − mean_j r_ij
-    batch  (std over the whole batch, REINFORCE++-style): A_ij = (r_ij − mean_j r_ij) / (std(r) + eps);
-           `batch_std` passes the std of the GLOBAL batch when the batch is spread over ranks.
-    std is the unbiased sample std (as in TRL). A group whose rewards are all equal gets A = 0 exactly.
-    """
-    if mode not in ADVANTAGE_MODES:
-        raise ValueError(f"advantage mode {mode!r} not in {ADVANTAGE_MODES}")
+
+def zscore_advantages(rewards: torch.Tensor, reduce=None, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath): A_ij = (r_ij − mean_j r_ij) / (std_j r_ij + eps), std the unbiased
+    sample std of the group (as in TRL). A group whose rewards are all equal gets A = 0."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if mode == "mean":
-        return centred
-    if mode == "zscore":
-        std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(rewards[:, :1])
-        return centred / (std + eps)
-    std = batch_std if batch_std is not None else rewards.flatten().std()
+    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(rewards[:, :1])
     return centred / (std + eps)
+
+
+def mean_advantages(rewards: torch.Tensor, reduce=None) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025; nanochat): A_ij = r_ij − mean_j r_ij, no division by the group's std."""
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+def batch_advantages(rewards: torch.Tensor, reduce=None, eps: float = 1e-4) -> torch.Tensor:
+    """The group-centred reward over the std of the WHOLE batch (REINFORCE++-style, Hu 2025):
+    A_ij = (r_ij − mean_j r_ij) / (std(r) + eps), std unbiased over every sample of every rank."""
+    sums = masked_sums(rewards, torch.ones_like(rewards))
+    std = moments(reduce(sums) if reduce else sums)[1].sqrt().to(rewards.dtype)
+    return mean_advantages(rewards) / (std + eps)
+
+
+def rloo_advantages(rewards: torch.Tensor, reduce=None) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian
+    et al. 2024, RLOO): each sample's baseline is the mean reward of the OTHER G − 1 samples of its group,
+    A_ij = r_ij − (1/(G−1)) Σ_{k≠j} r_ik  (= G/(G−1) · (r_ij − mean_j r_ij)): an unbiased baseline."""
+    G = rewards.shape[1]
+    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)
+
+
+ADVANTAGES = {"zscore": zscore_advantages, "mean": mean_advantages, "batch": batch_advantages,
+              "rloo": rloo_advantages}
 
 
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -87,11 +101,6 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, n_
     if mode == "seq-sum":
         return summed.sum() / (max(n_seqs, 1.0) * max_len)
     raise ValueError(f"loss aggregation {mode!r} not in {LOSS_AGGREGATIONS}")
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:

@@ -1,17 +1,63 @@
-"""Rollouts as tensors: prompt+response sequences, the response mask, and per-token log-probs.
+"""Rollouts: G sampled responses for each of P prompts (PPO: G = 1), kept as a [P, G] structure, and the
+right-padded token tensors the losses see.
 
-Shared by the RL stages. Sequences are right-padded; `response_mask[i, t] = 1` when target token t+1 of row i
-is a response token (the EOS included, prompt / padding / anything after EOS excluded).
+In `Rollout.batch()`, `response_mask[i, t] = 1` when target token t+1 of row i is a response token (the EOS
+included; prompt, padding and anything after EOS excluded). Rows are prompt-major: sample g of prompt p is row
+p·G + g, which is what `grouped()` undoes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from dataclasses import dataclass, field
+
 import torch
 
+from align import runtime
 from align.data import pad
-from align.generation import Completion
-from align.losses import token_logprobs
-from align.rl import entropy_from_logits
+from align.generation import Completion, Sampling, generate_on_rank
+
+
+@dataclass
+class Rollout:
+    rows: list[dict]  # the P prompts' data rows
+    completions: list[Completion]  # P·G, prompt-major
+    group_size: int  # G
+    rewards: torch.Tensor | None = None  # [P, G]
+    valid: torch.Tensor | None = None  # [P, G]: 1 where every reward function returned a number
+    parts: dict[str, list[float]] = field(default_factory=dict)  # per reward function: the values it returned
+
+    @property
+    def sample_rows(self) -> list[dict]:
+        """The data row of every sample, [P·G]."""
+        return [row for row in self.rows for _ in range(self.group_size)]
+
+    @property
+    def prompts(self) -> list:
+        return [row["prompt"] for row in self.sample_rows]
+
+    @property
+    def finished(self) -> torch.Tensor:
+        """[P, G]: 1 where the sample ended with EOS within the budget."""
+        return self.grouped(torch.tensor([float(c.finished) for c in self.completions]))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.grouped(torch.tensor([float(len(c.ids)) for c in self.completions]))
+
+    def grouped(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(-1, self.group_size)
+
+    def batch(self, pad_id: int, device) -> dict:
+        return rollout_batch(self.completions, pad_id, device)
+
+
+def sample(policy, tokenizer, rows: list[dict], prompt_ids: list[list[int]], group_size: int, s: Sampling,
+           dist: runtime.Dist, gather: bool = True) -> Rollout:
+    """G samples of each prompt from the policy engine (one generation phase, ZeRO-3 weights gathered once)."""
+    prompts = [p for p in prompt_ids for _ in range(group_size)]
+    return Rollout(rows, generate_on_rank(policy, tokenizer, prompts, s, dist, len(prompts), gather), group_size)
 
 
 def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
@@ -25,27 +71,13 @@ def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
     return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
 
 
-def select(batch: dict, idx: slice) -> dict:
+def select(batch: dict, idx) -> dict:
     return {k: v[idx] for k, v in batch.items()}
 
 
-def forward_logprobs(model, batch: dict, with_entropy: bool = False, temperature: float = 1.0,
-                     entropy_grad: bool = False):
-    """log π(token_{t+1} | ≤ t) for every position, [N, L-1], from logits / temperature (as sampled); optionally
-    the per-position entropy (detached, or differentiable with `entropy_grad` for an entropy bonus)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    logits = logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = token_logprobs(logits, batch["input_ids"][:, 1:])
-    if not with_entropy:
-        return logp, None
-    return logp, entropy_from_logits(logits if entropy_grad else logits.detach())
-
-
-@torch.no_grad()
-def batched_logprobs(model, batch: dict, micro: int, temperature: float = 1.0) -> torch.Tensor:
-    """No-grad log-probs over a whole rollout batch, `micro` rows at a time (π_old or π_ref)."""
-    n = batch["input_ids"].shape[0]
-    return torch.cat([forward_logprobs(model, select(batch, slice(i, i + micro)), temperature=temperature)[0]
-                      for i in range(0, n, micro)])
+@contextlib.contextmanager
+def timed(times: dict, key: str):
+    """times[key] = the seconds the block took (a phase of an RL step: time/generate, time/update, ...)."""
+    t = time.time()
+    yield
+    times[key] = time.time() - t

@@ -1,13 +1,13 @@
-"""DeepSpeed runtime: process group, ZeRO configs, engines, saving, and gathering for generation.
+"""Distributed runtime: the process group, collectives, sharding over ranks, saving a model, and gathering
+ZeRO-3 weights for generation (engines are built in align.engine.build).
 
-Every training stage goes through here. One process or many (torchrun / deepspeed launcher / --nproc),
-CUDA with NCCL and bf16 when a GPU is present, CPU with gloo and fp32 otherwise.
+One process or many (torchrun / deepspeed launcher / --nproc), CUDA with NCCL when a GPU is present, CPU with
+gloo otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 from dataclasses import dataclass
@@ -16,8 +16,6 @@ from pathlib import Path
 
 import torch
 
-from align.config import PRECISIONS
-from align.errors import UserError
 
 
 @dataclass
@@ -53,14 +51,9 @@ def launch_env(nproc: int) -> dict[str, str]:
     return env
 
 
-def offload_threads_hint(local_world: int, threads: int, cores: int) -> str | None:
-    """A warning when CPU Adam would run on fewer threads than this process's share of the cores (torchrun's
-    default OMP_NUM_THREADS=1 under a launcher that is not `align --nproc`), else None."""
-    share = max(1, cores // max(1, local_world))
-    if threads >= share:
-        return None
-    return (f"--offload-optimizer: the CPU Adam step runs on {threads} thread(s) per process, {share} cores "
-            f"are this process's share; set OMP_NUM_THREADS={share} (torchrun sets 1) or launch with align --nproc.")
+def world_size() -> int:
+    """The number of processes of this run, known before the process group starts (from the launcher's env)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def init(timeout_s: int | None = None) -> Dist:
@@ -112,145 +105,6 @@ def quiet_libraries() -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-
-
-def compute_dtype(dist: Dist, precision: str = "auto") -> torch.dtype:
-    """bf16 on CUDA and fp32 on CPU ("auto"), or what --precision asks for (bf16 mixed precision keeps fp32
-    master weights in the optimizer; bf16-pure keeps them in bf16, see ds_config)."""
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}.")
-    if precision == "auto":
-        return torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    return torch.bfloat16 if precision.startswith("bf16") else torch.float32
-
-
-def ds_config(
-    *,
-    zero_stage: int,
-    micro_batch: int,
-    grad_accum: int,
-    world_size: int,
-    dtype: torch.dtype,
-    grad_clip: float = 1.0,
-    user_config: str | None = None,
-    precision: str = "auto",
-    offload_optimizer: bool = False,
-) -> dict:
-    """The DeepSpeed config for one engine. A user's --deepspeed JSON wins key by key.
-
-    --precision bf16-pure: ZeRO's master weights, gradients and Adam moments in bf16 (DeepSpeed's
-    bf16_master_weights_and_grads + bf16_optimizer_states): 2 + 2 + 2 + 4 = 10 bytes per trained parameter
-    instead of 2 + 4 (fp32 grads) + 4 (fp32 master) + 8 (fp32 moments), with the coarser updates of bf16
-    (small updates can round away). With ZeRO stage 0 there is no ZeRO optimizer to hold a master copy:
-    DeepSpeed's mixed precision is off and AdamW updates the bf16 module itself (2 + 2 + 4 = 8 bytes, a plain
-    bf16 PyTorch loop such as TRL's).
-    offload_optimizer: ZeRO-Offload — master weights, gradients and moments live in (pinned) CPU memory and
-    torch's AdamW steps there; the GPU keeps only the compute-dtype parameters and a small gradient bucket."""
-    cfg = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": grad_accum,
-        "train_batch_size": micro_batch * grad_accum * world_size,
-        "gradient_clipping": grad_clip,
-        "zero_optimization": {
-            "stage": zero_stage,
-            "overlap_comm": False,
-            "contiguous_gradients": True,
-            "stage3_gather_16bit_weights_on_model_save": True,
-            # ZeRO-3's memory-efficient linear re-implements F.linear in Python autograd: 2x slower steps
-            # on small models for a saving that only matters for huge activations.
-            "memory_efficient_linear": False,
-            # DeepSpeed's default: tensors under 100k elements stay whole on every rank (gathering them each
-            # forward costs more than they weigh). Set 0 in --deepspeed to shard everything.
-            "stage3_param_persistence_threshold": 100_000,
-            # DeepSpeed's 5e8-element gradient bucket would be 1-2 GB on the GPU; 5e7 is as fast at our sizes.
-            "reduce_bucket_size": 50_000_000,
-            "allgather_bucket_size": 50_000_000,
-        },
-        "bf16": {"enabled": dtype == torch.bfloat16},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if precision == "bf16-pure" and dtype == torch.bfloat16:
-        if zero_stage == 0:  # no ZeRO optimizer: AdamW steps the bf16 module itself (bf16 grads and moments)
-            cfg["bf16"] = {"enabled": False}
-        else:
-            cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
-    if offload_optimizer:
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-        cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW where DeepSpeedCPUAdam cannot be built (CPU-only)
-    if user_config:
-        path = Path(user_config)
-        try:
-            user = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{path}: DeepSpeed config not found (--deepspeed).") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
-        cfg = _deep_merge(cfg, user)
-    return cfg
-
-
-def _deep_merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-class ZeroLoader:
-    """Keeps the transformers<->DeepSpeed link alive so `from_pretrained` loads straight into ZeRO-3 shards."""
-
-    def __init__(self, cfg: dict):
-        self.hf = None
-        if cfg["zero_optimization"]["stage"] == 3:
-            from transformers.integrations.deepspeed import HfDeepSpeedConfig
-
-            self.hf = HfDeepSpeedConfig(cfg)
-
-
-def engine(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
-    """Wrap `model` in a DeepSpeed engine; without an optimizer it is an inference-only (frozen) engine."""
-    import deepspeed
-
-    if optimizer is None:
-        model.requires_grad_(False)
-        cfg = frozen_config(cfg)
-    elif "offload_optimizer" in cfg["zero_optimization"]:
-        hint = offload_threads_hint(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads(),
-                                    len(os.sched_getaffinity(0)))
-        if hint:
-            from align.console import warn
-
-            warn(hint)
-    if cfg["zero_optimization"]["stage"] == 3:
-        set_block_leaves(model)
-    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
-    if optimizer is None:
-        eng.eval()
-    return eng
-
-
-def frozen_config(cfg: dict) -> dict:
-    """The config of an inference-only engine built beside a trained one: ZeRO stages 1 and 2 partition only
-    gradients and optimiser states, which a frozen model has none of (stage 0: a plain replica); no optimiser
-    offload and no master-weight settings."""
-    zero = {k: v for k, v in cfg["zero_optimization"].items() if k != "offload_optimizer"}
-    if zero["stage"] in (1, 2):
-        zero["stage"] = 0
-    return {**cfg, "zero_optimization": zero, "bf16": {"enabled": cfg["bf16"]["enabled"]}}
-
-
-def set_block_leaves(model: torch.nn.Module) -> None:
-    """ZeRO-3 fetches and releases each transformer block's parameters as one unit (the block classes the model
-    names in `_no_split_modules`): one pair of hooks per block instead of one per Linear / norm inside it,
-    ~10× fewer Python hook calls per forward and backward, the step's main CPU cost on one GPU."""
-    from deepspeed.utils import set_z3_leaf_modules
-
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
-    if classes:
-        set_z3_leaf_modules(model, classes)
 
 
 def is_zero3(eng) -> bool:
@@ -332,3 +186,23 @@ def peak_memory_gib(dist: Dist) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB (process RSS)
+
+
+def shard(items: list, dist: Dist, pad: bool = False) -> list:
+    """This rank's contiguous share of `items`. pad=False: len(items) must divide by the world size (a global
+    batch). pad=True: equal shards, the last item repeated to fill them — under ZeRO-3 every rank must make the
+    same number of forwards (each gathers parameters collectively); `gather(..., n)` drops the repeats."""
+    world = dist.world_size
+    if not pad:
+        if len(items) % world:
+            raise ValueError(f"{len(items)} items do not split over {world} ranks")
+        per = len(items) // world
+        return items[dist.rank * per : (dist.rank + 1) * per]
+    per = -(-len(items) // world)
+    padded = items + items[-1:] * (per * world - len(items))
+    return padded[dist.rank * per : (dist.rank + 1) * per]
+
+
+def gather(local: torch.Tensor, n: int) -> torch.Tensor:
+    """Every rank's `shard(..., pad=True)` results, concatenated in rank order on every rank, first n rows."""
+    return torch.cat(all_gather_objects(local.cpu()))[:n]

@@ -3,7 +3,6 @@
 Everything is deterministic given a seed (one `random.Random(seed)` per dataset).
 
     rows = make_dataset("arithmetic", 1000, seed=0, levels=(1, 2))
-    train, test = make_splits("sort", 5000, 200, seed=2)
     write_jsonl(rows, "data/arithmetic/train.jsonl")
 
 Row schemas:
@@ -291,14 +290,6 @@ def make_dataset(task, n, seed, *, levels=(1, 2, 3, 4), exclude=None, **opts):
             seen.add(row_key(row))
             rows.append(row)
     return rows
-
-
-def make_splits(task, n_train, n_test, seed, **kwargs):
-    """(train, test) with disjoint prompts; test is drawn first (seed + 1) so it does not depend on n_train."""
-    exclude = set(kwargs.pop("exclude", None) or ())
-    test = make_dataset(task, n_test, seed + 1, exclude=exclude, **kwargs)
-    train = make_dataset(task, n_train, seed, exclude=exclude | {row_key(r) for r in test}, **kwargs)
-    return train, test
 
 
 def write_jsonl(rows, path):

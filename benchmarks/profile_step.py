@@ -15,7 +15,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from align import training
+    from align.engine.run import StageRun
 
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -41,9 +40,9 @@ def main() -> None:
     cp = cProfile.Profile()
     walls: dict[str, float] = {}
     marks: dict[str, float] = {}
-    original = training.end_step
+    original = StageRun._end_step
 
-    def end_step(step, metrics, **kw):  # `step` is 1-based: called after optimiser step `step - 1`
+    def end_step(run, step, *args):  # `step` is 1-based: called after optimiser step `step - 1`
         if cuda:
             torch.cuda.synchronize()
         now = time.time()
@@ -58,14 +57,13 @@ def main() -> None:
         elif step == 6:
             cp.disable()
             walls["python"] = now - marks["python"]
-        return original(step, metrics, **kw)
+        return original(run, step, *args)
 
-    training.end_step = end_step
-    from align import cli, commands  # noqa: F401  (registers the commands)
+    StageRun._end_step = end_step
+    from align import cli
 
-    sys.argv = ["align", *args]
     try:
-        cli.app(standalone_mode=False)
+        cli.app()(args, prog_name="align", standalone_mode=False)
     except SystemExit:
         pass
     if "torch" not in walls or "python" not in walls:

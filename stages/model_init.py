@@ -4,35 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import opt
+import torch
+
+from align.artifacts import ArtifactWriter
+from align.config import as_dict, opt
+from align.console import summary_table
+from align.errors import UserError
+from align.models import PRESETS, count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.paths import TOKENIZER_DIR
+from align.runtime import quiet_libraries
 
 
 @dataclass
 class ModelInitConfig:
-    preset: str = opt("tiny", "Model preset: tiny (~0.5M params, CPU) or small (~71M, GPU).")
+    preset: str = opt("tiny", "Model preset: tiny (~0.5M params, CPU) or small (~63M, GPU).")
     out: str = opt("runs/base", "Output artifact directory.", path=True)
     seed: int = opt(0, "Initialisation seed.")
 
 
 def run(cfg: ModelInitConfig) -> dict:
-    import torch
-
-    from align.runtime import quiet_libraries
-
-    from align.artifacts import ArtifactWriter
-    from align.config import as_dict
-    from align.console import summary_table
-    from align.errors import UserError
-    from align.models import PRESETS, count_parameters, load_causal_lm, load_tokenizer, resolve
-    from align.paths import TOKENIZER_DIR
-
     if cfg.preset not in PRESETS:
         raise UserError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}.")
     quiet_libraries()
-    ref = resolve(cfg.preset)
+    source = resolve(cfg.preset)
     writer = ArtifactWriter(cfg.out, "model-init", as_dict(cfg), {"tokenizer": str(TOKENIZER_DIR)})
-    tok = load_tokenizer(ref)
-    model = load_causal_lm(ref, tok, torch.float32, seed=cfg.seed)
+    tok = load_tokenizer(source)
+    model = load_causal_lm(source, tok, torch.float32, seed=cfg.seed)
     model.save_pretrained(writer.begin_model(), safe_serialization=True)
     tok.save_pretrained(writer.model_tmp)
     metrics = {"parameters": count_parameters(model), "vocab_size": len(tok), "layers": model.config.num_hidden_layers,

@@ -2,7 +2,9 @@
 
 train: a scalar head (AutoModelForSequenceClassification, num_labels=1) on the SFT model; chosen and rejected go
 through the model in ONE forward (concatenated along the batch); per pair
+
     loss = −log σ(r(x, y_w) − r(x, y_l) − m) + c · (r_w + r_l)²
+
 averaged over the pairs of the GLOBAL batch (all ranks, all micro-batches), so 1 and N processes compute the same
 gradient. The reward is read at the last non-padding token of prompt + response (+ EOS).
 After training the reward is normalised (InstructGPT): offset (and with --normalize-scale, scale) such that the
@@ -13,29 +15,39 @@ model's config (align_reward_offset / align_reward_scale); `align.reward_model.n
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from align.config import StageConfig, TrainConfig, opt
+import torch
+
+from align import data as D
+from align import runtime
+from align.artifacts import describe_inputs
+from align.config import StageConfig, SupervisedConfig, defaults, opt
+from align.console import info
+from align.engine.build import Optim, batch_layout
+from align.engine.run import Output, StageRun, chunks, train
+from align.engine.stats import Stats
 from align.errors import UserError
+from align.generation import Sampling, generate
+from align.losses import bradley_terry_loss, centering_penalty
+from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
+from align.reward_model import (OFFSET_KEY, SCALE_KEY, encode_scored, load_sequence_classifier, normalized_reward,
+                                raw_rewards, score_ids)
 
 CALIBRATION_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)  # buckets of the BT confidence σ(|r_w − r_l|)
 
 
+# The defaults are the best recipe measured for the tiny model on data/prefs (50k pairs): held-out accuracy 0.87
+# in 47 min on 2 CPU cores with --nproc 2, ~5 min on one GPU (the default pipeline runs 1,000 steps).
 @dataclass
-class RMConfig(TrainConfig):
-    out: str = opt("runs/rm", "Output artifact directory.", path=True)
+@defaults(out="runs/rm", max_steps=5000, batch_size=64, lr=5e-4, warmup_steps=50, eval_every=500)
+class RMConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected[, margin]}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for pairwise accuracy ('' : none).", path=True)
-    # The defaults are the best recipe measured for the tiny model on data/prefs (50k pairs): held-out accuracy
-    # 0.87 in 47 min on 2 CPU cores with --nproc 2, ~5 min on one GPU (the default pipeline runs 1,000 steps).
-    max_steps: int = opt(5000, "Optimiser steps.")
-    batch_size: int = opt(64, "Global batch size in pairs (all processes).")
-    lr: float = opt(5e-4, "Peak learning rate (AdamW).")
-    warmup_steps: int = opt(50, "Linear warmup steps.")
-    max_length: int = opt(256, "Max tokens of prompt + the longer response; the prompt is cut from the left.")
     center_coef: float = opt(0.0, "Reward-centring regulariser coefficient c · (r_w + r_l)² (0: off).")
-    eval_every: int = opt(500, "Held-out pairwise accuracy every N steps; 0: only at the end.")
     normalize_samples: int = opt(512, "Reference responses for the normalisation (first N training pairs' chosen).")
     normalize_on_policy: str = opt("", "Normalise on samples of this policy (artifact/dir) instead of chosen responses.", path=True)
     normalize_scale: bool = opt(False, "Also scale rewards to std 1 on the reference set.")
@@ -58,66 +70,45 @@ class RMEvalConfig(StageConfig):
 
 
 @dataclass
-class RMScoreConfig(StageConfig):
-    model: str = opt("runs/rm", "Reward model: an `align rm train` artifact or a sequence-classifier dir.", path=True)
+class RMScoreConfig(RMEvalConfig):
     out: str = opt("runs/rm-score", "Output directory; scores go to OUT/scores.jsonl.", path=True)
     data: str = opt("", "Rows to score: {prompt, response} (JSONL/JSON/Parquet/save_to_disk).", path=True)
-    columns: str = opt("", "Rename columns: old=new,old2=new2 (e.g. completion=response).")
-    max_length: int = opt(256, "Max tokens of prompt + response; the prompt is cut from the left.")
-    batch_size: int = opt(64, "Rows per forward per process.")
 
     def validate(self):
         if not self.data:
             raise UserError("--data is required: a file of {prompt, response} rows to score.")
 
 
-# ---------------------------------------------------------------------------------------------- helpers
+# ---------------------------------------------------------------------------------------------- scoring
 
 
-def _sharded(items: list, dist) -> list:
-    """Equal shards (the last item repeats): under ZeRO-3 every rank must make the same number of forwards."""
-    per = -(-len(items) // dist.world_size)
-    padded = items + [items[-1]] * (per * dist.world_size - len(items))
-    return padded[dist.rank * per : (dist.rank + 1) * per]
+def load_pairs(path: str, columns: str, tok, max_length: int) -> list[dict]:
+    """Preference pairs tokenised once (data.preference_examples), with a line saying what was dropped."""
+    rows = D.load_rows(path, "preference", columns)
+    examples, report = D.preference_examples(tok, rows, max_length, source=str(path))
+    info(f"{path}: {D.pair_report_text(report)}")
+    return examples
 
 
-def _gather(local, n: int):
-    import torch
-
-    from align import runtime
-
-    return torch.cat([t for t in runtime.all_gather_objects(local.cpu())])[:n]
-
-
+@torch.no_grad()
 def pair_rewards(eng, tok, examples: list[dict], dist, batch_size: int = 64):
     """Raw (r_chosen, r_rejected) of every pair, in order, on every rank (the work is split over the ranks)."""
-    import torch
-
-    from align import data as D
-    from align.reward_model import raw_rewards
-
-    mine, out = _sharded(examples, dist), []
-    with torch.no_grad():
-        for i in range(0, len(mine), batch_size):
-            b = {k: v.to(dist.device) for k, v in D.collate_pairs(mine[i : i + batch_size], tok.pad_token_id).items()}
-            out.append(raw_rewards(eng, b).view(2, -1).t().cpu())
-    both = _gather(torch.cat(out), len(examples))
+    out = []
+    for mb in chunks(runtime.shard(examples, dist, pad=True), batch_size):
+        b = D.to_device(D.collate_pairs(mb, tok.pad_token_id), dist.device)
+        out.append(raw_rewards(eng, b).view(2, -1).t().cpu())
+    both = runtime.gather(torch.cat(out), len(examples))
     return both[:, 0], both[:, 1]
 
 
 def sequence_rewards(eng, tok, seqs: list[list[int]], dist, batch_size: int = 64):
     """Raw rewards of token sequences, in order, on every rank."""
-    from align.reward_model import score_ids
-
-    return _gather(score_ids(eng, tok, _sharded(seqs, dist), batch_size, normalize=False), len(seqs))
+    return runtime.gather(score_ids(eng, tok, runtime.shard(seqs, dist, pad=True), batch_size, normalize=False),
+                          len(seqs))
 
 
 def pair_metrics(rc, rr, config) -> dict:
     """Pairwise accuracy, mean normalised margin, and calibration: accuracy vs BT confidence σ(|Δraw|) per bucket."""
-    import torch
-
-    from align.reward_model import normalized_reward
-
     diff = rc - rr
     metrics = {"accuracy": (diff > 0).float().mean().item(),
                "margin/mean": (normalized_reward(rc, config) - normalized_reward(rr, config)).mean().item(),
@@ -136,228 +127,138 @@ def pair_metrics(rc, rr, config) -> dict:
     return metrics
 
 
-def _load_pairs(path: str, columns: str, tok, max_length: int) -> list[dict]:
-    from align import data as D
-    from align.console import info
-
-    rows = D.load_rows(path, "preference", columns)
-    examples, report = D.preference_examples(tok, rows, max_length, source=str(path))
-    info(f"{path}: {D.pair_report_text(report)}")
-    return examples
-
-
 # ------------------------------------------------------------------------------------------------ train
 
 
-def run(cfg: RMConfig) -> dict:
-    import json
-    import random
-    import time
-    from pathlib import Path
+class RewardModel:
+    progress = ("loss", "accuracy", "eval/accuracy")
 
-    import torch
+    def __init__(self, cfg: RMConfig, run):
+        self.cfg, self.run = cfg, run
+        source = resolve(cfg.model, expect="policy")  # an RM starts from a causal LM (the SFT model); its head is new
+        self.policy_source = resolve(cfg.normalize_on_policy, expect="policy") if cfg.normalize_on_policy else None
+        self.tok = load_tokenizer(source, cfg.trust_remote_code)
+        self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)
+        self.eval_examples = load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length) if cfg.eval_data else []
 
-    from align import data as D
-    from align import monitor as M
-    from align import runtime, training
-    from align.artifacts import ArtifactWriter
-    from align.config import as_dict
-    from align.console import TrainProgress, info, summary_table
-    from align.generation import Sampling, generate
-    from align.losses import bradley_terry_loss, centering_penalty
-    from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
-    from align.report import plot_report
-    from align.reward_model import OFFSET_KEY, SCALE_KEY, load_sequence_classifier, raw_rewards
-    from align.stage_io import describe_inputs, monitor_overrides
+        extra = (cfg.normalize_on_policy,) if cfg.normalize_on_policy and Path(cfg.normalize_on_policy).is_file() else ()
+        inputs = describe_inputs(source, cfg.data, cfg.eval_data, *extra)
+        if self.policy_source is not None:
+            inputs["normalize_on_policy"] = describe_inputs(self.policy_source)["model"]
+        dist = run.open(inputs)
+        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
+        self.rm = run.train("rm", lambda dtype: load_sequence_classifier(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code),
+                            Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay),
+                            micro=self.micro, accum=accum)
+        self.n_params = count_parameters(self.rm.module)
+        info(f"rm: {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, {dist.world_size} process(es), "
+             f"ZeRO-{cfg.zero_stage}, {run.dtype}, micro batch {self.micro} pairs x accum {accum}, "
+             f"device {dist.device.type}")
 
-    # ---- inputs: checked before anything heavy starts, so bad input fails fast
-    ref = resolve(cfg.model, expect="policy")  # an RM starts from a causal LM (the SFT model); its head is new
-    policy_ref = resolve(cfg.normalize_on_policy, expect="policy") if cfg.normalize_on_policy else None
-    tok = load_tokenizer(ref, cfg.trust_remote_code)
-    examples = _load_pairs(cfg.data, cfg.columns, tok, cfg.max_length)
-    eval_examples = _load_pairs(cfg.eval_data, cfg.columns, tok, cfg.max_length) if cfg.eval_data else []
-    dist = runtime.init()
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.out)
-    extra_inputs = (cfg.normalize_on_policy,) if cfg.normalize_on_policy and Path(cfg.normalize_on_policy).is_file() else ()
-    inputs = describe_inputs(ref, cfg.data, cfg.eval_data, *extra_inputs)
-    if policy_ref is not None:
-        inputs["normalize_on_policy"] = describe_inputs(policy_ref)["model"]
-    writer = ArtifactWriter(out, "rm", as_dict(cfg), inputs, dist.is_main)
+    def step(self, step: int) -> Stats:
+        cfg, stats = self.cfg, Stats()
+        batch = [self.examples[i] for i in self.run.indices(len(self.examples), cfg.batch_size, step)]
+        for mb in chunks(batch, self.micro):
+            b = D.to_device(D.collate_pairs(mb, self.tok.pad_token_id), self.run.dist.device)
+            rc, rr = raw_rewards(self.rm, b).view(2, -1)  # one forward: chosen rows, then rejected rows
+            per_pair = bradley_terry_loss(rc, rr, b["margin"].to(rc.dtype))
+            if cfg.center_coef:
+                per_pair = per_pair + centering_penalty(rc, rr, cfg.center_coef)
+            self.rm.backward(per_pair.sum() / cfg.batch_size)  # the mean over the pairs of the global batch
+            d = (rc - rr).detach()
+            for name, total in (("loss", per_pair.sum()), ("accuracy", (d > 0).sum()), ("rewards/chosen", rc.sum()),
+                                ("rewards/rejected", rr.sum()), ("margin", d.sum())):
+                stats.mean(name, total, len(mb))
+            stats.sum("pairs", len(mb))
+        return stats
 
-    # ---- model and engine
-    setup = training.trainable_engine(
-        cfg, dist, lambda dtype: load_sequence_classifier(ref, tok, dtype, cfg.seed, cfg.trust_remote_code))
-    eng, ds, dtype, micro, accum = setup.eng, setup.ds, setup.dtype, setup.micro, setup.accum
-    n_params = count_parameters(eng.module)
-    info(f"rm: {n_params / 1e6:.2f}M parameters, {len(examples)} pairs, {dist.world_size} process(es), "
-         f"ZeRO-{cfg.zero_stage}, {dtype}, micro batch {micro} pairs x accum {accum}, device {dist.device.type}")
-    start = 0
-    if cfg.resume:
-        start = training.load_checkpoint(eng, out)["step"]
-        writer.rewind(start)
-        info(f"resumed from the checkpoint at step {start}")
-
-    monitor = M.RLMonitor(overrides=monitor_overrides(cfg.monitor))
-
-    def evaluate(step: int) -> dict:
-        if not eval_examples:
+    def evaluate(self, step: int) -> dict:
+        if not self.eval_examples:
             return {}
-        eng.eval()
-        rc, rr = pair_rewards(eng, tok, eval_examples, dist)
-        eng.train()
-        m = pair_metrics(rc, rr, {})
-        metrics = {"eval/accuracy": m["accuracy"], "eval/margin": m["margin/mean"]}
-        writer.log(step, metrics)
-        return metrics
+        m = pair_metrics(*pair_rewards(self.rm.eng, self.tok, self.eval_examples, self.run.dist), {})
+        return {"eval/accuracy": m["accuracy"], "eval/margin": m["margin/mean"]}
 
-    # ---- train
-    t0, train_time, last_eval = time.time(), 0.0, {}
-    eng.train()
-    with TrainProgress("rm", cfg.max_steps, start, keys=("loss", "accuracy", "eval/accuracy")) as bar:
-        for step in range(start, cfg.max_steps):
-            t_step = time.time()
-            idx = training.rank_share(training.step_indices(len(examples), cfg.batch_size, step, cfg.seed), dist)
-            batch = [examples[i] for i in idx]
-            sums = torch.zeros(5, device=dist.device)  # loss, correct, r_chosen, r_rejected, margin (sums over pairs)
-            for m in range(accum):
-                b = {k: v.to(dist.device) for k, v in D.collate_pairs(batch[m * micro : (m + 1) * micro], tok.pad_token_id).items()}
-                rc, rr = raw_rewards(eng, b).view(2, -1)  # one forward: chosen rows, then rejected rows
-                per_pair = bradley_terry_loss(rc, rr, b["margin"].to(rc.dtype))
-                if cfg.center_coef:
-                    per_pair = per_pair + centering_penalty(rc, rr, cfg.center_coef)
-                # mean over the GLOBAL batch: DeepSpeed divides by `accum` and averages over ranks, undo both.
-                eng.backward(per_pair.sum() / cfg.batch_size * dist.world_size * accum)
-                eng.step()
-                d = (rc - rr).detach()
-                sums += torch.stack([per_pair.detach().sum(), (d > 0).float().sum(), rc.detach().sum(),
-                                     rr.detach().sum(), d.sum()]).float()
-            runtime.all_reduce_sum(sums)
-            s = (sums / cfg.batch_size).tolist()
-            train_time += time.time() - t_step
-            metrics = {"loss": s[0], "accuracy": s[1], "rewards/chosen": s[2], "rewards/rejected": s[3], "margin": s[4],
-                       "grad_norm": float(eng.get_global_grad_norm() or 0.0), "lr": eng.lr_scheduler.get_last_lr()[0]}
-            done = step + 1
-            if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
-                last_eval = evaluate(done)
-                metrics.update(last_eval)
-            training.end_step(done, metrics, writer=writer, monitor=monitor, bar=bar, eng=eng, out=out,
-                              shown=last_eval, save_every=cfg.save_every, max_steps=cfg.max_steps)
+    def normalisation(self) -> tuple[float, float, str]:
+        """(offset, scale, what they were fitted on): the reference responses score 0 on average (and std 1 with
+        --normalize-scale). The reference set is written to normalization.jsonl so it can be audited."""
+        cfg, dist = self.cfg, self.run.dist
+        ref = self.examples[: cfg.normalize_samples]
+        if self.policy_source is None:
+            seqs = [e["prompt_ids"] + e["chosen_ids"] for e in ref]
+            fitted_on = f"chosen responses of the first {len(seqs)} training pairs"
+        else:
+            policy = self.run.frozen(lambda dtype: load_causal_lm(self.policy_source, self.tok, dtype, cfg.seed,
+                                                                  cfg.trust_remote_code))
+            torch.manual_seed(cfg.seed * 1000 + dist.rank)
+            outs = generate(policy, self.tok, [e["prompt_ids"] for e in ref],
+                            Sampling(max_new_tokens=cfg.max_new_tokens, temperature=1.0), dist)
+            seqs = [e["prompt_ids"] + o.ids + ([] if o.finished else [self.tok.eos_token_id]) for e, o in zip(ref, outs)]
+            del policy
+            fitted_on = f"{len(seqs)} samples (T=1) of {cfg.normalize_on_policy} on the first training prompts"
+        raw = sequence_rewards(self.rm.eng, self.tok, seqs, dist)
+        offset = raw.mean().item()
+        scale = raw.std().item() if cfg.normalize_scale and len(raw) > 1 else 1.0
+        if not scale > 1e-8:
+            raise UserError("the reference rewards have zero spread; cannot --normalize-scale.")
+        info(f"normalisation on {fitted_on}: offset {offset:.4f}, scale {scale:.4f}")
+        if dist.is_main:
+            with open(self.run.out / "normalization.jsonl", "w") as f:
+                for e, seq, r in zip(ref, seqs, raw.tolist()):
+                    f.write(json.dumps({"prompt_ids": e["prompt_ids"], "response_ids": seq[len(e["prompt_ids"]):],
+                                        "raw": r, "reward": (r - offset) / scale}) + "\n")
+        return offset, scale, fitted_on
 
-    # ---- normalisation: the reference responses score 0 on average (and std 1 with --normalize-scale)
-    eng.eval()
-    ref_examples = examples[: cfg.normalize_samples]
-    if policy_ref is None:
-        seqs = [e["prompt_ids"] + e["chosen_ids"] for e in ref_examples]
-        norm_on = f"chosen responses of the first {len(seqs)} training pairs"
-    else:
-        ploader = runtime.ZeroLoader(ds)  # noqa: F841
-        peng = runtime.engine(load_causal_lm(policy_ref, tok, dtype, cfg.seed, cfg.trust_remote_code), ds)
-        torch.manual_seed(cfg.seed * 1000 + dist.rank)
-        outs = generate(peng, tok, [e["prompt_ids"] for e in ref_examples],
-                        Sampling(max_new_tokens=cfg.max_new_tokens, temperature=1.0), dist)
-        seqs = [e["prompt_ids"] + o.ids + ([] if o.finished else [tok.eos_token_id]) for e, o in zip(ref_examples, outs)]
-        del peng
-        norm_on = f"{len(seqs)} samples (T=1) of {cfg.normalize_on_policy} on the first training prompts"
-    raw = sequence_rewards(eng, tok, seqs, dist)
-    offset = raw.mean().item()
-    scale = raw.std().item() if cfg.normalize_scale and len(raw) > 1 else 1.0
-    if not scale > 1e-8:
-        raise UserError("the reference rewards have zero spread; cannot --normalize-scale.")
-    info(f"normalisation on {norm_on}: offset {offset:.4f}, scale {scale:.4f}")
-    if dist.is_main:  # the reference set itself, so the normalisation can be audited (and re-checked)
-        with open(out / "normalization.jsonl", "w") as f:
-            for e, seq, r in zip(ref_examples, seqs, raw.tolist()):
-                f.write(json.dumps({"prompt_ids": e["prompt_ids"], "response_ids": seq[len(e["prompt_ids"]):],
-                                    "raw": r, "reward": (r - offset) / scale}) + "\n")
+    def output(self) -> Output:
+        self.rm.eng.eval()
+        self.offset, self.scale, fitted_on = self.normalisation()
+        return Output(self.rm.eng, self.tok, kind="reward",
+                      config={OFFSET_KEY: self.offset, SCALE_KEY: self.scale, "pad_token_id": self.tok.pad_token_id},
+                      extra={"reward_offset": self.offset, "reward_scale": self.scale, "normalized_on": fitted_on})
 
-    # ---- save
-    wall = time.time() - t0
-    training.save_checkpoint(eng, out, cfg.max_steps)
-    runtime.save_model(eng, tok, writer.begin_model(), dist,
-                       extra_config={OFFSET_KEY: offset, SCALE_KEY: scale, "pad_token_id": tok.pad_token_id})
-    final = {
-        "train/loss": metrics["loss"], "train/accuracy": metrics["accuracy"], **last_eval,
-        "reward_offset": offset, "reward_scale": scale, "parameters": n_params, "steps": cfg.max_steps,
-        "wall_seconds": round(wall, 1), "train_seconds": round(train_time, 1),
-        "pairs_per_s": round((cfg.max_steps - start) * cfg.batch_size / max(train_time, 1e-9), 1),
-        "peak_memory_gib_per_rank": [round(m, 3) for m in runtime.all_gather_objects(runtime.peak_memory_gib(dist))],
-    }
-    if dist.is_main:
-        plot_report(out / "metrics.jsonl", out / "report.png", f"rm — {cfg.model}")
-    writer.complete(final, monitor.summary(), extra={
-        "model_kind": "reward", "reward_offset": offset, "reward_scale": scale, "normalized_on": norm_on,
-        "world_size": dist.world_size})
-    summary_table(f"rm complete → {out}", final)
-    return final
+    def final_metrics(self, last: dict, start: dict) -> dict:
+        return {"train/loss": last["loss"], "train/accuracy": last["accuracy"],
+                **{k: v for k, v in last.items() if k.startswith("eval/")},
+                "reward_offset": self.offset, "reward_scale": self.scale, "parameters": self.n_params}
+
+
+def run(cfg: RMConfig) -> dict:
+    return train(cfg, "rm", RewardModel)
 
 
 # ------------------------------------------------------------------------------------------- eval, score
 
 
 def run_eval(cfg: RMEvalConfig) -> dict:
-    import json
-    from pathlib import Path
-
-    from align import runtime
-    from align.artifacts import ArtifactWriter
-    from align.config import as_dict
-    from align.console import summary_table
-    from align.models import load_tokenizer, resolve
-    from align.reward_model import load_reward_model, normalized_reward
-    from align.stage_io import describe_inputs
-
-    ref = resolve(cfg.model, expect="reward")
-    tok = load_tokenizer(ref, cfg.trust_remote_code)
-    examples = _load_pairs(cfg.data, cfg.columns, tok, cfg.max_length)
-    dist = runtime.init()
-    writer = ArtifactWriter(cfg.out, "rm-eval", as_dict(cfg), describe_inputs(ref, cfg.data), dist.is_main)
-    eng, tok, _ = load_reward_model(cfg.model, dist, zero_stage=cfg.zero_stage, deepspeed=cfg.deepspeed,
-                                    trust_remote_code=cfg.trust_remote_code)
-    rc, rr = pair_rewards(eng, tok, examples, dist, cfg.batch_size)
-    config = eng.module.config
-    metrics = pair_metrics(rc, rr, config)
-    if dist.is_main:
-        nc, nr = normalized_reward(rc, config), normalized_reward(rr, config)
-        with open(Path(cfg.out) / "pairs.jsonl", "w") as f:
-            for a, b in zip(nc.tolist(), nr.tolist()):
-                f.write(json.dumps({"reward_chosen": a, "reward_rejected": b, "correct": a > b}) + "\n")
-    writer.log(0, metrics)
-    writer.complete(metrics)
-    summary_table(f"rm eval of {cfg.model} on {cfg.data}", metrics)
-    return metrics
+    source = resolve(cfg.model, expect="reward")
+    tok = load_tokenizer(source, cfg.trust_remote_code)
+    examples = load_pairs(cfg.data, cfg.columns, tok, cfg.max_length)
+    with StageRun(cfg, "rm-eval") as run:
+        dist = run.open(describe_inputs(source, cfg.data))
+        eng = run.frozen(lambda dtype: load_sequence_classifier(source, tok, dtype, trust_remote_code=cfg.trust_remote_code))
+        rc, rr = pair_rewards(eng, tok, examples, dist, cfg.batch_size)
+        config = eng.module.config
+        if dist.is_main:
+            nc, nr = normalized_reward(rc, config), normalized_reward(rr, config)
+            with open(run.out / "pairs.jsonl", "w") as f:
+                for a, b in zip(nc.tolist(), nr.tolist()):
+                    f.write(json.dumps({"reward_chosen": a, "reward_rejected": b, "correct": a > b}) + "\n")
+        return run.complete(pair_metrics(rc, rr, config), f"rm eval of {cfg.model} on {cfg.data}")
 
 
 def run_score(cfg: RMScoreConfig) -> dict:
-    import json
-    from pathlib import Path
-
-    from align import data as D
-    from align import runtime
-    from align.artifacts import ArtifactWriter
-    from align.config import as_dict
-    from align.console import summary_table
-    from align.models import load_tokenizer, resolve
-    from align.reward_model import encode_scored, load_reward_model, normalized_reward
-    from align.stage_io import describe_inputs
-
-    ref = resolve(cfg.model, expect="reward")
+    source = resolve(cfg.model, expect="reward")
     rows = D.load_rows(cfg.data, "responses", cfg.columns)
-    tok = load_tokenizer(ref, cfg.trust_remote_code)
+    tok = load_tokenizer(source, cfg.trust_remote_code)
     seqs = encode_scored(tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.max_length)
-    dist = runtime.init()
-    writer = ArtifactWriter(cfg.out, "rm-score", as_dict(cfg), describe_inputs(ref, cfg.data), dist.is_main)
-    eng, tok, _ = load_reward_model(cfg.model, dist, zero_stage=cfg.zero_stage, deepspeed=cfg.deepspeed,
-                                    trust_remote_code=cfg.trust_remote_code)
-    raw = sequence_rewards(eng, tok, seqs, dist, cfg.batch_size)
-    rewards = normalized_reward(raw, eng.module.config)
-    if dist.is_main:
-        with open(Path(cfg.out) / "scores.jsonl", "w") as f:
-            for row, r in zip(rows, rewards.tolist()):
-                f.write(json.dumps({**row, "reward": r}) + "\n")
-    metrics = {"rows": len(rows), "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(rows) > 1 else 0.0,
-               "scores": str(Path(cfg.out) / "scores.jsonl")}
-    writer.complete(metrics)
-    summary_table(f"rm score of {cfg.data}", metrics)
-    return metrics
+    with StageRun(cfg, "rm-score") as run:
+        dist = run.open(describe_inputs(source, cfg.data))
+        eng = run.frozen(lambda dtype: load_sequence_classifier(source, tok, dtype, trust_remote_code=cfg.trust_remote_code))
+        rewards = normalized_reward(sequence_rewards(eng, tok, seqs, dist, cfg.batch_size), eng.module.config)
+        scores = run.out / "scores.jsonl"
+        if dist.is_main:
+            with open(scores, "w") as f:
+                for row, r in zip(rows, rewards.tolist()):
+                    f.write(json.dumps({**row, "reward": r}) + "\n")
+        metrics = {"rows": len(rows), "reward/mean": rewards.mean().item(),
+                   "reward/std": rewards.std().item() if len(rows) > 1 else 0.0, "scores": str(scores)}
+        return run.complete(metrics, f"rm score of {cfg.data}")

@@ -1,4 +1,4 @@
-"""The `align` CLI: help, light imports, not-implemented stages, and bad input -> exit 2 with a named cause."""
+"""The `align` CLI: help, light imports, and bad input -> exit 2 with a named cause."""
 
 import json
 import subprocess
@@ -37,8 +37,12 @@ def test_help_lists_every_command():
     assert "Traceback" not in output(proc)
 
 
-def test_commands_import_no_torch():
-    code = "import sys, align.cli, align.commands; print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules))"
+def test_the_cli_and_pipelines_import_no_stage_and_no_torch():
+    """`align --help` and the pipeline logic read the one command registry; a stage module (and torch with it) is
+    imported only when its command runs."""
+    code = ("import sys, align.cli, align.registry, align.pipeline, align.pipeline_cli; align.cli.app(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'deepspeed', 'datasets', 'stages.sft', 'stages.ppo') "
+            "if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -51,20 +55,6 @@ def test_sft_help_shows_defaults():
     assert "--max-steps" in proc.stdout and f"[default: {default}]" in proc.stdout
     assert "--schedule" in proc.stdout and "[default: cosine]" in proc.stdout
     assert "--config" in proc.stdout
-
-
-def test_not_implemented_stub_exits_3_and_names_its_issue():
-    """Every stage is implemented now (ppo was the last); the stub for future ones still works."""
-    import typer
-
-    from align.cli import NotImplementedStage, not_implemented
-
-    stub = typer.Typer()
-    not_implemented(stub, "later", "a later stage", 99)
-    stub.command("other")(lambda: None)
-    with pytest.raises(NotImplementedStage, match="not implemented yet.*issue #99") as e:
-        stub(["later", "--any", "flag"], standalone_mode=False)
-    assert e.value.exit_code == 3
 
 
 # ------------------------------------------------------------------------------------------- bad input

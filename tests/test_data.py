@@ -205,7 +205,7 @@ def test_sft_examples_labels_mask_exactly_the_prompt(tok):
     exs = D.sft_examples(tok, SFT_ROWS, max_length=256)
     assert len(exs) == len(SFT_ROWS)
     for row, ex in zip(SFT_ROWS, exs):
-        p = D.encode_prompt(tok, row["prompt"])
+        p = D.encode_prompts(tok, [row["prompt"]])[0]
         c = tok(row["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert ex["input_ids"] == p + c
         assert ex["labels"] == [-100] * len(p) + c
@@ -217,7 +217,7 @@ def test_sft_examples_labels_mask_exactly_the_prompt(tok):
 
 def test_sft_examples_truncates_prompt_from_the_left(tok):
     row = SFT_ROWS[0]
-    p = D.encode_prompt(tok, row["prompt"])
+    p = D.encode_prompts(tok, [row["prompt"]])[0]
     c = D.encode_completions(tok, [row["completion"]])[0]
     assert len(p) > 3
     (ex,) = D.sft_examples(tok, [row], max_length=len(c) + 3)
@@ -261,7 +261,7 @@ def test_prompt_text_with_and_without_template(tok, tok_no_template):
     assert D.prompt_text(tok_no_template, "hi") == "<|bos|>hi"
     assert D.prompt_text(tok_no_template, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == \
         "<|bos|>a\nb"
-    assert D.encode_prompt(tok_no_template, "hi") == [tok.bos_token_id] + tok("hi", add_special_tokens=False)["input_ids"]
+    assert D.encode_prompts(tok_no_template, ["hi"])[0] == [tok.bos_token_id] + tok("hi", add_special_tokens=False)["input_ids"]
 
 
 def test_prompt_texts_fast_path_with_a_transforming_template(tok_no_template):

@@ -136,7 +136,7 @@ def test_launch_env_gives_each_process_its_share_of_cores(monkeypatch):
 
 
 def test_offload_threads_hint():
-    from align.runtime import offload_threads_hint
+    from align.engine.build import offload_threads_hint
 
     assert "OMP_NUM_THREADS=16" in offload_threads_hint(local_world=2, threads=1, cores=32)
     assert offload_threads_hint(local_world=2, threads=16, cores=32) is None

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from align import runtime
+from align.engine import build
 from align.data import encode_prompts
 from align.generation import Sampling, generate, trim_at_eos
 from align.models import load_causal_lm, load_tokenizer, resolve
@@ -30,11 +31,11 @@ def setup(tiny_model_dir):
     dist = runtime.init()
     ref = resolve(str(tiny_model_dir))
     tok = load_tokenizer(ref)
-    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # before ZeroLoader: unsharded reference
-    cfg = runtime.ds_config(zero_stage=3, micro_batch=1, grad_accum=1, world_size=1, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()  # before the ZeRO-3 link: unsharded reference
+    cfg = build.ds_config(zero_stage=3, micro_batch=1, grad_accum=1, world_size=1, dtype=torch.float32)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # shard every tensor, even tiny ones
-    loader = runtime.ZeroLoader(cfg)
-    eng = runtime.engine(load_causal_lm(ref, tok, torch.float32), cfg)
+    model, loader = build.load_partitioned(cfg, lambda dtype: load_causal_lm(ref, tok, dtype), torch.float32)
+    eng = build.wrap(model, cfg)
     prompts = encode_prompts(tok, PROMPTS)
     assert len({len(p) for p in prompts}) == 3  # different lengths: batching needs left padding
     yield dict(eng=eng, tok=tok, dist=dist, plain=plain, prompts=prompts)

@@ -3,8 +3,7 @@ blocks, and mask-free forwards of right-padded batches."""
 
 import torch
 
-from align import data as D
-from align import runtime
+from align.engine import build
 
 
 def tiny_llama():
@@ -16,37 +15,44 @@ def tiny_llama():
 
 
 def test_frozen_engines_beside_zero_2_are_plain_replicas():
-    cfg = runtime.ds_config(zero_stage=2, micro_batch=2, grad_accum=1, world_size=1, dtype=torch.bfloat16,
+    cfg = build.ds_config(zero_stage=2, micro_batch=2, grad_accum=1, world_size=1, dtype=torch.bfloat16,
                             precision="bf16-pure", offload_optimizer=True)
-    frozen = runtime.frozen_config(cfg)
+    frozen = build.frozen_config(cfg)
     assert frozen["zero_optimization"]["stage"] == 0 and "offload_optimizer" not in frozen["zero_optimization"]
     assert frozen["bf16"] == {"enabled": True}
     assert cfg["zero_optimization"]["stage"] == 2 and "offload_optimizer" in cfg["zero_optimization"]  # untouched
-    z3 = runtime.ds_config(zero_stage=3, micro_batch=2, grad_accum=1, world_size=1, dtype=torch.float32)
-    assert runtime.frozen_config(z3)["zero_optimization"]["stage"] == 3
+    z3 = build.ds_config(zero_stage=3, micro_batch=2, grad_accum=1, world_size=1, dtype=torch.float32)
+    assert build.frozen_config(z3)["zero_optimization"]["stage"] == 3
+    assert build.frozen_config(z3, offload_params=True)["zero_optimization"]["offload_param"] == {"device": "cpu"}
 
 
 def test_zero_3_fetches_whole_transformer_blocks():
     from deepspeed.utils import z3_leaf_module
 
     m = tiny_llama()
-    runtime.set_block_leaves(m)
+    build.set_block_leaves(m)
     assert all(z3_leaf_module(layer) for layer in m.model.layers)
     assert not z3_leaf_module(m) and not z3_leaf_module(m.model) and not z3_leaf_module(m.lm_head)
 
 
 def test_right_padded_batch_needs_no_attention_mask():
+    """DPO's pair batches are right-padded and go through `logprobs` without an attention mask (so attention runs
+    the fused causal kernel): the log-probs of every real position are those of the masked forward."""
+    from align.logprobs import logprobs
+    from stages.dpo import pair_logps
+
     m = tiny_llama().eval()
-    ids = torch.randint(3, 101, (3, 9))
+    ids = torch.randint(3, 101, (4, 9))
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
-    mask[2, 4:] = 0
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    inputs = D.right_padded_inputs(batch)
-    assert "attention_mask" not in inputs and "labels" not in inputs
+    mask[3, 4:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :2] = -100  # two prompt tokens
+    resp = labels[:, 1:] != -100
     with torch.no_grad():
-        masked = m(**D.model_inputs(batch)).logits
-        free = m(**inputs).logits
-    real = mask.bool()
-    torch.testing.assert_close(free[real], masked[real], rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(free[~real], masked[~real], atol=1e-3)  # only padding positions see a difference
+        masked, _ = logprobs(m, {"input_ids": ids, "attention_mask": mask, "response_mask": resp})
+        free = pair_logps(m, {"input_ids": ids, "labels": labels})
+        logits = m(input_ids=ids).logits
+    torch.testing.assert_close(free.flatten(), masked.sum(-1), rtol=1e-5, atol=1e-5)
+    padded = m(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(logits[mask == 0], padded[mask == 0], atol=1e-3)  # only padding positions differ

@@ -137,20 +137,23 @@ def test_adaptive_kl_controller_over_a_synthetic_stream():
     assert [fixed.update(kl, 32) for kl in (0.0, 9.0)] == [0.05, 0.05]
 
 
-def test_forward_logprobs_temperature_and_differentiable_entropy():
-    """rollout.forward_logprobs: log-probs of logits / T (as sampled), entropy detached unless entropy_grad."""
+def test_plain_logprobs_temperature_and_differentiable_entropy():
+    """logprobs' plain path: log-probs of logits / T (as sampled) on the response positions, entropy detached
+    unless entropy_grad."""
     from types import SimpleNamespace
 
-    from align.rollout import forward_logprobs
+    from align.logprobs import logprobs
 
     torch.manual_seed(0)
     emb = torch.nn.Embedding(7, 7)
     model = lambda input_ids, attention_mask, use_cache: SimpleNamespace(logits=emb(input_ids))  # noqa: E731
-    batch = {"input_ids": torch.tensor([[1, 4, 2, 6]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
-    logp, ent = forward_logprobs(model, batch, with_entropy=True, temperature=0.5)
+    batch = {"input_ids": torch.tensor([[1, 4, 2, 6]]), "attention_mask": torch.ones(1, 4, dtype=torch.long),
+             "response_mask": torch.tensor([[0.0, 1.0, 1.0]])}
+    logp, ent = logprobs(model, batch, with_entropy=True, temperature=0.5)
     want = (emb(batch["input_ids"])[:, :-1] / 0.5).log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-    assert torch.allclose(logp, want, atol=1e-6) and not ent.requires_grad
-    _, ent = forward_logprobs(model, batch, with_entropy=True, entropy_grad=True)
+    assert torch.allclose(logp, want * batch["response_mask"], atol=1e-6) and not ent.requires_grad
+    assert logp[0, 0] == 0 and ent[0, 0] == 0  # the prompt position is masked
+    _, ent = logprobs(model, batch, with_entropy=True, entropy_grad=True)
     ent.sum().backward()
     assert emb.weight.grad is not None and emb.weight.grad.abs().sum() > 0
-    assert forward_logprobs(model, batch)[1] is None
+    assert logprobs(model, batch)[1] is None

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from align import runtime, training
+from align import runtime
+from align.engine import build
 from align.errors import UserError
 from align.models import load_causal_lm, load_tokenizer, resolve
 
@@ -27,10 +28,9 @@ def train_three_steps(tiny_model_dir, dtype, zero_stage=3, **ds_kw):
     runtime.init()
     ref = resolve(str(tiny_model_dir))
     tok = load_tokenizer(ref)
-    cfg = runtime.ds_config(zero_stage=zero_stage, micro_batch=2, grad_accum=1, world_size=1, dtype=dtype, **ds_kw)
-    loader = runtime.ZeroLoader(cfg)  # noqa: F841
-    model = load_causal_lm(ref, tok, dtype, seed=0)
-    eng = runtime.engine(model, cfg, training.adamw(model, 1e-3, 0.0))
+    cfg = build.ds_config(zero_stage=zero_stage, micro_batch=2, grad_accum=1, world_size=1, dtype=dtype, **ds_kw)
+    model, link = build.load_partitioned(cfg, lambda dtype: load_causal_lm(ref, tok, dtype, seed=0), dtype)  # noqa: F841
+    eng = build.wrap(model, cfg, build.adamw(model, 1e-3, 0.0))
     ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 10, 2]])
     losses = []
     for _ in range(3):
@@ -81,10 +81,10 @@ def test_offload_optimizer_gives_the_same_updates(tiny_model_dir):
 
 
 def test_offload_needs_zero_and_fp32_master_weights():
-    from align.config import StageConfig, TrainedStageConfig
+    from align.config import StageConfig, TrainConfig
 
     StageConfig(precision="bf16-pure", zero_stage=0)  # plain bf16 training, see above
     with pytest.raises(UserError, match="--offload-optimizer"):
-        TrainedStageConfig(offload_optimizer=True, zero_stage=0)
+        TrainConfig(offload_optimizer=True, zero_stage=0)
     with pytest.raises(UserError, match="--offload-optimizer"):
-        TrainedStageConfig(offload_optimizer=True, precision="bf16-pure")
+        TrainConfig(offload_optimizer=True, precision="bf16-pure")

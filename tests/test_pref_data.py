@@ -12,7 +12,7 @@ def test_pairs_tokenised_with_template_and_eos(shipped_tokenizer):
     tok = shipped_tokenizer
     rows = [{"prompt": "What is 2 + 3?", "chosen": "2 + 3 = 5. #### 5", "rejected": "2 + 3 = 6. #### 6", "margin": 1.5}]
     (ex,), rep = D.preference_examples(tok, rows, 256)
-    assert ex["prompt_ids"] == D.encode_prompt(tok, rows[0]["prompt"])
+    assert ex["prompt_ids"] == D.encode_prompts(tok, [rows[0]["prompt"]])[0]
     assert ex["chosen_ids"][-1] == ex["rejected_ids"][-1] == tok.eos_token_id
     assert ex["margin"] == 1.5 and rep["kept"] == 1 and rep["prompt_truncated"] == 0
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from align.report import ema, numeric_keys, plot_report, plot_xy, read_metrics
+from align.report import ema, numeric_keys, plot_report, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -55,12 +55,6 @@ def test_nothing_to_plot_returns_none(tmp_path):
     assert plot_report(tmp_path / "absent.jsonl", tmp_path / "a.png", "absent") is None
     assert plot_report(write_metrics(empty), tmp_path / "a.png", "t", keys=["nope"]) is None
     assert not (tmp_path / "a.png").exists()
-
-
-def test_plot_xy(tmp_path):
-    rows = [{"step": s, "kl": 0.1 * s, "reward": s, "gold_reward": s - 0.1 * s * s} for s in range(30)]
-    assert_png(plot_xy(rows, tmp_path / "xy.png", "kl", ["reward", "gold_reward"], "reward vs KL"))
-    assert plot_xy(rows, tmp_path / "none.png", "kl", "absent", "t") is None
 
 
 def test_ema():

@@ -4,12 +4,14 @@ import pytest
 
 from align.errors import UserError
 from align.rewards import (
+    REWARDS,
+    guess_verifier,
+    parse_rewards,
+    verify,
     extract_answer,
-    get_reward,
     math_reward,
     parse_int_list,
     parse_number,
-    sort_distance_reward,
     sort_inclusion_ordering_reward,
     sort_reward,
 )
@@ -128,7 +130,6 @@ def test_parse_int_list():
     ],
 )
 def test_sort_rewards(response, distance, inclusion_ordering):
-    assert sort_distance_reward([3, 1, 0, 2], response) == distance
     assert sort_inclusion_ordering_reward([3, 1, 0, 2], response) == inclusion_ordering
 
 
@@ -144,7 +145,10 @@ def test_sort_reward_text():
         sort_reward("1", "")
 
 
-def test_get_reward():
-    assert get_reward("math") is math_reward
-    with pytest.raises(UserError, match="valid rewards"):
-        get_reward("vibes")
+def test_one_registry_serves_grpo_ppo_and_eval():
+    """--reward NAME, ppo's --gold-reward and eval's --verifier all read REWARDS; a verifier means reward == 1."""
+    assert REWARDS["math"]("q", "#### 68", answer="68") == 1.0 and verify("#### 68", 68, "math")
+    assert verify("1 3 7", "1 3 7", "sort") and not verify("1 7 3", "1 3 7", "sort")
+    assert verify(" yes ", "yes", "exact") and not verify("yes", "no", "exact")
+    assert guess_verifier([{"answer": "1,234"}]) == "math" and guess_verifier([{"answer": "abc"}]) == "exact"
+    assert [r.name for r in parse_rewards(["exact", "answer_format:0.5"])] == ["exact", "answer_format"]

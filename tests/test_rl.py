@@ -1,4 +1,4 @@
-"""RL estimators against hand-computed values and numerical gradients (align/rl.py, align/reward_fns.py)."""
+"""RL estimators against hand-computed values and numerical gradients (align/rl.py, align/rewards.py)."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 from align import rl
 from align.errors import UserError
 from align.generation import Completion
-from align.reward_fns import RewardError, call_reward, parse_rewards
+from align.rewards import RewardError, call_reward, parse_rewards
 from align.rollout import rollout_batch
 
 
@@ -16,29 +16,42 @@ from align.rollout import rollout_batch
 def test_zscore_advantage_by_hand():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     # mean 0.5; unbiased std = sqrt((4 * 0.25) / 3) = 0.57735
-    a = rl.group_advantages(r, "zscore", eps=0.0)
+    a = rl.zscore_advantages(r, eps=0.0)
     torch.testing.assert_close(a, torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5, rtol=0)
 
 
 def test_mean_advantage_by_hand():
     r = torch.tensor([[3.0, 1.0, 2.0], [0.0, 0.0, 3.0]])
-    a = rl.group_advantages(r, "mean")
+    a = rl.mean_advantages(r)
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0, 0.0], [-1.0, -1.0, 2.0]]))
 
 
 def test_batch_advantage_uses_the_batch_std():
     r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     # group means 0.5 and 1; batch std (unbiased) of [1, 0, 1, 1] = sqrt(0.75 / 3) = 0.5
-    a = rl.group_advantages(r, "batch", eps=0.0)
+    a = rl.batch_advantages(r, eps=0.0)
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0], [0.0, 0.0]]))
-    a2 = rl.group_advantages(r, "batch", eps=0.0, batch_std=torch.tensor(0.25))
-    torch.testing.assert_close(a2, torch.tensor([[2.0, -2.0], [0.0, 0.0]]))
+    # with the other rank's rewards [[0, 0], [0, 0]] summed in by `reduce`: std of 8 values, 3 ones = sqrt(15/56)
+    other = rl.masked_sums(torch.zeros(2, 2), torch.ones(2, 2))
+    a2 = rl.batch_advantages(r, reduce=lambda s: s + other, eps=0.0)
+    torch.testing.assert_close(a2, torch.tensor([[1.0, -1.0], [0.0, 0.0]]) * 0.5 / math.sqrt(15 / 56))
 
 
-@pytest.mark.parametrize("mode", rl.ADVANTAGE_MODES)
+def test_rloo_advantage_leaves_each_sample_out_of_its_baseline():
+    """RLOO (Kool et al. 2019): A_i = r_i − mean of the other G−1 rewards; written out for G = 4."""
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 6.0]])
+    by_hand = torch.tensor([[1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3], [3 - 3.0, 1 - 11 / 3, 2 - 10 / 3, 6 - 2.0]])
+    torch.testing.assert_close(rl.rloo_advantages(r), by_hand)
+    torch.testing.assert_close(rl.rloo_advantages(r), 4 / 3 * rl.mean_advantages(r))  # = G/(G−1) · (r − mean)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(rl.rloo_advantages, (x,))
+    assert rl.ADVANTAGES["rloo"] is rl.rloo_advantages  # --advantage rloo: the registration is all it takes
+
+
+@pytest.mark.parametrize("mode", list(rl.ADVANTAGES))
 def test_all_equal_group_gives_zero_advantage_never_nan(mode):
     r = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
-    a = rl.group_advantages(r, mode)
+    a = rl.ADVANTAGES[mode](r)
     assert torch.isfinite(a).all() and (a == 0).all()
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from align.errors import UserError
 from align.rewards import math_reward, sort_reward
-from align.tasks import TASKS, make_dataset, make_splits, row_key, write_jsonl
+from align.tasks import TASKS, make_dataset, row_key, write_jsonl
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TOKENIZER = os.path.join(ROOT, "data", "tokenizer")
@@ -31,7 +31,8 @@ def test_deterministic_by_seed(task):
 
 @pytest.mark.parametrize("task", TASKS)
 def test_rows_unique_and_splits_disjoint(task):
-    train, test = make_splits(task, 300, 100, seed=3)
+    train = make_dataset(task, 300, seed=3)
+    test = make_dataset(task, 100, seed=4, exclude={row_key(r) for r in train})
     assert len(train) == 300 and len(test) == 100
     train_keys, test_keys = {row_key(r) for r in train}, {row_key(r) for r in test}
     assert len(train_keys) == 300 and len(test_keys) == 100

@@ -1,11 +1,11 @@
-"""align.fast_logprobs: the chunked linear + selective log-softmax gives the same log-probs, entropies and
-gradients as full logits + log_softmax (CPU, fp64/fp32)."""
+"""align.logprobs: the fused path (chunked linear + selective log-softmax) gives the same log-probs, entropies and
+gradients as full logits + log_softmax (CPU, fp64/fp32), at any temperature; the entry point picks its path."""
 
+import pytest
 import torch
 
-from align.fast_logprobs import fused_logprobs, linear_logprobs
+from align.logprobs import linear_logprobs, logprobs, supports_fused
 from align.rl import entropy_from_logits
-from align.rollout import forward_logprobs
 
 
 def test_linear_logprobs_matches_log_softmax_and_grads():
@@ -25,24 +25,35 @@ def test_linear_logprobs_matches_log_softmax_and_grads():
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_logprobs_on_a_model_matches_the_plain_path():
+def tiny_llama(**kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    m = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     intermediate_size=64, vocab_size=101, tie_word_embeddings=True))
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, vocab_size=101, **kw))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_logprobs_on_a_model_matches_the_plain_path(temperature):
+    torch.manual_seed(0)
+    m = tiny_llama(tie_word_embeddings=True)
     ids = torch.randint(3, 101, (3, 9))
     attn = torch.ones_like(ids)
     attn[2, 7:] = 0
     resp = torch.zeros(3, 8)
     resp[:, 3:7] = 1
     batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
-    lp, ent = fused_logprobs(m, batch, with_entropy=True, chunk=5)
-    rlp, rent = forward_logprobs(m, batch, with_entropy=True)
-    torch.testing.assert_close(lp * resp, rlp * resp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent * resp, rent * resp, rtol=1e-4, atol=1e-4)
-    g1 = torch.autograd.grad((lp * resp).sum(), list(m.parameters()))
-    g2 = torch.autograd.grad((rlp * resp).sum(), list(m.parameters()))
+    lp, ent = logprobs(m, batch, temperature=temperature, with_entropy=True, fused=True, chunk=5)
+    rlp, rent = logprobs(m, batch, temperature=temperature, with_entropy=True, fused=False)
+    torch.testing.assert_close(lp, rlp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, rent, rtol=1e-4, atol=1e-4)
+    assert (lp[resp == 0] == 0).all() and (rlp[resp == 0] == 0).all()  # prompt and padding positions: 0
+    # by hand: log softmax(logits / T) at the response positions
+    logits = m(input_ids=ids, attention_mask=attn).logits[:, :-1] / temperature
+    want = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0] * resp
+    torch.testing.assert_close(lp, want.detach(), rtol=1e-5, atol=1e-5)
+    g1 = torch.autograd.grad(lp.sum(), list(m.parameters()))
+    g2 = torch.autograd.grad(rlp.sum(), list(m.parameters()))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert "forward" not in vars(m.lm_head)  # the head is restored
@@ -65,3 +76,18 @@ def test_bf16_gradients_match_fp64_within_bf16_rounding():
     for got, want in ((gh, rh), (gw, rw)):
         err = (got.double() - want).abs().max() / want.abs().max()
         assert err < 2e-2, err
+
+
+def test_the_entry_point_picks_its_path():
+    """fused where the head is a bias-free Linear and no differentiable entropy is asked; plain otherwise."""
+    m = tiny_llama()
+    assert supports_fused(m)
+    m.lm_head.bias = torch.nn.Parameter(torch.zeros(101))
+    assert not supports_fused(m)
+    calls = []
+    m2 = tiny_llama()
+    m2.lm_head.register_forward_hook(lambda mod, inp, out: calls.append(type(out).__name__))
+    batch = {"input_ids": torch.randint(3, 101, (2, 6)), "response_mask": torch.ones(2, 5)}
+    logprobs(m2, batch)
+    logprobs(m2, batch, with_entropy=True, entropy_grad=True)
+    assert calls == ["tuple", "Tensor"]  # the swapped head returns (log-probs, entropies); the plain one logits

@@ -1,10 +1,12 @@
-"""Per-token log-probs (and entropies) without materialising the [B, T, V] logits.
+"""Per-token log-probabilities of a batch: THE one entry point, `logprobs(model, batch, temperature)`.
 
-The LM head's forward is swapped, for the length of one call, for a chunked "linear + selective log-softmax":
-for the selected positions only (the response tokens), `chunk` rows at a time, logits = h·Wᵀ in fp32,
-log π(target) = z[target] − logsumexp(z), entropy = logsumexp(z) − Σ softmax(z)·z. The backward recomputes
-the logits slice by slice (grad_z = g·(onehot − softmax)), so memory is O(chunk × V) instead of O(B × T × V) — the
-largest activation of an RL update at a 150k vocabulary. Exact (same function as log_softmax + gather).
+It picks the path itself. Fused (models whose LM head is a bias-free Linear): the head's forward is swapped, for
+the length of one call, for a chunked "linear + selective log-softmax": for the selected positions only (the
+response tokens), `chunk` rows at a time, logits = h·Wᵀ / T in fp32, log π(target) = z[target] − logsumexp(z),
+entropy = logsumexp(z) − Σ softmax(z)·z. The backward recomputes the logits slice by slice
+(grad_z = g·(onehot − softmax)), so memory is O(chunk × V) instead of O(B × T × V) — the largest activation of
+an RL update at a 150k vocabulary. Exact (same function as log_softmax + gather). Plain (any other head, or a
+differentiable entropy for an entropy bonus): one forward to full logits, then log_softmax + gather in chunks.
 
 Works on a plain module and on a DeepSpeed engine (ZeRO-3 included: the head runs inside its own module call,
 so its weight is gathered there and again for the backward, as for any Linear).
@@ -15,6 +17,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from align.losses import token_logprobs
+from align.rl import entropy_from_logits
 
 
 class _LinearLogprob(torch.autograd.Function):
@@ -73,17 +78,19 @@ def linear_logprobs(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, chunk: 
     return _LinearLogprob.apply(h, w, ids, chunk or rows_per_chunk(w.shape[0]))
 
 
-def supports(module) -> bool:
+def supports_fused(module) -> bool:
     head = getattr(module, "lm_head", None)
     return isinstance(head, torch.nn.Linear) and head.bias is None
 
 
 @contextlib.contextmanager
-def _head_as_logprobs(module, targets: torch.Tensor, select: torch.Tensor, chunk: int):
+def _head_as_logprobs(module, targets: torch.Tensor, select: torch.Tensor, temperature: float, chunk: int):
     head = module.lm_head
 
     def forward(hidden):
         h = hidden[:, :-1]
+        if temperature != 1.0:
+            h = h / temperature  # (h / T)·Wᵀ = logits / T
         sel = select.bool()
         lp, ent = linear_logprobs(h[sel], head.weight, targets[sel], chunk)
         zeros = torch.zeros(sel.shape, dtype=torch.float32, device=h.device)
@@ -96,25 +103,47 @@ def _head_as_logprobs(module, targets: torch.Tensor, select: torch.Tensor, chunk
         del head.forward
 
 
-def fused_logprobs(model, batch: dict, with_entropy: bool = False, select: torch.Tensor | None = None,
-                   chunk: int = 0):
-    """Like rollout.forward_logprobs: log π(token_{t+1} | ≤ t), [N, L-1] fp32, (entropy or None); computed only
-    where `select` (default: batch["response_mask"]) is non-zero, 0 elsewhere. `model`: module or engine."""
+def _fused(model, batch: dict, temperature: float, chunk: int):
     module = getattr(model, "module", model)
     ids = batch["input_ids"]
-    sel = batch["response_mask"] if select is None else select
-    extra = {"position_ids": batch["position_ids"]} if batch.get("position_ids") is not None else {}
-    with _head_as_logprobs(module, ids[:, 1:], sel, chunk):
-        out = model(input_ids=ids, attention_mask=batch.get("attention_mask"), use_cache=False, **extra).logits
-    logp, ent = out
+    with _head_as_logprobs(module, ids[:, 1:], batch["response_mask"], temperature, chunk):
+        return model(input_ids=ids, **_context(batch)).logits
+
+
+def _plain(model, batch: dict, temperature: float, entropy_grad: bool):
+    logits = model(input_ids=batch["input_ids"], **_context(batch)).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    mask = batch["response_mask"].to(torch.float32)
+    logp = token_logprobs(logits, batch["input_ids"][:, 1:]) * mask
+    return logp, entropy_from_logits(logits if entropy_grad else logits.detach()) * mask
+
+
+def _context(batch: dict) -> dict:
+    """attention_mask (absent: a right-padded batch, where causal attention never looks at the padding) and
+    position_ids (packed rows) when the batch has them; never a KV cache."""
+    kw = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+    return {**kw, "use_cache": False}
+
+
+def logprobs(model, batch: dict, *, temperature: float = 1.0, with_entropy: bool = False,
+             entropy_grad: bool = False, fused: bool | None = None, chunk: int = 0):
+    """log π(x_{t+1} | x_≤t) from logits / `temperature` (as sampled) at the positions `batch["response_mask"]`
+    selects, 0 elsewhere: [N, L−1] fp32; and the entropy per position (detached, or differentiable with
+    `entropy_grad`), or None. `model`: module or engine. `fused` forces a path (None: the fused one wherever the
+    model allows it and no differentiable entropy is asked)."""
+    if fused is None:
+        fused = supports_fused(getattr(model, "module", model)) and not entropy_grad
+    if fused:
+        logp, ent = _fused(model, batch, temperature, chunk)
+    else:
+        logp, ent = _plain(model, batch, temperature, entropy_grad)
     return logp, (ent if with_entropy else None)
 
 
 @torch.no_grad()
-def batched_fused_logprobs(model, batch: dict, micro: int) -> torch.Tensor:
+def batched_logprobs(model, batch: dict, micro: int, temperature: float = 1.0, fused: bool | None = None) -> torch.Tensor:
+    """`logprobs` without gradients over a whole batch, `micro` rows at a time (π_old, π_ref)."""
     n = batch["input_ids"].shape[0]
-    parts = []
-    for i in range(0, n, micro):
-        mb = {k: v[i : i + micro] for k, v in batch.items()}
-        parts.append(fused_logprobs(model, mb)[0])
-    return torch.cat(parts)
+    return torch.cat([logprobs(model, {k: v[i : i + micro] for k, v in batch.items()}, temperature=temperature,
+                               fused=fused)[0] for i in range(0, n, micro)])

@@ -1,0 +1,265 @@
+"""Building engines: THE one place a DeepSpeed engine is made, trained or frozen.
+
+`trained(...)` wraps a model with AdamW, a warmup + decay schedule and the ZeRO config of the run; its
+`backward(loss)` takes a loss already normalised by the GLOBAL batch (every rank, every micro-batch) and undoes
+DeepSpeed's own averaging over ranks and accumulation steps — the data-parallel correction lives here and
+nowhere else. `frozen(...)` makes an inference-only engine (reference policy, reward model, eval).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from align.config import PRECISIONS
+from align.errors import UserError
+
+# align sets the batch layout itself; these keys of a --deepspeed file are ignored (with a warning)
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
+    """bf16 on CUDA and fp32 on CPU ("auto"), or what --precision asks for (bf16 keeps fp32 master weights in the
+    optimizer; bf16-pure keeps them in bf16, see ds_config)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}.")
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if precision.startswith("bf16") else torch.float32
+
+
+def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size: int, dtype: torch.dtype,
+              grad_clip: float = 1.0, user_config: str | None = None, precision: str = "auto",
+              offload_optimizer: bool = False) -> dict:
+    """The DeepSpeed config for one engine. A user's --deepspeed JSON wins key by key (batch keys excepted).
+
+    --precision bf16-pure: ZeRO's master weights, gradients and Adam moments in bf16 (DeepSpeed's
+    bf16_master_weights_and_grads + bf16_optimizer_states): 2 + 2 + 2 + 4 = 10 bytes per trained parameter
+    instead of 2 + 4 (fp32 grads) + 4 (fp32 master) + 8 (fp32 moments), with the coarser updates of bf16
+    (small updates can round away). With ZeRO stage 0 there is no ZeRO optimizer to hold a master copy:
+    DeepSpeed's mixed precision is off and AdamW updates the bf16 module itself (2 + 2 + 4 = 8 bytes, a plain
+    bf16 PyTorch loop such as TRL's).
+    offload_optimizer: ZeRO-Offload — master weights, gradients and moments live in (pinned) CPU memory and
+    the optimizer steps there; the GPU keeps only the compute-dtype parameters and a small gradient bucket."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world_size,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {
+            "stage": zero_stage,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+            "stage3_gather_16bit_weights_on_model_save": True,
+            # ZeRO-3's memory-efficient linear re-implements F.linear in Python autograd: 2x slower steps
+            # on small models for a saving that only matters for huge activations.
+            "memory_efficient_linear": False,
+            # DeepSpeed's default: tensors under 100k elements stay whole on every rank (gathering them each
+            # forward costs more than they weigh). Set 0 in --deepspeed to shard everything.
+            "stage3_param_persistence_threshold": 100_000,
+            # DeepSpeed's 5e8-element gradient bucket would be 1-2 GB on the GPU; 5e7 is as fast at our sizes.
+            "reduce_bucket_size": 50_000_000,
+            "allgather_bucket_size": 50_000_000,
+        },
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if precision == "bf16-pure" and dtype == torch.bfloat16:
+        if zero_stage == 0:  # no ZeRO optimizer: AdamW steps the bf16 module itself (bf16 grads and moments)
+            cfg["bf16"] = {"enabled": False}
+        else:
+            cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    if offload_optimizer:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW where DeepSpeedCPUAdam cannot be built (CPU-only)
+    if user_config:
+        cfg = _deep_merge(cfg, _user_config(Path(user_config)))
+    return cfg
+
+
+def _user_config(path: Path) -> dict:
+    try:
+        user = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: DeepSpeed config not found (--deepspeed).") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+    ignored = [k for k in BATCH_KEYS if k in user]
+    if ignored:
+        from align.console import warn
+
+        warn(f"{path}: {', '.join(ignored)} ignored: align sets the batch layout from the stage's flags.")
+    return {k: v for k, v in user.items() if k not in BATCH_KEYS}
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def frozen_config(cfg: dict, offload_params: bool = False) -> dict:
+    """The config of an inference-only engine built beside a trained one: ZeRO stages 1 and 2 partition only
+    gradients and optimiser states, which a frozen model has none of (stage 0: a plain replica); no optimiser
+    offload and no master-weight settings. `offload_params` (ZeRO-3) keeps its parameters in CPU memory."""
+    zero = {k: v for k, v in cfg["zero_optimization"].items() if k != "offload_optimizer"}
+    if zero["stage"] in (1, 2):
+        zero["stage"] = 0
+    if offload_params and zero["stage"] == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    return {**cfg, "zero_optimization": zero, "bf16": {"enabled": cfg["bf16"]["enabled"]}}
+
+
+def set_block_leaves(model: torch.nn.Module) -> None:
+    """ZeRO-3 fetches and releases each transformer block's parameters as one unit (the block classes the model
+    names in `_no_split_modules`): one pair of hooks per block instead of one per Linear / norm inside it,
+    ~10× fewer Python hook calls per forward and backward, the step's main CPU cost on one GPU."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
+    if classes:
+        set_z3_leaf_modules(model, classes)
+
+
+def load_partitioned(cfg: dict, load, dtype):
+    """`load(dtype)` with transformers' ZeRO-3 link set to `cfg`, so `from_pretrained` loads straight into shards
+    (no rank holds a full copy). Returns (model, link): keep the link alive while the engine lives."""
+    link = None
+    if cfg["zero_optimization"]["stage"] == 3:
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+        link = HfDeepSpeedConfig(cfg)
+    return load(dtype), link
+
+
+def wrap(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
+    """A DeepSpeed engine around `model`; without an optimizer an inference-only (frozen) one."""
+    import deepspeed
+
+    if optimizer is None:
+        model.requires_grad_(False)
+        cfg = frozen_config(cfg)
+    elif "offload_optimizer" in cfg["zero_optimization"]:
+        hint = offload_threads_hint(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.get_num_threads(),
+                                    len(os.sched_getaffinity(0)))
+        if hint:
+            from align.console import warn
+
+            warn(hint)
+    if cfg["zero_optimization"]["stage"] == 3:
+        set_block_leaves(model)
+    eng, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
+    if optimizer is None:
+        eng.eval()
+    return eng
+
+
+def offload_threads_hint(local_world: int, threads: int, cores: int) -> str | None:
+    """A warning when CPU Adam would run on fewer threads than this process's share of the cores (torchrun's
+    default OMP_NUM_THREADS=1 under a launcher that is not `align --nproc`), else None."""
+    share = max(1, cores // max(1, local_world))
+    if threads >= share:
+        return None
+    return (f"--offload-optimizer: the CPU Adam step runs on {threads} thread(s) per process, {share} cores "
+            f"are this process's share; set OMP_NUM_THREADS={share} (torchrun sets 1) or launch with align --nproc.")
+
+
+# ---- optimisation
+
+
+@dataclass
+class Optim:
+    """AdamW and its schedule: linear warmup, then cosine or linear decay to 10% of `lr` over `total_steps`, or
+    constant."""
+
+    lr: float
+    total_steps: int
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    """Linear warmup, then cosine or linear decay to 10% (or constant)."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return 1.0 - 0.9 * progress
+        return 1.0
+
+    return f
+
+
+def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: bool = False):
+    """AdamW, weight decay on matrices only (the fused kernel on GPU machines). With --offload-optimizer on a GPU
+    machine the step runs on the CPU: DeepSpeed's vectorised CPUAdam (built once per machine, ~1 min; several
+    times faster than torch's CPU AdamW), or torch's AdamW where the build fails."""
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if offload and torch.cuda.is_available():
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, lr=lr, betas=betas, adamw_mode=True)
+        except Exception as e:  # no compiler / build error: still correct, just a slower optimiser step
+            from align.console import warn
+
+            warn(f"DeepSpeedCPUAdam unavailable ({type(e).__name__}: {str(e)[:200]}); the offloaded optimiser "
+                 "step uses torch's AdamW on the CPU")
+    # GPU machines: the fused kernel (a few launches per step, no parameter-sized temporaries as the default
+    # foreach AdamW allocates); on CPU-only machines torch's default, which the CPU tests pin down.
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=torch.cuda.is_available() or None)
+
+
+def batch_layout(global_batch: int, micro_batch: int, world: int) -> tuple[int, int]:
+    """(micro batch per rank, gradient accumulation steps) for a global batch; must divide evenly."""
+    if micro_batch <= 0:
+        micro_batch = max(1, global_batch // world)
+    if global_batch % (micro_batch * world):
+        raise UserError(
+            f"--batch-size {global_batch} is not a multiple of micro batch {micro_batch} x {world} processes; "
+            "change --batch-size or --micro-batch-size."
+        )
+    return micro_batch, global_batch // (micro_batch * world)
+
+
+class Trained:
+    """A trained engine: forward like the model, `backward(loss)` once per micro-batch (the optimiser steps
+    after the `accum`-th), `metrics()` its last gradient norm and learning rate."""
+
+    def __init__(self, eng, accum: int, world: int, prefix: str = ""):
+        self.eng, self.accum, self.world, self.prefix = eng, accum, world, prefix
+
+    @property
+    def module(self):
+        return self.eng.module
+
+    def __call__(self, *args, **kwargs):
+        return self.eng(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss` is this micro-batch's share of the global objective (summed terms / global count). DeepSpeed
+        divides by its accumulation steps and averages gradients over ranks; multiplying by both first leaves
+        the gradient of the global objective itself, whatever the number of processes and micro-batches."""
+        self.eng.backward(loss * self.world * self.accum)
+        self.eng.step()
+
+    def metrics(self) -> dict[str, float]:
+        return {f"{self.prefix}grad_norm": float(self.eng.get_global_grad_norm() or 0.0),
+                f"{self.prefix}lr": self.eng.lr_scheduler.get_last_lr()[0]}

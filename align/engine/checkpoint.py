@@ -1,0 +1,105 @@
+"""Checkpoints for exact resume: every trained engine (model, optimiser, LR schedule), each rank's RNG states, and
+the run's own state (step, the stage's state such as PPO's β, RLMonitor's windows, the first evaluation).
+
+    checkpoints/step40/policy/   DeepSpeed checkpoint of the engine named "policy" (ZeRO shards of every rank)
+    checkpoints/step40/value/    ... one folder per trained engine
+    checkpoints/step40/state.json, rng-rank0.json, rng-rank1.json
+    checkpoints/latest           "step40", written last (atomic rename): a checkpoint is complete or ignored
+
+Written by align and read back only from the run's own --out with --resume (DeepSpeed's files are torch pickles).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from align import runtime
+from align.artifacts import write_json_atomic
+from align.errors import UserError
+
+DIR = "checkpoints"
+
+
+def latest(out: Path) -> str | None:
+    f = Path(out) / DIR / "latest"
+    return f.read_text().strip() if f.is_file() else None
+
+
+def _rng_state() -> dict:
+    import numpy as np
+
+    def b64(t: torch.Tensor) -> str:
+        return base64.b64encode(t.numpy().tobytes()).decode()
+
+    state = {"python": random.getstate(), "torch": b64(torch.get_rng_state())}
+    np_state = np.random.get_state()
+    state["numpy"] = [np_state[0], np_state[1].tolist(), *np_state[2:]]
+    if torch.cuda.is_available():
+        state["cuda"] = b64(torch.cuda.get_rng_state())
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    def tensor(s: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(tensor(state["torch"]))
+    np.random.set_state((state["numpy"][0], np.array(state["numpy"][1], dtype=np.uint32), *state["numpy"][2:]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensor(state["cuda"]))
+
+
+def save(out: Path, step: int, engines: dict, state: dict, dist: runtime.Dist) -> None:
+    """Write checkpoint `step` (every rank calls this), then point `latest` at it and delete older ones."""
+    root = Path(out) / DIR
+    tag = f"step{step}"
+    for name, eng in engines.items():
+        eng.save_checkpoint(str(root / tag), tag=name, save_latest=False)
+    (root / tag).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(root / tag / f"rng-rank{dist.rank}.json", _rng_state())
+    if dist.is_main:
+        write_json_atomic(root / tag / "state.json", {"step": step, "world_size": dist.world_size, **state})
+    runtime.barrier()
+    if dist.is_main:
+        tmp = root / "latest.tmp"
+        tmp.write_text(tag + "\n")
+        tmp.replace(root / "latest")
+        for old in root.iterdir():
+            if old.is_dir() and old.name != tag:
+                shutil.rmtree(old, ignore_errors=True)
+    runtime.barrier()
+
+
+def read_state(out: Path) -> dict:
+    """The run state of the latest checkpoint (plain JSON: readable before anything is loaded or written)."""
+    root = Path(out) / DIR
+    tag = latest(out)
+    state_file = root / str(tag) / "state.json"
+    if tag is None or not state_file.is_file():
+        raise UserError(f"{root}: no complete checkpoint to resume from; run without --resume.")
+    return json.loads(state_file.read_text())
+
+
+def load(out: Path, engines: dict, dist: runtime.Dist) -> dict:
+    """Restore every engine and this rank's RNG from the latest checkpoint; returns the run state."""
+    root, tag = Path(out) / DIR, latest(out)
+    state = read_state(out)
+    if state["world_size"] != dist.world_size:
+        raise UserError(f"{root / tag}: written by {state['world_size']} processes, resumed with "
+                        f"{dist.world_size}; resume with --nproc {state['world_size']}.")
+    for name, eng in engines.items():
+        path, _ = eng.load_checkpoint(str(root / tag), tag=name)
+        if path is None:
+            raise UserError(f"{root / tag / name}: checkpoint could not be loaded; run without --resume.")
+    _set_rng_state(json.loads((root / tag / f"rng-rank{dist.rank}.json").read_text()))
+    return state

@@ -1,0 +1,283 @@
+"""StageRun: the life of one stage run, written once for every stage.
+
+    with StageRun(cfg, "sft") as run:
+        algo = SFT(cfg, run)      # checks its inputs, then run.open(...) (from here --out is written) and
+                                  # builds its engines with run.train(...) / run.frozen(...)
+        run.fit(algo)             # the step loop: algo.step(step) -> Stats, reduced in one all-reduce; eval,
+                                  # metrics.jsonl, RLMonitor, progress, checkpoints, --resume
+        return run.finish(algo)   # final checkpoint, the model saved atomically, artifact "complete"
+
+An algorithm (stages/*.py) provides `step(step) -> Stats`, `output() -> Output`, `final_metrics(last, start)`, and
+optionally `evaluate(step) -> dict` (`eval/...` metrics; with `eval_at_start` also at step 0), `progress` (the
+keys on the progress bar), `report_xy`, and `state_dict()` / `load_state_dict()` (its own resumable state).
+
+Exact resume: a checkpoint holds every trained engine (model, optimiser, scheduler), every rank's RNG, the step,
+the algorithm's state and RLMonitor's; each step re-seeds the RNGs from (seed, step, rank) and draws its data
+from a pure function of (seed, step), so a resumed run takes the same path as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from align import runtime
+from align.artifacts import ArtifactWriter
+from align.config import as_dict, load_toml
+from align.console import TrainProgress, info, summary_table
+from align.engine import checkpoint
+from align.engine.build import Optim, Trained, adamw, compute_dtype, ds_config, frozen_config, load_partitioned, lr_lambda, wrap
+from align.errors import UserError
+
+# config keys a --resume may change: they do not alter the path training takes up to the checkpoint
+RATES = ("tokens", "pairs")  # Stats.sum counts a stage may log: the run adds <name>_per_s per step and overall
+RESUMABLE = {"resume", "max_steps", "save_every", "eval_every", "eval_data", "eval_samples", "eval_k", "eval_pairs",
+             "pass_data", "monitor", "out", "nproc", "gather"}
+
+
+def step_indices(n: int, global_batch: int, step: int, seed: int) -> list[int]:
+    """The example indices of optimiser step `step` (0-based): epochs of seeded permutations, identical on every
+    rank and for any number of ranks, so a 2-process run sees exactly the examples a 1-process run sees."""
+    out = []
+    pos = step * global_batch
+    while len(out) < global_batch:
+        epoch, offset = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        take = perm[offset : offset + global_batch - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+def chunks(items, size: int) -> list:
+    """Consecutive micro-batches of `size` items (the last may be shorter)."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # every device
+
+
+@dataclass
+class Output:
+    """What a finished stage saves: `engine`'s weights with `tokenizer` as model/, `config` added to the model's
+    config.json, `kind` (policy | reward) and `extra` in artifact.json."""
+
+    engine: object
+    tokenizer: object
+    kind: str = "policy"
+    config: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+class StageRun:
+    def __init__(self, cfg, stage: str):
+        self.cfg, self.stage, self.out = cfg, stage, Path(cfg.out)
+        self.dist: runtime.Dist | None = None
+        self.writer: ArtifactWriter | None = None
+        self.engines: dict[str, Trained] = {}  # the trained engines, checkpointed by name
+        self.start_eval: dict = {}  # the evaluation at step 0 (the "before" numbers)
+        self.last_eval: dict = {}
+        self.last: dict = {}  # the last step's metrics
+        self.train_seconds = 0.0
+        self.counted: dict[str, float] = {}  # RATES counted since this process started
+        self._link = None  # transformers' ZeRO-3 loading link, alive while engines are built
+        self.monitor = None
+        if getattr(cfg, "monitor", None) is not None:
+            from align.monitor import RLMonitor
+
+            path = cfg.monitor
+            overrides = load_toml(path) if path else None
+            self.monitor = RLMonitor(overrides=overrides.get("monitor", overrides) if overrides else None)
+
+    # ---- lifecycle
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if exc is not None and self.writer is not None and self.writer.running:
+            if isinstance(exc, KeyboardInterrupt):
+                reason = "interrupted"
+            elif isinstance(exc, SystemExit):
+                reason = f"exited with code {exc.code}"
+            elif isinstance(exc, UserError):
+                reason = str(exc)
+            else:
+                reason = f"{type(exc).__name__}: {exc}"
+            self.writer.fail(reason, self.last, self.monitor.summary() if self.monitor else None)
+        return False
+
+    def open(self, inputs: dict) -> runtime.Dist:
+        """Every input is checked: start the process group and write artifact.json ("running")."""
+        if getattr(self.cfg, "resume", False):
+            self._check_resumable(checkpoint.read_state(self.out)["config"])
+        self.dist = runtime.init()
+        self.dtype = compute_dtype(self.dist.device, self.cfg.precision)
+        seed_all(self.cfg.seed)
+        self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, self.dist.is_main)
+        return self.dist
+
+    # ---- engines
+
+    def train(self, name: str, load, optim: Optim, *, micro: int = 1, accum: int = 1, prefix: str = "") -> Trained:
+        """A trained engine of the model `load(dtype)` returns (loaded straight into ZeRO-3 shards), with AdamW
+        and `optim`'s schedule; `accum` micro-batches of `micro` rows make one optimiser step."""
+        cfg = self.cfg
+        ds = ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum,
+                       world_size=self.dist.world_size, dtype=self.dtype, grad_clip=cfg.grad_clip,
+                       user_config=cfg.deepspeed, precision=cfg.precision, offload_optimizer=cfg.offload_optimizer)
+        model, self._link = load_partitioned(ds, load, self.dtype)
+        opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer)
+        schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
+        eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
+        eng.train()
+        self.engines[name] = Trained(eng, accum, self.dist.world_size, prefix)
+        return self.engines[name]
+
+    def frozen(self, load, offload_params: bool = False):
+        """An inference-only engine of `load(dtype)` (a reference policy, a reward model, a model to evaluate)."""
+        cfg = self.cfg
+        ds = frozen_config(ds_config(zero_stage=cfg.zero_stage, micro_batch=1, grad_accum=1,
+                                     world_size=self.dist.world_size, dtype=self.dtype, user_config=cfg.deepspeed,
+                                     precision=cfg.precision), offload_params)
+        model, self._link = load_partitioned(ds, load, self.dtype)
+        return wrap(model, ds)
+
+    def indices(self, n: int, size: int, step: int, seed: int | None = None) -> list[int]:
+        """This rank's share of global batch `step` of `size` indices into `n` items."""
+        seed = self.cfg.seed if seed is None else seed
+        return runtime.shard(step_indices(n, size, step, seed), self.dist)
+
+    # ---- the step loop
+
+    def fit(self, algo) -> None:
+        cfg = self.cfg
+        start = self._resume(algo) if cfg.resume else 0
+        if start == 0 and getattr(algo, "eval_at_start", False):
+            self.start_eval = self._evaluate(algo, 0)
+        self.t_fit = time.time()
+        with TrainProgress(self.stage, cfg.max_steps, start, keys=getattr(algo, "progress", ())) as bar:
+            for step in range(start, cfg.max_steps):
+                t = time.time()
+                seed_all(cfg.seed * 1_000_003 + step * 101 + self.dist.rank)
+                metrics = algo.step(step).reduce(self.dist.device)
+                for eng in self.engines.values():
+                    metrics.update(eng.metrics())
+                metrics["time/step"] = time.time() - t
+                self.train_seconds += metrics["time/step"]
+                for k in RATES:
+                    if k in metrics:
+                        self.counted[k] = self.counted.get(k, 0.0) + metrics[k]
+                        metrics[f"{k}_per_s"] = metrics[k] / metrics["time/step"]
+                done = step + 1
+                if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
+                    metrics.update(self._evaluate(algo, done))
+                self._end_step(done, metrics, bar, algo)
+
+    def _evaluate(self, algo, step: int) -> dict:
+        if not hasattr(algo, "evaluate"):
+            return {}
+        seed_all(self.cfg.seed * 7919 + 1 + self.dist.rank)  # the same eval samples at every evaluation
+        for eng in self.engines.values():
+            eng.eng.eval()
+        m = algo.evaluate(step)
+        for eng in self.engines.values():
+            eng.eng.train()
+        if m:
+            self.writer.log(step, m)
+        self.last_eval = m
+        return m
+
+    def _end_step(self, step: int, metrics: dict, bar, algo) -> None:
+        """Log the step (eval lines are logged where they are computed), feed RLMonitor and print its events, move
+        the progress bar; on a `stop` event checkpoint, mark the artifact failed and exit 1; else checkpoint
+        every --save-every steps."""
+        self.last = metrics
+        self.writer.log(step, {k: v for k, v in metrics.items() if not k.startswith("eval/")})
+        events = self.monitor.update(step, metrics)
+        self.writer.log_events(events)
+        for e in events:
+            bar.print(f"[{'red' if e.severity == 'stop' else 'yellow'}]health {e.severity}: {e.rule} at step "
+                      f"{step}: {e.message}[/]")
+        bar.update(step, {**self.last_eval, **metrics})
+        if self.monitor.should_stop(events):
+            stop = next(e for e in events if e.severity == "stop")
+            reason = f"RLMonitor stop at step {step}: {stop.rule}: {stop.message}"
+            self.checkpoint(step, algo)
+            self.writer.fail(reason, metrics, self.monitor.summary())
+            bar.print(f"[bold red]{reason} (checkpoint saved; fix and rerun, or --resume)[/]")
+            raise SystemExit(1)
+        if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.max_steps:
+            self.checkpoint(step, algo)
+
+    # ---- checkpoints
+
+    def checkpoint(self, step: int, algo) -> None:
+        state = {"config": as_dict(self.cfg), "monitor": self.monitor.state_dict(), "start_eval": self.start_eval,
+                 "last_eval": self.last_eval, "last": self.last,
+                 "algorithm": algo.state_dict() if hasattr(algo, "state_dict") else {}}
+        checkpoint.save(self.out, step, {n: e.eng for n, e in self.engines.items()}, state, self.dist)
+
+    def _check_resumable(self, saved: dict) -> None:
+        """A --resume continues the checkpoint's run: settings that change its path are refused, not ignored."""
+        now = as_dict(self.cfg)
+        changed = sorted(k for k, v in saved.items() if k not in RESUMABLE and now.get(k) != v)
+        if changed:
+            diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} -> {now.get(k)!r}" for k in changed)
+            raise UserError(f"{self.out}: the checkpoint was trained with other settings ({diff}); resume with "
+                            "the checkpoint's values, or start a new run in another --out.")
+
+    def _resume(self, algo) -> int:
+        state = checkpoint.load(self.out, {n: e.eng for n, e in self.engines.items()}, self.dist)
+        self.monitor.load_state_dict(state["monitor"])
+        self.start_eval, self.last_eval, self.last = state["start_eval"], state["last_eval"], state["last"]
+        if hasattr(algo, "load_state_dict"):
+            algo.load_state_dict(state["algorithm"])
+        self.writer.rewind(state["step"])
+        info(f"resumed from the checkpoint at step {state['step']}")
+        return state["step"]
+
+    # ---- the end
+
+    def finish(self, algo) -> dict:
+        """Final checkpoint (a later --resume with a larger --max-steps continues from here), the model saved
+        to model/ through model.tmp/, the report, and artifact.json "complete"."""
+        cfg, dist = self.cfg, self.dist
+        wall = time.time() - self.t_fit
+        self.checkpoint(cfg.max_steps, algo)
+        out = algo.output()
+        runtime.save_model(out.engine, out.tokenizer, self.writer.begin_model(), dist, extra_config=out.config)
+        rates = {f"{k}_per_s": round(v / max(self.train_seconds, 1e-9), 1) for k, v in self.counted.items()}
+        final = {**algo.final_metrics(self.last, self.start_eval), **rates, "steps": cfg.max_steps,
+                 "wall_seconds": round(wall, 1), "train_seconds": round(self.train_seconds, 1),
+                 "peak_memory_gib_per_rank": [round(m, 3) for m in runtime.all_gather_objects(runtime.peak_memory_gib(dist))]}
+        if dist.is_main:
+            from align.report import plot_report
+
+            plot_report(self.out / "metrics.jsonl", self.out / "report.png", f"{self.stage} — {cfg.model}",
+                        xy=getattr(algo, "report_xy", None))
+        self.writer.complete(final, self.monitor.summary(),
+                             extra={"model_kind": out.kind, "world_size": dist.world_size, **out.extra})
+        summary_table(f"{self.stage} complete → {self.out}", final)
+        return final
+
+    def complete(self, metrics: dict, title: str, extra: dict | None = None) -> dict:
+        """The end of a stage that trains nothing (eval, rm eval/score): metrics into artifact.json, a table."""
+        self.writer.log(0, metrics)
+        self.writer.complete(metrics, extra=extra)
+        summary_table(title, metrics)
+        return metrics
+
+
+def train(cfg, stage: str, algorithm) -> dict:
+    """Run a training stage: `algorithm(cfg, run)` builds it, the run trains it, saves it and says how it went."""
+    with StageRun(cfg, stage) as run:
+        algo = algorithm(cfg, run)
+        run.fit(algo)
+        return run.finish(algo)

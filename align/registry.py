@@ -1,0 +1,55 @@
+"""THE registry of `align` commands: the CLI builds its commands from it and pipelines look up stage kinds in it.
+
+Light on purpose: a command's module (and its config dataclass) is imported only when that command is used, so
+`align --help` starts instantly and importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    words: tuple[str, ...]  # `align <words...>`
+    module: str  # where its config dataclass and entry function live
+    config: str  # the config dataclass: flags, TOML keys and artifact config
+    help: str
+    kind: str = ""  # its stage kind in pipelines ("": not a pipeline stage)
+    entry: str = "run"  # the function taking the config
+    positional: tuple[str, ...] = ()  # config fields given as arguments, not flags
+
+    def config_class(self) -> type:
+        return getattr(importlib.import_module(self.module), self.config)
+
+    def run(self, cfg):
+        return getattr(importlib.import_module(self.module), self.entry)(cfg)
+
+
+COMMANDS = (
+    Command(("sft",), "stages.sft", "SFTConfig", "Supervised fine-tuning (loss on completion tokens only).", "sft"),
+    Command(("rm", "train"), "stages.rm", "RMConfig", "Train a Bradley-Terry reward model (scalar head on the SFT "
+            "model).", "rm"),
+    Command(("rm", "eval"), "stages.rm", "RMEvalConfig", "Held-out pairwise accuracy, mean margin and calibration of a "
+            "reward model.", "rm-eval", entry="run_eval"),
+    Command(("rm", "score"), "stages.rm", "RMScoreConfig", "Score {prompt, response} rows with a reward model "
+            "(normalised) to JSONL.", "rm-score", entry="run_score"),
+    Command(("ppo",), "stages.ppo", "PPOConfig", "PPO-ptx: policy, frozen reference and reward model, a separate value "
+            "network, adaptive KL, pretraining mix, gold-vs-proxy reward.", "ppo"),
+    Command(("dpo",), "stages.dpo", "DPOConfig", "Direct Preference Optimization against a frozen reference (sigmoid, "
+            "IPO, hinge).", "dpo"),
+    Command(("grpo",), "stages.grpo", "GRPOConfig", "GRPO / RLVR: G samples per prompt, verifiable rewards, "
+            "group-relative advantages, pass@k.", "grpo"),
+    Command(("eval",), "stages.eval", "EvalConfig", "pass@k of a policy on verifiable data (greedy pass@1 + sampled).",
+            "eval", positional=("model",)),
+    Command(("model", "init"), "stages.model_init", "ModelInitConfig", "Build the embedded model (preset) with the "
+            "shipped tokenizer.", "model-init"),
+    Command(("data", "make"), "stages.data_make", "DataMakeConfig", "Generate a dataset (and optionally a disjoint "
+            "held-out split).", positional=("task",)),
+)
+
+GROUPS = {"rm": "Bradley-Terry reward model: train, eval, score.", "model": "Create models.",
+          "data": "Generate datasets.", "pipeline": "Run a chain of stages from a TOML file."}
+
+KINDS: dict[str, Command] = {c.kind: c for c in COMMANDS if c.kind}
