@@ -48,6 +48,13 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -123,14 +130,16 @@ class ArtifactWriter:
         self._health = open(self.out / "health.jsonl", "a" if config.get("resume") else "w")
 
     def rewind(self, step: int) -> None:
-        """On --resume from a checkpoint at `step`: forget metric lines a killed run wrote after it."""
+        """On --resume from a checkpoint at `step`: forget the metric lines and health events a killed run wrote
+        after it (and a line it was killed in the middle of)."""
         if not self.is_main:
             return
-        path = self.out / "metrics.jsonl"
-        self._metrics.close()
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
-        self._metrics = open(path, "a")
+        for name, f in (("metrics.jsonl", self._metrics), ("health.jsonl", self._health)):
+            f.close()
+            path = self.out / name
+            kept = [line for line in path.read_text().splitlines() if (row := _json_or_none(line)) and row["step"] <= step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._metrics, self._health = open(self.out / "metrics.jsonl", "a"), open(self.out / "health.jsonl", "a")
 
     @property
     def running(self) -> bool:

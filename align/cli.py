@@ -17,7 +17,7 @@ from typer.core import TyperGroup
 from align import config as C
 from align import registry
 from align.console import console
-from align.errors import UserError
+from align.errors import Terminated, UserError
 
 TYPER = dict(no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False, add_completion=False,
              context_settings={"help_option_names": ["-h", "--help"]})
@@ -135,3 +135,6 @@ def main() -> None:
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         raise SystemExit(130)
+    except Terminated as e:
+        console.print("[yellow]terminated[/]")
+        raise SystemExit(e.exit_code)

@@ -8,3 +8,10 @@ class UserError(Exception):
     """
 
     exit_code = 2
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (align installs the handler while a stage runs): the run stops like on Ctrl-C, its artifact
+    is marked failed, and the CLI exits 143."""
+
+    exit_code = 143

@@ -289,7 +289,7 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
             bad_stage = True
             continue
         if isinstance(v, str) and v.startswith("@"):
-            ref = v[1:]
+            target = v[1:]
             if cls and key not in paths:
                 problem(kp, f"{v}: a @stage reference only fits a path-valued key "
                             f"({', '.join(sorted(paths - {'out'}))})")
@@ -297,19 +297,19 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
             elif key == "out":
                 problem(kp, f"{v}: `out` cannot be a reference; it is this stage's own output directory")
                 bad_stage = True
-            elif ref == name:
+            elif target == name:
                 problem(kp, f"{v}: a stage cannot use its own output")
                 bad_stage = True
-            elif ref not in names:
-                hint = _close(ref, names).replace("mean ", "mean @")
-                problem(kp, f"{v}: no stage named {ref!r}{hint} (stages: {', '.join(names)})")
+            elif target not in names:
+                hint = _close(target, names).replace("mean ", "mean @")
+                problem(kp, f"{v}: no stage named {target!r}{hint} (stages: {', '.join(names)})")
                 bad_stage = True
-            elif names.index(ref) > i:
-                problem(kp, f"{v}: stage {ref!r} comes later in the file; a stage can only use "
+            elif names.index(target) > i:
+                problem(kp, f"{v}: stage {target!r} comes later in the file; a stage can only use "
                             "the outputs of stages above it")
                 bad_stage = True
             else:
-                refs[key] = ref
+                refs[key] = target
             values[key] = v
             continue
         if cls:

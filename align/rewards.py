@@ -119,15 +119,15 @@ def math_reward(completion, answer, tol=1e-6):
     Exact on fractions first, then within tol * max(1, |answer|). The reference may be a number
     string or a full solution ending in '#### N'; a reference with no number raises UserError.
     """
-    ref = _fraction(answer)
-    if ref is None:
-        ref = _fraction(extract_answer(str(answer)))
-    if ref is None:
+    want = _fraction(answer)
+    if want is None:
+        want = _fraction(extract_answer(str(answer)))
+    if want is None:
         raise UserError(f"reference answer {answer!r} is not a number; fix the dataset's answer column")
     pred = _fraction(extract_answer(completion))
     if pred is None:
         return 0.0
-    if pred == ref or abs(float(pred) - float(ref)) <= tol * max(1.0, abs(float(ref))):
+    if pred == want or abs(float(pred) - float(want)) <= tol * max(1.0, abs(float(want))):
         return 1.0
     return 0.0
 

@@ -290,8 +290,8 @@ class PPO:
 
     def advantages(self, batch: dict, s: torch.Tensor, beta: float) -> dict:
         cfg, mask = self.cfg, batch["response_mask"]
-        old_logp = batched_logprobs(self.policy, batch, self.micro, cfg.temperature, fused=False)
-        ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature, fused=False)
+        old_logp = batched_logprobs(self.policy, batch, self.micro, cfg.temperature)
+        ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature)
         old_values = batched_values(self.value, batch, self.micro) * mask
         kl = rl.KL_ESTIMATORS[cfg.kl_estimator](old_logp, ref_logp) * mask
         adv, returns = rl.gae(rl.token_rewards(s, kl, mask, beta), old_values, mask, cfg.gamma, cfg.lam)
@@ -328,7 +328,7 @@ class PPO:
             mm = select(mb, slice(i, i + self.micro))
             mask = mm["response_mask"]
             logp, ent = logprobs(self.policy, mm, temperature=cfg.temperature, with_entropy=True,
-                                 entropy_grad=bool(cfg.ent_coef), fused=False)
+                                 entropy_grad=bool(cfg.ent_coef))
             pg, low, high = rl.clipped_surrogate(logp, mm["old_logp"], mm["adv"], cfg.cliprange)
             per_tok = pg - cfg.ent_coef * ent if cfg.ent_coef else pg
             self.policy.backward(rl.aggregate_loss(per_tok, mask, "token-mean", n_tokens=n_tok, n_seqs=0, max_len=0))

@@ -58,6 +58,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory, shipped_tokenizer) -> Path:
+    """A tiny sequence classifier (random head, seed 1) saved as a reward model, normalisation offset 0.5."""
+    import torch
+
+    from align.models import resolve
+    from align.reward_model import OFFSET_KEY, load_sequence_classifier
+
+    rm = load_sequence_classifier(resolve("tiny"), shipped_tokenizer, torch.float32, seed=1)
+    rm.config.pad_token_id = shipped_tokenizer.pad_token_id
+    setattr(rm.config, OFFSET_KEY, 0.5)
+    out = tmp_path_factory.mktemp("tiny_rm")
+    rm.save_pretrained(out, safe_serialization=True)
+    shipped_tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def shipped_tokenizer():
     from align.models import load_tokenizer, resolve
 

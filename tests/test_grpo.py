@@ -49,26 +49,10 @@ def test_two_process_zero3_grpo_run(tmp_path):
     assert "start/pass@1/greedy" in art["metrics"] and "gain/pass@1/greedy" in art["metrics"]
 
 
-@pytest.fixture
-def reward_model_dir(tmp_path, shipped_tokenizer):
-    """A tiny sequence classifier (random head) saved as a reward model, with a normalisation offset."""
-    import torch
-
-    from align.models import resolve
-    from align.reward_model import OFFSET_KEY, load_sequence_classifier
-
-    rm = load_sequence_classifier(resolve("tiny"), shipped_tokenizer, torch.float32, seed=1)
-    rm.config.pad_token_id = shipped_tokenizer.pad_token_id
-    setattr(rm.config, OFFSET_KEY, 0.5)
-    rm.save_pretrained(tmp_path / "rm", safe_serialization=True)
-    shipped_tokenizer.save_pretrained(tmp_path / "rm")
-    return tmp_path / "rm"
-
-
-def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tmp_path, reward_model_dir):
+def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tmp_path, tiny_reward_model_dir):
     out = tmp_path / "kl"
     proc = run(align("grpo", "--out", str(out), "--beta", "0.1", "--num-iterations", "2", "--reward-model",
-                     str(reward_model_dir), "--reward-model-weight", "0.5", *SHORT))
+                     str(tiny_reward_model_dir), "--reward-model-weight", "0.5", *SHORT))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())  # the info line wraps at the terminal width
     assert "reference model on" in said and "reward model" in said
@@ -78,7 +62,7 @@ def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tm
     for r in steps:
         assert r["reward"] == pytest.approx(r["rewards/math"] + 0.5 * r["rewards/reward_model"], abs=1e-5)
     art = json.loads((out / "artifact.json").read_text())
-    assert art["inputs"]["reward_model"]["spec"] == str(reward_model_dir)
+    assert art["inputs"]["reward_model"]["spec"] == str(tiny_reward_model_dir)
 
 
 def test_reward_model_that_is_a_preset_is_refused(tmp_path):
@@ -101,6 +85,8 @@ def test_reward_error_fails_clearly_or_is_skipped(tmp_path, reward_file):
     proc = run(align("grpo", "--out", str(tmp_path / "fail"), "--reward", f"{reward_file}:boom", *SHORT))
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "bad reward" in text and "on completion" in text and "Traceback" not in text
+    art = json.loads((tmp_path / "fail" / "artifact.json").read_text())
+    assert art["status"] == "failed" and "bad reward" in art["reason"]  # never left "running"
     ok = run(align("grpo", "--out", str(tmp_path / "skip"), "--reward", f"{reward_file}:boom",
                    "--on-reward-error", "zero", *SHORT))
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]

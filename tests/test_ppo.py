@@ -25,21 +25,14 @@ def write_jsonl(path, rows):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, shipped_tokenizer, tiny_model_dir):
-    """A tiny reward model (sequence classifier, random head, offset 0.5 in its config) and small data files."""
-    from align.models import resolve
+def files(tmp_path_factory, tiny_reward_model_dir, tiny_model_dir):
+    """The tiny reward model (random head, offset 0.5 in its config) and small data files."""
     from align.paths import DATA_DIR
-    from align.reward_model import OFFSET_KEY, load_sequence_classifier
 
     d = tmp_path_factory.mktemp("ppo")
-    rm = load_sequence_classifier(resolve("tiny"), shipped_tokenizer, torch.float32, seed=1)
-    rm.config.pad_token_id = shipped_tokenizer.pad_token_id
-    setattr(rm.config, OFFSET_KEY, 0.5)
-    rm.save_pretrained(d / "rm", safe_serialization=True)
-    shipped_tokenizer.save_pretrained(d / "rm")
     rows = [json.loads(line) for line in (DATA_DIR / "arithmetic/train.jsonl").read_text().splitlines()[:16]]
     texts = [json.loads(line) for line in (DATA_DIR / "text/train.jsonl").read_text().splitlines()[:8]]
-    return {"dir": d, "rm": d / "rm", "policy": tiny_model_dir, "prompts": write_jsonl(d / "prompts.jsonl", rows),
+    return {"dir": d, "rm": tiny_reward_model_dir, "policy": tiny_model_dir, "prompts": write_jsonl(d / "prompts.jsonl", rows),
             "eval": write_jsonl(d / "eval.jsonl", rows[:4]), "text": write_jsonl(d / "text.jsonl", texts)}
 
 

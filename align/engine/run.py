@@ -19,6 +19,7 @@ from a pure function of (seed, step), so a resumed run takes the same path as an
 from __future__ import annotations
 
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from align.config import as_dict, load_toml
 from align.console import TrainProgress, info, summary_table
 from align.engine import checkpoint
 from align.engine.build import Optim, Trained, adamw, compute_dtype, ds_config, frozen_config, load_partitioned, lr_lambda, wrap
-from align.errors import UserError
+from align.errors import Terminated, UserError
 
 # config keys a --resume may change: they do not alter the path training takes up to the checkpoint
 RATES = ("tokens", "pairs")  # Stats.sum counts a stage may log: the run adds <name>_per_s per step and overall
@@ -61,6 +62,10 @@ def chunks(items, size: int) -> list:
 def seed_all(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)  # every device
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 @dataclass
@@ -103,7 +108,9 @@ class StageRun:
     def __exit__(self, kind, exc, tb):
         if exc is not None and self.writer is not None and self.writer.running:
             if isinstance(exc, KeyboardInterrupt):
-                reason = "interrupted"
+                reason = "interrupted (SIGINT)"
+            elif isinstance(exc, Terminated):
+                reason = "terminated (SIGTERM)"
             elif isinstance(exc, SystemExit):
                 reason = f"exited with code {exc.code}"
             elif isinstance(exc, UserError):
@@ -118,6 +125,7 @@ class StageRun:
         if getattr(self.cfg, "resume", False):
             self._check_resumable(checkpoint.read_state(self.out)["config"])
         self.dist = runtime.init()
+        signal.signal(signal.SIGTERM, _terminate)
         self.dtype = compute_dtype(self.dist.device, self.cfg.precision)
         seed_all(self.cfg.seed)
         self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, self.dist.is_main)

@@ -1,0 +1,156 @@
+"""Exact resume, for every training stage: a run killed with SIGKILL at a random step after its first checkpoint
+and resumed with --resume ends with the weights of an uninterrupted run of the same seed and writes the same
+metrics.jsonl rows after the resume point (1 process for every stage, 2 processes for sft and grpo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from align.runtime import free_port
+from tests.conftest import _DIST_ENV, ROOT
+
+STEPS = 8
+ARITH = ROOT / "data/arithmetic/train.jsonl"
+COMMON = ["--max-steps", str(STEPS), "--warmup-steps", "2", "--eval-every", "4", "--save-every", "1"]
+STAGES = {
+    "sft": ["sft", "--batch-size", "8", "--lr", "3e-3", "--eval-samples", "4", "--max-new-tokens", "4"],
+    "rm": ["rm", "train", "--batch-size", "8", "--lr", "3e-3", "--normalize-samples", "8"],
+    "dpo": ["dpo", "--batch-size", "8", "--lr", "1e-3", "--eval-pairs", "16", "--eval-samples", "4",
+            "--max-new-tokens", "4"],
+    "grpo": ["grpo", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--eval-samples",
+             "4", "--eval-k", "1,2", "--micro-batch-size", "8", "--lr", "1e-3", "--beta", "0.1", "--num-iterations", "2"],
+    "ppo": ["ppo", "--model", "tiny", "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2",
+            "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4",
+            "--ptx-data", str(ARITH)],
+}
+TIMING = ("time/", "_per_s")  # wall-clock measurements, the only numbers allowed to differ
+
+
+def command(args, nproc):
+    if nproc == 1:
+        return [sys.executable, "-m", "align", *args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+            "-m", "align", *args]
+
+
+def start(args, nproc=1):
+    # one OpenMP thread each: the uninterrupted and the doomed run share the machine's cores
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env.update(OMP_NUM_THREADS="1", ALIGN_DIST_TIMEOUT="120")
+    return subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+
+
+def finish(proc) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def step_lines(out) -> list[dict]:
+    path = out / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # the line being written
+            pass
+    return rows
+
+
+def kill_at(proc, out, step: int) -> None:
+    """SIGKILL the whole run (launcher and workers) once it has logged `step`."""
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if any(r["step"] >= step and not any(k.startswith("eval/") for k in r) for r in step_lines(out)):
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def weights(out) -> dict:
+    return load_file(out / "model" / "model.safetensors")
+
+
+def comparable(rows: list[dict], after: int) -> list[dict]:
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows if r["step"] > after]
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_model_dir, tiny_reward_model_dir):
+    return {"sft": ["--model", str(tiny_model_dir)], "rm": ["--model", str(tiny_model_dir)],
+            "dpo": ["--model", str(tiny_model_dir)], "grpo": ["--model", str(tiny_model_dir)],
+            "ppo": ["--reward-model", str(tiny_reward_model_dir)]}
+
+
+def check_resume(stage, inputs, tmp_path, nproc=1):
+    ref, out = tmp_path / "uninterrupted", tmp_path / "killed"
+    args = [*STAGES[stage], *inputs[stage], *COMMON]
+    uninterrupted = start([*args, "--out", str(ref)], nproc)
+    doomed = start([*args, "--out", str(out)], nproc)
+    kill_at(doomed, out, random.Random().randint(2, STEPS - 2))
+    finish(uninterrupted)
+    art = json.loads((out / "artifact.json").read_text())
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    resumed_at = int(latest.removeprefix("step"))
+    if art["status"] == "complete":
+        pytest.skip("the run finished before it could be killed")
+    assert art["status"] == "running" and 1 <= resumed_at < STEPS  # SIGKILL: nothing could mark it failed
+
+    said = finish(start([*args, "--out", str(out), "--resume"], nproc))
+    assert f"resumed from the checkpoint at step {resumed_at}" in " ".join(said.split())
+    assert json.loads((out / "artifact.json").read_text())["status"] == "complete"
+    a, b = weights(ref), weights(out)
+    assert a.keys() == b.keys()
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert diff <= 1e-6, f"{stage}: weights differ by {diff} after resuming at step {resumed_at}"
+    assert [r["step"] for r in step_lines(out)] == [r["step"] for r in step_lines(ref)]
+    assert comparable(step_lines(out), resumed_at) == comparable(step_lines(ref), resumed_at)
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_resume_after_sigkill_equals_an_uninterrupted_run(stage, inputs, tmp_path):
+    check_resume(stage, inputs, tmp_path)
+
+
+@pytest.mark.parametrize("stage", ["sft", "grpo"])
+def test_two_process_resume_after_sigkill_equals_an_uninterrupted_run(stage, inputs, tmp_path):
+    check_resume(stage, inputs, tmp_path, nproc=2)
+
+
+def test_resume_refuses_changed_settings_before_touching_the_artifact(tiny_model_dir, tmp_path):
+    """A new --lr on --resume would be silently ignored (the optimiser state holds the old one): it is refused,
+    naming the setting, and the artifact is left as it was."""
+    out = tmp_path / "sft"
+    args = [*STAGES["sft"], "--model", str(tiny_model_dir), "--max-steps", "2", "--eval-every", "0", "--out", str(out)]
+    finish(start(args))
+    before = (out / "artifact.json").read_text()
+    proc = start([*args, "--resume", "--lr", "1e-2"])
+    said = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2 and "--lr 0.003 -> 0.01" in " ".join(said.split()) and "Traceback" not in said
+    assert (out / "artifact.json").read_text() == before
+
+
+def test_checkpoint_holds_rng_algorithm_and_monitor_state(tiny_model_dir, tmp_path):
+    """What a checkpoint holds besides DeepSpeed's engine state: each rank's RNG, the run's own state."""
+    out = tmp_path / "sft"
+    finish(start([*STAGES["sft"], "--model", str(tiny_model_dir), "--max-steps", "2", "--eval-every", "0",
+                  "--out", str(out)]))
+    step = out / "checkpoints" / "step2"
+    state = json.loads((step / "state.json").read_text())
+    assert state["step"] == 2 and state["config"]["lr"] == 3e-3 and state["last"]["loss"] > 0
+    assert len(state["monitor"]["history"]["loss"]) == 2
+    rng = json.loads((step / "rng-rank0.json").read_text())
+    assert {"python", "torch", "numpy"} <= set(rng) and len(rng["torch"]) > 1000
+    assert (step / "policy").is_dir() and not (out / "checkpoints" / "step1").exists()
