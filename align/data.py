@@ -1,4 +1,4 @@
-"""Datasets: JSONL / JSON / Parquet files or `save_to_disk` directories, loaded through `datasets`.
+"""Datasets: JSONL / JSON / Parquet files or `save_to_disk` directories (the last two through `datasets`).
 
 Formats (column names after `--columns old=new` mapping):
   sft          {prompt, completion} or {messages: [{role, content}, ...]} (last assistant turn is the completion)
@@ -57,26 +57,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def load_dataset(path: str | Path):
-    """Load a file or save_to_disk directory as a `datasets.Dataset`."""
-    import datasets
-
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of a data file as dicts. JSONL and JSON are read directly (errors name the line; no `datasets`
+    import, ~2 s of every start); Parquet and `save_to_disk` directories through `datasets`."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: data file not found.")
-    if path.is_dir():
-        try:
-            ds = datasets.load_from_disk(str(path))
-        except (FileNotFoundError, ValueError) as e:
-            raise UserError(f"{path}: not a datasets save_to_disk directory ({str(e).splitlines()[0]}).") from None
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise UserError(f"{path}: DatasetDict without a 'train' split (splits: {', '.join(ds)}).")
-            ds = ds["train"]
-        return ds
     suffix = path.suffix.lower()
+    if path.is_dir() or suffix == ".parquet":
+        return _load_with_datasets(path).to_list()
     if suffix in (".jsonl", ".ndjson"):
-        return datasets.Dataset.from_list(_read_jsonl(path))
+        return _read_jsonl(path)
     if suffix == ".json":
         try:
             obj = json.loads(path.read_text(encoding="utf-8"))
@@ -84,36 +75,57 @@ def load_dataset(path: str | Path):
             raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
         if isinstance(obj, dict) and "data" in obj:
             obj = obj["data"]
-        if not isinstance(obj, list):
+        if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
             raise UserError(f"{path}: expected a JSON list of objects (or JSONL, one object per line).")
-        return datasets.Dataset.from_list(obj)
-    if suffix == ".parquet":
-        return datasets.Dataset.from_parquet(str(path))
+        return obj
     raise UserError(f"{path}: unsupported data format {suffix!r}; use .jsonl, .json, .parquet or a save_to_disk dir.")
 
 
+def _load_with_datasets(path: Path):
+    import datasets
+
+    if not path.is_dir():
+        return datasets.Dataset.from_parquet(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"{path}: not a datasets save_to_disk directory ({str(e).splitlines()[0]}).") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise UserError(f"{path}: DatasetDict without a 'train' split (splits: {', '.join(ds)}).")
+        ds = ds["train"]
+    return ds
+
+
+def columns_of(rows: list[dict]) -> list[str]:
+    """A dataset's columns: the keys of its first row (as `datasets` reads a list of rows)."""
+    return list(rows[0]) if rows else []
+
+
 def load_rows(path: str | Path, fmt: str, columns: str | dict | None = None, limit: int = 0) -> list[dict]:
-    """Load, rename columns, check the required columns of `fmt`; returns plain dict rows."""
-    ds = load_dataset(path)
+    """Load, rename columns (a renamed column replaces one of the new name), check the required columns of `fmt`;
+    returns dict rows."""
+    rows = read_rows(path)
+    names = columns_of(rows)
     mapping = parse_columns(columns)
-    for old, new in mapping.items():
-        if old not in ds.column_names:
-            raise UserError(f"{path}: --columns maps {old!r}, but the data has no such column ({_cols(ds)}).")
-        if new in ds.column_names and new != old:
-            ds = ds.remove_columns(new)
-        ds = ds.rename_column(old, new)
-    if len(ds) == 0:
+    for old in mapping:
+        if old not in names:
+            raise UserError(f"{path}: --columns maps {old!r}, but the data has no such column ({_cols(names)}).")
+    if mapping:
+        replaced = set(mapping.values()) - set(mapping)
+        rows = [{mapping.get(k, k): v for k, v in r.items() if k not in replaced} for r in rows]
+        names = columns_of(rows)
+    if not rows:
         raise UserError(f"{path}: the dataset is empty.")
     required = FORMATS[fmt]
-    if fmt == "sft" and "messages" in ds.column_names and "prompt" not in ds.column_names:
+    if fmt == "sft" and "messages" in names and "prompt" not in names:
         required = ("messages",)
-    missing = [c for c in required if c not in ds.column_names]
+    missing = [c for c in required if c not in names]
     if missing:
         raise UserError(
-            f"{path}: no {', '.join(repr(m) for m in missing)} column for {fmt} data (columns: {_cols(ds)}). "
+            f"{path}: no {', '.join(repr(m) for m in missing)} column for {fmt} data (columns: {_cols(names)}). "
             f"Rename with --columns old=new."
         )
-    rows = ds.to_list()
     if limit:
         rows = rows[:limit]
     for i, row in enumerate(rows, 1):
@@ -123,8 +135,8 @@ def load_rows(path: str | Path, fmt: str, columns: str | dict | None = None, lim
     return rows
 
 
-def _cols(ds) -> str:
-    return ", ".join(ds.column_names) or "none"
+def _cols(names: list[str]) -> str:
+    return ", ".join(names) or "none"
 
 
 # ---- chat formatting and tokenisation (one place for every stage) ----

@@ -127,7 +127,7 @@ def ptx_examples(tok, path: str, max_length: int) -> list[dict]:
     on every token. SFT data {prompt, completion} (or {messages}): the chat-templated example, loss on the
     completion only — the right "pretraining distribution" for a model whose only training is its SFT corpus
     (the embedded tiny model). Empty texts are dropped."""
-    cols = D.load_dataset(path).column_names
+    cols = D.columns_of(D.read_rows(path))
     if "text" not in cols and ("prompt" in cols or "messages" in cols):
         out = D.sft_examples(tok, D.load_rows(path, "sft"), max_length)
     else:

@@ -5,7 +5,7 @@ untied heads), with left-padded prompts of different lengths; and its sampling r
 import pytest
 import torch
 
-from align.fast_generate import FastDecoder, decoder_for, filter_logits, unsupported_reason
+from align.fast_generate import FastDecoder, filter_logits, unsupported_reason
 from align.generation import Sampling, generate_local, use_fast_path
 
 EOS, PAD = 2, 0

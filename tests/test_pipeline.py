@@ -1,6 +1,5 @@
 """`align pipeline`: validation reports every problem with key path and line; skip/rerun with real stages."""
 
-import json
 import os
 import subprocess
 import sys
