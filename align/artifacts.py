@@ -48,6 +48,15 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def _readable(folder: Path) -> None:
+    """Files with the permissions the umask gives (transformers writes model.safetensors 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.rglob("*"):
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+
+
 def _json_or_none(line: str):
     try:
         return json.loads(line)
@@ -179,6 +188,7 @@ class ArtifactWriter:
         if not self.is_main:
             return
         if self.model_tmp.exists():
+            _readable(self.model_tmp)
             final = self.out / MODEL_DIR
             shutil.rmtree(final, ignore_errors=True)
             os.replace(self.model_tmp, final)

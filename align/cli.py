@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 from typing import Optional
@@ -23,11 +24,21 @@ TYPER = dict(no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_en
              context_settings={"help_option_names": ["-h", "--help"]})
 
 
-def relaunch(nproc: int) -> None:
-    """`--nproc N`: re-run this very command under torchrun with N processes, then exit with its code."""
+def relaunch(cfg) -> None:
+    """`--nproc N`: re-run this very command under torchrun with N processes, then exit with its code. torchrun
+    dies with this process (SIGTERM to it, even when this one is SIGKILLed) and stops its workers; a SIGTERM to
+    this process is passed on."""
+    nproc = getattr(cfg, "nproc", 1)
     if nproc <= 1 or "LOCAL_RANK" in os.environ:
         return
-    from align.runtime import free_port, launch_env
+    import signal
+    from pathlib import Path
+
+    from align.engine import outdir
+    from align.runtime import die_with_parent, free_port, launch_env
+
+    if getattr(cfg, "out", None):
+        outdir.refuse_if_locked(Path(cfg.out))  # exit 2 here rather than a worker's failure through torchrun
 
     argv, skip = [], False
     for a in sys.argv[1:]:  # drop --nproc: torchrun would take it for an abbreviation of its own flag
@@ -40,7 +51,19 @@ def relaunch(nproc: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", "-m", "align", *argv]
     console.print(f"[dim]launching {nproc} processes: torchrun --nproc_per_node={nproc} -m align {' '.join(argv)}[/]")
-    raise SystemExit(subprocess.call(cmd, env=launch_env(nproc)))
+    proc = subprocess.Popen(cmd, env=launch_env(nproc), preexec_fn=die_with_parent)
+    signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches torchrun and the workers themselves
+    raise SystemExit(proc.wait())
+
+
+def literal(text: str) -> str:
+    """A help text rich shows as written: markup escaped (a literal [...] stays), emoji codes (:name:) broken with
+    an invisible word joiner."""
+    from rich.emoji import Emoji
+
+    text = escape(text)
+    return text if Emoji.replace(text) == text else re.sub(r":(?=[^\s:]+:)", ":\u2060", text)
 
 
 def build_command(cmd: registry.Command) -> click.Command:
@@ -52,7 +75,7 @@ def build_command(cmd: registry.Command) -> click.Command:
     for f in C.fields(cfg_cls):
         t = types[f.name]
         flag = "--" + f.name.replace("_", "-")
-        h = escape(f.metadata.get("help", ""))  # rich markup: a literal [...] in a help text stays
+        h = literal(f.metadata.get("help", ""))
         default_value = f.default_factory() if C.is_list(t) else f.default
         if f.name in cmd.positional:
             default = typer.Argument(default_value, help=h, show_default=True)
@@ -70,7 +93,7 @@ def build_command(cmd: registry.Command) -> click.Command:
         explicit = {k: v for k, v in kw.items()
                     if getattr(ctx.get_parameter_source(k), "name", "DEFAULT") != "DEFAULT"}
         cfg = C.build(cfg_cls, toml, explicit)
-        relaunch(getattr(cfg, "nproc", 1))
+        relaunch(cfg)
         cmd.run(cfg)
 
     command.__signature__ = inspect.Signature(params)

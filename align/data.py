@@ -62,7 +62,11 @@ def read_rows(path: str | Path) -> list[dict]:
     import, ~2 s of every start); Parquet and `save_to_disk` directories through `datasets`."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path}: data file not found.")
+        hub = len(path.parts) == 2 and not path.suffix and not str(path).startswith((".", "/"))
+        raise UserError(f"{path}: data file not found." + (
+            " It looks like a Hugging Face Hub dataset id: align reads local files (JSONL, JSON, Parquet, a "
+            "save_to_disk directory); save it first, e.g. datasets.load_dataset(ID, split='train')"
+            ".to_json('train.jsonl')." if hub else ""))
     suffix = path.suffix.lower()
     if path.is_dir() or suffix == ".parquet":
         return _load_with_datasets(path).to_list()
@@ -108,9 +112,11 @@ def load_rows(path: str | Path, fmt: str, columns: str | dict | None = None, lim
     rows = read_rows(path)
     names = columns_of(rows)
     mapping = parse_columns(columns)
-    for old in mapping:
-        if old not in names:
+    for old, new in mapping.items():
+        if old not in names and new not in names:
             raise UserError(f"{path}: --columns maps {old!r}, but the data has no such column ({_cols(names)}).")
+    # a file that already has the new name (the shipped held-out data beside your renamed training data) is kept
+    mapping = {old: new for old, new in mapping.items() if old in names}
     if mapping:
         replaced = set(mapping.values()) - set(mapping)
         rows = [{mapping.get(k, k): v for k, v in r.items() if k not in replaced} for r in rows]

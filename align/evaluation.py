@@ -3,34 +3,49 @@
 from __future__ import annotations
 
 from align import runtime
+from align.console import TrainProgress, warn
 from align.data import encode_prompts
 from align.generation import Sampling, generate
+from align.models import context_length
 from align.passk import mean_pass_at_k
+from align.errors import UserError
 from align.rewards import guess_verifier, verify
 
 
 def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=(1,), samples: int = 0,
                     sampling: Sampling | None = None, verifier: str = "auto", batch_size: int = 64,
-                    gather: bool = True, use_evaluate: bool = False) -> tuple[dict, list[dict]]:
-    """Greedy pass@1 (`pass@1/greedy`) and, with `samples` = n > 0, unbiased sampled pass@k for k <= n.
+                    gather: bool = True, use_evaluate: bool = False,
+                    progress: str = "") -> tuple[dict, list[dict]]:
+    """Greedy pass@1 (`pass@1/greedy`) and, with `samples` = n > 0, unbiased sampled pass@k for k <= n, over the
+    problems whose prompt leaves room for the answer in the model's context (`problems` counts them).
 
     Returns (metrics, per-problem records). Call on every rank; generation is sharded over the ranks.
     `use_evaluate` computes pass@k through the shipped `evaluate` metric module (align/metrics/pass_at_k).
+    `progress` titles a progress bar over the generations.
     """
     sampling = sampling or Sampling()
     verifier = guess_verifier(rows) if verifier == "auto" else verifier
-    prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows])
+    rows, prompts = fitting(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows]),
+                            context_length(eng.module.config), sampling.max_new_tokens)
     greedy = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
-    outs = generate(eng, tokenizer, prompts, greedy, dist, batch_size=batch_size, gather=gather)
+    local = -(-len(prompts) // dist.world_size) * (1 + samples)  # this rank's generations
+    with TrainProgress(progress, local) if progress else _NoBar() as bar:
+        done = [0]
+
+        def advance(n: int) -> None:
+            done[0] += n
+            bar.update(done[0], {})
+
+        outs = generate(eng, tokenizer, prompts, greedy, dist, batch_size=batch_size, gather=gather, on_batch=advance)
+        many = (generate(eng, tokenizer, [p for p in prompts for _ in range(samples)], sampling, dist,
+                         batch_size=batch_size, gather=gather, on_batch=advance) if samples > 0 else [])
     records = [
         {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text, "greedy_correct": verify(o.text, r["answer"], verifier)}
         for r, o in zip(rows, outs)
     ]
-    metrics = {"pass@1/greedy": sum(rec["greedy_correct"] for rec in records) / len(records)}
-    metrics["completions/mean_length"] = sum(len(o.ids) for o in outs) / len(outs)
+    metrics = {"pass@1/greedy": sum(rec["greedy_correct"] for rec in records) / len(records),
+               "completions/mean_length": sum(len(o.ids) for o in outs) / len(outs), "problems": len(records)}
     if samples > 0:
-        many = generate(eng, tokenizer, [p for p in prompts for _ in range(samples)], sampling, dist,
-                        batch_size=batch_size, gather=gather)
         for i, rec in enumerate(records):
             group = many[i * samples : (i + 1) * samples]
             rec["samples"] = [o.text for o in group]
@@ -45,3 +60,30 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
             passk = mean_pass_at_k(ns, cs, ks)
         metrics.update({k: v for k, v in passk.items() if v is not None})
     return metrics, records
+
+
+def fitting(rows: list[dict], prompt_ids: list[list[int]], context: int | None, new_tokens: int):
+    """(rows, prompt ids) whose prompt plus `new_tokens` fits the model's `context` positions; the others are
+    dropped with a warning that counts them, and none fitting is an error."""
+    if context is None:
+        return rows, prompt_ids
+    keep = [i for i, p in enumerate(prompt_ids) if len(p) + new_tokens <= context]
+    if not keep:
+        raise UserError(f"no prompt fits the model's context: {context} positions, the shortest prompt has "
+                        f"{min(map(len, prompt_ids))} tokens plus {new_tokens} new ones; shorten the prompts or "
+                        "lower --max-new-tokens.")
+    if len(keep) < len(rows):
+        warn(f"{len(rows) - len(keep)} of {len(rows)} prompts leave no room for {new_tokens} new tokens in the "
+             f"model's {context} positions: left out")
+    return [rows[i] for i in keep], [prompt_ids[i] for i in keep]
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, step, metrics) -> None:
+        pass

@@ -74,13 +74,13 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
 
 @torch.no_grad()
 def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, batch_size: int,
-                   device, synced_gpus: bool = False, fast: bool | None = None) -> list[Completion]:
+                   device, synced_gpus: bool = False, fast: bool | None = None, on_batch=None) -> list[Completion]:
     """Generate for this rank's prompts with a plain (already gathered or unsharded) module."""
     if use_fast_path(module, device, synced_gpus, fast):
         if fast:  # forced (tests): errors surface
-            return _generate_fast(module, tokenizer, prompts, s, batch_size, device)
+            return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch)
         try:
-            return _generate_fast(module, tokenizer, prompts, s, batch_size, device)
+            return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch)
         except Exception as e:  # never lose a run to the fast path: say so once, then use HF generate
             import os
             import traceback
@@ -104,11 +104,13 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
             if not finished:
                 resp = resp[: s.max_new_tokens]
             out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
+        if on_batch:
+            on_batch(len(chunk))
     module.train(was_training)
     return out
 
 
-def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device) -> list[Completion]:
+def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None) -> list[Completion]:
     from align.fast_generate import bare, decoder_for
 
     dec = decoder_for(bare(module), device)
@@ -119,23 +121,27 @@ def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, dev
         for p, row in zip(chunk, dec.generate(chunk, s, eos, pad_id)):
             resp, finished = trim_at_eos(row, eos, pad_id)
             out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
+        if on_batch:
+            on_batch(len(chunk))
     dec.release()  # the KV cache is not needed until the next rollout
     return out
 
 
 def generate_on_rank(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,
-                     batch_size: int = 64, gather: bool = True) -> list[Completion]:
+                     batch_size: int = 64, gather: bool = True, on_batch=None) -> list[Completion]:
     """Generate for THIS rank's `prompts` with a DeepSpeed engine: under ZeRO-3 its weights are gathered once for
     the whole phase (`gather=False`: they stay sharded and every rank joins every forward, so every rank must
     pass as many prompts)."""
     synced = runtime.is_zero3(eng) and not gather and dist.world_size > 1
     with runtime.gathered_for_generation(eng, gather) as module:
-        return generate_local(module, tokenizer, prompts, s, batch_size, dist.device, synced_gpus=synced)
+        return generate_local(module, tokenizer, prompts, s, batch_size, dist.device, synced_gpus=synced,
+                              on_batch=on_batch)
 
 
 def generate(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,
-             batch_size: int = 64, gather: bool = True) -> list[Completion]:
+             batch_size: int = 64, gather: bool = True, on_batch=None) -> list[Completion]:
     """Generate for ALL `prompts` across the ranks (each rank takes an equal shard) and return them in order on
-    every rank. Call on every rank."""
-    local = generate_on_rank(eng, tokenizer, runtime.shard(prompts, dist, pad=True), s, dist, batch_size, gather)
+    every rank. Call on every rank. `on_batch(n)` is called after each batch of n of this rank's prompts."""
+    local = generate_on_rank(eng, tokenizer, runtime.shard(prompts, dist, pad=True), s, dist, batch_size, gather,
+                             on_batch)
     return [c for part in runtime.all_gather_objects(local) for c in part][: len(prompts)]

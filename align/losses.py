@@ -73,26 +73,34 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (lp * mask).sum(-1)
 
 
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+DPO_LOSSES = ("sigmoid", "ipo", "ipo-mean", "hinge")
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+             ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             lengths: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Per-pair DPO loss and implicit rewards from summed sequence log-probs.
 
     Δ = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))
-      sigmoid  −(1−ε)·log σ(βΔ) − ε·log σ(−βΔ)   (Rafailov et al. 2023, DPO; ε > 0 is conservative DPO, cDPO)
-      ipo      (Δ − 1/(2β))²                      (Azar et al. 2023, IPO)
-      hinge    max(0, 1 − βΔ)                      (Zhao et al. 2023, SLiC-HF)
+      sigmoid   −(1−ε)·log σ(βΔ) − ε·log σ(−βΔ)   (Rafailov et al. 2023, DPO; ε > 0 is conservative DPO, cDPO)
+      ipo       (Δ − 1/(2β))²                      (Azar et al. 2023, IPO, on summed log-probs as in the DPO
+                                                     authors' implementation)
+      ipo-mean  the same on per-token MEAN log-probs, log π(y)/|y| (TRL's IPO): `lengths` = (|y_w|, |y_l|);
+                the same β means a much stronger pull to the reference than with `ipo`
+      hinge     max(0, 1 − βΔ)                      (Zhao et al. 2023, SLiC-HF)
     Returns (loss per pair, implicit reward of chosen β(log π − log π_ref)(y_w), of rejected β(...)(y_l)); the
-    rewards are detached.
+    rewards are detached (per token for ipo-mean).
     """
+    if loss_type == "ipo-mean":
+        chosen_len, rejected_len = lengths
+        policy_chosen, ref_chosen = policy_chosen / chosen_len, ref_chosen / chosen_len
+        policy_rejected, ref_rejected = policy_rejected / rejected_len, ref_rejected / rejected_len
     chosen_ratio = policy_chosen - ref_chosen
     rejected_ratio = policy_rejected - ref_rejected
     delta = chosen_ratio - rejected_ratio
     if loss_type == "sigmoid":
         loss = -(1 - label_smoothing) * F.logsigmoid(beta * delta) - label_smoothing * F.logsigmoid(-beta * delta)
-    elif loss_type == "ipo":
+    elif loss_type in ("ipo", "ipo-mean"):
         loss = (delta - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
         loss = torch.relu(1 - beta * delta)

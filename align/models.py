@@ -135,6 +135,50 @@ def load_causal_lm(source: ModelSource, tokenizer, dtype, seed: int = 0, trust_r
     return model
 
 
+def disable_dropout(model):
+    """Dropout off in every module (every nn.Dropout and the attention / hidden dropout rates models keep as
+    attributes), as TRL does by default for RL and preference training: two passes over the same tokens with
+    the same weights then give the same log-probs, so PPO's and GRPO's ratio π_θ/π_old starts at exactly 1 and
+    a reference's log-probs are not noise. Returns the model."""
+    import torch
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for attr in ("attention_dropout", "hidden_dropout", "dropout", "attn_dropout", "resid_dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
+                "summary_first_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if isinstance(getattr(model.config, key, None), float):
+            setattr(model.config, key, 0.0)
+    return model
+
+
+def context_length(config) -> int | None:
+    """The positions a model can attend over (max_position_embeddings, or GPT-2's n_positions), if it says.
+    `config`: a model config, or a ModelSource (read from its config.json or preset)."""
+    if isinstance(config, ModelSource):
+        if config.preset:
+            return PRESETS[config.preset]["max_position_embeddings"]
+        import json
+
+        config = json.loads((config.model_dir / "config.json").read_text())
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    for key in ("max_position_embeddings", "n_positions", "seq_length"):
+        if isinstance(get(key), int):
+            return get(key)
+    return None
+
+
+def check_length(source: ModelSource, length: int, flag: str = "--max-length") -> None:
+    """A UserError when `length` tokens would run past the model's positions."""
+    context = context_length(source)
+    if context is not None and length > context:
+        raise UserError(f"{flag} {length} is longer than {source.spec}'s context ({context} positions); use "
+                        f"{flag} {context} or less.")
+
+
 def count_parameters(model) -> int:
     """Parameter count that also works on ZeRO-3 partitioned models (ds_numel is the full size)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

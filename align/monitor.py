@@ -267,8 +267,9 @@ def default_rules() -> list:
     """The default rule set (fresh objects; names are public API and used as override keys)."""
     return [
         Rule("nan", "loss", check_nonfinite, "stop", 1, extra=("grad_norm",),
-             message="NaN/inf in loss or grad_norm: likely fp16 overflow or LR too high. "
-                     "Train in bf16 (not fp16), lower the LR, clip gradients (max_grad_norm=1.0)."),
+             message="NaN/inf in loss or grad_norm: most often a learning rate too high for this model and data "
+                     "(or an overflow in 16-bit precision). Lower --lr, keep --grad-clip on, check the data and "
+                     "reward for extreme values."),
         Rule("grad_explode", "grad_norm", check_spike, "warn", 20,
              params={"factor": 10.0, "max_value": 1e4, "min_history": 5},
              message="Gradient norm spike: LR too high or a bad batch. Lower the LR, clip gradients, "

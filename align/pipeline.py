@@ -39,6 +39,7 @@ from rich.markup import escape
 from align import config as C
 from align.artifacts import ARTIFACT_FILE, artifact_digest, hash_tree, read_artifact, sha256_file, verify_artifact
 from align.console import console
+from align.engine import checkpoint
 from align.errors import UserError
 from align.registry import KINDS
 
@@ -606,10 +607,14 @@ def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, 
                                   out=out))
             continue
         reason = f"forced by --from {from_stage}" if forced else st.describe()
+        run_cfg = cfg
+        if st.status == "incomplete" and not forced and "resume" in cfg and checkpoint.resumable(out, cfg):
+            run_cfg = {**cfg, "resume": True}  # an interrupted stage continues from its checkpoint
+            reason += f", resuming from its {checkpoint.latest(out)} checkpoint"
         out.mkdir(parents=True, exist_ok=True)
         (out / FINGERPRINT_FILE).unlink(missing_ok=True)  # a half-done rerun must never look up to date
         stage_toml = out / STAGE_TOML
-        write_stage_toml(stage_toml, cfg, f"written by `align pipeline run {path}` for stage {stage.name!r}")
+        write_stage_toml(stage_toml, run_cfg, f"written by `align pipeline run {path}` for stage {stage.name!r}")
         cmd = command(stage, stage_toml)
         echo(f"[bold]> {escape(stage.name)}[/] ({stage.kind}, {reason}): align {' '.join(stage.command.words)} "
              f"--config {escape(str(stage_toml))}")

@@ -23,9 +23,12 @@ are exact on fractions, then within a tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import re
+import signal
+import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -252,12 +255,38 @@ class RewardError(Exception):
     pass
 
 
-def call_reward(r: RewardFn, prompt: str, completion: str, row: dict) -> float:
-    """One reward value; raises RewardError (with the offending completion) on an exception, NaN, inf or a
-    non-number."""
+class _TimeUp(BaseException):  # not an Exception: a user function's `except Exception` must not swallow it
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """SIGALRM after `seconds` (0: no limit; only in the main thread, where signals are delivered)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise _TimeUp()
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def call_reward(r: RewardFn, prompt: str, completion: str, row: dict, timeout: float = 0.0) -> float:
+    """One reward value; raises RewardError (with the offending completion) on an exception, NaN, inf, a
+    non-number, or a call that takes longer than `timeout` seconds."""
     extra = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
     try:
-        value = r.fn(prompt, completion, **extra)
+        with _time_limit(timeout):
+            value = r.fn(prompt, completion, **extra)
+    except _TimeUp:
+        raise RewardError(f"reward {r.name!r} took longer than {timeout:g} s on completion {completion!r}") from None
     except Exception as e:
         raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on completion {completion!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -13,36 +13,62 @@ LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-sum")
 
 
 # ---- group-relative advantages: rewards [P prompts, G samples] -> advantages [P, G]. Each is registered in
-# ADVANTAGES under its --advantage name; `reduce` (an all-reduce sum) makes a statistic the global batch's.
+# ADVANTAGES under its --advantage name. `valid` [P, G] (default: all) marks the samples whose reward exists (a
+# reward function that failed under --on-reward-error skip): the others neither enter their group's statistics
+# nor get an advantage. `reduce` (an all-reduce sum) makes a statistic the global batch's.
 
 
-def zscore_advantages(rewards: torch.Tensor, reduce=None, eps: float = 1e-4) -> torch.Tensor:
+def zero_spread(rewards: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """[P] bool: groups whose valid rewards are all equal (no signal; tested exactly, not by a std near 0)."""
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    hi = rewards.masked_fill(~valid, float("-inf")).max(dim=1).values
+    lo = rewards.masked_fill(~valid, float("inf")).min(dim=1).values
+    return (hi <= lo) | ~valid.any(dim=1)
+
+
+def group_moments(rewards: torch.Tensor, valid: torch.Tensor | None = None):
+    """(mean, unbiased std, count) of each group's valid rewards, each [P, 1], in float64."""
+    r = rewards.double()
+    m = torch.ones_like(r) if valid is None else valid.double()
+    n = m.sum(dim=1, keepdim=True)
+    mean = (r * m).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    var = (((r - mean) * m) ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+    return mean, var.sqrt(), n
+
+
+def _centred(rewards: torch.Tensor, valid: torch.Tensor | None):
+    """(r − group mean, std, count), float64; exactly 0 for invalid samples and for groups without spread."""
+    mean, std, n = group_moments(rewards, valid)
+    keep = ~zero_spread(rewards, valid)[:, None] & (True if valid is None else valid.bool())
+    return torch.where(keep, rewards.double() - mean, 0.0), std, n
+
+
+def zscore_advantages(rewards: torch.Tensor, valid=None, reduce=None, eps: float = 1e-4) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A_ij = (r_ij − mean_j r_ij) / (std_j r_ij + eps), std the unbiased
     sample std of the group (as in TRL). A group whose rewards are all equal gets A = 0."""
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(rewards[:, :1])
-    return centred / (std + eps)
+    centred, std, _ = _centred(rewards, valid)
+    return (centred / (std + eps)).to(rewards.dtype)
 
 
-def mean_advantages(rewards: torch.Tensor, reduce=None) -> torch.Tensor:
+def mean_advantages(rewards: torch.Tensor, valid=None, reduce=None) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025; nanochat): A_ij = r_ij − mean_j r_ij, no division by the group's std."""
-    return rewards - rewards.mean(dim=1, keepdim=True)
+    return _centred(rewards, valid)[0].to(rewards.dtype)
 
 
-def batch_advantages(rewards: torch.Tensor, reduce=None, eps: float = 1e-4) -> torch.Tensor:
+def batch_advantages(rewards: torch.Tensor, valid=None, reduce=None, eps: float = 1e-4) -> torch.Tensor:
     """The group-centred reward over the std of the WHOLE batch (REINFORCE++-style, Hu 2025):
-    A_ij = (r_ij − mean_j r_ij) / (std(r) + eps), std unbiased over every sample of every rank."""
-    sums = masked_sums(rewards, torch.ones_like(rewards))
-    std = moments(reduce(sums) if reduce else sums)[1].sqrt().to(rewards.dtype)
-    return mean_advantages(rewards) / (std + eps)
+    A_ij = (r_ij − mean_j r_ij) / (std(r) + eps), std unbiased over every valid sample of every rank."""
+    sums = masked_sums(rewards, torch.ones_like(rewards) if valid is None else valid)
+    std = moments(reduce(sums) if reduce else sums)[1].sqrt()
+    return (_centred(rewards, valid)[0] / (std + eps)).to(rewards.dtype)
 
 
-def rloo_advantages(rewards: torch.Tensor, reduce=None) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, valid=None, reduce=None) -> torch.Tensor:
     """REINFORCE leave-one-out (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian
     et al. 2024, RLOO): each sample's baseline is the mean reward of the OTHER G − 1 samples of its group,
     A_ij = r_ij − (1/(G−1)) Σ_{k≠j} r_ik  (= G/(G−1) · (r_ij − mean_j r_ij)): an unbiased baseline."""
-    G = rewards.shape[1]
-    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)
+    centred, _, n = _centred(rewards, valid)
+    return (centred * n / (n - 1).clamp(min=1)).to(rewards.dtype)
 
 
 ADVANTAGES = {"zscore": zscore_advantages, "mean": mean_advantages, "batch": batch_advantages,
@@ -55,10 +81,12 @@ def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return logp - ref_logp
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 10.0) -> torch.Tensor:
-    """k3 = exp(r) − r − 1 with r = log π_ref − log π, clamped to [−clamp, clamp]: unbiased, always >= 0,
-    low variance (Schulman 2020); GRPO's KL term. The clamp keeps exp(r) finite on rare tokens."""
-    r = (ref_logp - logp).clamp(-clamp, clamp)
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
+    """k3 = exp(r) − r − 1 with r = log π_ref − log π: unbiased, always >= 0, low variance (Schulman 2020);
+    GRPO's KL term. r is capped at +clamp (e^20 ≈ 5e8 stays finite in fp32 where the reference is far likelier);
+    below there is no cap, so however far the policy runs ahead of the reference (r → −∞, k3 ≈ −r − 1) the
+    gradient keeps pulling it back."""
+    r = (ref_logp - logp).clamp(max=clamp)
     return torch.exp(r) - r - 1
 
 

@@ -51,9 +51,28 @@ def launch_env(nproc: int) -> dict[str, str]:
     return env
 
 
+def die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its parent dies, even by SIGKILL, so no worker outlives its launcher
+    (a run stopped by SIGTERM marks its artifact failed). Elsewhere: nothing."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def world_size() -> int:
     """The number of processes of this run, known before the process group starts (from the launcher's env)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    """This process's rank, known before the process group starts."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def init(timeout_s: int | None = None) -> Dist:
@@ -64,6 +83,8 @@ def init(timeout_s: int | None = None) -> Dist:
     timeout_s = timeout_s or int(os.environ.get("ALIGN_DIST_TIMEOUT", 1800))
     if _DIST is not None:
         return _DIST
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun: it must not outlive the launcher
+        die_with_parent()
     if "RANK" not in os.environ:  # single process: DeepSpeed would otherwise try MPI discovery
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

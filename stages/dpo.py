@@ -35,7 +35,7 @@ from align.evaluation import evaluate_policy
 from align.generation import Sampling
 from align.logprobs import logprobs
 from align.losses import DPO_LOSSES, IGNORE, dpo_loss
-from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from stages.rm import load_pairs
 
@@ -51,7 +51,9 @@ class DPOConfig(SupervisedConfig):
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for implicit-reward accuracy ('' : none).", path=True)
     pass_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data for greedy pass@1 of policy and input model ('' : skip).", path=True)
     beta: float = opt(0.1, "β: strength of the implicit KL to the reference.")
-    loss: str = opt("sigmoid", "sigmoid (DPO), ipo or hinge (SLiC).")
+    loss: str = opt("sigmoid", "sigmoid (DPO), ipo (IPO on summed log-probs, the DPO authors' convention), ipo-mean "
+                               "(IPO on per-token mean log-probs, TRL's: the same β pulls much harder) or hinge "
+                               "(SLiC).")
     label_smoothing: float = opt(0.0, "ε of conservative DPO (sigmoid loss only), 0 <= ε < 0.5.")
     precompute_ref: bool = opt(False, "Compute reference log-probs once before training and free the reference model.")
     eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).")
@@ -86,12 +88,13 @@ class DPO:
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model, expect="policy")
         ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source
+        check_length(source, cfg.max_length)
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)
         self.eval_examples = load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length) if cfg.eval_data else []
         if cfg.eval_pairs:
             self.eval_examples = self.eval_examples[: cfg.eval_pairs]
-        self.verifiable = (D.load_rows(cfg.pass_data, "verifiable", limit=cfg.eval_samples)
+        self.verifiable = (D.load_rows(cfg.pass_data, "verifiable", cfg.columns, limit=cfg.eval_samples)
                            if cfg.pass_data and cfg.eval_samples else [])
 
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, cfg.pass_data if self.verifiable else "")
@@ -101,7 +104,7 @@ class DPO:
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
 
         def load(src):
-            return lambda dtype: load_causal_lm(src, self.tok, dtype, cfg.seed, cfg.trust_remote_code)
+            return lambda dtype: disable_dropout(load_causal_lm(src, self.tok, dtype, cfg.seed, cfg.trust_remote_code))
 
         self.policy = run.train("policy", load(source), Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule,
                                                               cfg.weight_decay), micro=self.micro, accum=accum)
@@ -149,7 +152,8 @@ class DPO:
             b = D.to_device(D.collate_pairs([self.examples[i] for i in idx], self.tok.pad_token_id), self.run.dist.device)
             pc, pr = pair_logps(self.policy, b)
             rc, rr = self.reference_logps(idx, b).to(pc.dtype)
-            loss, rw_c, rw_r = dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.loss, cfg.label_smoothing)
+            lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
+            loss, rw_c, rw_r = dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.loss, cfg.label_smoothing, tuple(lengths))
             self.policy.backward(loss.sum() / cfg.batch_size)  # the mean over the pairs of the global batch
             for name, total in zip(KEYS, (loss.sum(), rw_c.sum(), rw_r.sum(), (rw_c > rw_r).sum(), (rw_c - rw_r).sum(),
                                           pc.sum(), pr.sum())):

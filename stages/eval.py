@@ -58,7 +58,7 @@ def run(cfg: EvalConfig) -> dict:
         metrics, records = evaluate_policy(eng, tok, rows, dist, ks=ks, samples=max(ks),
                                            sampling=Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p),
                                            verifier=cfg.verifier, batch_size=cfg.batch_size, gather=cfg.gather,
-                                           use_evaluate=True)
+                                           use_evaluate=True, progress="eval")
         if dist.is_main:
             with open(run.out / "samples.jsonl", "w") as f:
                 for r in records:

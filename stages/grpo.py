@@ -27,10 +27,10 @@ from align.engine.build import Optim
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy
+from align.evaluation import evaluate_policy, fitting
 from align.generation import Sampling
 from align.logprobs import batched_logprobs, logprobs
-from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_sequence_classifier, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
 from align.rollout import Rollout, sample, select, timed
@@ -44,8 +44,10 @@ class GRPOConfig(RLConfig):
     reward_model: str = opt("", "An `align rm train` artifact as one more reward: its normalised score of prompt + "
                                 "completion, times --reward-model-weight, added to --reward's ('' : none).", path=True)
     reward_model_weight: float = opt(1.0, "Weight of the --reward-model score.")
-    on_reward_error: str = opt("fail", "A reward that raises or returns NaN/non-number: fail, skip (drop the "
-                                       "sample) or zero.")
+    on_reward_error: str = opt("fail", "A reward that raises, returns NaN / a non-number or runs past "
+                                       "--reward-timeout: fail, skip (the sample leaves its group's statistics and "
+                                       "the loss) or zero. Failures are counted in rewards/errors.")
+    reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (0: no limit).")
     num_generations: int = opt(8, "G: completions per prompt.")
     advantage: str = opt("zscore", "zscore ((r-mean)/std, GRPO), mean (r-mean, Dr. GRPO), batch (batch std) or "
                                    "rloo (leave-one-out baseline).")
@@ -97,7 +99,8 @@ class GRPO:
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
-        self.prompt_ids = D.encode_prompts(self.tok, [r["prompt"] for r in self.rows])
+        self.rows, self.prompt_ids = fitting(self.rows, D.encode_prompts(self.tok, [r["prompt"] for r in self.rows]),
+                                             context_length(source), cfg.max_new_tokens)
 
         inputs = describe_inputs(source, cfg.data, cfg.eval_data)
         if rm_source:
@@ -127,7 +130,7 @@ class GRPO:
         cfg = self.cfg
 
         def load(dtype):
-            model = load_causal_lm(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code)
+            model = disable_dropout(load_causal_lm(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code))
             if cfg.gradient_checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             return model
@@ -138,19 +141,19 @@ class GRPO:
 
     def reward(self, row: dict, c) -> tuple[float | None, dict]:
         """(Σ w_k f_k + overlong penalty, {name: f_k}) of one completion; None when a function failed and
-        --on-reward-error is skip."""
-        cfg, parts, total = self.cfg, {}, 0.0
+        --on-reward-error is skip. A failure under skip or zero is counted in parts["errors"]."""
+        cfg, parts, total = self.cfg, {"errors": 0.0}, 0.0
         for r in self.reward_fns:
             if r.fn is None:  # a group reward (length), added per group in score()
                 continue
             try:
-                v = call_reward(r, row["prompt"], c.text, row)
+                v = call_reward(r, row["prompt"], c.text, row, cfg.reward_timeout)
             except RewardError as e:
                 if cfg.on_reward_error == "fail":
                     raise UserError(f"{e}. Fix the function, or pass --on-reward-error skip|zero.") from None
                 if cfg.on_reward_error == "skip":
-                    return None, {}
-                v = 0.0
+                    return None, {"errors": 1.0}
+                v, parts["errors"] = 0.0, 1.0
             parts[r.name] = v
             total += r.weight * v
         if cfg.overlong_cache:
@@ -181,10 +184,12 @@ class GRPO:
     # ---- 3. advantages
 
     def advantages(self, r: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(A [P, G], keep [P, G]: the samples that enter the loss, zero_std [P]: groups without signal)."""
+        """(A [P, G], keep [P, G]: the samples that enter the loss, zero_std [P]: groups without signal). Skipped
+        samples (r.valid 0) take no part in their group's statistics."""
         device = self.run.dist.device
-        adv = rl.ADVANTAGES[self.cfg.advantage](r.rewards, reduce=lambda t: runtime.all_reduce_sum(t.to(device)).cpu())
-        zero_std = (r.rewards.max(dim=1).values == r.rewards.min(dim=1).values).float()
+        adv = rl.ADVANTAGES[self.cfg.advantage](r.rewards, r.valid,
+                                                 reduce=lambda t: runtime.all_reduce_sum(t.to(device)).cpu())
+        zero_std = rl.zero_spread(r.rewards, r.valid).float()
         keep = r.valid.clone()
         if self.cfg.mask_truncated:
             keep *= r.finished
@@ -202,7 +207,7 @@ class GRPO:
             for i in range(0, n, self.micro):
                 sl = slice(i, i + self.micro)
                 mb = select(batch, sl)
-                mask = mb["response_mask"]
+                mask = mb["loss_mask"]
                 logp, ent = logprobs(self.policy, mb, temperature=cfg.temperature, with_entropy=(it == 0))
                 a = adv[sl, None]
                 if cfg.reinforce:
@@ -220,9 +225,11 @@ class GRPO:
                 if it == 0:
                     stats.sum("loss", loss)
                     for name, x in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),
-                                    ("entropy", ent), ("kl", kl)):
+                                    ("kl", kl)):
                         if x is not None:
                             stats.mean(name, (x.detach().float() * mask).sum(), mask.sum())
+                    # over every sampled token, the dropped groups' too: measured even when no group has signal
+                    stats.mean("entropy", (ent * mb["response_mask"]).sum(), mb["response_mask"].sum())
 
     # ---- the step
 
@@ -237,11 +244,11 @@ class GRPO:
             adv, keep, zero_std = self.advantages(r)
         with timed(times, "time/logprobs"):
             batch = r.batch(self.tok.pad_token_id, dist.device)
-            batch["response_mask"] *= keep.flatten().to(dist.device)[:, None]
+            batch["loss_mask"] = batch["response_mask"] * keep.flatten().to(dist.device)[:, None]
             old_logp = (batched_logprobs(self.policy, batch, self.micro, cfg.temperature)
                         if cfg.num_iterations > 1 else None)
             ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature) if self.reference else None
-            n_tokens, n_seqs = runtime.all_reduce_sum(torch.stack([batch["response_mask"].sum(),
+            n_tokens, n_seqs = runtime.all_reduce_sum(torch.stack([batch["loss_mask"].sum(),
                                                                    keep.sum().to(dist.device)])).tolist()
         with timed(times, "time/update"):
             self.update(batch, adv.flatten().to(dist.device), old_logp, ref_logp, n_tokens, n_seqs, stats)
@@ -252,8 +259,8 @@ class GRPO:
         """The step's rollout metrics (TRL's names), reduced over the ranks with the update's."""
         ids = [x for part in runtime.all_gather_objects([c.ids for c in r.completions]) for x in part]
         lengths, n = r.lengths, r.rewards.numel()
-        stats.mean("reward", r.rewards.sum(), n)
-        stats.std("reward_std", r.rewards)
+        stats.mean("reward", (r.rewards * r.valid).sum(), r.valid.sum())  # skipped samples have no reward
+        stats.std("reward_std", r.rewards[r.valid.bool()])
         stats.mean("frac_reward_zero_std", zero_std.sum(), len(zero_std))
         stats.mean("completions/mean_length", lengths.sum(), n)
         stats.mean("completions/clipped_ratio", n - r.finished.sum(), n)

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from align.artifacts import ArtifactWriter
-from align.config import as_dict, opt
-from align.console import summary_table
+from align.config import opt
+from align.engine.run import StageRun
 from align.errors import UserError
 from align.models import PRESETS, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import TOKENIZER_DIR
@@ -27,13 +26,12 @@ def run(cfg: ModelInitConfig) -> dict:
         raise UserError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}.")
     quiet_libraries()
     source = resolve(cfg.preset)
-    writer = ArtifactWriter(cfg.out, "model-init", as_dict(cfg), {"tokenizer": str(TOKENIZER_DIR)})
     tok = load_tokenizer(source)
-    model = load_causal_lm(source, tok, torch.float32, seed=cfg.seed)
-    model.save_pretrained(writer.begin_model(), safe_serialization=True)
-    tok.save_pretrained(writer.model_tmp)
-    metrics = {"parameters": count_parameters(model), "vocab_size": len(tok), "layers": model.config.num_hidden_layers,
-               "hidden_size": model.config.hidden_size}
-    writer.complete(metrics, extra={"model_kind": "policy"})
-    summary_table(f"model init ({cfg.preset}) → {cfg.out}", metrics)
-    return metrics
+    with StageRun(cfg, "model-init") as run:
+        run.open({"tokenizer": str(TOKENIZER_DIR)}, distributed=False)
+        model = load_causal_lm(source, tok, torch.float32, seed=cfg.seed)
+        model.save_pretrained(run.writer.begin_model(), safe_serialization=True)
+        tok.save_pretrained(run.writer.model_tmp)
+        metrics = {"parameters": count_parameters(model), "vocab_size": len(tok),
+                   "layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size}
+        return run.complete(metrics, f"model init ({cfg.preset}) → {cfg.out}", extra={"model_kind": "policy"})

@@ -36,11 +36,11 @@ from align.engine.build import Optim
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy
+from align.evaluation import evaluate_policy, fitting
 from align.generation import Sampling
 from align.logprobs import batched_logprobs, logprobs
 from align.losses import completion_nll
-from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import load_sequence_classifier, normalized_reward, require_trained, score, score_ids
 from align.rewards import RewardError, call_reward, parse_rewards
@@ -229,7 +229,8 @@ class PPO:
             raise UserError(f"{cfg.data}: every prompt is longer than --max-prompt-length {cfg.max_prompt_length} tokens "
                             f"(shortest {min(map(len, prompt_ids))}); raise --max-prompt-length or shorten the prompts.")
         self.dropped = len(rows) - len(keep)
-        self.rows, self.prompt_ids = [rows[i] for i in keep], [prompt_ids[i] for i in keep]
+        self.rows, self.prompt_ids = fitting([rows[i] for i in keep], [prompt_ids[i] for i in keep],
+                                             context_length(policy), cfg.max_new_tokens)
         self.gold_fn = parse_rewards([cfg.gold_reward])[0] if cfg.gold_reward and "answer" in self.rows[0] else None
         self.eval_rows = (D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples)
                           if cfg.eval_data and cfg.eval_samples else [])
@@ -245,7 +246,7 @@ class PPO:
         return inputs
 
     def load(self, loader, source, tok):
-        return lambda dtype: loader(source, tok, dtype, self.cfg.seed, self.cfg.trust_remote_code)
+        return lambda dtype: disable_dropout(loader(source, tok, dtype, self.cfg.seed, self.cfg.trust_remote_code))
 
     def announce(self) -> None:
         cfg = self.cfg

@@ -32,7 +32,7 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.generation import Sampling, generate
 from align.losses import bradley_terry_loss, centering_penalty
-from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import (OFFSET_KEY, SCALE_KEY, encode_scored, load_sequence_classifier, normalized_reward,
                                 raw_rewards, score_ids)
@@ -136,6 +136,7 @@ class RewardModel:
     def __init__(self, cfg: RMConfig, run):
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model, expect="policy")  # an RM starts from a causal LM (the SFT model); its head is new
+        check_length(source, cfg.max_length)
         self.policy_source = resolve(cfg.normalize_on_policy, expect="policy") if cfg.normalize_on_policy else None
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)

@@ -24,7 +24,7 @@ from align.errors import UserError
 from align.evaluation import evaluate_policy
 from align.generation import Sampling
 from align.losses import completion_nll
-from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 
 
@@ -45,6 +45,7 @@ class SFT:
     def __init__(self, cfg: SFTConfig, run):
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model)
+        check_length(source, cfg.max_length)
         rows = D.load_rows(cfg.data, "sft", cfg.columns)
         eval_rows = D.load_rows(cfg.eval_data, "sft", cfg.columns) if cfg.eval_data else []
         self.tok = load_tokenizer(source, cfg.trust_remote_code)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -51,7 +52,8 @@ def test_two_process_zero3_grpo_run(tmp_path):
 
 def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tmp_path, tiny_reward_model_dir):
     out = tmp_path / "kl"
-    proc = run(align("grpo", "--out", str(out), "--beta", "0.1", "--num-iterations", "2", "--reward-model",
+    proc = run(align("grpo", "--out", str(out), "--beta", "0.1", "--num-iterations", "2", "--advantage", "rloo",
+                     "--reward-model",
                      str(tiny_reward_model_dir), "--reward-model-weight", "0.5", *SHORT))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())  # the info line wraps at the terminal width
@@ -76,7 +78,12 @@ def test_reward_model_that_is_a_preset_is_refused(tmp_path):
 @pytest.fixture
 def reward_file(tmp_path):
     f = tmp_path / "rewards.py"
-    f.write_text("def boom(prompt, completion, **row):\n    raise RuntimeError('bad reward')\n"
+    f.write_text("import time\n"
+                 "def boom(prompt, completion, **row):\n    raise RuntimeError('bad reward')\n"
+                 "def flaky(prompt, completion, **row):\n    if len(completion) % 2:\n        raise ValueError('odd')\n"
+                 "    return float(len(completion) % 4 == 0)\n"
+                 "def slow(prompt, completion, **row):\n    time.sleep(600)\n    return 1.0\n"
+                 "def one(prompt, completion, **row):\n    return 1.0\n"
                  "def sorted_ok(prompt, completion, **row):\n    return float(completion.split() == row['answer'].split())\n")
     return f
 
@@ -87,9 +94,31 @@ def test_reward_error_fails_clearly_or_is_skipped(tmp_path, reward_file):
     assert proc.returncode == 2 and "bad reward" in text and "on completion" in text and "Traceback" not in text
     art = json.loads((tmp_path / "fail" / "artifact.json").read_text())
     assert art["status"] == "failed" and "bad reward" in art["reason"]  # never left "running"
-    ok = run(align("grpo", "--out", str(tmp_path / "skip"), "--reward", f"{reward_file}:boom",
-                   "--on-reward-error", "zero", *SHORT))
+    ok = run(align("grpo", "--out", str(tmp_path / "skip"), "--reward", f"{reward_file}:flaky",
+                   "--on-reward-error", "skip", *SHORT))
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    steps = [r for r in metric_rows(tmp_path / "skip") if "reward" in r]
+    assert all(0 < r["rewards/errors"] < 1 for r in steps)  # the failures are counted, the run goes on
+
+
+def test_a_reward_function_that_never_returns_times_out(tmp_path, reward_file):
+    t = time.time()
+    proc = run(align("grpo", "--out", str(tmp_path / "slow"), "--reward", f"{reward_file}:slow", "--reward-timeout",
+                     "1", *SHORT))
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and "took longer than 1 s" in text and "Traceback" not in text, text[-3000:]
+    assert time.time() - t < 120
+
+
+def test_entropy_is_measured_when_no_group_has_signal(tmp_path, reward_file):
+    """A constant reward: every group has zero spread and leaves the loss, yet the policy's entropy on its own
+    samples is measured (it was logged as 0.0, and RLMonitor's entropy_collapse fired at step 1)."""
+    out = tmp_path / "flat"
+    proc = run(align("grpo", "--out", str(out), "--reward", f"{reward_file}:one", *SHORT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [r for r in metric_rows(out) if "reward" in r]
+    assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] > 1.0 for r in steps)
+    assert "entropy_collapse" not in (out / "health.jsonl").read_text()
 
 
 def test_sort_task_with_a_user_reward_file(tmp_path, reward_file):

@@ -167,3 +167,22 @@ def test_ptx_examples_text_and_sft_rows(tmp_path, shipped_tokenizer):
     assert ex["labels"][:n_prompt] == [-100] * n_prompt
     assert ex["labels"][n_prompt:] == ex["input_ids"][n_prompt:] == [*tok("5", add_special_tokens=False)["input_ids"],
                                                                      tok.eos_token_id]
+
+
+def test_dropout_is_off_so_the_first_ratio_is_exactly_one(files, tmp_path, shipped_tokenizer):
+    """A policy whose config has attention dropout 0.1: the one minibatch of a one-epoch step is scored with the
+    weights that sampled it, so π_θ/π_old = 1 exactly (approx-KL 0, nothing clipped) only if dropout is off in
+    both passes; with it on the two passes drew different dropout masks."""
+    from align.models import load_causal_lm, resolve
+
+    model = load_causal_lm(resolve("tiny"), shipped_tokenizer, torch.float32, seed=0)
+    model.config.attention_dropout = 0.1
+    model.save_pretrained(tmp_path / "dropout", safe_serialization=True)
+    shipped_tokenizer.save_pretrained(tmp_path / "dropout")
+    out = tmp_path / "ppo"
+    proc = run_align("ppo", "--model", tmp_path / "dropout", "--reward-model", files["rm"], "--data", files["prompts"],
+                     "--eval-data", "", "--ptx-coef", "0", "--out", out, "--max-steps", "1", "--prompts-per-step", "8",
+                     "--minibatch-size", "8", "--micro-batch-size", "4", "--ppo-epochs", "1", "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (step,) = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+    assert step["policy/approxkl"] == 0.0 and step["clip_ratio"] == 0.0

@@ -95,3 +95,15 @@ def test_gradcheck_sequence_logps():
     logits = torch.randn(2, 5, 4, dtype=D, requires_grad=True)
     labels = torch.tensor([[-100, 1, 2, 3, -100], [-100, -100, 0, 1, 2]])
     assert torch.autograd.gradcheck(lambda lg: sequence_logps(lg, labels), (logits,))
+
+
+def test_ipo_on_summed_and_on_mean_log_probs():
+    """--loss ipo: (Δ − 1/(2β))² on summed log-probs (the DPO authors' IPO); --loss ipo-mean: the same on per-token
+    mean log-probs (TRL's IPO). Chosen: 4 tokens, rejected: 2."""
+    pc, pr, rc, rr = torch.tensor([-4.0]), torch.tensor([-6.0]), torch.tensor([-6.0]), torch.tensor([-5.0])
+    lengths = (torch.tensor([4.0]), torch.tensor([2.0]))
+    summed, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo")
+    assert summed.item() == pytest.approx((3.0 - 1.0) ** 2)  # Δ = (−4 + 6) − (−6 + 5) = 3
+    mean, rw_c, rw_r = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo-mean", lengths=lengths)
+    assert mean.item() == pytest.approx((1.0 - 1.0) ** 2)  # Δ = (−1 + 1.5) − (−3 + 2.5) = 1
+    assert rw_c.item() == pytest.approx(0.25) and rw_r.item() == pytest.approx(-0.25)

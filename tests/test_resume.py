@@ -140,17 +140,23 @@ def test_two_process_resume_after_sigkill_equals_an_uninterrupted_run(stage, inp
     check_resume(stage, inputs, tmp_path, nproc=2)
 
 
-def test_resume_refuses_changed_settings_before_touching_the_artifact(tiny_model_dir, tmp_path):
-    """A new --lr on --resume would be silently ignored (the optimiser state holds the old one): it is refused,
-    naming the setting, and the artifact is left as it was."""
+def test_resume_applies_a_new_lr_and_refuses_other_changes_before_touching_the_artifact(tiny_model_dir, tmp_path):
+    """A --resume never silently ignores a setting: a new --lr is applied from the resume point on (the optimiser
+    state holds the old one); a setting that changes the run's path is refused, named, with the artifact left as
+    it was."""
     out = tmp_path / "sft"
-    args = [*STAGES["sft"], "--model", str(tiny_model_dir), "--max-steps", "2", "--eval-every", "0", "--out", str(out)]
+    args = [*STAGES["sft"], "--model", str(tiny_model_dir), "--max-steps", "2", "--eval-every", "0",
+            "--schedule", "constant", "--warmup-steps", "0", "--out", str(out)]
     finish(start(args))
     before = (out / "artifact.json").read_text()
-    proc = start([*args, "--resume", "--lr", "1e-2"])
+    proc = start([*args, "--resume", "--batch-size", "4"])
     said = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 2 and "--lr 0.003 -> 0.01" in " ".join(said.split()) and "Traceback" not in said
+    assert proc.returncode == 2 and "--batch-size 8 -> 4" in " ".join(said.split()) and "Traceback" not in said
     assert (out / "artifact.json").read_text() == before
+
+    said = finish(start([*args, "--resume", "--lr", "1e-3", "--max-steps", "3"]))
+    assert "--lr 0.003 -> 0.001 from step 2 on" in " ".join(said.split())
+    assert [r["lr"] for r in step_lines(out) if "lr" in r] == [3e-3, 3e-3, 1e-3]
 
 
 def test_checkpoint_holds_rng_algorithm_and_monitor_state(tiny_model_dir, tmp_path):

@@ -49,10 +49,25 @@ def test_rloo_advantage_leaves_each_sample_out_of_its_baseline():
 
 
 @pytest.mark.parametrize("mode", list(rl.ADVANTAGES))
-def test_all_equal_group_gives_zero_advantage_never_nan(mode):
-    r = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+def test_all_equal_group_gives_exactly_zero_advantage_never_nan(mode):
+    r = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.7] * 4, [0.1] * 4])  # 0.7, 0.1: not exact in fp32
     a = rl.ADVANTAGES[mode](r)
     assert torch.isfinite(a).all() and (a == 0).all()
+
+
+@pytest.mark.parametrize("mode", list(rl.ADVANTAGES))
+def test_a_skipped_sample_takes_no_part_in_its_group(mode):
+    """--on-reward-error skip: [1, 1, skipped, 1] is a group without spread (A = 0, dropped as zero-std), not
+    one whose 0.0 placeholder lifts the others to A = +0.5; and [1, 0, skipped] is the group [1, 0]."""
+    r = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.5]])
+    valid = torch.tensor([[1, 1, 0, 1], [1, 1, 0, 0]])
+    a = rl.ADVANTAGES[mode](r, valid)
+    assert (a[0] == 0).all() and a[1, 2] == 0 and a[1, 3] == 0
+    assert rl.zero_spread(r, valid).tolist() == [True, False]
+    if mode == "batch":  # its std is the batch's: of the 5 valid rewards [1, 1, 1, 1, 0]
+        torch.testing.assert_close(a[1, :2], torch.tensor([0.5, -0.5]) / (torch.tensor([1.0, 1, 1, 1, 0]).std() + 1e-4))
+    else:
+        torch.testing.assert_close(a[1, :2], rl.ADVANTAGES[mode](torch.tensor([[1.0, 0.0]]))[0])
 
 
 # ---- KL estimators
@@ -63,12 +78,22 @@ def test_k1_and_k3_by_hand():
     torch.testing.assert_close(rl.kl_k3(logp, ref), torch.tensor([0.106531, 0.718282]), atol=1e-5, rtol=0)
 
 
-def test_k3_is_zero_at_equality_nonnegative_and_clamped():
+def test_k3_is_zero_at_equality_nonnegative_and_capped_above():
     x = torch.randn(100)
     assert (rl.kl_k3(x, x) == 0).all()
     assert (rl.kl_k3(x, torch.randn(100)) >= 0).all()
-    # log-ratio 50 clamps to 10: e^10 - 10 - 1
-    assert rl.kl_k3(torch.tensor([0.0]), torch.tensor([50.0])).item() == pytest.approx(math.exp(10) - 11)
+    # log-ratio 50 (the reference far likelier) is capped at 20: e^20 - 20 - 1, finite
+    assert rl.kl_k3(torch.tensor([0.0]), torch.tensor([50.0])).item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
+
+
+def test_k3_keeps_pulling_back_a_policy_far_ahead_of_the_reference():
+    """log-ratio r = log π_ref − log π = −15 (the policy 15 nats likelier): k3 = e^−15 + 14, and its gradient
+    d k3 / d log π = 1 − e^r is not zero (it was, with the log-ratio clamped at ±10)."""
+    logp = torch.tensor([15.0], dtype=torch.float64, requires_grad=True)
+    k3 = rl.kl_k3(logp, torch.tensor([0.0], dtype=torch.float64))
+    assert k3.item() == pytest.approx(math.exp(-15) + 14)
+    (grad,) = torch.autograd.grad(k3.sum(), logp)
+    assert grad.item() == pytest.approx(1 - math.exp(-15)) and grad.item() > 0.99
 
 
 def test_k3_gradcheck():

@@ -37,11 +37,13 @@ def test_monitor_stop_checkpoints_fails_the_artifact_and_exits_nonzero(tmp_path)
 
 @pytest.mark.parametrize("sig, code, reason", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
                                               (signal.SIGINT, 130, "interrupted (SIGINT)")])
-def test_a_stopped_run_says_so(tmp_path, sig, code, reason):
-    """SIGTERM and SIGINT end a run with its artifact marked failed and the reason, never left "running"."""
+def test_a_stopped_run_checkpoints_says_so_and_resumes(tmp_path, sig, code, reason):
+    """SIGTERM and SIGINT end a run at the end of its step: that step is checkpointed and the artifact is marked
+    failed with the reason and how to go on (never left "running"); --resume continues from it."""
     out = tmp_path / "sft"
-    proc = subprocess.Popen(align("sft", "--out", str(out), *ARGS[2:], "--max-steps", "100000"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = ["sft", "--out", str(out), *ARGS[2:]]
+    proc = subprocess.Popen(align(*args, "--max-steps", "100000"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     deadline = time.time() + 240
     while time.time() < deadline and not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -50,4 +52,10 @@ def test_a_stopped_run_says_so(tmp_path, sig, code, reason):
     said = proc.communicate(timeout=120)[0]
     assert proc.returncode == code and "Traceback" not in said, said[-3000:]
     art = json.loads((out / "artifact.json").read_text())
-    assert art["status"] == "failed" and art["reason"] == reason and art["metrics"]["loss"] > 0
+    step = int((out / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+    assert art["status"] == "failed" and art["metrics"]["loss"] > 0
+    assert art["reason"] == f"{reason} at step {step}; checkpoint saved: continue with --resume"
+    if sig == signal.SIGTERM:
+        resumed = subprocess.run(align(*args, "--max-steps", str(step + 1), "--resume"), capture_output=True, text=True)
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        assert f"resumed from the checkpoint at step {step}" in " ".join(resumed.stdout.split())

@@ -243,8 +243,8 @@ class Trained:
     """A trained engine: forward like the model, `backward(loss)` once per micro-batch (the optimiser steps
     after the `accum`-th), `metrics()` its last gradient norm and learning rate."""
 
-    def __init__(self, eng, accum: int, world: int, prefix: str = ""):
-        self.eng, self.accum, self.world, self.prefix = eng, accum, world, prefix
+    def __init__(self, eng, accum: int, world: int, lr: float, prefix: str = ""):
+        self.eng, self.accum, self.world, self.lr, self.prefix = eng, accum, world, lr, prefix
 
     @property
     def module(self):
@@ -259,6 +259,14 @@ class Trained:
         the gradient of the global objective itself, whatever the number of processes and micro-batches."""
         self.eng.backward(loss * self.world * self.accum)
         self.eng.step()
+
+    def apply_lr(self) -> None:
+        """Make `lr` the schedule's base learning rate (after a checkpoint restored another one)."""
+        sched = self.eng.lr_scheduler
+        sched.base_lrs = [self.lr for _ in sched.base_lrs]
+        for group, base, f in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * f(sched.last_epoch)
+        sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
 
     def metrics(self) -> dict[str, float]:
         return {f"{self.prefix}grad_norm": float(self.eng.get_global_grad_norm() or 0.0),

@@ -17,13 +17,13 @@ import random
 import shutil
 from pathlib import Path
 
-import torch
-
-from align import runtime
 from align.artifacts import write_json_atomic
 from align.errors import UserError
 
 DIR = "checkpoints"
+APPLIED = {"lr", "vf_lr"}  # may change on --resume: the new value is applied from the resume point on
+RESUMABLE = {"resume", "max_steps", "save_every", "eval_every", "eval_data", "eval_samples", "eval_k", "eval_pairs",
+             "pass_data", "monitor", "out", "nproc", "gather"}  # may change: they do not alter the path to the checkpoint
 
 
 def latest(out: Path) -> str | None:
@@ -31,10 +31,24 @@ def latest(out: Path) -> str | None:
     return f.read_text().strip() if f.is_file() else None
 
 
+def conflicts(saved: dict, now: dict) -> list[str]:
+    """The settings of `now` that differ from the checkpoint's (`saved`) and would change the run's path."""
+    return sorted(k for k, v in saved.items() if k not in RESUMABLE | APPLIED and now.get(k) != v)
+
+
+def resumable(out: Path, now: dict) -> bool:
+    """A checkpoint is there and `now` may continue it."""
+    try:
+        return not conflicts(read_state(out)["config"], now)
+    except (UserError, KeyError, json.JSONDecodeError):
+        return False
+
+
 def _rng_state() -> dict:
     import numpy as np
+    import torch
 
-    def b64(t: torch.Tensor) -> str:
+    def b64(t) -> str:
         return base64.b64encode(t.numpy().tobytes()).decode()
 
     state = {"python": random.getstate(), "torch": b64(torch.get_rng_state())}
@@ -47,8 +61,9 @@ def _rng_state() -> dict:
 
 def _set_rng_state(state: dict) -> None:
     import numpy as np
+    import torch
 
-    def tensor(s: str) -> torch.Tensor:
+    def tensor(s: str):
         return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
     version, internal, gauss = state["python"]
@@ -59,8 +74,10 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(tensor(state["cuda"]))
 
 
-def save(out: Path, step: int, engines: dict, state: dict, dist: runtime.Dist) -> None:
+def save(out: Path, step: int, engines: dict, state: dict, dist) -> None:
     """Write checkpoint `step` (every rank calls this), then point `latest` at it and delete older ones."""
+    from align import runtime
+
     root = Path(out) / DIR
     tag = f"step{step}"
     for name, eng in engines.items():
@@ -90,7 +107,7 @@ def read_state(out: Path) -> dict:
     return json.loads(state_file.read_text())
 
 
-def load(out: Path, engines: dict, dist: runtime.Dist) -> dict:
+def load(out: Path, engines: dict, dist) -> dict:
     """Restore every engine and this rank's RNG from the latest checkpoint; returns the run state."""
     root, tag = Path(out) / DIR, latest(out)
     state = read_state(out)

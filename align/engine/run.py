@@ -30,14 +30,11 @@ from align import runtime
 from align.artifacts import ArtifactWriter
 from align.config import as_dict, load_toml
 from align.console import TrainProgress, info, summary_table
-from align.engine import checkpoint
+from align.engine import checkpoint, outdir
 from align.engine.build import Optim, Trained, adamw, compute_dtype, ds_config, frozen_config, load_partitioned, lr_lambda, wrap
 from align.errors import Terminated, UserError
 
-# config keys a --resume may change: they do not alter the path training takes up to the checkpoint
 RATES = ("tokens", "pairs")  # Stats.sum counts a stage may log: the run adds <name>_per_s per step and overall
-RESUMABLE = {"resume", "max_steps", "save_every", "eval_every", "eval_data", "eval_samples", "eval_k", "eval_pairs",
-             "pass_data", "monitor", "out", "nproc", "gather"}
 
 
 def step_indices(n: int, global_batch: int, step: int, seed: int) -> list[int]:
@@ -64,10 +61,6 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)  # every device
 
 
-def _terminate(signum, frame):
-    raise Terminated()
-
-
 @dataclass
 class Output:
     """What a finished stage saves: `engine`'s weights with `tokenizer` as model/, `config` added to the model's
@@ -92,6 +85,10 @@ class StageRun:
         self.train_seconds = 0.0
         self.counted: dict[str, float] = {}  # RATES counted since this process started
         self._link = None  # transformers' ZeRO-3 loading link, alive while engines are built
+        self.lock: Path | None = None
+        self.stop_signal: int | None = None  # SIGINT / SIGTERM received during the step loop
+        self.in_loop = False
+        self._handlers: dict = {}  # the signal handlers open() replaced, restored at the end
         self.monitor = None
         if getattr(cfg, "monitor", None) is not None:
             from align.monitor import RLMonitor
@@ -106,6 +103,16 @@ class StageRun:
         return self
 
     def __exit__(self, kind, exc, tb):
+        try:
+            self._fail_if_running(exc)
+        finally:
+            if self.lock is not None:
+                self.lock.unlink(missing_ok=True)
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, handler)
+        return False
+
+    def _fail_if_running(self, exc) -> None:
         if exc is not None and self.writer is not None and self.writer.running:
             if isinstance(exc, KeyboardInterrupt):
                 reason = "interrupted (SIGINT)"
@@ -118,18 +125,32 @@ class StageRun:
             else:
                 reason = f"{type(exc).__name__}: {exc}"
             self.writer.fail(reason, self.last, self.monitor.summary() if self.monitor else None)
-        return False
 
-    def open(self, inputs: dict) -> runtime.Dist:
-        """Every input is checked: start the process group and write artifact.json ("running")."""
+    def open(self, inputs: dict, distributed: bool = True) -> runtime.Dist | None:
+        """Every input is checked: take --out (refused if it holds foreign files, is an input, or another run holds
+        it), start the process group and write artifact.json ("running")."""
+        outdir.check(self.cfg)
         if getattr(self.cfg, "resume", False):
             self._check_resumable(checkpoint.read_state(self.out)["config"])
-        self.dist = runtime.init()
-        signal.signal(signal.SIGTERM, _terminate)
-        self.dtype = compute_dtype(self.dist.device, self.cfg.precision)
-        seed_all(self.cfg.seed)
-        self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, self.dist.is_main)
+        main = runtime.rank() == 0
+        if main:
+            self.lock = outdir.lock(self.out)
+        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if distributed:
+            self.dist = runtime.init()
+            self.dtype = compute_dtype(self.dist.device, self.cfg.precision)
+            seed_all(self.cfg.seed)
+        self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, main)
         return self.dist
+
+    def _on_signal(self, signum, frame) -> None:
+        """Ctrl-C / SIGTERM: inside the step loop the step finishes, every rank learns of it through the step's
+        all-reduce, and the run checkpoints and stops; anywhere else (or a second time) it stops at once."""
+        if not self.in_loop or self.stop_signal is not None:
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated()
+        self.stop_signal = signum
+        info(f"[yellow]{signal.Signals(signum).name}: stopping after this step (checkpoint, then exit); "
+             "again to stop at once[/]")
 
     # ---- engines
 
@@ -145,7 +166,7 @@ class StageRun:
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
         eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
         eng.train()
-        self.engines[name] = Trained(eng, accum, self.dist.world_size, prefix)
+        self.engines[name] = Trained(eng, accum, self.dist.world_size, optim.lr, prefix)
         return self.engines[name]
 
     def frozen(self, load, offload_params: bool = False):
@@ -171,22 +192,44 @@ class StageRun:
             self.start_eval = self._evaluate(algo, 0)
         self.t_fit = time.time()
         with TrainProgress(self.stage, cfg.max_steps, start, keys=getattr(algo, "progress", ())) as bar:
+            self.in_loop = True  # a signal from here on stops the run at the end of a step
             for step in range(start, cfg.max_steps):
-                t = time.time()
-                seed_all(cfg.seed * 1_000_003 + step * 101 + self.dist.rank)
-                metrics = algo.step(step).reduce(self.dist.device)
-                for eng in self.engines.values():
-                    metrics.update(eng.metrics())
-                metrics["time/step"] = time.time() - t
-                self.train_seconds += metrics["time/step"]
-                for k in RATES:
-                    if k in metrics:
-                        self.counted[k] = self.counted.get(k, 0.0) + metrics[k]
-                        metrics[f"{k}_per_s"] = metrics[k] / metrics["time/step"]
+                metrics, stop = self._step(algo, step)
                 done = step + 1
                 if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
                     metrics.update(self._evaluate(algo, done))
                 self._end_step(done, metrics, bar, algo)
+                if stop:
+                    self._stop(done, algo, bar)
+            self.in_loop = False
+        self._handlers: dict = {}  # the signal handlers open() replaced, restored at the end
+
+    def _step(self, algo, step: int) -> tuple[dict, bool]:
+        """One step of the algorithm and its reduced metrics; and whether any rank was asked to stop."""
+        t = time.time()
+        seed_all(self.cfg.seed * 1_000_003 + step * 101 + self.dist.rank)
+        stats = algo.step(step)
+        stats.sum("_stop", float(self.stop_signal is not None))  # in the one all-reduce: every rank learns of it
+        metrics = stats.reduce(self.dist.device)
+        for eng in self.engines.values():
+            metrics.update(eng.metrics())
+        metrics["time/step"] = time.time() - t
+        self.train_seconds += metrics["time/step"]
+        for k in RATES:
+            if k in metrics:
+                self.counted[k] = self.counted.get(k, 0.0) + metrics[k]
+                metrics[f"{k}_per_s"] = metrics[k] / metrics["time/step"]
+        return metrics, metrics.pop("_stop") > 0
+
+    def _stop(self, step: int, algo, bar) -> None:
+        """Ctrl-C / SIGTERM during the loop: checkpoint the finished step, say how to continue, exit 130 / 143."""
+        sigterm = self.stop_signal == signal.SIGTERM or self.stop_signal is None  # None: another rank's SIGTERM
+        self.checkpoint(step, algo)
+        reason = (f"{'terminated (SIGTERM)' if sigterm else 'interrupted (SIGINT)'} at step {step}; checkpoint "
+                  "saved: continue with --resume")
+        self.writer.fail(reason, self.last, self.monitor.summary())
+        bar.print(f"[yellow]{reason}[/]")
+        raise SystemExit(143 if sigterm else 130)
 
     def _evaluate(self, algo, step: int) -> dict:
         if not hasattr(algo, "evaluate"):
@@ -215,14 +258,24 @@ class StageRun:
                       f"{step}: {e.message}[/]")
         bar.update(step, {**self.last_eval, **metrics})
         if self.monitor.should_stop(events):
-            stop = next(e for e in events if e.severity == "stop")
-            reason = f"RLMonitor stop at step {step}: {stop.rule}: {stop.message}"
-            self.checkpoint(step, algo)
-            self.writer.fail(reason, metrics, self.monitor.summary())
-            bar.print(f"[bold red]{reason} (checkpoint saved; fix and rerun, or --resume)[/]")
-            raise SystemExit(1)
+            self._monitor_stop(step, next(e for e in events if e.severity == "stop"), algo, bar)
         if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.max_steps:
             self.checkpoint(step, algo)
+
+    def _monitor_stop(self, step: int, event, algo, bar) -> None:
+        """An RLMonitor `stop`: mark the artifact failed and exit 1. Weights that went non-finite are not saved:
+        the last good checkpoint stays the one to resume from; otherwise this step is checkpointed."""
+        if event.rule == "nan":
+            good = checkpoint.latest(self.out)
+            where = (f"the last good checkpoint ({good}) is kept: --resume from it, with a lower --lr" if good else
+                     "no checkpoint was saved before it (--save-every N keeps one): rerun with a lower --lr")
+        else:
+            self.checkpoint(step, algo)
+            where = f"checkpoint saved at step {step}: fix the cause, then --resume or rerun"
+        reason = f"RLMonitor stop at step {step}: {event.rule}: {event.message} ({where})"
+        self.writer.fail(reason, self.last, self.monitor.summary())
+        bar.print(f"[bold red]{reason}[/]")
+        raise SystemExit(1)
 
     # ---- checkpoints
 
@@ -233,9 +286,10 @@ class StageRun:
         checkpoint.save(self.out, step, {n: e.eng for n, e in self.engines.items()}, state, self.dist)
 
     def _check_resumable(self, saved: dict) -> None:
-        """A --resume continues the checkpoint's run: settings that change its path are refused, not ignored."""
+        """A --resume continues the checkpoint's run: settings that change its path are refused, not ignored (a
+        new --lr / --vf-lr is applied from the resume point on)."""
         now = as_dict(self.cfg)
-        changed = sorted(k for k, v in saved.items() if k not in RESUMABLE and now.get(k) != v)
+        changed = checkpoint.conflicts(saved, now)
         if changed:
             diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} -> {now.get(k)!r}" for k in changed)
             raise UserError(f"{self.out}: the checkpoint was trained with other settings ({diff}); resume with "
@@ -243,6 +297,11 @@ class StageRun:
 
     def _resume(self, algo) -> int:
         state = checkpoint.load(self.out, {n: e.eng for n, e in self.engines.items()}, self.dist)
+        for k in checkpoint.APPLIED:
+            if state["config"].get(k) != getattr(self.cfg, k, None) and hasattr(self.cfg, k):
+                info(f"--{k.replace('_', '-')} {state['config'][k]} -> {getattr(self.cfg, k)} from step {state['step']} on")
+        for eng in self.engines.values():
+            eng.apply_lr()  # the checkpoint's schedule carried the old base learning rate
         self.monitor.load_state_dict(state["monitor"])
         self.start_eval, self.last_eval, self.last = state["start_eval"], state["last_eval"], state["last"]
         if hasattr(algo, "load_state_dict"):

@@ -1,0 +1,75 @@
+"""--out: a run writes only into a directory that is new, empty or an align artifact, never into one of its own
+inputs, and one run at a time (a lock file naming the holder's PID)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from align.artifacts import ARTIFACT_FILE
+from align.errors import UserError
+
+LOCK = ".lock"
+
+
+def check(cfg) -> None:
+    """Refuse, before anything is written, an --out that holds someone else's files or is one of the inputs."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: --out is a file; give a directory (new, empty, or an earlier run's).")
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name != "out" and f.metadata.get("path") and value and Path(value).exists():
+            if Path(value).resolve() == out.resolve():
+                raise UserError(f"--out {out} is also --{f.name.replace('_', '-')}: the run would overwrite its own "
+                                "input. Choose another --out.")
+    if out.is_dir() and not (out / ARTIFACT_FILE).exists():
+        foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise UserError(f"{out}: --out holds files that are not an align artifact ({shown}); they would be "
+                            "overwritten. Choose a new or empty directory.")
+
+
+def holder(out: Path) -> int | None:
+    """The PID of a live process holding `out`'s lock (not this one), else None."""
+    try:
+        pid = int((Path(out) / LOCK).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # a stale lock: its run died (SIGKILL)
+    except PermissionError:
+        pass
+    return pid
+
+
+def refuse_if_locked(out: Path) -> None:
+    pid = holder(out)
+    if pid is not None:
+        raise UserError(f"{out}: in use by another align run (PID {pid}); wait for it, stop it (kill {pid}), or "
+                        "choose another --out.")
+
+
+def lock(out: Path) -> Path:
+    """Take `out`'s lock (a stale one is taken over); returns the lock file, to remove at the end. The PID is
+    written before the lock appears (a hard link of a finished file), so a reader never sees it empty."""
+    out.mkdir(parents=True, exist_ok=True)
+    path, mine = out / LOCK, out / f"{LOCK}.{os.getpid()}"
+    mine.write_text(f"{os.getpid()}\n")
+    try:
+        while True:
+            refuse_if_locked(out)
+            try:
+                os.link(mine, path)
+                return path
+            except FileExistsError:
+                if holder(out) is None:
+                    path.unlink(missing_ok=True)  # stale: its run died
+    finally:
+        mine.unlink(missing_ok=True)

@@ -1,0 +1,51 @@
+"""GRPO's update against a loss written out by hand: log-probs at the sampling temperature (the policy gradient
+of samples drawn at T is that of log softmax(z / T)), token-mean REINFORCE over the kept tokens only."""
+
+import os
+
+import pytest
+import torch
+
+from align.engine.run import StageRun
+from align.engine.stats import Stats
+from align.generation import Completion
+from align.rollout import Rollout
+from stages.grpo import GRPO, GRPOConfig
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(monkeypatch):
+    from align.runtime import free_port
+
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", str(free_port())))
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_update_loss_is_reinforce_on_temperature_scaled_log_probs(tiny_model_dir, tmp_path, temperature):
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    cfg = GRPOConfig(model=str(tiny_model_dir), out=str(tmp_path / "g"), eval_data="", temperature=temperature,
+                     reinforce=True, prompts_per_step=1, num_generations=2, micro_batch_size=2, max_new_tokens=4)
+    cfg.validate()
+    with StageRun(cfg, "grpo") as run:
+        algo = GRPO(cfg, run)
+        prompt, eos = algo.prompt_ids[0], algo.tok.eos_token_id
+        r = Rollout(algo.rows[:1], [Completion(prompt, [40, 41, eos], "", True), Completion(prompt, [42, eos], "", True)], 2)
+        batch = r.batch(algo.tok.pad_token_id, "cpu")
+        batch["loss_mask"] = batch["response_mask"] * torch.tensor([[1.0], [0.0]])  # the second sample is dropped
+        adv = torch.tensor([1.5, -1.0])
+        with torch.no_grad():
+            logits = algo.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        lp = (logits / temperature).log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+        mask = batch["loss_mask"]
+        want = -(adv[:, None] * lp * mask).sum() / mask.sum()  # token-mean over the kept tokens of the batch
+        stats = Stats()
+        algo.update(batch, adv, None, None, mask.sum().item(), 1.0, stats)
+        got = stats.reduce("cpu")
+    unset_hf_deepspeed_config()
+    assert got["loss"] == pytest.approx(want.item(), rel=1e-5)
+    want_entropy = -((logits / temperature).softmax(-1) * (logits / temperature).log_softmax(-1)).sum(-1)
+    resp = batch["response_mask"]
+    assert got["entropy"] == pytest.approx(((want_entropy * resp).sum() / resp.sum()).item(), rel=1e-5)
