@@ -1,6 +1,7 @@
 """The `align` CLI: help, light imports, and bad input -> exit 2 with a named cause."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -212,3 +213,30 @@ def test_data_make_arithmetic_with_held_out(tmp_path):
 def test_data_make_bad_levels(tmp_path):
     proc = run_align("data", "make", "arithmetic", "--levels", "1,x", "--out", tmp_path / "a.jsonl", timeout=120)
     assert_user_error(proc, "--levels", "'1,x'")
+
+
+def test_help_shows_every_option_text_as_written():
+    """Every option's help of every command appears in its --help as written: a [...] is not eaten as rich markup
+    and a :name: is not turned into an emoji (the texts are passed through cli.literal)."""
+    from align import config as C
+    from align import registry
+    from align.cli import literal
+
+    assert "\u2060" not in literal("plain [x] text") and literal("[x]") == "\\[x]"
+    from rich.emoji import Emoji
+
+    assert Emoji.replace(literal("a :smile: here")) == literal("a :smile: here")
+    for cmd in registry.COMMANDS:
+        proc = run_align(*cmd.words, "--help", timeout=120, env={"COLUMNS": "4000"})
+        shown = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", proc.stdout))
+        for f in C.fields(cmd.config_class()):
+            text = re.sub(r"\s+", " ", f.metadata["help"])
+            assert text in shown, (cmd.words, f.name, text)
+
+
+def test_eval_without_a_terminal_prints_progress_lines(tmp_path):
+    proc = run_align("eval", "tiny", "--out", tmp_path / "ev", "--limit", "6", "--k", "1,2", "--max-new-tokens", "4",
+                     "--batch-size", "4", timeout=240)
+    assert proc.returncode == 0, output(proc)
+    assert re.search(r"^eval \d+/18 ", proc.stdout, re.M), proc.stdout  # 6 greedy + 12 sampled generations
+    assert json.loads((tmp_path / "ev" / "artifact.json").read_text())["metrics"]["problems"] == 6

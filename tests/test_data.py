@@ -93,6 +93,24 @@ def raises(match, fn, *a, **kw):
     return str(e.value)
 
 
+def test_columns_leave_a_file_that_already_has_the_new_name(tmp_path):
+    """--columns question=prompt renames your training data; the shipped held-out data (already `prompt`) is read
+    as it is instead of failing, and a mapping neither side of which exists is still an error."""
+    from align.paths import DATA_DIR
+
+    rows = D.load_rows(DATA_DIR / "arithmetic/test.jsonl", "verifiable", "question=prompt", limit=2)
+    assert "prompt" in rows[0] and "question" not in rows[0]
+    with pytest.raises(UserError, match="--columns maps 'quest'"):
+        D.load_rows(DATA_DIR / "arithmetic/test.jsonl", "verifiable", "quest=promptt")
+
+
+def test_a_hub_dataset_id_says_align_reads_local_files():
+    with pytest.raises(UserError, match="Hugging Face Hub dataset id.*to_json"):
+        D.read_rows("openai/gsm8k")
+    with pytest.raises(UserError, match="data file not found.$"):
+        D.read_rows("missing/file.jsonl")
+
+
 def test_missing_file(tmp_path):
     msg = raises("data file not found", D.load_rows, tmp_path / "nope.jsonl", "sft")
     assert "nope.jsonl" in msg

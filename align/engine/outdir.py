@@ -59,9 +59,12 @@ def refuse_if_locked(out: Path) -> None:
 def lock(out: Path) -> Path:
     """Take `out`'s lock (a stale one is taken over); returns the lock file, to remove at the end. The PID is
     written before the lock appears (a hard link of a finished file), so a reader never sees it empty."""
-    out.mkdir(parents=True, exist_ok=True)
     path, mine = out / LOCK, out / f"{LOCK}.{os.getpid()}"
-    mine.write_text(f"{os.getpid()}\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        mine.write_text(f"{os.getpid()}\n")
+    except OSError as e:
+        raise UserError(f"{out}: output directory is not writable ({e.strerror}); choose another --out.") from None
     try:
         while True:
             refuse_if_locked(out)
