@@ -107,8 +107,11 @@ def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None
     n = len(curves) + bool(pairs)
     ncols = min(3, n)
     nrows = math.ceil(n / ncols)
-    fig = Figure(figsize=(4 * ncols, 2.8 * nrows + 0.5), layout="constrained")
-    fig.suptitle(title)
+    height = 2.8 * nrows + 0.5
+    fig = Figure(figsize=(4 * ncols, height))
+    # fixed margins, not a layout engine: constrained layout solved for ~1.5 s per report (every run's end)
+    fig.subplots_adjust(left=0.07, right=0.97, bottom=0.5 / height, top=1 - 0.75 / height, wspace=0.3, hspace=0.55)
+    fig.suptitle(title, y=1 - 0.15 / height)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     if pairs:
         ax = axes[0]

@@ -155,7 +155,7 @@ def test_row_without_value_names_row_and_column(tmp_path):
 
 def test_columns_maps_missing_column(tmp_path):
     p = write_jsonl(tmp_path / "d.jsonl", SFT_ROWS)
-    msg = raises("--columns maps 'question'", D.load_rows, p, "sft", "question=prompt")
+    msg = raises("--columns maps 'question'", D.load_rows, p, "sft", "question=query")
     assert "no such column" in msg and "prompt, completion" in msg
 
 

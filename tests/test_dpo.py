@@ -110,4 +110,4 @@ def test_missing_chosen_column(tmp_path, tiny_model_dir):
 
 def test_bad_loss_name(tmp_path, tiny_model_dir):
     assert_user_error(run_align("dpo", "--model", tiny_model_dir, "--loss", "kto", "--out", tmp_path / "o"),
-                      "--loss must be one of sigmoid, ipo, hinge")
+                      "--loss must be one of sigmoid, ipo, ipo-mean, hinge")

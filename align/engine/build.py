@@ -143,7 +143,14 @@ def load_partitioned(cfg: dict, load, dtype):
 
 def wrap(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
     """A DeepSpeed engine around `model`; without an optimizer an inference-only (frozen) one."""
+    import sys
+
     import deepspeed
+
+    # DeepSpeed's optimizer check imports its Muon optimizer, whose module applies torch.compile when imported:
+    # 2-3 s of torch._inductor imports in every process, for an optimizer align never builds (it passes AdamW).
+    # A module marked absent makes that import fail, which DeepSpeed catches and skips.
+    sys.modules.setdefault("deepspeed.runtime.zero.muon.muon_optimizer", None)
 
     if optimizer is None:
         model.requires_grad_(False)
