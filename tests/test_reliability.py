@@ -142,3 +142,18 @@ def test_an_interrupted_pipeline_stage_resumes_from_its_checkpoint(tiny_model_di
     assert again.returncode == 0 and f"resuming from its {step} checkpoint" in said, said[-3000:]
     assert f"resumed from the checkpoint at {step.replace('step', 'step ')}" in said
     assert json.loads((out / "artifact.json").read_text())["status"] == "complete"
+
+
+def test_an_exception_marks_the_artifact_failed_with_its_message(tmp_path):
+    """Any error after --out is opened ends with artifact.json "failed" and the error, and the lock released."""
+    from align.engine.run import StageRun
+    from stages.model_init import ModelInitConfig
+
+    out = tmp_path / "m"
+    with pytest.raises(RuntimeError):
+        with StageRun(ModelInitConfig(out=str(out)), "model-init") as run:
+            run.open({}, distributed=False)
+            assert (out / ".lock").read_text().split()[0] == str(os.getpid())
+            raise RuntimeError("boom")
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "failed" and art["reason"] == "RuntimeError: boom" and not (out / ".lock").exists()

@@ -141,17 +141,26 @@ def load_partitioned(cfg: dict, load, dtype):
     return load(dtype), link
 
 
+def _without_muon() -> None:
+    """DeepSpeed's ZeRO optimizers import its Muon optimizer only to ask `isinstance(optimizer, MuonWithAuxAdam)`,
+    and that module applies torch.compile when imported: 2-3 s of torch._inductor imports in every process. align
+    builds AdamW only, so a placeholder class (nothing is an instance of it) answers the question; the real module
+    still loads if something imported it first."""
+    import sys
+    import types
+
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name not in sys.modules:
+        placeholder = types.ModuleType(name)
+        placeholder.MuonWithAuxAdam = type("MuonWithAuxAdam", (), {})
+        sys.modules[name] = placeholder
+
+
 def wrap(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
     """A DeepSpeed engine around `model`; without an optimizer an inference-only (frozen) one."""
-    import sys
-
     import deepspeed
 
-    # DeepSpeed's optimizer check imports its Muon optimizer, whose module applies torch.compile when imported:
-    # 2-3 s of torch._inductor imports in every process, for an optimizer align never builds (it passes AdamW).
-    # A module marked absent makes that import fail, which DeepSpeed catches and skips.
-    sys.modules.setdefault("deepspeed.runtime.zero.muon.muon_optimizer", None)
-
+    _without_muon()
     if optimizer is None:
         model.requires_grad_(False)
         cfg = frozen_config(cfg)
