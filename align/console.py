@@ -60,6 +60,12 @@ class TrainProgress:
             disable=not self.live,
         )
         self.task = None
+        self.done = self.shown = start
+
+    def advance(self, n: int) -> None:
+        """n more items done (generation batches: a plain line whenever a twentieth is passed)."""
+        self.done += n
+        self.update(self.done, {})
 
     def __enter__(self):
         self.progress.__enter__()
@@ -71,7 +77,8 @@ class TrainProgress:
         text = "  ".join(f"{k} {fmt(v)}" for k, v in shown.items())
         if self.live:
             self.progress.update(self.task, completed=step, metrics=text)
-        elif self.enabled and (step % self.every == 0 or step == self.total):
+        elif self.enabled and (step // self.every > self.shown // self.every or step == self.total):
+            self.shown = step
             elapsed = time.time() - self.t0
             eta = elapsed / max(step - self.start, 1) * (self.total - step)
             console.print(f"{self.title} {step}/{self.total} {_clock(elapsed)} eta {_clock(eta)}  {text}",

@@ -9,7 +9,7 @@ from align.generation import Sampling, generate
 from align.models import context_length
 from align.passk import mean_pass_at_k
 from align.errors import UserError
-from align.rewards import guess_verifier, verify
+from align.rewards import guess_verifier, verifier_fn, verify
 
 
 def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=(1,), samples: int = 0,
@@ -24,23 +24,18 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
     `progress` titles a progress bar over the generations.
     """
     sampling = sampling or Sampling()
-    verifier = guess_verifier(rows) if verifier == "auto" else verifier
+    check = verifier_fn(guess_verifier(rows) if verifier == "auto" else verifier)
     rows, prompts = fitting(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows]),
                             context_length(eng.module.config), sampling.max_new_tokens)
     greedy = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
     local = -(-len(prompts) // dist.world_size) * (1 + samples)  # this rank's generations
     with TrainProgress(progress, local) if progress else _NoBar() as bar:
-        done = [0]
-
-        def advance(n: int) -> None:
-            done[0] += n
-            bar.update(done[0], {})
-
-        outs = generate(eng, tokenizer, prompts, greedy, dist, batch_size=batch_size, gather=gather, on_batch=advance)
+        outs = generate(eng, tokenizer, prompts, greedy, dist, batch_size=batch_size, gather=gather,
+                        on_batch=bar.advance)
         many = (generate(eng, tokenizer, [p for p in prompts for _ in range(samples)], sampling, dist,
-                         batch_size=batch_size, gather=gather, on_batch=advance) if samples > 0 else [])
+                         batch_size=batch_size, gather=gather, on_batch=bar.advance) if samples > 0 else [])
     records = [
-        {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text, "greedy_correct": verify(o.text, r["answer"], verifier)}
+        {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text, "greedy_correct": verify(check, r, o.text)}
         for r, o in zip(rows, outs)
     ]
     metrics = {"pass@1/greedy": sum(rec["greedy_correct"] for rec in records) / len(records),
@@ -49,7 +44,7 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
         for i, rec in enumerate(records):
             group = many[i * samples : (i + 1) * samples]
             rec["samples"] = [o.text for o in group]
-            rec["n_correct"] = sum(verify(o.text, rec["answer"], verifier) for o in group)
+            rec["n_correct"] = sum(verify(check, rows[i], o.text) for o in group)
         ks = [k for k in ks if k <= samples]
         ns, cs = [samples] * len(records), [rec["n_correct"] for rec in records]
         if use_evaluate:
@@ -81,6 +76,9 @@ def fitting(rows: list[dict], prompt_ids: list[list[int]], context: int | None, 
 class _NoBar:
     def __enter__(self):
         return self
+
+    def advance(self, n: int) -> None:
+        pass
 
     def __exit__(self, *exc):
         return False

@@ -116,9 +116,12 @@ def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, dev
     dec = decoder_for(bare(module), device)
     eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     out: list[Completion] = []
+    # CUDA graphs: every chunk as wide as the first (a short last chunk would compile and capture a new shape)
+    width = min(batch_size, len(prompts)) if dec.use_graphs else 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        for p, row in zip(chunk, dec.generate(chunk, s, eos, pad_id)):
+        rows = dec.generate(chunk + [chunk[-1]] * (width - len(chunk)), s, eos, pad_id)
+        for p, row in zip(chunk, rows):
             resp, finished = trim_at_eos(row, eos, pad_id)
             out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
         if on_batch:

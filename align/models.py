@@ -3,12 +3,15 @@
 `--model` accepts
   * a preset name (`tiny`, `small`): a fresh random-init Llama with the tokenizer shipped in data/tokenizer,
   * an align artifact directory (has artifact.json; the model is its `model/`; checked complete and untampered),
-  * a `save_pretrained` directory (config.json + weights + tokenizer).
+  * a `save_pretrained` directory (config.json + weights + tokenizer),
+  * a Hugging Face hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`): from the local cache, else downloaded (config,
+    safetensors, tokenizer files only); offline and not cached, an error says how to pass a directory instead.
 Weights load from safetensors only; `trust_remote_code` is off unless the user passes it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +61,8 @@ def resolve(spec: str, expect: str | None = "policy") -> ModelSource:
     if spec in PRESETS and not Path(spec).exists():
         return ModelSource(spec, None, preset=spec)
     path = Path(spec)
+    if not path.exists() and HUB_ID.fullmatch(spec):
+        path = hub_snapshot(spec)
     if not path.exists():
         raise UserError(
             f"{spec}: no such model directory or artifact. Use a preset ({', '.join(PRESETS)}), "
@@ -79,6 +84,33 @@ def resolve(spec: str, expect: str | None = "policy") -> ModelSource:
     if source.model_dir is not None and not any(source.model_dir.glob("*.safetensors")):
         raise UserError(f"{source.model_dir}: no .safetensors weights (align loads safetensors only, never pickles).")
     return source
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """A hub model's local directory: the cached snapshot, else a download of its config, safetensors and
+    tokenizer files (never pickled weights)."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise UserError(f"{repo_id}: no such directory, and huggingface_hub is missing to fetch it as a hub id.") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:  # offline, unknown repo, gated: all say the same useful thing
+        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"{repo_id}: not in the local Hugging Face cache and not downloadable here ({reason}). Download it "
+            f"where the hub is reachable (`hf download {repo_id}`, then copy ~/.cache/huggingface), or pass a "
+            "save_pretrained directory: --model DIR (in a pipeline: --set stages.NAME.model=DIR)."
+        ) from None
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):

@@ -172,8 +172,37 @@ def _toml_error_line(e: tomllib.TOMLDecodeError) -> tuple[int | None, str]:
     return None, msg
 
 
-def parse(path: str | Path) -> tuple[Pipeline | None, list[Problem]]:
-    """Read and check a pipeline file; returns (pipeline, problems). The pipeline is None on any problem."""
+def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
+    """`--set stages.sft.model=DIR`: each KEY.PATH=VALUE replaces (or adds) one key of the parsed file. VALUE is
+    read as a TOML value (1e-5, true, [1, 2], "text") and else taken as a string; a string naming an existing
+    file or directory relative to the current directory is made absolute (TOML paths are relative to the file)."""
+    problems = []
+    for item in overrides:
+        key, eq, raw = item.partition("=")
+        keys = tuple(k.strip() for k in key.split("."))
+        if not eq or not all(keys):
+            problems.append(Problem(f"--set {item}", "write KEY.PATH=VALUE, e.g. --set stages.sft.model=DIR"))
+            continue
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        if isinstance(value, str) and not value.startswith("@") and value and Path(value).exists():
+            value = str(Path(value).resolve())
+        table = data
+        for k in keys[:-1]:
+            table = table.setdefault(k, {})
+            if not isinstance(table, dict):
+                problems.append(Problem(f"--set {item}", f"{k!r} is not a table"))
+                break
+        else:
+            table[keys[-1]] = value
+    return problems
+
+
+def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None, list[Problem]]:
+    """Read and check a pipeline file (with `--set` overrides); returns (pipeline, problems). The pipeline is None
+    on any problem."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -188,7 +217,7 @@ def parse(path: str | Path) -> tuple[Pipeline | None, list[Problem]]:
         return None, [Problem("", f"invalid TOML: {msg}", line)]
 
     loc = Locator(text)
-    problems: list[Problem] = []
+    problems: list[Problem] = apply_overrides(data, list(overrides))
 
     def problem(keys: tuple[str, ...], message: str) -> None:
         problems.append(Problem(".".join(keys), message, loc.line(keys)))
@@ -352,9 +381,9 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
     return stage
 
 
-def load(path: str | Path) -> Pipeline:
+def load(path: str | Path, overrides: list[str] = ()) -> Pipeline:
     """The checked pipeline, or a UserError that lists every problem (one per line) with its key and line."""
-    p, problems = parse(path)
+    p, problems = parse(path, overrides)
     if problems:
         file = str(path)
         lines = [pr.format(file) for pr in problems]
@@ -583,9 +612,10 @@ def headline_metrics(out: Path, n: int = 3) -> dict:
     return dict(sorted(numeric.items(), key=lambda kv: rank(kv[0]))[:n])
 
 
-def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, echo=console.print) -> list[Result]:
+def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, echo=console.print,
+        overrides: list[str] = ()) -> list[Result]:
     """Run the pipeline; returns one Result per stage reached. A failing stage ends the list (status 'failed')."""
-    p = load(path)
+    p = load(path, overrides)
     results: list[Result] = []
     if dry_run:
         for pl in plan(p, from_stage):

@@ -16,6 +16,8 @@ from align.console import console, fmt
 app = typer.Typer(help="Run a chain of stages from a TOML file.", no_args_is_help=True, rich_markup_mode="rich")
 
 FILE = typer.Argument("pipelines.toml", help="Pipeline TOML file ([pipeline] + [stages.NAME] tables).")
+SET = typer.Option([], "--set", help="Override a key of the file: stages.NAME.KEY=VALUE (repeatable), e.g. "
+                   "--set stages.sft.model=./my-model; paths relative to the current directory.")
 
 
 def _rel(path: Path) -> str:
@@ -41,18 +43,18 @@ STATUS_STYLE = {"ran": "green", "skipped (up to date)": "dim", "would run": "yel
 
 
 @app.command("validate")
-def validate(file: str = FILE):
+def validate(file: str = FILE, set_: list[str] = SET):
     """Check a pipeline file: every problem is reported (key path and line), none is run."""
-    p = P.load(file)
+    p = P.load(file, set_)
     chain = ", ".join(f"{s.name} ({s.kind})" for s in p.stages)
     n = len(p.stages)
     console.print(f"[green]ok[/] {escape(file)}: {n} stage{'s' if n > 1 else ''}: {escape(chain)}")
 
 
 @app.command("show")
-def show(file: str = FILE):
+def show(file: str = FILE, set_: list[str] = SET):
     """The plan: each stage's kind, inputs, out dir and status (complete / stale / incomplete / missing)."""
-    p = P.load(file)
+    p = P.load(file, set_)
     table = Table(title=f"pipeline {escape(file)}", header_style="bold")
     for col in ("stage", "kind", "inputs", "out", "status", "next run"):
         table.add_column(col, overflow="fold")
@@ -72,9 +74,10 @@ def run(
     file: str = FILE,
     from_: Optional[str] = typer.Option(None, "--from", help="Rerun this stage and every stage after it."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say which stages would run."),
+    set_: list[str] = SET,
 ):
     """Run the stages in order, skipping those whose artifact is complete and whose config and inputs are unchanged."""
-    results = P.run(file, from_stage=from_, dry_run=dry_run, echo=console.print)
+    results = P.run(file, from_stage=from_, dry_run=dry_run, echo=console.print, overrides=set_)
     table = Table(title=f"pipeline {escape(file)}" + (" (dry run)" if dry_run else ""), header_style="bold")
     for col in ("stage", "status", "wall", "metrics"):
         table.add_column(col)

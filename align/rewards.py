@@ -14,6 +14,7 @@ path/to/file.py:FUNCTION[:WEIGHT]; the total reward is Σ weight · fn. Register
   answer_format   1 if the completion ends with "#### <number>"
   exact           1 if the completion equals row["answer"] (surrounding white space ignored)
   length          Kimi k1.5 length reward within each group (needs math; computed per group: GROUP_REWARDS)
+  rg:TASK         a reasoning-gym task's own scorer (optional extra; rows made by `align data make rg:TASK`)
 A verifier (eval's --verifier) is a registered reward read as correct when it returns 1.
 
 extract_answer looks, in order, for the text after the last '####', the last \\boxed{...}, then the last number
@@ -226,6 +227,15 @@ def _load_user_fn(path: str, name: str) -> Callable:
     return fn
 
 
+def lookup(name: str) -> Callable | None:
+    """The reward function registered as `name` (a REWARDS key or rg:TASK), or None."""
+    if name.startswith("rg:"):
+        from align import rgym
+
+        return rgym.reward(name[3:])
+    return REWARDS.get(name)
+
+
 def parse_rewards(specs: list[str]) -> list[RewardFn]:
     out = []
     for spec in specs:
@@ -233,7 +243,9 @@ def parse_rewards(specs: list[str]) -> list[RewardFn]:
         weight = 1.0
         if len(parts) > 1 and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", parts[-1]):
             weight = float(parts.pop())
-        if parts[0].endswith(".py"):
+        if parts[0] == "rg" and len(parts) == 2:
+            out.append(RewardFn(":".join(parts), weight, lookup(":".join(parts))))
+        elif parts[0].endswith(".py"):
             if len(parts) != 2:
                 raise UserError(f"--reward {spec}: a user reward is path/to/file.py:FUNCTION[:WEIGHT].")
             out.append(RewardFn(f"{Path(parts[0]).stem}.{parts[1]}", weight, _load_user_fn(parts[0], parts[1])))
@@ -243,7 +255,8 @@ def parse_rewards(specs: list[str]) -> list[RewardFn]:
             out.append(RewardFn(parts[0], weight, None))
         else:
             known = ", ".join([*REWARDS, *GROUP_REWARDS])
-            raise UserError(f"--reward {spec}: unknown reward; built-ins: {known}, or path/to/file.py:FUNCTION.")
+            raise UserError(f"--reward {spec}: unknown reward; built-ins: {known}, rg:TASK (reasoning-gym), or "
+                            "path/to/file.py:FUNCTION.")
     if not out:
         raise UserError("give at least one --reward (e.g. --reward math).")
     if any(r.name == "length" for r in out) and not any(r.name == "math" for r in out):
@@ -300,10 +313,26 @@ def call_reward(r: RewardFn, prompt: str, completion: str, row: dict, timeout: f
 # ---- verifiers (eval --verifier NAME): a registered reward that returns 1 means "correct"
 
 
-def verify(completion: str, answer, verifier: str) -> bool:
-    return REWARDS[verifier]("", completion, answer=answer) == 1.0
+def verifier_fn(name: str) -> Callable:
+    """The reward a verifier name stands for; an unknown name is a UserError."""
+    fn = lookup(name)
+    if fn is None and ".py:" in name:
+        fn = parse_rewards([name])[0].fn
+    if fn is None:
+        raise UserError(f"--verifier must be auto, one of {', '.join(REWARDS)}, rg:TASK or file.py:FUNCTION, "
+                        f"not {name!r}.")
+    return fn
+
+
+def verify(fn: Callable, row: dict, completion: str) -> bool:
+    """True when the verifier `fn` gives the completion of this row (prompt, answer, ...) a reward of 1."""
+    extra = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
+    return fn(row.get("prompt", ""), completion, **extra) == 1.0
 
 
 def guess_verifier(rows: list[dict]) -> str:
-    """math when the first reference answer is a number, else exact."""
+    """rg:TASK for rows made from a reasoning-gym task, math when the first reference answer is a number, else
+    exact."""
+    if rows[0].get("rg_task"):
+        return f"rg:{rows[0]['rg_task']}"
     return "math" if parse_number(str(rows[0]["answer"])) is not None else "exact"

@@ -1,41 +1,137 @@
-"""`align data make TASK`: generate a dataset (and optionally a held-out split with no prompt in common)."""
+"""`align data make TASK`: generate a dataset (and optionally a held-out split with no prompt in common).
+
+TASK is one of the built-in tasks (arithmetic, sort, prefs, text), `rg:NAME` for a reasoning-gym task (optional
+extra), or `prefs --from-model M --data FILE`: preference pairs a model makes itself — K sampled completions per
+prompt of a verifiable file, a correct one as `chosen` and an incorrect one as `rejected` (on-policy pairs, as in
+online / iterative DPO recipes).
+"""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from align import tasks
 from align.config import opt
-from align.console import summary_table
+from align.console import info, summary_table
 from align.errors import UserError
 
 
 @dataclass
 class DataMakeConfig:
-    task: str = opt("arithmetic", "Task: arithmetic, sort, prefs or text.")
-    n: int = opt(1000, "Rows to generate.")
+    task: str = opt("arithmetic", "Task: arithmetic, sort, prefs, text, or rg:NAME (a reasoning-gym task).")
+    n: int = opt(1000, "Rows to generate (prefs --from-model: prompts to sample, 0 = all of --data).")
     seed: int = opt(0, "Random seed.")
     out: str = opt("data.jsonl", "Output JSONL file.")
-    test_n: int = opt(0, "Also write a held-out split of N rows, disjoint from the main one.")
+    test_n: int = opt(0, "Also write a held-out split of N rows, disjoint from the main one (no shared prompt).")
     test_out: str = opt("", "Held-out output file (default: OUT with .test.jsonl).")
     levels: str = opt("1,2,3,4", "arithmetic/prefs difficulty levels: 1-digit/2 operands .. 2-digit/3 operands.")
+    param: list[str] = opt([], "rg:NAME task option KEY=VALUE (repeatable), e.g. --param max_terms=3.")
+    from_model: str = opt("", "prefs: sample the pairs from this model (a directory, artifact or hub id).")
+    data: str = opt("", "prefs --from-model: verifiable prompts {prompt, answer} to sample on.")
+    samples: int = opt(8, "prefs --from-model: completions sampled per prompt.")
+    max_new_tokens: int = opt(128, "prefs --from-model: longest completion.")
+    temperature: float = opt(1.0, "prefs --from-model: sampling temperature.")
+    verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).")
+    batch_size: int = opt(64, "prefs --from-model: generation batch.")
 
 
 def run(cfg: DataMakeConfig) -> dict:
+    if cfg.from_model:
+        return _model_pairs(cfg)
+    if cfg.task.startswith("rg:"):
+        return _reasoning_gym(cfg)
+    if cfg.param:
+        raise UserError("--param sets options of reasoning-gym tasks (rg:NAME) only.")
     try:
         levels = tuple(int(x) for x in cfg.levels.split(","))
     except ValueError:
         raise UserError(f"--levels must be comma-separated integers 1..4, not {cfg.levels!r}.") from None
     opts = {"levels": levels} if cfg.task in ("arithmetic", "prefs") else {}
     rows = tasks.make_dataset(cfg.task, cfg.n, cfg.seed, **opts)
-    tasks.write_jsonl(rows, Path(cfg.out))
-    summary = {"task": cfg.task, "rows": len(rows), "out": cfg.out}
+    test = None
     if cfg.test_n:
         key = "text" if cfg.task == "text" else "prompt"
         test = tasks.make_dataset(cfg.task, cfg.test_n, cfg.seed + 1_000_003, exclude={r[key] for r in rows}, **opts)
+    return _write(cfg, rows, test)
+
+
+def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, **extra) -> dict:
+    tasks.write_jsonl(rows, Path(cfg.out))
+    summary = {"task": cfg.task, "rows": len(rows), "out": cfg.out, **extra}
+    if test is not None:
         test_out = cfg.test_out or str(Path(cfg.out).with_suffix("")) + ".test.jsonl"
         tasks.write_jsonl(test, Path(test_out))
         summary.update(test_rows=len(test), test_out=test_out)
     summary_table("data make", summary)
     return summary
+
+
+def _reasoning_gym(cfg: DataMakeConfig) -> dict:
+    from align import rgym
+
+    name, params = cfg.task[3:], rgym.parse_params(cfg.param)
+    rows = rgym.make_rows(name, cfg.n, cfg.seed, params)
+    test = rgym.make_rows(name, cfg.test_n, cfg.seed + 1_000_003, params, exclude={r["prompt"] for r in rows}) \
+        if cfg.test_n else None
+    return _write(cfg, rows, test)
+
+
+def pick_pair(rng: random.Random, texts: list[str], correct: list[bool]) -> tuple[str, str] | None:
+    """(chosen, rejected): a correct and an incorrect completion of one prompt, drawn at random; None when the
+    samples are all correct or all wrong (no preference to learn from them)."""
+    good = [t for t, c in zip(texts, correct) if c]
+    bad = [t for t, c in zip(texts, correct) if not c]
+    if not good or not bad:
+        return None
+    return rng.choice(good), rng.choice(bad)
+
+
+def _model_pairs(cfg: DataMakeConfig) -> dict:
+    """K samples per prompt from the model, graded by the verifier, one (correct, incorrect) pair per prompt that
+    has both; with --test-n, the last pairs (their prompts) are the held-out split."""
+    import torch
+
+    from align import data as D
+    from align.console import TrainProgress
+    from align.runtime import quiet_libraries
+    from align.generation import Sampling, generate_local
+    from align.models import load_causal_lm, load_tokenizer, resolve
+    from align.rewards import guess_verifier, verifier_fn, verify
+
+    if cfg.task != "prefs":
+        raise UserError(f"--from-model makes preference pairs: use `align data make prefs`, not {cfg.task!r}.")
+    if not cfg.data:
+        raise UserError("prefs --from-model needs --data: a verifiable JSONL file {prompt, answer}.")
+    if cfg.samples < 2:
+        raise UserError("--samples must be >= 2: a pair needs a correct and an incorrect completion.")
+    rows = D.load_rows(cfg.data, "verifiable", limit=cfg.n)
+    check = verifier_fn(guess_verifier(rows) if cfg.verifier == "auto" else cfg.verifier)
+    quiet_libraries()
+    source = resolve(cfg.from_model)
+    tok = load_tokenizer(source)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_causal_lm(source, tok, dtype, cfg.seed).to(device)
+    torch.manual_seed(cfg.seed)
+    prompts = D.encode_prompts(tok, [r["prompt"] for r in rows])
+    info(f"data make prefs: {len(rows)} prompts x {cfg.samples} samples from {cfg.from_model}")
+    todo = [p for p in prompts for _ in range(cfg.samples)]
+    with TrainProgress("sample", len(todo)) as bar:
+        outs = generate_local(model, tok, todo, Sampling(cfg.max_new_tokens, cfg.temperature), cfg.batch_size,
+                              device, on_batch=bar.advance)
+    rng, pairs, n_correct = random.Random(cfg.seed), [], 0
+    for i, row in enumerate(rows):
+        texts = [o.text for o in outs[i * cfg.samples:(i + 1) * cfg.samples]]
+        correct = [verify(check, row, t) for t in texts]
+        n_correct += sum(correct)
+        pair = pick_pair(rng, texts, correct)
+        if pair:
+            pairs.append({"prompt": row["prompt"], "chosen": pair[0], "rejected": pair[1], "answer": row["answer"]})
+    if len(pairs) <= cfg.test_n:
+        raise UserError(f"only {len(pairs)} of {len(rows)} prompts had both a correct and an incorrect sample: too "
+                        "few for the requested split. Sample more (--samples, --n) or use an easier task.")
+    test = pairs[len(pairs) - cfg.test_n:] if cfg.test_n else None
+    return _write(cfg, pairs[:len(pairs) - cfg.test_n], test, prompts=len(rows),
+                  sample_accuracy=n_correct / (len(rows) * cfg.samples))

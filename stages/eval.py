@@ -15,7 +15,7 @@ from align.evaluation import evaluate_policy
 from align.generation import Sampling
 from align.models import load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
-from align.rewards import REWARDS
+from align.rewards import REWARDS, verifier_fn
 
 
 @dataclass
@@ -25,8 +25,9 @@ class EvalConfig(SamplingConfig, StageConfig):
     columns: str = opt("", "Rename columns: old=new,old2=new2.")
     k: str = opt("1,4,8", "pass@k values, comma-separated; samples per problem = max k.")
     limit: int = opt(200, "Evaluate the first N problems (0: all).")
-    verifier: str = opt("auto", f"How answers are checked: a reward of {', '.join(REWARDS)} that must return 1, or "
-                                "auto (math when the answers are numbers, else exact).")
+    verifier: str = opt("auto", f"How answers are checked: a reward of {', '.join(REWARDS)}, rg:TASK or "
+                                "file.py:FUNCTION that must return 1, or auto (the rows' reasoning-gym task, math when the answers are "
+                                "numbers, else exact).")
     batch_size: int = opt(64, "Generation batch per process.")
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus, less memory).")
 
@@ -41,8 +42,8 @@ class EvalConfig(SamplingConfig, StageConfig):
 
     def validate(self):
         self.ks()
-        if self.verifier != "auto" and self.verifier not in REWARDS:
-            raise UserError(f"--verifier must be auto or one of {', '.join(REWARDS)}, not {self.verifier!r}.")
+        if self.verifier != "auto":
+            verifier_fn(self.verifier)
 
 
 def run(cfg: EvalConfig) -> dict:

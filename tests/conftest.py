@@ -2,18 +2,44 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The suite runs two test files at a time (pytest-xdist), and many tests start `align` processes, often two at
+# once: one OpenMP thread per process keeps 2 cores from being oversubscribed (the tiny models gain nothing from
+# more). A value set by the caller wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # runtime.init() (called in-process by test_generation) exports these; a child `align` must not inherit them,
 # or it would join the pytest process's gloo group (same MASTER_PORT) instead of starting its own.
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@functools.lru_cache(maxsize=None)
+def small_data() -> dict[str, Path]:
+    """Heads of the shipped data files, once per test process: the full files (20k-50k rows) cost every `align`
+    process ~7 s of tokenising that tests of lifecycle and plumbing do not need."""
+    d = Path(tempfile.mkdtemp(prefix="align-small-data-"))
+    files = {"arith": ("arithmetic/train.jsonl", 256), "arith_test": ("arithmetic/test.jsonl", 16),
+             "prefs": ("prefs/train.jsonl", 128), "prefs_test": ("prefs/test.jsonl", 16)}
+    out = {}
+    for name, (rel, n) in files.items():
+        out[name] = d / f"{name}.jsonl"
+        out[name].write_text("".join((ROOT / "data" / rel).read_text().splitlines(keepends=True)[:n]))
+    return out
+
+
+def small_sft() -> list[str]:
+    """--data / --eval-data flags of a small SFT run."""
+    return ["--data", str(small_data()["arith"]), "--eval-data", str(small_data()["arith_test"])]
 
 
 def run_align(*args, env: dict | None = None, timeout: float = 300, cwd: str | Path | None = None):

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import small_sft
 
 STEPS = 8
 SFT_ARGS = ["--max-steps", str(STEPS), "--batch-size", "8", "--eval-every", "0", "--eval-samples", "16",
-            "--max-new-tokens", "16", "--lr", "3e-3", "--warmup-steps", "2"]
+            "--max-new-tokens", "16", "--lr", "3e-3", "--warmup-steps", "2", *small_sft()]
 
 
 def align_cmd(*args, nproc: int = 1) -> list[str]:

@@ -12,9 +12,11 @@ import time
 import pytest
 
 from align.runtime import free_port
+from tests.conftest import small_sft
 
 SHORT = ["--max-steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
          "--eval-samples", "4", "--eval-k", "1,2", "--micro-batch-size", "8"]
+SMALL = small_sft()  # --data / --eval-data: heads of the shipped files
 
 
 def align(*args, nproc=1):
@@ -35,7 +37,7 @@ def metric_rows(out):
 
 def test_two_process_zero3_grpo_run(tmp_path):
     out = tmp_path / "grpo2"
-    proc = run(align("grpo", "--out", str(out), *SHORT, nproc=2))
+    proc = run(align("grpo", "--out", str(out), *SHORT, *SMALL, nproc=2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     art = json.loads((out / "artifact.json").read_text())
     assert art["status"] == "complete" and art["world_size"] == 2 and art["model_kind"] == "policy"
@@ -54,7 +56,7 @@ def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tm
     out = tmp_path / "kl"
     proc = run(align("grpo", "--out", str(out), "--beta", "0.1", "--num-iterations", "2", "--advantage", "rloo",
                      "--reward-model",
-                     str(tiny_reward_model_dir), "--reward-model-weight", "0.5", *SHORT))
+                     str(tiny_reward_model_dir), "--reward-model-weight", "0.5", *SHORT, *SMALL))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())  # the info line wraps at the terminal width
     assert "reference model on" in said and "reward model" in said
@@ -89,13 +91,13 @@ def reward_file(tmp_path):
 
 
 def test_reward_error_fails_clearly_or_is_skipped(tmp_path, reward_file):
-    proc = run(align("grpo", "--out", str(tmp_path / "fail"), "--reward", f"{reward_file}:boom", *SHORT))
+    proc = run(align("grpo", "--out", str(tmp_path / "fail"), "--reward", f"{reward_file}:boom", *SHORT, *SMALL))
     text = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "bad reward" in text and "on completion" in text and "Traceback" not in text
     art = json.loads((tmp_path / "fail" / "artifact.json").read_text())
     assert art["status"] == "failed" and "bad reward" in art["reason"]  # never left "running"
     ok = run(align("grpo", "--out", str(tmp_path / "skip"), "--reward", f"{reward_file}:flaky",
-                   "--on-reward-error", "skip", *SHORT))
+                   "--on-reward-error", "skip", *SHORT, *SMALL))
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     steps = [r for r in metric_rows(tmp_path / "skip") if "reward" in r]
     assert all(0 < r["rewards/errors"] < 1 for r in steps)  # the failures are counted, the run goes on
@@ -104,7 +106,7 @@ def test_reward_error_fails_clearly_or_is_skipped(tmp_path, reward_file):
 def test_a_reward_function_that_never_returns_times_out(tmp_path, reward_file):
     t = time.time()
     proc = run(align("grpo", "--out", str(tmp_path / "slow"), "--reward", f"{reward_file}:slow", "--reward-timeout",
-                     "1", *SHORT))
+                     "1", *SHORT, *SMALL))
     text = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 2 and "took longer than 1 s" in text and "Traceback" not in text, text[-3000:]
     assert time.time() - t < 120
@@ -114,7 +116,7 @@ def test_entropy_is_measured_when_no_group_has_signal(tmp_path, reward_file):
     """A constant reward: every group has zero spread and leaves the loss, yet the policy's entropy on its own
     samples is measured (it was logged as 0.0, and RLMonitor's entropy_collapse fired at step 1)."""
     out = tmp_path / "flat"
-    proc = run(align("grpo", "--out", str(out), "--reward", f"{reward_file}:one", *SHORT))
+    proc = run(align("grpo", "--out", str(out), "--reward", f"{reward_file}:one", *SHORT, *SMALL))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [r for r in metric_rows(out) if "reward" in r]
     assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] > 1.0 for r in steps)
@@ -125,9 +127,9 @@ def test_sort_task_with_a_user_reward_file(tmp_path, reward_file):
     from align.paths import DATA_DIR
 
     out = tmp_path / "sort"
-    proc = run(align("grpo", "--out", str(out), "--data", str(DATA_DIR / "sort/train.jsonl"),
+    proc = run(align("grpo", "--out", str(out), *SHORT, "--data", str(DATA_DIR / "sort/train.jsonl"),
                      "--eval-data", str(DATA_DIR / "sort/test.jsonl"), "--reward", f"{reward_file}:sorted_ok",
-                     "--reward", "sort_inclusion:0.5", *SHORT))
+                     "--reward", "sort_inclusion:0.5"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [r for r in metric_rows(out) if "reward" in r]
     assert "rewards/rewards.sorted_ok" in steps[0] and "rewards/sort_inclusion" in steps[0]

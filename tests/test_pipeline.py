@@ -308,3 +308,22 @@ def test_the_shipped_pipeline_is_valid_and_ends_with_grpo_from_dpo():
     assert list(stages) == ["base", "eval_base", "sft", "eval", "rm", "ppo", "dpo", "grpo"]
     assert stages["ppo"]["model"] == "@sft" and stages["ppo"]["reward_model"] == "@rm"
     assert stages["dpo"]["model"] == "@ppo" and stages["grpo"]["model"] == "@dpo"
+
+
+def test_set_overrides_keys_from_the_command_line(tmp_path, monkeypatch):
+    """`--set stages.NAME.KEY=VALUE`: TOML values, strings otherwise; an existing path is relative to the current
+    directory (not the file's); bad items are problems like any other."""
+    (tmp_path / "conf").mkdir()
+    f = write(tmp_path / "conf", '[pipeline]\nout = "runs"\n\n[stages.sft]\nmodel = "tiny"\nmax_steps = 10\n')
+    here = tmp_path / "cwd"
+    (here / "my-model").mkdir(parents=True)
+    monkeypatch.chdir(here)
+    p = P.load(f, ["stages.sft.max_steps=3", "stages.sft.lr=2e-4", "stages.sft.model=my-model",
+                   "stages.sft.columns=q=prompt"])
+    values = p.stage("sft").values
+    assert values["max_steps"] == 3 and values["lr"] == 2e-4 and values["columns"] == "q=prompt"
+    assert Path(values["model"]) == here / "my-model"
+    assert P.fingerprint(p, p.stage("sft")) != P.fingerprint(P.load(f), P.load(f).stage("sft"))
+    with pytest.raises(UserError) as e:
+        P.load(f, ["stages.sft.max_steps=many", "nokey"])
+    assert "max_steps" in str(e.value) and "--set nokey" in str(e.value)

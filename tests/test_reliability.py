@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _DIST_ENV, assert_user_error, output, run_align
+from tests.conftest import _DIST_ENV, assert_user_error, output, run_align, small_data, small_sft
 
-FAST = ["--batch-size", "8", "--eval-every", "0", "--eval-samples", "4", "--max-new-tokens", "4", "--lr", "3e-3"]
+FAST = ["--batch-size", "8", "--eval-every", "0", "--eval-samples", "4", "--max-new-tokens", "4", "--lr", "3e-3",
+        *small_sft()]
 
 
 def popen(*args, **kw):
@@ -130,7 +131,7 @@ def test_an_interrupted_pipeline_stage_resumes_from_its_checkpoint(tiny_model_di
     toml = tmp_path / "p.toml"
     toml.write_text(f'[pipeline]\nout = "{tmp_path / "runs"}"\n\n[stages.sft]\nmodel = "{tiny_model_dir}"\n'
                     'max_steps = 30\nbatch_size = 8\neval_every = 0\neval_samples = 4\nmax_new_tokens = 4\n'
-                    'save_every = 1\n')
+                    f'save_every = 1\ndata = "{small_data()["arith"]}"\neval_data = "{small_data()["arith_test"]}"\n')
     out = tmp_path / "runs" / "sft"
     proc = popen("pipeline", "run", toml, start_new_session=True)
     wait_for_steps(proc, out, 3)

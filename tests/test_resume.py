@@ -77,6 +77,26 @@ def kill_at(proc, out, step: int) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
+    wait_gone(out)
+
+
+def wait_gone(out, timeout: float = 120) -> None:
+    """Until no process writes to `out` any more: torchrun's workers live in their own process groups, hear of the
+    launcher's death (PR_SET_PDEATHSIG) and may still be saving their last checkpoint."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        alive = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if str(out).encode() in cmd:
+                alive.append(pid)
+        if not alive:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"processes writing {out} still alive after {timeout} s")
 
 
 def weights(out) -> dict:

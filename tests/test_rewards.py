@@ -147,8 +147,8 @@ def test_sort_reward_text():
 
 def test_one_registry_serves_grpo_ppo_and_eval():
     """--reward NAME, ppo's --gold-reward and eval's --verifier all read REWARDS; a verifier means reward == 1."""
-    assert REWARDS["math"]("q", "#### 68", answer="68") == 1.0 and verify("#### 68", 68, "math")
-    assert verify("1 3 7", "1 3 7", "sort") and not verify("1 7 3", "1 3 7", "sort")
-    assert verify(" yes ", "yes", "exact") and not verify("yes", "no", "exact")
+    assert REWARDS["math"]("q", "#### 68", answer="68") == 1.0 and verify(REWARDS["math"], {"answer": 68}, "#### 68")
+    assert verify(REWARDS["sort"], {"answer": "1 3 7"}, "1 3 7") and not verify(REWARDS["sort"], {"answer": "1 3 7"}, "1 7 3")
+    assert verify(REWARDS["exact"], {"answer": "yes"}, " yes ") and not verify(REWARDS["exact"], {"answer": "no"}, "yes")
     assert guess_verifier([{"answer": "1,234"}]) == "math" and guess_verifier([{"answer": "abc"}]) == "exact"
     assert [r.name for r in parse_rewards(["exact", "answer_format:0.5"])] == ["exact", "answer_format"]

@@ -11,8 +11,10 @@ import time
 
 import pytest
 
+from tests.conftest import small_sft
+
 ARGS = ["--max-steps", "40", "--batch-size", "8", "--eval-every", "0", "--eval-samples", "4", "--max-new-tokens", "4",
-        "--lr", "3e-3", "--warmup-steps", "2"]
+        "--lr", "3e-3", "--warmup-steps", "2", *small_sft()]
 
 
 def align(*args):

@@ -1,0 +1,136 @@
+"""reasoning-gym (optional extra `align[tasks]`): its procedural tasks as data, its scorers as rewards.
+
+    rows = make_rows("basic_arithmetic", 1000, seed=0, params={"max_terms": 3})
+    fn = reward("basic_arithmetic")          # fn(prompt, completion, **row) -> float in [0, 1]
+
+A row is {"prompt", "answer", "completion", "rg_task", "rg_metadata"}: `completion` is the task's worked solution
+when it has one (metadata `answer_cot`, e.g. gsm_symbolic), else the answer, so the same file serves `align sft`;
+`rg_task`/`rg_metadata` let the task's own `score_answer` grade a completion later (`--reward rg:TASK`, and
+`align eval`'s automatic verifier).
+
+What the scorer sees of a completion: the text inside the last <answer>...</answer> if there is one, else the
+text after the last '####', else the last line; white space around it is dropped.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import json
+import re
+from typing import Callable
+
+from align.errors import UserError
+
+PREFIX = "rg:"
+EXTRA = "pip install 'align[tasks]' (or pip install reasoning-gym)"
+
+
+def _rg():
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        if e.name in (None, "reasoning_gym"):
+            raise UserError(f"reasoning-gym tasks need the optional extra: {EXTRA}.") from None
+        raise UserError(f"reasoning-gym is installed but cannot import {e.name!r}: {EXTRA}.") from None
+    return reasoning_gym
+
+
+def tasks() -> list[str]:
+    from reasoning_gym.factory import DATASETS  # noqa: F401  (after _rg(): a clear error when missing)
+
+    return sorted(DATASETS)
+
+
+def check_task(task: str) -> None:
+    _rg()
+    names = tasks()
+    if task not in names:
+        near = difflib.get_close_matches(task, names, n=3)
+        hint = f" Did you mean {', '.join(near)}?" if near else f" {len(names)} tasks, e.g. basic_arithmetic, chain_sum."
+        raise UserError(f"rg:{task}: no such reasoning-gym task.{hint}")
+
+
+def parse_params(items: list[str]) -> dict:
+    """['max_terms=3', 'allow_negation=false', "operators=('+','-')"] -> {'max_terms': 3, 'allow_negation': False,
+    'operators': ('+', '-')}: JSON or Python literals, anything else a string."""
+    params = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UserError(f"--param {item!r}: write KEY=VALUE, e.g. --param max_terms=3.")
+        try:
+            params[key.strip()] = json.loads(value.lower() if value.lower() in ("true", "false") else value)
+        except json.JSONDecodeError:
+            try:
+                params[key.strip()] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                params[key.strip()] = value
+    return params
+
+
+def _jsonable(x):
+    """Metadata as JSON keeps: tuples become lists, unknown objects their repr."""
+    return json.loads(json.dumps(x, default=repr))
+
+
+def _dataset(task: str, size: int, seed: int, params: dict):
+    try:
+        return _rg().create_dataset(task, size=size, seed=seed, **params)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise UserError(f"rg:{task}: bad --param ({type(e).__name__}: {e}).") from None
+
+
+def make_rows(task: str, n: int, seed: int, params: dict | None = None, exclude: set | None = None) -> list[dict]:
+    """n rows of a reasoning-gym task with distinct prompts, none in `exclude` (small task spaces repeat prompts:
+    more items are drawn until n distinct ones are found, or the task is reported too small)."""
+    check_task(task)
+    params, seen, rows, found = dict(params or {}), set(exclude or ()), [], -1
+    size = max(2 * n, 16)
+    while len(rows) > found:  # stop once drawing 4x more items finds no new prompt: the task space is exhausted
+        found = len(rows)
+        rows, taken = [], set(seen)
+        for entry in _dataset(task, size, seed, params):
+            if entry["question"] in taken:
+                continue
+            taken.add(entry["question"])
+            meta = _jsonable(entry.get("metadata", {}))
+            rows.append({"prompt": entry["question"], "answer": str(entry["answer"]),
+                         "completion": str(meta.get("answer_cot") or entry["answer"]),
+                         "rg_task": task, "rg_metadata": meta})
+            if len(rows) == n:
+                return rows
+        size *= 4
+    raise UserError(f"rg:{task}: only {len(rows)} distinct prompts{' outside the training split' if seen else ''} "
+                    f"among {size // 4} items; ask for fewer rows or widen the task with --param.")
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def extract(completion: str) -> str:
+    """The part of a completion the task's scorer grades (see the module docstring)."""
+    tagged = _ANSWER_TAG.findall(completion or "")
+    if tagged:
+        return tagged[-1].strip()
+    if "####" in (completion or ""):
+        return completion.rsplit("####", 1)[1].strip()
+    lines = [ln for ln in (completion or "").strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+_SCORERS: dict[str, Callable] = {}
+
+
+def reward(task: str) -> Callable:
+    """fn(prompt, completion, answer=..., rg_metadata=..., **row) -> the task's score_answer in [0, 1]."""
+    check_task(task)
+
+    def rg_reward(prompt, completion, answer=None, rg_metadata=None, **row) -> float:
+        if task not in _SCORERS:
+            _SCORERS[task] = _rg().get_score_answer_fn(task)
+        entry = {"question": prompt, "answer": str(answer), "metadata": rg_metadata or {}}
+        return float(_SCORERS[task](extract(completion), entry))
+
+    rg_reward.__name__ = f"rg_{task}"
+    return rg_reward

@@ -1,0 +1,145 @@
+"""Real task sources: reasoning-gym tasks as data and rewards, self-generated preference pairs, hub ids."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from align.errors import UserError
+from align.rewards import guess_verifier, parse_rewards, verifier_fn, verify
+from stages.data_make import DataMakeConfig, pick_pair, run
+
+rg = pytest.importorskip("reasoning_gym")  # the `tasks` extra; the test extra installs it
+
+
+def _read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.mark.parametrize("task,params", [("basic_arithmetic", ["max_terms=2", "max_digits=1"]), ("chain_sum", [])])
+def test_data_make_rg_writes_prompt_answer_rows_the_task_scores_as_correct(tmp_path, task, params):
+    out = tmp_path / "d.jsonl"
+    summary = run(DataMakeConfig(task=f"rg:{task}", n=30, seed=3, param=params, out=str(out), test_n=10))
+    rows, test = _read(out), _read(summary["test_out"])
+    assert len(rows) == 30 and len(test) == 10
+    assert all({"prompt", "answer", "completion", "rg_task", "rg_metadata"} <= set(r) for r in rows)
+    assert all(r["rg_task"] == task for r in rows)
+    fn = parse_rewards([f"rg:{task}"])[0].fn
+    right = rows[0]
+    extra = {k: v for k, v in right.items() if k not in ("prompt", "completion")}
+    # the task's own scorer, on the answer in each format the extractor reads
+    for completion in (f"Thinking... <answer>{right['answer']}</answer>", f"So: #### {right['answer']}",
+                       f"Let me see.\n{right['answer']}"):
+        assert fn(right["prompt"], completion, **extra) == 1.0, completion
+    assert fn(right["prompt"], "<answer>not it</answer>", **extra) < 1.0
+    assert guess_verifier(rows) == f"rg:{task}"
+    assert verify(verifier_fn(f"rg:{task}"), right, f"<answer>{right['answer']}</answer>")
+    # same seed, same rows
+    again = tmp_path / "again.jsonl"
+    run(DataMakeConfig(task=f"rg:{task}", n=30, seed=3, param=params, out=str(again)))
+    assert _read(again) == rows
+
+
+def test_rg_splits_share_no_prompt_even_when_the_task_space_repeats(tmp_path):
+    # 1-digit sums a + b without signs or brackets: about 100 distinct prompts, so draws repeat often
+    params = ["min_terms=2", "max_terms=2", "min_digits=1", "max_digits=1", "operators=['+']",
+              "allow_parentheses=false", "allow_negation=false"]
+    out = tmp_path / "d.jsonl"
+    summary = run(DataMakeConfig(task="rg:basic_arithmetic", n=60, test_n=30, seed=0, param=params, out=str(out)))
+    train, test = [r["prompt"] for r in _read(out)], [r["prompt"] for r in _read(summary["test_out"])]
+    assert len(set(train)) == 60 and len(set(test)) == 30
+    assert not set(train) & set(test)
+    from align import rgym
+
+    raw = rgym._dataset("basic_arithmetic", 200, 0, rgym.parse_params(params))
+    assert len({e["question"] for e in raw}) < 150  # the check above was needed: the task repeats prompts
+    with pytest.raises(UserError, match="distinct prompts"):
+        run(DataMakeConfig(task="rg:basic_arithmetic", n=500, seed=0, param=params, out=str(tmp_path / "x.jsonl")))
+
+
+def test_rg_bad_task_and_bad_param_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="Did you mean basic_arithmetic"):
+        run(DataMakeConfig(task="rg:basic_arithmetc", n=5, out=str(tmp_path / "x.jsonl")))
+    with pytest.raises(UserError, match="bad --param"):
+        run(DataMakeConfig(task="rg:basic_arithmetic", n=5, param=["no_such_option=1"], out=str(tmp_path / "x.jsonl")))
+    with pytest.raises(UserError, match="reasoning-gym tasks"):
+        run(DataMakeConfig(task="arithmetic", n=5, param=["x=1"], out=str(tmp_path / "x.jsonl")))
+
+
+def test_missing_reasoning_gym_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym -> ImportError
+    with pytest.raises(UserError, match=r"align\[tasks\]"):
+        run(DataMakeConfig(task="rg:basic_arithmetic", n=5, out=str(tmp_path / "x.jsonl")))
+    with pytest.raises(UserError, match=r"align\[tasks\]"):
+        parse_rewards(["rg:basic_arithmetic"])
+
+
+def test_pick_pair_needs_a_correct_and_an_incorrect_sample():
+    import random
+
+    rng = random.Random(0)
+    assert pick_pair(rng, ["a", "b"], [True, True]) is None and pick_pair(rng, ["a", "b"], [False, False]) is None
+    for _ in range(20):
+        chosen, rejected = pick_pair(rng, ["a", "b", "c", "d"], [True, False, True, False])
+        assert chosen in ("a", "c") and rejected in ("b", "d")
+
+
+VERIFIER = '''
+def first_char_even(prompt, completion, **row):
+    """Correct when the completion's first character has an even code point: about half of random text."""
+    return float(bool(completion) and ord(completion[0]) % 2 == 0)
+'''
+
+
+def test_prefs_from_model_pairs_a_correct_with_an_incorrect_sample(tmp_path, tiny_model_dir):
+    (tmp_path / "v.py").write_text(VERIFIER)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say something about {i}.", "answer": "x"}) + "\n"
+                            for i in range(24)))
+    out = tmp_path / "pairs.jsonl"
+    summary = run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), data=str(data), samples=6,
+                                 max_new_tokens=6, verifier=f"{tmp_path / 'v.py'}:first_char_even", test_n=3,
+                                 out=str(out), seed=1))
+    pairs, test = _read(out), _read(summary["test_out"])
+    assert len(pairs) >= 5 and len(test) == 3 and 0 < summary["sample_accuracy"] < 1
+    for p in pairs + test:
+        assert set(p) == {"prompt", "chosen", "rejected", "answer"}
+        assert ord(p["chosen"][0]) % 2 == 0 and not (p["rejected"] and ord(p["rejected"][0]) % 2 == 0)
+    assert not {p["prompt"] for p in pairs} & {p["prompt"] for p in test}
+    from align import data as D
+
+    assert D.load_rows(out, "preference")  # readable as rm / dpo training data
+
+
+def test_prefs_from_model_refuses_what_cannot_pair(tmp_path, tiny_model_dir):
+    with pytest.raises(UserError, match="--data"):
+        run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), out=str(tmp_path / "x.jsonl")))
+    with pytest.raises(UserError, match="--samples must be >= 2"):
+        run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), data="x.jsonl", samples=1,
+                           out=str(tmp_path / "x.jsonl")))
+
+
+def test_hub_id_from_the_local_cache_or_a_clear_offline_error(tmp_path, monkeypatch, tiny_model_dir):
+    from align.models import resolve
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as C
+
+    monkeypatch.setattr(C, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(C, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError) as e:
+        resolve("SomeOrg/not-cached-135M")
+    assert "not in the local Hugging Face cache" in str(e.value) and "--model DIR" in str(e.value)
+    assert "--set stages.NAME.model=DIR" in str(e.value)
+    # a cached snapshot (the layout huggingface_hub writes) resolves to its directory, as from_pretrained would
+    snap = tmp_path / "hub" / "models--SomeOrg--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for f in tiny_model_dir.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "hub" / "models--SomeOrg--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--SomeOrg--tiny" / "refs" / "main").write_text("abc123")
+    source = resolve("SomeOrg/tiny")
+    assert source.model_dir.resolve() == snap.resolve() and source.kind == "policy"
