@@ -24,6 +24,12 @@ def opt(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
+def verifier_opt():
+    """The held-out evaluation's --verifier (sft, dpo, ppo, grpo)."""
+    return opt("auto", "How held-out answers are checked, as `align eval --verifier` (auto: the rows' reasoning-gym "
+                       "task, math for numbers, else exact).")
+
+
 def is_list(t) -> bool:
     return typing.get_origin(t) is list
 
@@ -108,6 +114,10 @@ class TrainConfig(StageConfig):
                             "must be >= 0.")
         if not self.grad_clip > 0:
             raise UserError(f"--grad-clip must be positive, not {self.grad_clip}.")
+        if getattr(self, "verifier", "auto") != "auto":
+            from align.rewards import verifier_fn
+
+            verifier_fn(self.verifier)  # an unknown name fails here, before --out is touched
 
 
 @dataclass
@@ -142,6 +152,7 @@ class RLConfig(SamplingConfig, TrainConfig):
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data {prompt, answer} "
                                                                     "('' : skip).", path=True)
     eval_samples: int = opt(200, "Held-out problems to evaluate (0: skip).")
+    verifier: str = verifier_opt()
     prompts_per_step: int = opt(16, "Prompts per step (all processes).")
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus).")
 

@@ -68,6 +68,14 @@ def read_rows(path: str | Path) -> list[dict]:
             "save_to_disk directory); save it first, e.g. datasets.load_dataset(ID, split='train')"
             ".to_json('train.jsonl')." if hub else ""))
     suffix = path.suffix.lower()
+    if path.is_dir() and (path / "artifact.json").is_file():  # an `align data make` artifact: its data.jsonl
+        from align.artifacts import verify_artifact
+
+        art = verify_artifact(path)
+        if art.get("stage") != "data":
+            raise UserError(f"{path}: a {art.get('stage')} artifact holds no data; give a data file or the --out of "
+                            "`align data make`.")
+        return _read_jsonl(path / "data.jsonl")
     if path.is_dir() or suffix == ".parquet":
         return _load_with_datasets(path).to_list()
     if suffix in (".jsonl", ".ndjson"):

@@ -58,6 +58,7 @@ class Stage:
     kind: str
     values: dict  # field name (underscores) -> value as written in the TOML (refs unresolved)
     refs: dict[str, str] = field(default_factory=dict)  # field name -> referenced stage name
+    ref_files: dict[str, str] = field(default_factory=dict)  # field name -> file inside it ("@tasks/test.jsonl")
 
     @property
     def command(self):
@@ -154,9 +155,11 @@ def _path_fields(cls) -> set[str]:
 
 
 def _is_preset(key: str, value: str) -> bool:
-    from align.models import PRESETS  # light: no torch at import time
+    """A model key's value that names no file: a preset, or a hub id (owner/name) with no such local path."""
+    from align.models import HUB_ID, PRESETS  # light: no torch at import time
 
-    return key == "model" and value in PRESETS
+    return key in ("model", "from_model", "reward_model") and (value in PRESETS or (
+        HUB_ID.fullmatch(value) is not None and not Path(value).exists()))
 
 
 def _resolve_path(root: Path, value: str) -> Path:
@@ -303,6 +306,7 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
     paths = _path_fields(cls) if cls else set()
     values: dict = {}
     refs: dict[str, str] = {}
+    ref_files: dict[str, str] = {}
     bad_stage = kind is None
     for k, v in table.items():
         if k == "stage":
@@ -319,7 +323,7 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
             bad_stage = True
             continue
         if isinstance(v, str) and v.startswith("@"):
-            target = v[1:]
+            target, _, inside = v[1:].partition("/")
             if cls and key not in paths:
                 problem(kp, f"{v}: a @stage reference only fits a path-valued key "
                             f"({', '.join(sorted(paths - {'out'}))})")
@@ -340,6 +344,8 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
                 bad_stage = True
             else:
                 refs[key] = target
+                if inside:
+                    ref_files[key] = inside
             values[key] = v
             continue
         if cls:
@@ -361,7 +367,7 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
 
     if bad_stage or cls is None:
         return None
-    stage = Stage(name, kind, values, refs)
+    stage = Stage(name, kind, values, refs, ref_files)
     # the stage's own checks (e.g. --schedule cosine|linear|constant), on the config it will run with
     try:
         cfg = cls(**_base_values(stage, nproc))
@@ -418,7 +424,7 @@ def resolve(p: Pipeline, stage: Stage) -> dict:
     for key in _path_fields(cls):
         v = cfg.get(key)
         if key in stage.refs:
-            cfg[key] = str(stage_out(p.root, p.out, p.stage(stage.refs[key])))
+            cfg[key] = str(stage_out(p.root, p.out, p.stage(stage.refs[key])) / stage.ref_files.get(key, ""))
         elif key == "out":
             cfg[key] = str(stage_out(p.root, p.out, stage))
         elif isinstance(v, str) and v and not _is_preset(key, v):

@@ -59,7 +59,8 @@ def show(file: str = FILE, set_: list[str] = SET):
     for col in ("stage", "kind", "inputs", "out", "status", "next run"):
         table.add_column(col, overflow="fold")
     for pl in P.plan(p):
-        inputs = ", ".join(f"{k}=@{v}" for k, v in pl.stage.refs.items()) or "-"
+        inputs = ", ".join(f"{k}=@{v}" + (f"/{pl.stage.ref_files[k]}" if k in pl.stage.ref_files else "")
+                           for k, v in pl.stage.refs.items()) or "-"
         style = STATUS_STYLE.get(pl.state.status, "")
         nxt = "[dim]skip[/]"
         if pl.run:

@@ -46,7 +46,7 @@ COMMANDS = (
     Command(("model", "init"), "stages.model_init", "ModelInitConfig", "Build the embedded model (preset) with the "
             "shipped tokenizer.", "model-init"),
     Command(("data", "make"), "stages.data_make", "DataMakeConfig", "Generate a dataset (and optionally a disjoint "
-            "held-out split).", positional=("task",)),
+            "held-out split), or preference pairs sampled from a model.", "data", positional=("task",)),
 )
 
 GROUPS = {"rm": "Bradley-Terry reward model: train, eval, score.", "model": "Create models.",

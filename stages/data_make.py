@@ -1,5 +1,9 @@
 """`align data make TASK`: generate a dataset (and optionally a held-out split with no prompt in common).
 
+--out FILE.jsonl writes that file (and --test-out); any other --out is a directory artifact (a pipeline's `data`
+stage): OUT/data.jsonl, OUT/test.jsonl and artifact.json, read by later stages as `@NAME` (its data.jsonl) or
+`@NAME/test.jsonl`.
+
 TASK is one of the built-in tasks (arithmetic, sort, prefs, text), `rg:NAME` for a reasoning-gym task (optional
 extra), or `prefs --from-model M --data FILE`: preference pairs a model makes itself — K sampled completions per
 prompt of a verifiable file, a correct one as `chosen` and an incorrect one as `rejected` (on-policy pairs, as in
@@ -23,13 +27,15 @@ class DataMakeConfig:
     task: str = opt("arithmetic", "Task: arithmetic, sort, prefs, text, or rg:NAME (a reasoning-gym task).")
     n: int = opt(1000, "Rows to generate (prefs --from-model: prompts to sample, 0 = all of --data).")
     seed: int = opt(0, "Random seed.")
-    out: str = opt("data.jsonl", "Output JSONL file.")
+    out: str = opt("data.jsonl", "Output JSONL file, or a directory: an artifact with data.jsonl and test.jsonl.",
+                   path=True)
     test_n: int = opt(0, "Also write a held-out split of N rows, disjoint from the main one (no shared prompt).")
-    test_out: str = opt("", "Held-out output file (default: OUT with .test.jsonl).")
+    test_out: str = opt("", "Held-out output file (default: OUT with .test.jsonl).", path=True)
     levels: str = opt("1,2,3,4", "arithmetic/prefs difficulty levels: 1-digit/2 operands .. 2-digit/3 operands.")
     param: list[str] = opt([], "rg:NAME task option KEY=VALUE (repeatable), e.g. --param max_terms=3.")
-    from_model: str = opt("", "prefs: sample the pairs from this model (a directory, artifact or hub id).")
-    data: str = opt("", "prefs --from-model: verifiable prompts {prompt, answer} to sample on.")
+    from_model: str = opt("", "prefs: sample the pairs from this model (a directory, artifact or hub id).",
+                          path=True)
+    data: str = opt("", "prefs --from-model: verifiable prompts {prompt, answer} to sample on.", path=True)
     samples: int = opt(8, "prefs --from-model: completions sampled per prompt.")
     max_new_tokens: int = opt(128, "prefs --from-model: longest completion.")
     temperature: float = opt(1.0, "prefs --from-model: sampling temperature.")
@@ -57,7 +63,14 @@ def run(cfg: DataMakeConfig) -> dict:
     return _write(cfg, rows, test)
 
 
-def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, **extra) -> dict:
+def is_artifact(out: str) -> bool:
+    return Path(out).suffix.lower() not in (".jsonl", ".json")
+
+
+def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, inputs: dict | None = None,
+           **extra) -> dict:
+    if is_artifact(cfg.out):
+        return _write_artifact(cfg, rows, test, inputs or {}, **extra)
     tasks.write_jsonl(rows, Path(cfg.out))
     summary = {"task": cfg.task, "rows": len(rows), "out": cfg.out, **extra}
     if test is not None:
@@ -66,6 +79,19 @@ def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, **ext
         summary.update(test_rows=len(test), test_out=test_out)
     summary_table("data make", summary)
     return summary
+
+
+def _write_artifact(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, inputs: dict, **extra) -> dict:
+    from align.engine.run import StageRun
+
+    with StageRun(cfg, "data") as run:
+        run.open(inputs, distributed=False)
+        tasks.write_jsonl(rows, run.out / "data.jsonl")
+        summary = {"task": cfg.task, "rows": len(rows), **extra}
+        if test is not None:
+            tasks.write_jsonl(test, run.out / "test.jsonl")
+            summary["test_rows"] = len(test)
+        return run.complete(summary, f"data make {cfg.task} → {cfg.out}")
 
 
 def _reasoning_gym(cfg: DataMakeConfig) -> dict:
@@ -133,5 +159,7 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
         raise UserError(f"only {len(pairs)} of {len(rows)} prompts had both a correct and an incorrect sample: too "
                         "few for the requested split. Sample more (--samples, --n) or use an easier task.")
     test = pairs[len(pairs) - cfg.test_n:] if cfg.test_n else None
-    return _write(cfg, pairs[:len(pairs) - cfg.test_n], test, prompts=len(rows),
+    from align.artifacts import describe_inputs
+
+    return _write(cfg, pairs[:len(pairs) - cfg.test_n], test, describe_inputs(source, cfg.data), prompts=len(rows),
                   sample_accuracy=n_correct / (len(rows) * cfg.samples))

@@ -25,7 +25,7 @@ import torch
 from align import data as D
 from align import runtime
 from align.artifacts import describe_inputs
-from align.config import SupervisedConfig, defaults, opt
+from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
 from align.engine.run import Output, chunks, step_indices, train
@@ -58,6 +58,7 @@ class DPOConfig(SupervisedConfig):
     precompute_ref: bool = opt(False, "Compute reference log-probs once before training and free the reference model.")
     eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).")
     eval_samples: int = opt(200, "Problems of --pass-data for greedy pass@1 (0: skip).")
+    verifier: str = verifier_opt()
     max_new_tokens: int = opt(48, "Generation budget for pass@1.")
 
     def validate(self):
@@ -170,7 +171,7 @@ class DPO:
             metrics.update({"eval/rewards/accuracies": (rc > rr).float().mean().item(),
                             "eval/rewards/margins": (rc - rr).mean().item(), "eval/logps/chosen": pol[:, 0].mean().item()})
         if self.verifiable and step in (0, cfg.max_steps):
-            m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist,
+            m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist, verifier=cfg.verifier,
                                    sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
             metrics["eval/pass@1/greedy"] = m["pass@1/greedy"]
             if step == 0:

@@ -279,7 +279,7 @@ class GRPO:
             return {}
         ks = self.cfg.ks()
         m, _ = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
-                               sampling=self.sampling, gather=self.cfg.gather)
+                               sampling=self.sampling, gather=self.cfg.gather, verifier=self.cfg.verifier)
         return {f"eval/{k}": v for k, v in m.items()}
 
     def final_metrics(self, last: dict, start: dict) -> dict:

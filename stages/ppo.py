@@ -401,7 +401,8 @@ class PPO:
         if not self.eval_rows:
             return {}
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist,
-                                  sampling=Sampling(self.cfg.max_new_tokens, 0.0), gather=self.cfg.gather)
+                                  sampling=Sampling(self.cfg.max_new_tokens, 0.0), gather=self.cfg.gather,
+                                  verifier=self.cfg.verifier)
         r = score(self.rm, self.rm_tok, [x["prompt"] for x in recs], [x["greedy"] for x in recs], 64)
         return {"eval/pass@1/greedy": m["pass@1/greedy"], "eval/reward": r.mean().item()}
 

@@ -15,7 +15,7 @@ import torch
 from align import data as D
 from align import runtime
 from align.artifacts import describe_inputs
-from align.config import SupervisedConfig, defaults, opt
+from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
 from align.engine.run import Output, chunks, train
@@ -36,6 +36,7 @@ class SFTConfig(SupervisedConfig):
     packing: bool = opt(False, "Pack examples into rows of --max-length (block-diagonal attention); "
                                "--batch-size then counts packed rows.")
     eval_samples: int = opt(200, "Held-out problems for pass@1.")
+    verifier: str = verifier_opt()
     max_new_tokens: int = opt(48, "Generation budget for pass@1.")
 
 
@@ -94,7 +95,7 @@ class SFT:
                 stats.mean("eval/loss", *completion_nll(self.policy(**D.model_inputs(b)).logits, b["labels"]))
             metrics.update(stats.reduce(dist.device))
         if self.verifiable:
-            m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, dist,
+            m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, dist, verifier=self.cfg.verifier,
                                    sampling=Sampling(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0))
             metrics["eval/pass@1"] = m["pass@1/greedy"]
         return metrics

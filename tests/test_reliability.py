@@ -58,13 +58,16 @@ def test_killing_the_launcher_of_a_two_process_run_leaves_no_process_behind(tiny
     wait_for_steps(launcher, out)
     assert len(processes_mentioning(str(out))) >= 3  # align, torchrun, 2 workers
     launcher.send_signal(sig)
-    deadline = time.time() + 10
+    # SIGKILL: gone within 10 s. SIGTERM is a graceful stop: the workers finish their step and checkpoint it first
+    # (seconds, more on a machine as busy as the test suite makes it), then they exit.
+    limit = 10 if sig == signal.SIGKILL else 60
+    deadline = time.time() + limit
     while processes_mentioning(str(out)) and time.time() < deadline:
         time.sleep(0.2)
     left = processes_mentioning(str(out))
     for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert not left, f"still running 10 s after {sig.name} to the launcher: {left}"
+    assert not left, f"still running {limit} s after {sig.name} to the launcher: {left}"
     launcher.communicate(timeout=30)
     if sig == signal.SIGTERM:  # the workers heard of it: the artifact says why it stopped
         art = json.loads((out / "artifact.json").read_text())

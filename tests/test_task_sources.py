@@ -143,3 +143,62 @@ def test_hub_id_from_the_local_cache_or_a_clear_offline_error(tmp_path, monkeypa
     (tmp_path / "hub" / "models--SomeOrg--tiny" / "refs" / "main").write_text("abc123")
     source = resolve("SomeOrg/tiny")
     assert source.model_dir.resolve() == snap.resolve() and source.kind == "policy"
+
+
+def test_the_pretrained_pipeline_is_valid_and_resolves_stage_files():
+    from align import pipeline as P
+    from tests.conftest import ROOT
+
+    p = P.load(ROOT / "pipelines/pretrained.toml")
+    assert [s.kind for s in p.stages] == ["data", "eval", "data", "rm", "dpo", "ppo", "grpo"]
+    rm = P.resolve(p, p.stage("rm"))
+    assert rm["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # a hub id stays an id, not a path
+    assert rm["data"] == str(p.out / "prefs") and rm["eval_data"] == str(p.out / "prefs" / "test.jsonl")
+    assert P.resolve(p, p.stage("grpo"))["verifier"] == "math"
+
+
+def test_a_data_stage_feeds_later_stages_in_a_pipeline(tmp_path, tiny_model_dir):
+    """tasks (reasoning-gym rows) -> prefs (pairs the model samples) -> rm, each an artifact; `@NAME` reads a
+    data artifact's data.jsonl and `@NAME/test.jsonl` its held-out file."""
+    from tests.conftest import output, run_align
+
+    (tmp_path / "v.py").write_text(VERIFIER)
+    toml = tmp_path / "p.toml"
+    toml.write_text(f'''[pipeline]
+out = "runs"
+
+[stages.tasks]
+stage = "data"
+task = "rg:basic_arithmetic"
+param = ["max_terms=2", "max_digits=1"]
+n = 24
+test_n = 8
+
+[stages.prefs]
+stage = "data"
+task = "prefs"
+from_model = "{tiny_model_dir}"
+data = "@tasks"
+verifier = "{tmp_path / 'v.py'}:first_char_even"
+samples = 4
+max_new_tokens = 6
+test_n = 4
+
+[stages.rm]
+model = "{tiny_model_dir}"
+data = "@prefs"
+eval_data = "@prefs/test.jsonl"
+max_steps = 2
+batch_size = 4
+normalize_samples = 4
+''')
+    proc = run_align("pipeline", "run", toml, timeout=600)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    runs = tmp_path / "runs"
+    for stage in ("tasks", "prefs", "rm"):
+        assert json.loads((runs / stage / "artifact.json").read_text())["status"] == "complete", stage
+    assert len(_read(runs / "tasks" / "data.jsonl")) == 24 and len(_read(runs / "prefs" / "test.jsonl")) == 4
+    rm = json.loads((runs / "rm" / "artifact.json").read_text())
+    assert rm["config"]["eval_data"] == str(runs / "prefs" / "test.jsonl")
+    again = run_align("pipeline", "run", toml, timeout=600)  # all up to date: nothing reruns
+    assert again.returncode == 0 and output(again).count("up to date, skipped") == 3, output(again)[-3000:]
