@@ -222,8 +222,13 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
     loc = Locator(text)
     problems: list[Problem] = apply_overrides(data, list(overrides))
 
+    overridden = {tuple(k.strip() for k in item.partition("=")[0].split(".")) for item in overrides}
+
     def problem(keys: tuple[str, ...], message: str) -> None:
-        problems.append(Problem(".".join(keys), message, loc.line(keys)))
+        if tuple(keys) in overridden:  # the value came from --set, not from the file's line
+            problems.append(Problem(".".join(keys), message + " (from --set)", None))
+        else:
+            problems.append(Problem(".".join(keys), message, loc.line(keys)))
 
     root = path.resolve().parent
     for k in data:

@@ -327,3 +327,4 @@ def test_set_overrides_keys_from_the_command_line(tmp_path, monkeypatch):
     with pytest.raises(UserError) as e:
         P.load(f, ["stages.sft.max_steps=many", "nokey"])
     assert "max_steps" in str(e.value) and "--set nokey" in str(e.value)
+    assert "(from --set)" in str(e.value) and f"{f}:6:" not in str(e.value)  # not blamed on the file's line
