@@ -175,11 +175,12 @@ def _toml_error_line(e: tomllib.TOMLDecodeError) -> tuple[int | None, str]:
     return None, msg
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
+def apply_overrides(data: dict, overrides: list[str]) -> tuple[list[Problem], set[tuple[str, ...]]]:
     """`--set stages.sft.model=DIR`: each KEY.PATH=VALUE replaces (or adds) one key of the parsed file. VALUE is
     read as a TOML value (1e-5, true, [1, 2], "text") and else taken as a string; a string naming an existing
-    file or directory relative to the current directory is made absolute (TOML paths are relative to the file)."""
-    problems = []
+    file or directory relative to the current directory is made absolute (TOML paths are relative to the file).
+    Returns (problems, the key paths set)."""
+    problems, keys_set = [], set()
     for item in overrides:
         key, eq, raw = item.partition("=")
         keys = tuple(k.strip() for k in key.split("."))
@@ -200,7 +201,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> list[Problem]:
                 break
         else:
             table[keys[-1]] = value
-    return problems
+            keys_set.add(keys)
+    return problems, keys_set
 
 
 def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None, list[Problem]]:
@@ -220,9 +222,7 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
         return None, [Problem("", f"invalid TOML: {msg}", line)]
 
     loc = Locator(text)
-    problems: list[Problem] = apply_overrides(data, list(overrides))
-
-    overridden = {tuple(k.strip() for k in item.partition("=")[0].split(".")) for item in overrides}
+    problems, overridden = apply_overrides(data, list(overrides))
 
     def problem(keys: tuple[str, ...], message: str) -> None:
         if tuple(keys) in overridden:  # the value came from --set, not from the file's line

@@ -244,7 +244,8 @@ def parse_rewards(specs: list[str]) -> list[RewardFn]:
         if len(parts) > 1 and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", parts[-1]):
             weight = float(parts.pop())
         if parts[0] == "rg" and len(parts) == 2:
-            out.append(RewardFn(":".join(parts), weight, lookup(":".join(parts))))
+            name = ":".join(parts)
+            out.append(RewardFn(name, weight, lookup(name)))
         elif parts[0].endswith(".py"):
             if len(parts) != 2:
                 raise UserError(f"--reward {spec}: a user reward is path/to/file.py:FUNCTION[:WEIGHT].")
@@ -291,10 +292,16 @@ def _time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def row_fields(row: dict) -> dict:
+    """A data row as a reward function's keyword arguments: every column but the prompt and a reference
+    completion (the function gets the prompt and the sampled completion positionally)."""
+    return {k: v for k, v in row.items() if k not in ("prompt", "completion")}
+
+
 def call_reward(r: RewardFn, prompt: str, completion: str, row: dict, timeout: float = 0.0) -> float:
     """One reward value; raises RewardError (with the offending completion) on an exception, NaN, inf, a
     non-number, or a call that takes longer than `timeout` seconds."""
-    extra = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
+    extra = row_fields(row)
     try:
         with _time_limit(timeout):
             value = r.fn(prompt, completion, **extra)
@@ -326,8 +333,7 @@ def verifier_fn(name: str) -> Callable:
 
 def verify(fn: Callable, row: dict, completion: str) -> bool:
     """True when the verifier `fn` gives the completion of this row (prompt, answer, ...) a reward of 1."""
-    extra = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
-    return fn(row.get("prompt", ""), completion, **extra) == 1.0
+    return fn(row.get("prompt", ""), completion, **row_fields(row)) == 1.0
 
 
 def guess_verifier(rows: list[dict]) -> str:

@@ -22,7 +22,6 @@ from typing import Callable
 
 from align.errors import UserError
 
-PREFIX = "rg:"
 EXTRA = "pip install 'align[tasks]' (or pip install reasoning-gym)"
 
 

@@ -24,15 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-
-def align(*args) -> None:
-    subprocess.run([sys.executable, "-m", "align", *map(str, args)], check=True)
+from benchmarks.real_model import align, greedy_pass1
 
 
-def greedy_pass1(model, a, out: Path) -> float:
-    align("eval", model, "--data", a.eval_data, "--k", "1", "--limit", a.eval_n, "--verifier", "math",
-          "--max-new-tokens", a.max_new_tokens, "--out", out)
-    return json.loads((out / "artifact.json").read_text())["metrics"]["pass@1/greedy"]
+def greedy(model, a, out: Path) -> float:
+    return greedy_pass1(model, a.eval_data, a.eval_n, "math", a.max_new_tokens, out)
 
 
 def ours(a, seed: int, out: Path) -> dict:
@@ -155,13 +151,13 @@ def main(argv=None) -> None:
         return trl_worker(a, int(seed), Path(out))
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
-    before = greedy_pass1(a.model, a, root / "eval_base")
+    before = greedy(a.model, a, root / "eval_base")
     results: dict[str, list[dict]] = {}
     for side in a.sides.split(","):
         for seed in [int(s) for s in a.seeds.split(",")]:
             out = root / f"{side}-seed{seed}"
             r = trl(a, seed, out) if side == "trl" else ours(a, seed, out)
-            r.update(seed=seed, before=before, after=greedy_pass1(r["model"], a, out.with_name(out.name + "-eval")))
+            r.update(seed=seed, before=before, after=greedy(r["model"], a, out.with_name(out.name + "-eval")))
             results.setdefault(side, []).append(r)
     (root / "parity.json").write_text(json.dumps(results, indent=1))
     target = (statistics.mean(statistics.mean(r["reward"][40:50] or r["reward"][-10:]) for r in results["trl"])

@@ -26,6 +26,13 @@ def align(*args) -> None:
     subprocess.run(cmd, check=True)
 
 
+def greedy_pass1(model, data, n: int, verifier: str, max_new_tokens: int, out: Path) -> float:
+    """Held-out greedy pass@1 of `model` on the first n rows of `data` through `align eval` (its artifact in out)."""
+    align("eval", model, "--data", data, "--k", "1", "--limit", n, "--verifier", verifier,
+          "--max-new-tokens", max_new_tokens, "--out", out)
+    return json.loads((out / "artifact.json").read_text())["metrics"]["pass@1/greedy"]
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -51,11 +58,8 @@ def main(argv=None) -> None:
     align("data", "make", f"rg:{args.task}", "--n", args.n, "--test-n", args.test_n, "--seed", 0, "--out", train,
           "--test-out", test, *params)
     def greedy(model, name) -> float:
-        if not args.verifier:
-            return float("nan")
-        align("eval", model, "--data", test, "--k", "1", "--limit", args.test_n, "--verifier", args.verifier,
-              "--max-new-tokens", "64", "--out", out / f"eval_{name}")
-        return json.loads((out / f"eval_{name}" / "artifact.json").read_text())["metrics"]["pass@1/greedy"]
+        return greedy_pass1(model, test, args.test_n, args.verifier, 64, out / f"eval_{name}") if args.verifier \
+            else float("nan")
 
     base = greedy(args.model, "base")
     rows = []

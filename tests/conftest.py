@@ -42,6 +42,20 @@ def small_sft() -> list[str]:
     return ["--data", str(small_data()["arith"]), "--eval-data", str(small_data()["arith_test"])]
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs (other than this one) whose command line contains `text`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmd and int(d.name) != os.getpid():
+                pids.append(int(d.name))
+    return pids
+
+
 def run_align(*args, env: dict | None = None, timeout: float = 300, cwd: str | Path | None = None):
     """`python -m align ARGS` in a fresh process; returns the CompletedProcess (text, captured)."""
     child = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _DIST_ENV, assert_user_error, output, run_align, small_data, small_sft
+from tests.conftest import (_DIST_ENV, assert_user_error, output, processes_mentioning, run_align, small_data,
+                            small_sft)
 
 FAST = ["--batch-size", "8", "--eval-every", "0", "--eval-samples", "4", "--max-new-tokens", "4", "--lr", "3e-3",
         *small_sft()]
@@ -36,19 +37,6 @@ def wait_for_steps(proc, out: Path, n: int = 1, timeout: float = 240) -> None:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         time.sleep(0.1)
     pytest.fail("the run did not start training in time")
-
-
-def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in cmd and int(d.name) != os.getpid():
-                pids.append(int(d.name))
-    return pids
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])

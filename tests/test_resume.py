@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from align.runtime import free_port
-from tests.conftest import _DIST_ENV, ROOT
+from tests.conftest import _DIST_ENV, ROOT, processes_mentioning
 
 STEPS = 10
 ARITH = ROOT / "data/arithmetic/train.jsonl"
@@ -85,15 +85,7 @@ def wait_gone(out, timeout: float = 120) -> None:
     launcher's death (PR_SET_PDEATHSIG) and may still be saving their last checkpoint."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        alive = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            if str(out).encode() in cmd:
-                alive.append(pid)
-        if not alive:
+        if not processes_mentioning(str(out)):
             return
         time.sleep(0.1)
     pytest.fail(f"processes writing {out} still alive after {timeout} s")

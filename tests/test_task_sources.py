@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from align.errors import UserError
-from align.rewards import guess_verifier, parse_rewards, verifier_fn, verify
+from align.rewards import guess_verifier, parse_rewards, row_fields, verifier_fn, verify
 from stages.data_make import DataMakeConfig, pick_pair, run
 
 rg = pytest.importorskip("reasoning_gym")  # the `tasks` extra; the test extra installs it
@@ -28,7 +28,7 @@ def test_data_make_rg_writes_prompt_answer_rows_the_task_scores_as_correct(tmp_p
     assert all(r["rg_task"] == task for r in rows)
     fn = parse_rewards([f"rg:{task}"])[0].fn
     right = rows[0]
-    extra = {k: v for k, v in right.items() if k not in ("prompt", "completion")}
+    extra = row_fields(right)
     # the task's own scorer, on the answer in each format the extractor reads
     for completion in (f"Thinking... <answer>{right['answer']}</answer>", f"So: #### {right['answer']}",
                        f"Let me see.\n{right['answer']}"):
