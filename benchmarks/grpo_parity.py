@@ -6,18 +6,23 @@ step, completion length, lr, schedule, clip range and loss aggregation, with fp3
 
 Both sides: reward `math` (align.rewards, the same function), held-out greedy pass@1 before/after through the same
 evaluator (`align eval --verifier math`), token-mean loss over every completion token of the step (TRL's
-`loss_type="dapo"`; ours `--loss-agg token-mean --no-drop-zero-std-groups`, so the normaliser is the same; add
-`--ours-extra=--drop-zero-std-groups` for our default, which divides by the kept groups' tokens only), z-score
-advantages per group, clip 0.2 / 0.28, β 0, AdamW (0.9, 0.999), constant lr after 5 warmup steps, grad clip 1.0.
+`loss_type="dapo"`; ours `--loss-agg token-mean` with our default `--drop-zero-std-groups`, whose normaliser
+counts the dropped groups' tokens too, so the objective is the same), z-score advantages per group, clip 0.2 /
+0.28, β 0, AdamW (0.9, 0.999), constant lr after 5 warmup steps, grad clip 1.0.
 Prints, per side: mean training reward over steps 31-50 (mean ± standard error over seeds), pass@1 before/after,
-median step time, wall-clock until the 10-step mean reward first reaches TRL's steps 41-50 mean, peak memory and
-median gradient norm (before clipping). Raw rows: OUT/parity.json.
+median step time, wall-clock until the 10-step mean reward first reaches TRL's steps 41-50 mean, peak memory,
+median gradient norm (before clipping) and, for ours, the median share of tokens whose terms enter the loss
+(`kept_token_frac`: a normaliser over the kept tokens only would scale the gradient by its inverse).
+
+Runs are independent: one (side, seed) per process writes OUT/SIDE-seedS.json, so they can run side by side on
+different GPUs (CUDA_VISIBLE_DEVICES, one run per card); `--report` then prints the table of every run in OUT.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,11 +41,12 @@ def ours(a, seed: int, out: Path) -> dict:
     align("grpo", "--model", a.model, "--data", a.data, "--eval-data", "", "--reward", "math", "--seed", seed,
           "--max-steps", a.steps, "--lr", a.lr, "--prompts-per-step", a.prompts, "--num-generations", a.generations,
           "--max-new-tokens", a.max_new_tokens, "--loss-agg", "token-mean", "--advantage", "zscore",
-          "--no-drop-zero-std-groups", "--epsilon", "0.2", "--epsilon-high", "0.28", "--beta", "0",
+          "--epsilon", "0.2", "--epsilon-high", "0.28", "--beta", "0",
           "--schedule", "constant", "--warmup-steps", "5", "--grad-clip", "1.0", "--out", out, *a.ours_extra)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in x]
     art = json.loads((out / "artifact.json").read_text())["metrics"]
     return {"reward": [r["reward"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
+            "kept_token_frac": [r["kept_token_frac"] for r in rows if "kept_token_frac" in r],
             "step_time": [r["time/step"] for r in rows], "wall": time.time() - t0,
             "peak_gib": max(art["peak_memory_gib_per_rank"]), "model": str(out)}
 
@@ -126,7 +132,9 @@ def summary(runs: list[dict], target: float | None) -> dict:
             "median step s": f"{statistics.median(t for r in runs for t in r['step_time'][1:]):.2f}",
             "s to TRL's step-50 reward": ", ".join(f"{x:.0f}" for x in reach),
             "peak GiB": f"{max(r['peak_gib'] for r in runs):.2f}",
-            "median grad norm": f"{statistics.median(g for r in runs for g in r['grad_norm']):.3f}"}
+            "median grad norm": f"{statistics.median(g for r in runs for g in r['grad_norm']):.3f}",
+            "median kept_token_frac": (f"{statistics.median(f for r in runs for f in r['kept_token_frac']):.3f}"
+                                       if runs[0].get("kept_token_frac") else "1 (all)")}
 
 
 def main(argv=None) -> None:
@@ -145,20 +153,33 @@ def main(argv=None) -> None:
     ap.add_argument("--ours-extra", action="append", default=[])
     ap.add_argument("--out", default="runs/grpo_parity")
     ap.add_argument("--worker", default="")
+    ap.add_argument("--report", action="store_true", help="Print the table of the runs already in --out.")
     a = ap.parse_args(argv)
     if a.worker:
         seed, out = a.worker.split(":", 1)
         return trl_worker(a, int(seed), Path(out))
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
-    before = greedy(a.model, a, root / "eval_base")
+    if not a.report:
+        base = root / "eval_base.json"
+        if not base.exists():
+            tmp = base.with_name(f"{base.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"before": greedy(a.model, a, root / f"eval_base-{os.getpid()}")}))
+            os.replace(tmp, base)
+        before = json.loads(base.read_text())["before"]
+        for side in filter(None, a.sides.split(",")):  # --sides "": the baseline only
+            for seed in [int(s) for s in a.seeds.split(",")]:
+                out = root / f"{side}-seed{seed}"
+                r = trl(a, seed, out) if side == "trl" else ours(a, seed, out)
+                r.update(side=side, seed=seed, before=before,
+                         after=greedy(r["model"], a, out.with_name(out.name + "-eval")))
+                (root / f"{side}-seed{seed}.json").write_text(json.dumps(r))
     results: dict[str, list[dict]] = {}
-    for side in a.sides.split(","):
-        for seed in [int(s) for s in a.seeds.split(",")]:
-            out = root / f"{side}-seed{seed}"
-            r = trl(a, seed, out) if side == "trl" else ours(a, seed, out)
-            r.update(seed=seed, before=before, after=greedy(r["model"], a, out.with_name(out.name + "-eval")))
-            results.setdefault(side, []).append(r)
+    for f in sorted(root.glob("*-seed*.json")):
+        r = json.loads(f.read_text())
+        results.setdefault(r["side"], []).append(r)
+    if not results:
+        return
     (root / "parity.json").write_text(json.dumps(results, indent=1))
     target = (statistics.mean(statistics.mean(r["reward"][40:50] or r["reward"][-10:]) for r in results["trl"])
               if "trl" in results else None)
@@ -167,7 +188,6 @@ def main(argv=None) -> None:
     print("\n| side | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
     for side, row in rows.items():
         print(f"| {side} | " + " | ".join(row[k] for k in keys) + " |")
-
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,9 @@ Per step (Shao et al. 2024, with DAPO's and Dr. GRPO's options):
   2. score: r_pg = Σ_k w_k · f_k(prompt_p, completion_pg, **row_p) (+ w_RM · RM(prompt_p, completion_pg), the
      normalised score of an `align rm train` artifact, with --reward-model; + optional overlong penalty);
   3. advantages A_pg from the group of prompt p (rl.ADVANTAGES[--advantage]); groups with no reward variance
-     carry no signal and leave the loss with --drop-zero-std-groups (DAPO dynamic sampling);
+     carry no signal (A = 0) and leave the loss with --drop-zero-std-groups (DAPO dynamic sampling, without
+     the resampling): their terms go (the KL's too), their tokens stay in --loss-agg's normaliser, so a step
+     with few informative groups is not scaled up (the normaliser of TRL's and verl's token-mean);
   4. update, --num-iterations times over the batch: ρ = π_θ/π_old, per token
      −min(ρA, clip(ρ, 1−ε, 1+ε_high)A) + β·k3(π_θ, π_ref), aggregated by --loss-agg over the global batch;
      --reinforce is nanochat's on-policy −A·log π instead.
@@ -58,7 +60,8 @@ class GRPOConfig(RLConfig):
     beta: float = opt(0.0, "KL(π_θ‖π_ref) weight, k3 estimator; 0 loads no reference model.")
     reinforce: bool = opt(False, "nanochat's on-policy REINFORCE: −A·log π with the group-mean baseline; "
                                  "no ratio, clip or KL.")
-    drop_zero_std_groups: bool = opt(True, "Drop groups whose rewards are all equal (no signal) from the loss.")
+    drop_zero_std_groups: bool = opt(True, "Drop groups whose rewards are all equal (no signal) from the loss; their "
+                                     "tokens still count in its normaliser.")
     mask_truncated: bool = opt(False, "Drop completions that hit --max-new-tokens without EOS from the loss.")
     overlong_cache: int = opt(0, "Soft overlong penalty over the last N tokens of the budget (DAPO); 0: off.")
     eval_k: str = opt("1,4,8", "pass@k values (samples per problem = max k).")
@@ -183,19 +186,21 @@ class GRPO:
 
     # ---- 3. advantages
 
-    def advantages(self, r: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(A [P, G], keep [P, G]: the samples that enter the loss, zero_std [P]: groups without signal). Skipped
-        samples (r.valid 0) take no part in their group's statistics."""
+    def advantages(self, r: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A [P, G], keep [P, G]: the samples whose terms enter the loss, counted [P, G]: the samples its
+        normaliser counts, zero_std [P]: groups without signal). Skipped samples (r.valid 0) take no part in
+        their group's statistics nor in the loss; --mask-truncated takes truncated samples out of both the loss
+        and its normaliser (DAPO's overlong filtering); --drop-zero-std-groups takes the groups without signal
+        out of the loss only: their A is 0, so what dropping changes is the KL term, not the scale of the step."""
         device = self.run.dist.device
         adv = rl.ADVANTAGES[self.cfg.advantage](r.rewards, r.valid,
                                                  reduce=lambda t: runtime.all_reduce_sum(t.to(device)).cpu())
         zero_std = rl.zero_spread(r.rewards, r.valid).float()
-        keep = r.valid.clone()
+        counted = r.valid.clone()
         if self.cfg.mask_truncated:
-            keep *= r.finished
-        if self.cfg.drop_zero_std_groups:
-            keep *= (1 - zero_std)[:, None]
-        return adv, keep, zero_std
+            counted *= r.finished
+        keep = counted * (1 - zero_std)[:, None] if self.cfg.drop_zero_std_groups else counted
+        return adv, keep, counted, zero_std
 
     # ---- 4. update
 
@@ -241,15 +246,17 @@ class GRPO:
                        cfg.num_generations, self.sampling, dist, cfg.gather)
         with timed(times, "time/reward"):
             self.score(r)
-            adv, keep, zero_std = self.advantages(r)
+            adv, keep, counted, zero_std = self.advantages(r)
         with timed(times, "time/logprobs"):
             batch = r.batch(self.tok.pad_token_id, dist.device)
             batch["loss_mask"] = batch["response_mask"] * keep.flatten().to(dist.device)[:, None]
+            counted_mask = batch["response_mask"] * counted.flatten().to(dist.device)[:, None]
             old_logp = (batched_logprobs(self.policy, batch, self.micro, cfg.temperature)
                         if cfg.num_iterations > 1 else None)
             ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature) if self.reference else None
-            n_tokens, n_seqs = runtime.all_reduce_sum(torch.stack([batch["loss_mask"].sum(),
-                                                                   keep.sum().to(dist.device)])).tolist()
+            n_tokens, n_seqs, n_kept = runtime.all_reduce_sum(torch.stack([
+                counted_mask.sum(), counted.sum().to(dist.device), batch["loss_mask"].sum()])).tolist()
+            stats.value("kept_token_frac", n_kept / max(n_tokens, 1.0))
         with timed(times, "time/update"):
             self.update(batch, adv.flatten().to(dist.device), old_logp, ref_logp, n_tokens, n_seqs, stats)
         self.record(r, zero_std, stats, times)

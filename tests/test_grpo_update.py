@@ -49,3 +49,38 @@ def test_update_loss_is_reinforce_on_temperature_scaled_log_probs(tiny_model_dir
     want_entropy = -((logits / temperature).softmax(-1) * (logits / temperature).log_softmax(-1)).sum(-1)
     resp = batch["response_mask"]
     assert got["entropy"] == pytest.approx(((want_entropy * resp).sum() / resp.sum()).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_dropping_groups_without_signal_does_not_rescale_the_step(tiny_model_dir, tmp_path, mask_truncated):
+    """Group 0 has no reward spread (A = 0), group 1 has. --drop-zero-std-groups takes group 0's terms out of
+    the loss but keeps its tokens in token-mean's normaliser, so with β = 0 the loss (and its gradient) is the
+    same with and without dropping; --mask-truncated takes a truncated sample out of both."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    losses = {}
+    for drop in (True, False):
+        cfg = GRPOConfig(model=str(tiny_model_dir), out=str(tmp_path / f"g{drop}"), eval_data="", reinforce=True,
+                         prompts_per_step=2, num_generations=2, micro_batch_size=4, max_new_tokens=4,
+                         drop_zero_std_groups=drop, mask_truncated=mask_truncated, loss_agg="token-mean")
+        cfg.validate()
+        with StageRun(cfg, "grpo") as run:
+            algo = GRPO(cfg, run)
+            p0, p1, eos = algo.prompt_ids[0], algo.prompt_ids[1], algo.tok.eos_token_id
+            r = Rollout(algo.rows[:2], [Completion(p0, [40, 41, eos], "", True), Completion(p0, [42, eos], "", True),
+                                        Completion(p1, [43, eos], "", True), Completion(p1, [44, 45, 46], "", False)], 2)
+            r.rewards, r.valid = torch.tensor([[1.0, 1.0], [1.0, 0.0]]), torch.ones(2, 2)
+            adv, keep, counted, zero_std = algo.advantages(r)
+            assert zero_std.tolist() == [1.0, 0.0] and (adv[0] == 0).all()
+            want_counted = [[1.0, 1.0], [1.0, 0.0 if mask_truncated else 1.0]]
+            assert counted.tolist() == want_counted
+            assert keep.tolist() == ([[0.0, 0.0], want_counted[1]] if drop else want_counted)
+            batch = r.batch(algo.tok.pad_token_id, "cpu")
+            batch["loss_mask"] = batch["response_mask"] * keep.flatten()[:, None]
+            n_tokens = (batch["response_mask"] * counted.flatten()[:, None]).sum().item()
+            assert n_tokens == 3 + 2 + 2 + (0 if mask_truncated else 3)  # every counted sample's tokens, EOS included
+            stats = Stats()
+            algo.update(batch, adv.flatten(), None, None, n_tokens, counted.sum().item(), stats)
+            losses[drop] = stats.reduce("cpu")["loss"]
+        unset_hf_deepspeed_config()
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6) and losses[True] != 0
