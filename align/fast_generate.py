@@ -94,7 +94,10 @@ class FastDecoder:
         self.cfg = cfg
         self.device = torch.device(device)
         p0 = next(module.parameters())
-        self.dtype = dtype or (p0.dtype if p0.numel() else torch.bfloat16)
+        from align.engine.build import autocast_dtype
+
+        # --precision bf16-mixed: fp32 weights, bf16 compute -> a bf16 inference copy
+        self.dtype = dtype or autocast_dtype(module) or (p0.dtype if p0.numel() else torch.bfloat16)
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if use_graphs is None else use_graphs
         self.check_every = check_every

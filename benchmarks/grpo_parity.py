@@ -170,7 +170,7 @@ def main(argv=None) -> None:
         for side in filter(None, a.sides.split(",")):  # --sides "": the baseline only
             for seed in [int(s) for s in a.seeds.split(",")]:
                 out = root / f"{side}-seed{seed}"
-                r = trl(a, seed, out) if side == "trl" else ours(a, seed, out)
+                r = trl(a, seed, out) if side == "trl" else ours(a, seed, out)  # ours, ours-PRECISION, ...
                 r.update(side=side, seed=seed, before=before,
                          after=greedy(r["model"], a, out.with_name(out.name + "-eval")))
                 (root / f"{side}-seed{seed}.json").write_text(json.dumps(r))

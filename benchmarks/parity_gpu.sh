@@ -17,10 +17,10 @@ for i in 0 1 2; do
   CUDA_VISIBLE_DEVICES=$i timeout $((END - SECONDS)) python -m benchmarks.grpo_parity "${A[@]}" --sides trl --seeds $i \
     > $R/log-trl$i 2>&1 &
 done
-CUDA_VISIBLE_DEVICES=3 timeout $((END - SECONDS)) python -m benchmarks.grpo_parity "${A[@]}" --sides ours --seeds 0,1,2 \
-  > $R/log-ours 2>&1
-echo "ours done at ${SECONDS}s"
-CUDA_VISIBLE_DEVICES=3 LIMIT=$((END - SECONDS - 15)) bash benchmarks/pretrained_gpu.sh > $R/log-pre 2>&1 &
+for p in ${PRECISION:-auto}; do
+  CUDA_VISIBLE_DEVICES=3 timeout $((END - SECONDS)) python -m benchmarks.grpo_parity "${A[@]}" --sides ours-$p \
+    --seeds 0,1,2 --ours-extra=--precision --ours-extra=$p > $R/log-ours-$p 2>&1
+done
 wait
 echo "all done at ${SECONDS}s"
 python -m benchmarks.grpo_parity "${A[@]}" --report

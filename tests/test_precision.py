@@ -88,3 +88,41 @@ def test_offload_needs_zero_and_fp32_master_weights():
         TrainConfig(offload_optimizer=True, zero_stage=0)
     with pytest.raises(UserError, match="--offload-optimizer"):
         TrainConfig(offload_optimizer=True, precision="bf16-pure")
+
+
+def test_bf16_mixed_keeps_fp32_weights_computes_in_bf16_and_small_updates_count(tiny_model_dir):
+    """--precision bf16-mixed: the module stays fp32 and DeepSpeed's forward runs under torch.autocast(bf16)
+    (bf16 logits). A norm gain (1.0) moved by an lr-1e-4 step changes in the model that computes (fp32), where
+    with --precision bf16 the bf16 module cannot see it (2^-7 steps near 1.0), however exact its fp32 master."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from align.generation import Sampling, generate_local
+
+    def norm_gain_after_one_step(precision):
+        runtime.init()
+        ref = resolve(str(tiny_model_dir))
+        tok = load_tokenizer(ref)
+        dtype = build.compute_dtype(torch.device("cpu"), precision)
+        cfg = build.ds_config(zero_stage=3, micro_batch=2, grad_accum=1, world_size=1, dtype=dtype,
+                              precision=precision, user_config=None)
+        model, link = build.load_partitioned(cfg, lambda dt: load_causal_lm(ref, tok, dt, seed=0), dtype)  # noqa: F841
+        build.mark_autocast(model, cfg)
+        eng = build.wrap(model, cfg, build.adamw(model, 1e-4, 0.0))
+        ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 10, 2]])
+        out = eng(input_ids=ids, labels=ids)
+        eng.backward(out.loss)
+        eng.step()
+        with runtime.gathered_for_generation(eng) as module:
+            gain = module.model.norm.weight.detach().clone()
+            texts = generate_local(module, tok, [[1, 5, 6]], Sampling(3, 0.0), 1, "cpu", fast=False)
+            fast = generate_local(module, tok, [[1, 5, 6]], Sampling(3, 0.0), 1, "cpu", fast=True)
+            copy = module._align_fast_decoder.dtype
+        unset_hf_deepspeed_config()
+        return out.logits.dtype, next(model.parameters()).dtype, gain, len(texts[0].ids), (len(fast[0].ids), copy)
+
+    logits, params, gain, n_hf, n_fast = norm_gain_after_one_step("bf16-mixed")
+    assert (logits, params) == (torch.bfloat16, torch.float32)
+    assert n_hf > 0 and n_fast == (3, torch.bfloat16)  # both generation paths run (the fast one: a bf16 copy)
+    assert ((gain - 1).abs() > 0).all() and ((gain - 1).abs() < 2e-4).all()  # moved by about lr, and it shows
+    _, params, gain, _, _ = norm_gain_after_one_step("bf16")
+    assert params == torch.bfloat16 and (gain == 1).all()  # the same update, invisible to the bf16 module

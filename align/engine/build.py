@@ -30,6 +30,8 @@ def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
         raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}.")
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if precision == "bf16-mixed":  # the parameters stay fp32; torch.autocast runs the matmuls in bf16
+        return torch.float32
     return torch.bfloat16 if precision.startswith("bf16") else torch.float32
 
 
@@ -44,6 +46,11 @@ def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size:
     (small updates can round away). With ZeRO stage 0 there is no ZeRO optimizer to hold a master copy:
     DeepSpeed's mixed precision is off and AdamW updates the bf16 module itself (2 + 2 + 4 = 8 bytes, a plain
     bf16 PyTorch loop such as TRL's).
+    --precision bf16-mixed: the module, its gradients and ZeRO's partitions are fp32 and DeepSpeed runs every
+    forward under torch.autocast(bf16) (its `torch_autocast` section: Linear weights are also gathered and
+    reduced in bf16). Unlike bf16 (a bf16 module stepped from fp32 masters), the residual stream, the norms and
+    the embedding lookup stay fp32: in bf16 a norm gain near 1.0 moves in steps of 2^-7, which many small
+    updates must add up to before the model sees any of them.
     offload_optimizer: ZeRO-Offload — master weights, gradients and moments live in (pinned) CPU memory and
     the optimizer steps there; the GPU keeps only the compute-dtype parameters and a small gradient bucket."""
     cfg = {
@@ -76,6 +83,8 @@ def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size:
             cfg["bf16"] = {"enabled": False}
         else:
             cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    if precision == "bf16-mixed":
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     if offload_optimizer:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW where DeepSpeedCPUAdam cannot be built (CPU-only)
@@ -116,6 +125,20 @@ def frozen_config(cfg: dict, offload_params: bool = False) -> dict:
     if offload_params and zero["stage"] == 3:
         zero["offload_param"] = {"device": "cpu"}
     return {**cfg, "zero_optimization": zero, "bf16": {"enabled": cfg["bf16"]["enabled"]}}
+
+
+AUTOCAST_ATTR = "_align_autocast_dtype"
+
+
+def mark_autocast(model: torch.nn.Module, cfg: dict) -> None:
+    """Under --precision bf16-mixed, note the autocast dtype on the module: DeepSpeed's forward applies it, and
+    generation (which runs the bare module, outside the engine's forward) reads it with `autocast_dtype`."""
+    if cfg.get("torch_autocast", {}).get("enabled"):
+        object.__setattr__(model, AUTOCAST_ATTR, torch.bfloat16)  # a plain attribute, not a submodule
+
+
+def autocast_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    return getattr(module, AUTOCAST_ATTR, None)
 
 
 def set_block_leaves(model: torch.nn.Module) -> None:
