@@ -41,6 +41,25 @@ def numeric_keys(rows: list) -> list:
     return list(keys)
 
 
+# What a person looks at first, in this order: the reward (proxy and gold), the KL, the entropy, held-out
+# pass@k / accuracy, the loss; every other metric after them, in file order.
+PANEL_GROUPS = (
+    lambda k: k in ("reward", "gold_reward", "objective/scores", "objective/rlhf_reward") or k.startswith("rewards/"),
+    lambda k: k in ("kl", "objective/kl", "kl_coef"),
+    lambda k: k == "entropy",
+    lambda k: "pass@" in k or k.endswith("accuracy") or k.endswith("accuracies"),
+    lambda k: k == "loss" or k.endswith("/loss") or k.startswith("loss/"),
+)
+
+
+def panel_order(keys: list) -> list:
+    """`keys` with the PANEL_GROUPS first (group by group, file order within a group), then the rest."""
+    def rank(k: str) -> int:
+        return next((i for i, g in enumerate(PANEL_GROUPS) if g(k)), len(PANEL_GROUPS))
+
+    return sorted(keys, key=rank)  # stable: file order within a group
+
+
 def series(rows: list, x: str, y: str) -> tuple:
     """(xs, ys) over the rows where both x and y are finite numbers."""
     pairs = [(r[x], r[y]) for r in rows if _is_number(r.get(x)) and _is_number(r.get(y))]
@@ -88,7 +107,8 @@ def _draw(ax, xs: list, ys: list, color: str = "C0", label: str | None = None, s
 
 def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None = None,
                 xy: tuple | None = None) -> Path | None:
-    """Plot each numeric metric (or `keys`) against step, one small subplot each, into out_png.
+    """Plot each numeric metric (or `keys`) against step, one small subplot each, into out_png: the panels a
+    person looks at first lead (`panel_order`), then the rest in file order.
 
     `xy = (x, [y1, y2])` adds a first panel of y1 (left axis) and y2 (right axis) against metric x, e.g. PPO's
     proxy and gold reward against KL (the over-optimisation curve); left out when x or y1 was never logged.
@@ -96,7 +116,7 @@ def plot_report(metrics_path: Path, out_png: Path, title: str, keys: list | None
     any of the keys).
     """
     rows = read_metrics(metrics_path) if Path(metrics_path).exists() else []
-    curves = [(k, *series(rows, "step", k)) for k in (keys or numeric_keys(rows))]
+    curves = [(k, *series(rows, "step", k)) for k in (keys or panel_order(numeric_keys(rows)))]
     curves = [c for c in curves if c[1]]
     pairs = [(y, *series(rows, xy[0], y)) for y in xy[1]] if xy else []
     pairs = [c for c in pairs if c[1]]

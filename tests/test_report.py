@@ -65,3 +65,15 @@ def test_ema():
 def test_import_is_instant():
     code = "import sys, align.report; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_panels_lead_with_reward_gold_kl_entropy_pass_at_k_and_loss():
+    from align.report import panel_order
+
+    logged = ["lr", "grad_norm", "loss/value", "loss", "eval/pass@1/greedy", "time/update", "entropy", "kl_coef",
+              "gold_reward", "completions/mean_length", "kl", "reward", "rewards/math", "train/loss",
+              "eval/accuracy", "distinct_1"]
+    assert panel_order(logged) == [
+        "gold_reward", "reward", "rewards/math",  # the reward group, in file order
+        "kl_coef", "kl", "entropy", "eval/pass@1/greedy", "eval/accuracy", "loss/value", "loss", "train/loss",
+        "lr", "grad_norm", "time/update", "completions/mean_length", "distinct_1"]
