@@ -259,6 +259,25 @@ def check_diverging(proxy: list, gold: list, window: int, min_slope: float, min_
     return QUIET
 
 
+def check_heldout_hacking(gold: list, proxy: list, problems: list, kl: list, window: int, min_z: float,
+                          min_rise: float) -> Check:
+    """Held-out over-optimisation: at the latest evaluation the held-out gold (greedy pass rate on a fixed set of
+    n problems) is below its value at the first evaluation by more than min_z standard errors,
+    SE = sqrt((g₀(1−g₀) + g(1−g)) / n), while the proxy (the reward model's mean score of the same greedy
+    answers) is above its first value by more than min_rise. Greedy answers on a fixed set make both series
+    low-noise, so the latest evaluation is judged alone. Series are aligned on evaluation steps (all of them
+    kept); the first one is the evaluation before training."""
+    if len(gold) < 2 or not problems or not problems[-1] > 0:
+        return QUIET
+    g0, g, p0, p, n = gold[0], gold[-1], proxy[0], proxy[-1], problems[-1]
+    se = math.sqrt(max(g0 * (1 - g0) + g * (1 - g), 1e-12) / n)
+    if g0 - g > min_z * se and p - p0 > min_rise:
+        detail = (f"held-out gold {g0:.3g} -> {g:.3g} ({(g - g0) / se:+.1f} SE on {n:g} problems) while the proxy "
+                  f"reward of the same answers rose {p0:.3g} -> {p:.3g}; KL {kl[-1]:.3g}")
+        return Check(True, g, g0 - min_z * se, detail)
+    return QUIET
+
+
 # ---------------------------------------------------------------------------------------------
 # default rules
 
@@ -313,6 +332,14 @@ def default_rules() -> list:
              params={"min_slope": 1e-3, "min_z": 2.0},
              message="Proxy reward rises while gold reward falls: reward hacking. "
                      "Raise the KL coefficient, improve the reward model, stop early."),
+        # window: every evaluation is kept (the check compares the latest with the first)
+        Rule("reward_hacking_heldout", "eval/pass@1/greedy", check_heldout_hacking, "warn", 100_000,
+             extra=("eval/reward", "eval/problems", "eval/kl"), aligned=True,
+             params={"min_z": 2.0, "min_rise": 0.05},
+             message="The reward model's score of held-out answers rises while their verified correctness "
+                     "falls: over-optimisation of the reward model. Stop here (the last evaluation before it "
+                     "is the model to keep), raise the KL coefficient or lower the KL target, improve the "
+                     "reward model."),
     ]
 
 

@@ -51,7 +51,7 @@ DEFAULT_SFT, DEFAULT_RM = "runs/default/sft", "runs/default/rm"
 
 @dataclass
 @defaults(out="runs/ppo", max_steps=50, prompts_per_step=64, micro_batch_size=16, schedule="constant", warmup_steps=0,
-          eval_every=0)
+          eval_every=5)
 class PPOConfig(RLConfig):
     model: str = opt(DEFAULT_SFT, "Policy to train (an sft artifact); also the reference unless --ref-model.", path=True)
     ref_model: str = opt("", "Frozen reference policy for the KL penalty (default: --model).", path=True)
@@ -404,7 +404,11 @@ class PPO:
                                   sampling=Sampling(self.cfg.max_new_tokens, 0.0), gather=self.cfg.gather,
                                   verifier=self.cfg.verifier)
         r = score(self.rm, self.rm_tok, [x["prompt"] for x in recs], [x["greedy"] for x in recs], 64)
-        return {"eval/pass@1/greedy": m["pass@1/greedy"], "eval/reward": r.mean().item()}
+        # held-out gold (verified greedy answers) and proxy (the RM's score of the same answers), watched by
+        # RLMonitor's reward_hacking_heldout with the KL per episode of the latest batch (0 before training)
+        kl = self.run.monitor.history.get("objective/kl", [0.0])[-1] if step else 0.0
+        return {"eval/pass@1/greedy": m["pass@1/greedy"], "eval/reward": r.mean().item(),
+                "eval/problems": float(len(recs)), "eval/kl": kl}
 
     def state_dict(self) -> dict:
         return {"kl_coef": self.kl_ctl.value}

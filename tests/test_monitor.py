@@ -61,7 +61,8 @@ def test_healthy_run_is_silent(seed):
 def test_every_default_rule_is_covered():
     names = [r.name for r in default_rules()]
     assert names == ["nan", "grad_explode", "kl_high", "kl_spike", "reward_falling", "entropy_collapse", "clip_high",
-                     "length_drift", "low_distinct_1", "low_distinct_2", "chosen_logp_falling", "reward_hacking"]
+                     "length_drift", "low_distinct_1", "low_distinct_2", "chosen_logp_falling", "reward_hacking",
+                     "reward_hacking_heldout"]
 
 
 # --- one firing stream per rule ----------------------------------------------------------------
@@ -172,6 +173,46 @@ def test_reward_hacking_pairs_only_steps_logging_both():
         {"reward": 0.01 * s, **({"gold_reward": 0.5 - 0.01 * s} if s % 5 == 0 else {})} for s in range(150)
     ]
     assert fired(feed(stream), "reward_hacking") == [(95, "warn")]
+
+
+
+def test_heldout_hacking_by_hand():
+    """gold 0.42 -> 0.33 on 200 problems: SE = sqrt((0.42·0.58 + 0.33·0.67) / 200) = 0.04808, a drop of 1.87 SE
+    (quiet at min_z 2); 0.42 -> 0.31: SE 0.04782, 2.30 SE (fires) — only while the proxy rose > 0.05."""
+    from align.monitor import check_heldout_hacking
+
+    def check(g, p):
+        return check_heldout_hacking([0.42, g], [0.2, p], [200.0, 200.0], [0.0, 1.5], window=1, min_z=2.0,
+                                     min_rise=0.05)
+
+    assert not check(0.33, 0.5).fired
+    res = check(0.31, 0.5)
+    assert res.fired and res.value == 0.31
+    assert res.threshold == pytest.approx(0.42 - 2 * math.sqrt((0.42 * 0.58 + 0.31 * 0.69) / 200))
+    assert "0.42 -> 0.31" in res.detail and "-2.3 SE" in res.detail and "KL 1.5" in res.detail
+    assert not check(0.31, 0.24).fired  # the proxy did not rise: a policy getting worse, not reward hacking
+    assert not check(0.55, 0.9).fired  # both up: healthy
+
+
+def test_heldout_hacking_fires_at_the_first_evaluation_past_noise():
+    """PPO's evaluations (every 5 steps, the first before training) fed with the training steps between them:
+    the held-out gold slides from 0.42 by 1.5 points per evaluation while the proxy climbs; the rule fires at the
+    first evaluation more than 2 SE below the start and not before, and never on the training steps."""
+    stream = []
+    for s in range(51):
+        row = {"reward": 0.2 + 0.005 * s, "objective/kl": 0.02 * s} if s else {}
+        if s % 5 == 0:
+            k = s // 5
+            row.update({"eval/pass@1/greedy": 0.42 - 0.015 * k, "eval/reward": 0.2 + 0.04 * k,
+                        "eval/problems": 200.0, "eval/kl": 0.02 * s})
+        stream.append(row)
+    m = feed(stream)
+    # 0.42 - 0.015k below 0.42 - 2·SE: k = 7 (0.315, SE 0.0479: 2.19 SE); k = 6 (0.33) is 1.87 SE
+    assert fired(m, "reward_hacking_heldout") == [(35, "warn")]
+    assert "KL 0.7" in m.events[0].detail
+    healthy = [{**r, "eval/pass@1/greedy": 0.42 + 0.01 * (i // 5)} if "eval/problems" in r else r
+               for i, r in enumerate(stream)]
+    assert fired(feed(healthy), "reward_hacking_heldout") == []
 
 
 # --- behaviour ----------------------------------------------------------------------------------

@@ -193,6 +193,7 @@ class StageRun:
         start = self._resume(algo) if cfg.resume else 0
         if start == 0 and getattr(algo, "eval_at_start", False):
             self.start_eval = self._evaluate(algo, 0)
+            self.writer.log_events(self.monitor.update(0, self.start_eval))  # rules that compare with the start
         self.t_fit = time.time()
         with TrainProgress(self.stage, cfg.max_steps, start, keys=getattr(algo, "progress", ())) as bar:
             self.in_loop = True  # a signal from here on stops the run at the end of a step
