@@ -215,6 +215,30 @@ def test_heldout_hacking_fires_at_the_first_evaluation_past_noise():
     assert fired(feed(healthy), "reward_hacking_heldout") == []
 
 
+
+# The default chain's PPO stage (pipelines.toml: from the 1,500-step SFT model, against its 0.80-accurate RM,
+# 50 steps, ptx 0.1, commit dd6650f), its held-out evaluations as recorded: (step, greedy pass@1 on 200
+# problems, RM score of those answers, KL per episode). Held-out gold falls 0.42 -> 0.23 while the proxy climbs.
+DEFAULT_CHAIN_PPO_EVALS = [(0, 0.42, 0.2148, 0.0), (5, 0.335, 0.2431, 0.1844), (10, 0.275, 0.2719, 0.3861),
+                           (15, 0.23, 0.3858, 0.6298), (20, 0.24, 0.3661, 0.5173), (25, 0.32, 0.3445, 0.7405),
+                           (30, 0.32, 0.4008, 0.5971), (35, 0.275, 0.3603, 0.9114), (40, 0.295, 0.5225, 3.5816),
+                           (45, 0.28, 0.4693, 0.9879), (50, 0.29, 0.559, 0.6314)]
+
+
+def test_heldout_hacking_fires_on_the_default_chain_ppo_within_ten_steps():
+    """At step 5 the gold is 1.8 SE down and the proxy up only 0.03; at step 10 both are clear: it fires there,
+    once (debounced while it stays true), and not on the same evaluations with the gold holding its start."""
+    m = RLMonitor()
+    for step, gold, proxy, kl in DEFAULT_CHAIN_PPO_EVALS:
+        m.update(step, {"eval/pass@1/greedy": gold, "eval/reward": proxy, "eval/problems": 200.0, "eval/kl": kl})
+    assert fired(m, "reward_hacking_heldout") == [(10, "warn")]
+    assert "0.42 -> 0.275" in m.events[0].detail and "0.215 -> 0.272" in m.events[0].detail
+    m = RLMonitor()
+    for step, gold, proxy, kl in DEFAULT_CHAIN_PPO_EVALS:
+        m.update(step, {"eval/pass@1/greedy": 0.42, "eval/reward": proxy, "eval/problems": 200.0, "eval/kl": kl})
+    assert fired(m, "reward_hacking_heldout") == []
+
+
 # --- behaviour ----------------------------------------------------------------------------------
 
 
