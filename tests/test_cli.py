@@ -115,7 +115,7 @@ def test_bad_schedule(data_dir, tmp_path):
 
 def test_bad_precision_is_refused_before_out_is_written(data_dir, tmp_path):
     proc = run_align(*sft_args(data_dir, tmp_path / "o"), "--precision", "fp8")
-    assert_user_error(proc, "--precision", "'fp8'", "auto, bf16, bf16-pure, fp32")
+    assert_user_error(proc, "--precision", "'fp8'", "auto, bf16, bf16-mixed, bf16-pure, fp32")
     assert not (tmp_path / "o").exists()
 
 
