@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -161,11 +160,9 @@ def main(argv=None) -> None:
     root = Path(a.out)
     root.mkdir(parents=True, exist_ok=True)
     if not a.report:
-        base = root / "eval_base.json"
+        base = root / "eval_base.json"  # measured once (`--sides ""` before side-by-side runs), then read
         if not base.exists():
-            tmp = base.with_name(f"{base.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"before": greedy(a.model, a, root / f"eval_base-{os.getpid()}")}))
-            os.replace(tmp, base)
+            base.write_text(json.dumps({"before": greedy(a.model, a, root / "eval_base")}))
         before = json.loads(base.read_text())["before"]
         for side in filter(None, a.sides.split(",")):  # --sides "": the baseline only
             for seed in [int(s) for s in a.seeds.split(",")]:
@@ -188,6 +185,7 @@ def main(argv=None) -> None:
     print("\n| side | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
     for side, row in rows.items():
         print(f"| {side} | " + " | ".join(row[k] for k in keys) + " |")
+
 
 if __name__ == "__main__":
     main()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a lent 4-GPU machine, SmolLM2 parts sent ahead (see gpu_smollm2_setup.sh): benchmarks.grpo_parity side by
-# side, TRL seeds 0-2 on GPUs 0-2 and ours (seeds 0-2, one after the other) on GPU 3, then the table; then the
-# pretrained pipeline starts on GPU 3 (benchmarks/pretrained_gpu.sh continues it). END: seconds into the call by
-# which everything stops (runs cut short are left out of the table).
+# side, TRL seeds 0-2 on GPUs 0-2 and ours (seeds 0-2, one after the other) on GPU 3, then the table. END:
+# seconds into the call by which everything stops (runs cut short are left out of the table). PRECISION: ours'
+# --precision values, one after the other on GPU 3 (default: auto), e.g. PRECISION=bf16-mixed.
 set -uo pipefail
 END=${END:-560}
 bash benchmarks/gpu_smollm2_setup.sh

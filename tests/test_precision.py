@@ -106,7 +106,6 @@ def test_bf16_mixed_keeps_fp32_weights_computes_in_bf16_and_small_updates_count(
         cfg = build.ds_config(zero_stage=3, micro_batch=2, grad_accum=1, world_size=1, dtype=dtype,
                               precision=precision, user_config=None)
         model, link = build.load_partitioned(cfg, lambda dt: load_causal_lm(ref, tok, dt, seed=0), dtype)  # noqa: F841
-        build.mark_autocast(model, cfg)
         eng = build.wrap(model, cfg, build.adamw(model, 1e-4, 0.0))
         ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 10, 2]])
         out = eng(input_ids=ids, labels=ids)

@@ -155,13 +155,16 @@ def set_block_leaves(model: torch.nn.Module) -> None:
 
 def load_partitioned(cfg: dict, load, dtype):
     """`load(dtype)` with transformers' ZeRO-3 link set to `cfg`, so `from_pretrained` loads straight into shards
-    (no rank holds a full copy). Returns (model, link): keep the link alive while the engine lives."""
+    (no rank holds a full copy), marked for the config's autocast (`mark_autocast`). Returns (model, link): keep
+    the link alive while the engine lives."""
     link = None
     if cfg["zero_optimization"]["stage"] == 3:
         from transformers.integrations.deepspeed import HfDeepSpeedConfig
 
         link = HfDeepSpeedConfig(cfg)
-    return load(dtype), link
+    model = load(dtype)
+    mark_autocast(model, cfg)
+    return model, link
 
 
 def _without_muon() -> None:

@@ -31,8 +31,7 @@ from align.artifacts import ArtifactWriter
 from align.config import as_dict, load_toml
 from align.console import TrainProgress, info, summary_table
 from align.engine import checkpoint, outdir
-from align.engine.build import (Optim, Trained, adamw, compute_dtype, ds_config, frozen_config, load_partitioned, lr_lambda,
-                                mark_autocast, wrap)
+from align.engine.build import Optim, Trained, adamw, compute_dtype, ds_config, frozen_config, load_partitioned, lr_lambda, wrap
 from align.errors import Terminated, UserError
 
 RATES = ("tokens", "pairs")  # Stats.sum counts a stage may log: the run adds <name>_per_s per step and overall
@@ -163,7 +162,6 @@ class StageRun:
                        world_size=self.dist.world_size, dtype=self.dtype, grad_clip=cfg.grad_clip,
                        user_config=cfg.deepspeed, precision=cfg.precision, offload_optimizer=cfg.offload_optimizer)
         model, self._link = load_partitioned(ds, load, self.dtype)
-        mark_autocast(model, ds)
         opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer)
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
         eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
@@ -178,7 +176,6 @@ class StageRun:
                                      world_size=self.dist.world_size, dtype=self.dtype, user_config=cfg.deepspeed,
                                      precision=cfg.precision), offload_params)
         model, self._link = load_partitioned(ds, load, self.dtype)
-        mark_autocast(model, ds)
         return wrap(model, ds)
 
     def indices(self, n: int, size: int, step: int, seed: int | None = None) -> list[int]:
