@@ -149,8 +149,12 @@ def main() -> None:
             sys.argv.remove(a)
             if "=" in a:
                 os.environ.setdefault("LOCAL_RANK", a.split("=", 1)[1])
+    clean = False
     try:
         app()(prog_name="align")  # standalone: usage errors exit 2 with click's message
+    except SystemExit as e:
+        clean = e.code in (0, None)
+        raise
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             console.print("[bold red]error:[/]", escape(str(e)))
@@ -161,3 +165,6 @@ def main() -> None:
     except Terminated as e:
         console.print("[yellow]terminated[/]")
         raise SystemExit(e.exit_code)
+    finally:
+        if "align.runtime" in sys.modules:  # a stage ran (--help and usage errors never import torch)
+            sys.modules["align.runtime"].shutdown(clean)

@@ -113,6 +113,27 @@ def init(timeout_s: int | None = None) -> Dist:
     return _DIST
 
 
+def shutdown(clean: bool) -> None:
+    """End the process group before the interpreter exits: a gloo group left alive aborts the process at
+    interpreter teardown (SIGABRT, "terminate called without an active exception": its worker threads still hold
+    work when Python is gone), turning a finished run's exit 0 into a crash; NCCL warns and may leave a peer
+    waiting. After a clean run every rank meets at a barrier first (no rank closes its sockets while a peer still
+    reads the last collective); after a failure NCCL is left to the launcher (its teardown is collective and a
+    failed peer may never join), gloo's is local and is destroyed."""
+    global _DIST
+    import sys
+
+    td = sys.modules.get("torch.distributed")  # not imported: nothing was started (e.g. --help)
+    if td is None or not td.is_available() or not td.is_initialized():
+        return
+    gloo = td.get_backend() == "gloo"
+    if clean and td.get_world_size() > 1:
+        td.barrier()
+    if clean or gloo:
+        td.destroy_process_group()
+        _DIST = None
+
+
 def quiet_libraries() -> None:
     """Library chatter (deprecation notes from DeepSpeed's collectives, tqdm bars) would bury our progress bar."""
     import logging

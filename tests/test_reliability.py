@@ -149,3 +149,20 @@ def test_an_exception_marks_the_artifact_failed_with_its_message(tmp_path):
             raise RuntimeError("boom")
     art = json.loads((out / "artifact.json").read_text())
     assert art["status"] == "failed" and art["reason"] == "RuntimeError: boom" and not (out / ".lock").exists()
+
+
+def test_the_process_group_is_ended_before_the_interpreter_exits():
+    """A gloo group left alive at interpreter teardown can abort a finished worker (SIGABRT: "terminate called
+    without an active exception"), so the CLI ends it: after a clean exit and after a failure alike."""
+    script = ("import sys, torch.distributed as td\n"
+              "from align import runtime\n"
+              "runtime.init()\n"
+              "assert td.is_initialized() and td.get_backend() == 'gloo'\n"
+              "runtime.shutdown(clean=sys.argv[1] == 'clean')\n"
+              "print('initialized after shutdown:', td.is_initialized(), runtime._DIST)\n")
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    for how in ("clean", "failed"):
+        proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, env=env,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "initialized after shutdown: False None" in proc.stdout, (how, proc.stdout, proc.stderr[-2000:])
