@@ -73,6 +73,15 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (lp * mask).sum(-1)
 
 
+def likelihood_reward(logits: torch.Tensor, labels: torch.Tensor, beta: float) -> torch.Tensor:
+    """A reward read from the language-model head: r(x, y) = β · (1/|y|) Σ_t log π_φ(y_t | x, y_<t), the mean
+    response log-probability (the reference-free implicit reward of SimPO, Meng et al. 2024), used as the
+    Bradley–Terry score r of a likelihood reward model. Averaged over the |y| response tokens (labels ≠ −100), so
+    it does not favour short answers. logits [B, T, V], labels [B, T] -> [B]."""
+    n = (shift_labels(labels) != IGNORE).sum(-1).clamp(min=1)
+    return beta * sequence_logps(logits, labels) / n
+
+
 DPO_LOSSES = ("sigmoid", "ipo", "ipo-mean", "hinge")
 
 

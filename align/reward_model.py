@@ -1,7 +1,12 @@
 """Reward models: loading, raw scoring and THE normalisation every consumer (rm score, PPO, GRPO) applies.
 
-A reward model is a `save_pretrained` AutoModelForSequenceClassification (num_labels=1) whose config carries
-`pad_token_id` (transformers reads the score at the last non-padding token) and align's normalisation:
+A reward model is a `save_pretrained` model whose config names its head (`align_reward_head`):
+  * scalar (the default): an AutoModelForSequenceClassification (num_labels=1); the score is read at the last
+    non-padding token (transformers does it; the config carries `pad_token_id`), InstructGPT's reward model;
+  * likelihood: an AutoModelForCausalLM; the score is β · the mean log-probability of the response tokens under
+    its own LM head (`align_reward_beta`; losses.likelihood_reward). A small model that cannot learn a scalar
+    verdict at its last token often already ranks answers by their likelihood.
+Both are trained with the same Bradley–Terry loss, and carry align's normalisation
     normalised = (raw − align_reward_offset) / align_reward_scale
 fitted after `align rm train` so that the reference responses score 0 on average (InstructGPT).
 """
@@ -14,11 +19,24 @@ from align.errors import UserError
 
 OFFSET_KEY = "align_reward_offset"
 SCALE_KEY = "align_reward_scale"
+HEAD_KEY = "align_reward_head"
+BETA_KEY = "align_reward_beta"
+HEADS = ("scalar", "likelihood")
+
+
+def _getter(config):
+    return config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+
+
+def head_of(config) -> tuple[str, float]:
+    """(head, β) named by a reward model's config (a model config or a dict); no key: a scalar head."""
+    get = _getter(config)
+    return get(HEAD_KEY, None) or "scalar", float(get(BETA_KEY, None) or 1.0)
 
 
 def normalized_reward(raw, config) -> torch.Tensor | float:
     """(raw − offset) / scale with the offset and scale stored in a model config (or an artifact/config dict)."""
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    get = _getter(config)
     offset = get(OFFSET_KEY, None)
     if offset is None:
         offset = get("reward_offset", 0.0)
@@ -36,9 +54,37 @@ def require_trained(source, spec: str, flag: str = "--reward-model"):
     return source
 
 
+def load_reward_model(source, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False,
+                      head: str | None = None, beta: float = 1.0):
+    """A reward model. To train one, name its `head`: `scalar` puts a new value head on `source`'s body,
+    `likelihood` takes the causal LM itself (its config marked with the head and β). To use one (head None):
+    the head its config names."""
+    if head is None:
+        head = "scalar" if source.preset else head_of(_read_config(source.model_dir))[0]
+    if head == "scalar":
+        return load_sequence_classifier(source, tokenizer, dtype, seed, trust_remote_code)
+    from align.models import load_causal_lm
+
+    model = load_causal_lm(source, tokenizer, dtype, seed, trust_remote_code)
+    if head_of(model.config)[0] != "likelihood":  # a new likelihood reward model
+        setattr(model.config, HEAD_KEY, "likelihood")
+        setattr(model.config, BETA_KEY, float(beta))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _read_config(model_dir) -> dict:
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def load_sequence_classifier(source, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
-    """A scalar-head model: from a reward model (its head), or from a causal LM / preset (body weights, new head).
-    pad_token_id is set in the config so the reward is read at the last non-padding token."""
+    """A scalar-head model: from a scalar reward model (its head), or from a causal LM / preset / likelihood
+    reward model (body weights, new head; e.g. PPO's value network). pad_token_id is set in the config so the
+    reward is read at the last non-padding token."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from align.models import preset_config
@@ -51,6 +97,7 @@ def load_sequence_classifier(source, tokenizer, dtype, seed: int = 0, trust_remo
     try:
         cfg = AutoConfig.from_pretrained(source.model_dir, num_labels=1, trust_remote_code=trust_remote_code)
         cfg.pad_token_id = tokenizer.pad_token_id
+        setattr(cfg, HEAD_KEY, "scalar")  # a body taken from a likelihood reward model gets a scalar head
         model = AutoModelForSequenceClassification.from_pretrained(
             source.model_dir, config=cfg, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -59,36 +106,44 @@ def load_sequence_classifier(source, tokenizer, dtype, seed: int = 0, trust_remo
 
 
 def raw_rewards(model, batch: dict) -> torch.Tensor:
-    """Raw scalar reward per row of a right-padded batch (input_ids, attention_mask): [B] in fp32."""
+    """Raw reward per row of a right-padded batch (input_ids, attention_mask; a likelihood head also needs
+    `labels`: the response tokens, −100 elsewhere): [B] in fp32."""
+    from align.losses import likelihood_reward
+
+    head, beta = head_of(getattr(model, "module", model).config)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    if head == "likelihood":
+        return likelihood_reward(out.logits, batch["labels"], beta).float()
     return out.logits[:, 0].float()
 
 
-def encode_scored(tokenizer, prompts: list, responses: list[str], max_length: int = 0) -> list[list[int]]:
-    """prompt (chat template) + response + EOS, exactly as the reward model was trained; the prompt loses tokens
-    from the left when `max_length` is set."""
+def encode_scored(tokenizer, prompts: list, responses: list[str], max_length: int = 0) -> list[tuple[list, list]]:
+    """(prompt (chat template), response + EOS) token ids, exactly as the reward model was trained; the prompt
+    loses tokens from the left when `max_length` is set."""
     from align.data import encode_completions, encode_prompts
 
     out = []
     for p, r in zip(encode_prompts(tokenizer, prompts), encode_completions(tokenizer, responses)):
         if max_length and len(p) + len(r) > max_length:
             p = p[max(0, len(p) + len(r) - max_length):]
-        out.append(p + r)
+        out.append((p, r))
     return out
 
 
 @torch.no_grad()
-def score_ids(eng, tokenizer, seqs: list[list[int]], batch_size: int = 64, normalize: bool = True) -> torch.Tensor:
-    """Rewards of token sequences on this rank. Under ZeRO-3 with several ranks every rank must make the same
-    number of calls (equal-length lists): each forward gathers parameters collectively."""
+def score_ids(eng, tokenizer, seqs: list[tuple[list, list]], batch_size: int = 64, normalize: bool = True) -> torch.Tensor:
+    """Rewards of (prompt ids, response ids) pairs on this rank. Under ZeRO-3 with several ranks every rank must
+    make the same number of calls (equal-length lists): each forward gathers parameters collectively."""
     from align.data import pad
 
     device = next(eng.module.parameters()).device
     out = []
     for i in range(0, len(seqs), batch_size):
         chunk = seqs[i : i + batch_size]
-        batch = {"input_ids": torch.tensor(pad(chunk, tokenizer.pad_token_id), device=device),
-                 "attention_mask": torch.tensor(pad([[1] * len(s) for s in chunk], 0), device=device)}
+        ids = [p + r for p, r in chunk]
+        batch = {"input_ids": torch.tensor(pad(ids, tokenizer.pad_token_id), device=device),
+                 "attention_mask": torch.tensor(pad([[1] * len(s) for s in ids], 0), device=device),
+                 "labels": torch.tensor(pad([[-100] * len(p) + r for p, r in chunk], -100), device=device)}
         out.append(raw_rewards(eng, batch).cpu())
     raw = torch.cat(out) if out else torch.zeros(0)
     return normalized_reward(raw, eng.module.config) if normalize else raw

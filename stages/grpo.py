@@ -33,7 +33,7 @@ from align.evaluation import evaluate_policy, fitting
 from align.generation import Sampling
 from align.logprobs import batched_logprobs, logprobs
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
-from align.reward_model import load_sequence_classifier, require_trained, score
+from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
 from align.rollout import Rollout, sample, select, timed
 
@@ -120,8 +120,8 @@ class GRPO:
                                 Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay, (0.9, 0.999)),
                                 micro=self.micro, accum=n_local // self.micro)
         self.reference = run.frozen(self.load_policy(source)) if cfg.beta else None
-        self.rm = (run.frozen(lambda dtype: load_sequence_classifier(rm_source, self.rm_tok, dtype, cfg.seed,
-                                                                     cfg.trust_remote_code)) if rm_source else None)
+        self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
+                                                              cfg.trust_remote_code)) if rm_source else None)
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
         info(f"grpo: {count_parameters(self.policy.module) / 1e6:.2f}M parameters, {len(self.rows)} prompts, "
              f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "

@@ -42,7 +42,8 @@ from align.logprobs import batched_logprobs, logprobs
 from align.losses import completion_nll
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
-from align.reward_model import load_sequence_classifier, normalized_reward, require_trained, score, score_ids
+from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
+                                score_ids)
 from align.rewards import RewardError, call_reward, parse_rewards
 from align.rollout import Rollout, sample, select, timed
 
@@ -198,7 +199,7 @@ class PPO:
                                replace(optim, lr=cfg.vf_lr), micro=self.micro, accum=accum, prefix="val/")
         offload = cfg.offload_frozen and cfg.zero_stage == 3
         self.reference = run.frozen(self.load(load_causal_lm, sources["reference"], self.tok), offload)
-        self.rm = run.frozen(self.load(load_sequence_classifier, sources["reward_model"], self.rm_tok), offload)
+        self.rm = run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
         self.kl_ctl = (rl.FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
                        else rl.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
@@ -268,7 +269,7 @@ class PPO:
         """Normalised RM scores of prompt + response (up to EOS): the rollout tokens themselves when the RM
         shares the policy's tokenizer, else the texts re-tokenised with the RM's."""
         if self.rm_same_tok:
-            return score_ids(self.rm, self.tok, [c.prompt_ids + c.ids for c in r.completions], self.micro)
+            return score_ids(self.rm, self.tok, [(c.prompt_ids, c.ids) for c in r.completions], self.micro)
         return score(self.rm, self.rm_tok, r.prompts, [c.text for c in r.completions], self.micro)
 
     def scores(self, r: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,12 +1,14 @@
 """Bradley–Terry reward model: `align rm train | eval | score`.
 
-train: a scalar head (AutoModelForSequenceClassification, num_labels=1) on the SFT model; chosen and rejected go
-through the model in ONE forward (concatenated along the batch); per pair
+train: a reward head on the SFT model (--head): `scalar`, a new value head (AutoModelForSequenceClassification,
+num_labels=1) read at the last non-padding token of prompt + response (+ EOS); or `likelihood`, the LM itself,
+r = β · mean log π_φ(y_t | x, y_<t) over the response tokens (align.reward_model). Chosen and rejected go through
+the model in ONE forward (concatenated along the batch); per pair
 
     loss = −log σ(r(x, y_w) − r(x, y_l) − m) + c · (r_w + r_l)²
 
 averaged over the pairs of the GLOBAL batch (all ranks, all micro-batches), so 1 and N processes compute the same
-gradient. The reward is read at the last non-padding token of prompt + response (+ EOS).
+gradient.
 After training the reward is normalised (InstructGPT): offset (and with --normalize-scale, scale) such that the
 reference responses score 0 on average (std 1): the chosen responses of the first --normalize-samples training
 pairs, or samples of --normalize-on-policy MODEL. Offset and scale are written to artifact.json and to the saved
@@ -34,8 +36,8 @@ from align.generation import Sampling, generate
 from align.losses import bradley_terry_loss, centering_penalty
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
-from align.reward_model import (OFFSET_KEY, SCALE_KEY, encode_scored, load_sequence_classifier, normalized_reward,
-                                raw_rewards, score_ids)
+from align.reward_model import (BETA_KEY, HEAD_KEY, HEADS, OFFSET_KEY, SCALE_KEY, encode_scored, load_reward_model,
+                                normalized_reward, raw_rewards, score_ids)
 
 CALIBRATION_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)  # buckets of the BT confidence σ(|r_w − r_l|)
 
@@ -47,6 +49,9 @@ CALIBRATION_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)  # buckets of the BT confi
 class RMConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected[, margin]}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for pairwise accuracy ('' : none).", path=True)
+    head: str = opt("scalar", f"Reward head: {' | '.join(HEADS)} (scalar: a value head at the last token; "
+                               "likelihood: β · mean response log-prob under the model's own LM head).")
+    likelihood_beta: float = opt(5.0, "β of the likelihood head (the Bradley–Terry temperature of its score).")
     center_coef: float = opt(0.0, "Reward-centring regulariser coefficient c · (r_w + r_l)² (0: off).")
     normalize_samples: int = opt(512, "Reference responses for the normalisation (first N training pairs' chosen).")
     normalize_on_policy: str = opt("", "Normalise on samples of this policy (artifact/dir) instead of chosen responses.", path=True)
@@ -57,6 +62,10 @@ class RMConfig(SupervisedConfig):
         super().validate()
         if self.normalize_samples <= 0:
             raise UserError("--normalize-samples must be positive.")
+        if self.head not in HEADS:
+            raise UserError(f"--head {self.head!r}: choose one of {', '.join(HEADS)}.")
+        if not self.likelihood_beta > 0:
+            raise UserError("--likelihood-beta must be positive.")
 
 
 @dataclass
@@ -101,8 +110,8 @@ def pair_rewards(eng, tok, examples: list[dict], dist, batch_size: int = 64):
     return both[:, 0], both[:, 1]
 
 
-def sequence_rewards(eng, tok, seqs: list[list[int]], dist, batch_size: int = 64):
-    """Raw rewards of token sequences, in order, on every rank."""
+def sequence_rewards(eng, tok, seqs: list[tuple[list, list]], dist, batch_size: int = 64):
+    """Raw rewards of (prompt ids, response ids) pairs, in order, on every rank."""
     return runtime.gather(score_ids(eng, tok, runtime.shard(seqs, dist, pad=True), batch_size, normalize=False),
                           len(seqs))
 
@@ -148,11 +157,12 @@ class RewardModel:
             inputs["normalize_on_policy"] = describe_inputs(self.policy_source)["model"]
         dist = run.open(inputs)
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
-        self.rm = run.train("rm", lambda dtype: load_sequence_classifier(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code),
+        self.rm = run.train("rm", lambda dtype: load_reward_model(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code,
+                                                                  cfg.head, cfg.likelihood_beta),
                             Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay),
                             micro=self.micro, accum=accum)
         self.n_params = count_parameters(self.rm.module)
-        info(f"rm: {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, {dist.world_size} process(es), "
+        info(f"rm: {cfg.head} head, {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, {dist.world_size} process(es), "
              f"ZeRO-{cfg.zero_stage}, {run.dtype}, micro batch {self.micro} pairs x accum {accum}, "
              f"device {dist.device.type}")
 
@@ -185,7 +195,7 @@ class RewardModel:
         cfg, dist = self.cfg, self.run.dist
         ref = self.examples[: cfg.normalize_samples]
         if self.policy_source is None:
-            seqs = [e["prompt_ids"] + e["chosen_ids"] for e in ref]
+            seqs = [(e["prompt_ids"], e["chosen_ids"]) for e in ref]
             fitted_on = f"chosen responses of the first {len(seqs)} training pairs"
         else:
             policy = self.run.frozen(lambda dtype: load_causal_lm(self.policy_source, self.tok, dtype, cfg.seed,
@@ -193,7 +203,7 @@ class RewardModel:
             torch.manual_seed(cfg.seed * 1000 + dist.rank)
             outs = generate(policy, self.tok, [e["prompt_ids"] for e in ref],
                             Sampling(max_new_tokens=cfg.max_new_tokens, temperature=1.0), dist)
-            seqs = [e["prompt_ids"] + o.ids + ([] if o.finished else [self.tok.eos_token_id]) for e, o in zip(ref, outs)]
+            seqs = [(e["prompt_ids"], o.ids + ([] if o.finished else [self.tok.eos_token_id])) for e, o in zip(ref, outs)]
             del policy
             fitted_on = f"{len(seqs)} samples (T=1) of {cfg.normalize_on_policy} on the first training prompts"
         raw = sequence_rewards(self.rm.eng, self.tok, seqs, dist)
@@ -204,8 +214,8 @@ class RewardModel:
         info(f"normalisation on {fitted_on}: offset {offset:.4f}, scale {scale:.4f}")
         if dist.is_main:
             with open(self.run.out / "normalization.jsonl", "w") as f:
-                for e, seq, r in zip(ref, seqs, raw.tolist()):
-                    f.write(json.dumps({"prompt_ids": e["prompt_ids"], "response_ids": seq[len(e["prompt_ids"]):],
+                for (prompt, response), r in zip(seqs, raw.tolist()):
+                    f.write(json.dumps({"prompt_ids": prompt, "response_ids": response,
                                         "raw": r, "reward": (r - offset) / scale}) + "\n")
         return offset, scale, fitted_on
 
@@ -213,8 +223,10 @@ class RewardModel:
         self.rm.eng.eval()
         self.offset, self.scale, fitted_on = self.normalisation()
         return Output(self.rm.eng, self.tok, kind="reward",
-                      config={OFFSET_KEY: self.offset, SCALE_KEY: self.scale, "pad_token_id": self.tok.pad_token_id},
-                      extra={"reward_offset": self.offset, "reward_scale": self.scale, "normalized_on": fitted_on})
+                      config={OFFSET_KEY: self.offset, SCALE_KEY: self.scale, "pad_token_id": self.tok.pad_token_id,
+                              HEAD_KEY: self.cfg.head, BETA_KEY: self.cfg.likelihood_beta},
+                      extra={"reward_offset": self.offset, "reward_scale": self.scale, "normalized_on": fitted_on,
+                             "reward_head": self.cfg.head})
 
     def final_metrics(self, last: dict, start: dict) -> dict:
         return {"train/loss": last["loss"], "train/accuracy": last["accuracy"],
@@ -235,7 +247,7 @@ def run_eval(cfg: RMEvalConfig) -> dict:
     examples = load_pairs(cfg.data, cfg.columns, tok, cfg.max_length)
     with StageRun(cfg, "rm-eval") as run:
         dist = run.open(describe_inputs(source, cfg.data))
-        eng = run.frozen(lambda dtype: load_sequence_classifier(source, tok, dtype, trust_remote_code=cfg.trust_remote_code))
+        eng = run.frozen(lambda dtype: load_reward_model(source, tok, dtype, trust_remote_code=cfg.trust_remote_code))
         rc, rr = pair_rewards(eng, tok, examples, dist, cfg.batch_size)
         config = eng.module.config
         if dist.is_main:
@@ -253,7 +265,7 @@ def run_score(cfg: RMScoreConfig) -> dict:
     seqs = encode_scored(tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.max_length)
     with StageRun(cfg, "rm-score") as run:
         dist = run.open(describe_inputs(source, cfg.data))
-        eng = run.frozen(lambda dtype: load_sequence_classifier(source, tok, dtype, trust_remote_code=cfg.trust_remote_code))
+        eng = run.frozen(lambda dtype: load_reward_model(source, tok, dtype, trust_remote_code=cfg.trust_remote_code))
         rewards = normalized_reward(sequence_rewards(eng, tok, seqs, dist, cfg.batch_size), eng.module.config)
         scores = run.out / "scores.jsonl"
         if dist.is_main:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from align.losses import bradley_terry_loss, centering_penalty, dpo_loss, sequence_logps
+from align.losses import bradley_terry_loss, centering_penalty, dpo_loss, likelihood_reward, sequence_logps
 
 D = torch.float64
 
@@ -47,6 +47,26 @@ def test_sequence_logps_sums_response_tokens_only():
     padded = torch.cat([logits, torch.randn(1, 2, 2, dtype=D)], 1)
     assert torch.allclose(sequence_logps(padded, torch.tensor([[-100, -100, 1, 0, -100, -100]])),
                           sequence_logps(logits, labels))
+
+
+def test_likelihood_reward_is_beta_times_the_mean_response_log_prob():
+    # the same logits as above: response tokens log 0.75 and log 0.5 -> mean (−0.287682 − 0.693147)/2 = −0.490415;
+    # β = 5 -> −2.452073
+    logits = torch.zeros(2, 6, 2, dtype=D)
+    logits[:, 1, 1] = math.log(3)
+    labels = torch.tensor([[-100, -100, 1, 0, -100, -100],  # prompt, 2 response tokens, padding
+                           [-100, -100, 1, 0, 1, 1]])       # the same prompt, 4 response tokens (2 more at log 0.5)
+    r = likelihood_reward(logits, labels, beta=5.0)
+    assert torch.allclose(r[0], t(5 * (math.log(0.75) + math.log(0.5)) / 2))
+    # a mean, not a sum: 4 tokens -> (log 0.75 + 3 log 0.5) / 4, the longer answer is not penalised per token
+    assert torch.allclose(r[1], t(5 * (math.log(0.75) + 3 * math.log(0.5)) / 4))
+    # prompt and padding logits do not matter (masks): change them, the reward stays
+    noisy = logits.clone()
+    noisy[0, 0] += torch.randn(2, dtype=D)  # predicts the prompt token at position 1
+    noisy[0, 3:] += torch.randn(3, 2, dtype=D)  # predicts padding
+    assert torch.allclose(likelihood_reward(noisy, labels, 5.0)[0], r[0])
+    x = torch.randn(1, 5, 3, dtype=D, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda z: likelihood_reward(z, torch.tensor([[-100, 2, 0, 1, -100]]), 2.0), (x,))
 
 
 def test_dpo_hand_values():

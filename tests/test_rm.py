@@ -4,6 +4,7 @@ transformers reload, 2-process ZeRO-3 == 1 process, and bad input (exit 2)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -140,8 +141,8 @@ def test_score_writes_normalised_rewards_equal_to_plain_transformers(rm):
     scored = [json.loads(line) for line in (root / "score/scores.jsonl").read_text().splitlines()]
     assert [s["prompt"] for s in scored] == [r["prompt"] for r in rows]
     model, tok = load_plain(out)
-    want = normalized_reward(plain_rewards(model, encode_scored(tok, [r["prompt"] for r in rows],
-                                                                [r["response"] for r in rows]), tok.pad_token_id), model.config)
+    seqs = [p + r for p, r in encode_scored(tok, [r["prompt"] for r in rows], [r["response"] for r in rows])]
+    want = normalized_reward(plain_rewards(model, seqs, tok.pad_token_id), model.config)
     assert torch.allclose(torch.tensor([s["reward"] for s in scored]), want, atol=1e-4)
 
 
@@ -216,3 +217,61 @@ def test_reward_model_where_a_policy_is_expected(rm, tmp_path):
     _, out, _, _ = rm
     for args in (["dpo", "--model", out], ["eval", out]):
         assert_user_error(run_align(*args, "--out", tmp_path / "o"), "this is a reward model", "a policy (causal LM")
+
+
+def test_likelihood_head_end_to_end(rm, tmp_path, tiny_model_dir):
+    """--head likelihood: the saved reward model is a plain causal LM whose config names the head and β; its raw
+    reward (recomputed with plain transformers: β · mean response log-prob) puts the reference set at 0 after
+    normalisation; rm eval and rm score read the same rewards; and PPO takes it as --reward-model, its value
+    network starting from the reward model's body with a new scalar head."""
+    from align.data import preference_examples
+    from align.losses import likelihood_reward
+    from align.reward_model import HEAD_KEY, normalized_reward
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    root, _, train, test = rm
+    out = tmp_path / "lik"
+    ok(run_align("rm", "train", "--model", tiny_model_dir, "--data", train, "--eval-data", test, "--out", out,
+                 *RM_ARGS, "--head", "likelihood", "--likelihood-beta", "3"))
+    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    tok = PreTrainedTokenizerFast.from_pretrained(out / "model")
+    assert getattr(model.config, HEAD_KEY) == "likelihood" and model.config.align_reward_beta == 3.0
+
+    def plain(ex, side):
+        seqs = [e["prompt_ids"] + e[f"{side}_ids"] for e in ex]
+        labels = [[-100] * len(e["prompt_ids"]) + e[f"{side}_ids"] for e in ex]
+        from align.data import pad
+
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(pad(seqs, tok.pad_token_id)),
+                           attention_mask=torch.tensor(pad([[1] * len(s) for s in seqs], 0))).logits
+        return normalized_reward(likelihood_reward(logits, torch.tensor(pad(labels, -100)), 3.0), model.config)
+
+    ref = plain(preference_examples(tok, head(64), 256)[0][:NORM_N], "chosen")
+    assert abs(ref.mean().item()) < 0.01 and ref.std() > 0
+
+    ok(run_align("rm", "eval", "--model", out, "--data", test, "--out", tmp_path / "ev"))
+    held = preference_examples(tok, [json.loads(x) for x in test.read_text().splitlines()], 256)[0]
+    want = (plain(held, "chosen") > plain(held, "rejected")).float().mean().item()
+    assert json.loads((tmp_path / "ev/artifact.json").read_text())["metrics"]["accuracy"] == pytest.approx(want)
+
+    rows = [{"prompt": r["prompt"], "response": r["chosen"]} for r in head(4)]
+    ok(run_align("rm", "score", "--model", out, "--data", write_rows(tmp_path / "s.jsonl", rows), "--out", tmp_path / "sc"))
+    got = [json.loads(x)["reward"] for x in (tmp_path / "sc/scores.jsonl").read_text().splitlines()]
+    assert torch.allclose(torch.tensor(got), plain(preference_examples(tok, head(4), 256)[0], "chosen").float(),
+                          atol=1e-4)
+
+    prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": r["prompt"]} for r in head(8)])
+    proc = run_align("ppo", "--model", tiny_model_dir, "--reward-model", out, "--data", prompts, "--eval-data", "",
+                     "--ptx-coef", "0", "--gold-reward", "", "--out", tmp_path / "ppo", "--max-steps", "1",
+                     "--prompts-per-step", "8", "--minibatch-size", "8", "--micro-batch-size", "4", "--ppo-epochs", "1",
+                     "--max-new-tokens", "6")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (step,) = [r for r in metric_rows(tmp_path / "ppo") if "reward" in r]
+    assert math.isfinite(step["reward"]) and math.isfinite(step["loss/value"]) and step["val/grad_norm"] > 0
+
+
+def test_unknown_head_is_refused(tmp_path, tiny_model_dir):
+    assert_user_error(run_align("rm", "train", "--model", tiny_model_dir, "--out", tmp_path / "o", "--head", "mean"),
+                      "--head 'mean'", "scalar, likelihood")
+    assert not (tmp_path / "o").exists()
