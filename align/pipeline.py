@@ -3,6 +3,7 @@
     [pipeline]
     out = "runs/default"      # stage NAME writes to <out>/NAME unless it sets `out`
     nproc = 1                 # default --nproc for every stage that has one
+    seed = 0                  # default --seed for every stage that has one (`pipeline run --seed N`)
 
     [stages.base]             # NAME: the table name; the kind is `stage`, or NAME itself when NAME is a kind
     stage = "model-init"
@@ -43,7 +44,8 @@ from align.engine import checkpoint
 from align.errors import UserError
 from align.registry import KINDS
 
-PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int}
+PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int, "seed": int}
+STAGE_DEFAULTS = ("nproc", "seed")  # [pipeline] keys that are defaults of every stage's option of that name
 TOP_LEVEL = ("pipeline", "stages")
 FINGERPRINT_FILE = ".pipeline-fingerprint"
 STAGE_TOML = ".pipeline-stage.toml"
@@ -73,7 +75,7 @@ class Stage:
 class Pipeline:
     path: Path  # the TOML file, absolute
     out: Path  # [pipeline] out, absolute
-    nproc: int | None
+    defaults: dict  # STAGE_DEFAULTS given in [pipeline]
     stages: list[Stage]
 
     @property
@@ -238,7 +240,7 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
 
     # ---- [pipeline]
     head = data.get("pipeline", {})
-    out, nproc = f"runs/{path.stem}", None
+    out, defaults = f"runs/{path.stem}", {}
     if not isinstance(head, dict):
         problem(("pipeline",), "must be a table")
         head = {}
@@ -253,10 +255,10 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
             problem(("pipeline", k), f"must be {want.__name__}, got {type(v).__name__} {v!r}")
         elif key == "out":
             out = v
-        elif key == "nproc":
-            if v < 1:
-                problem(("pipeline", k), f"must be >= 1, got {v}")
-            nproc = v
+        elif key == "nproc" and v < 1:
+            problem(("pipeline", k), f"must be >= 1, got {v}")
+        elif key in STAGE_DEFAULTS:
+            defaults[key] = v
 
     # ---- [stages.NAME], in file order: a @ref must name a stage above
     tables = data.get("stages", {})
@@ -270,7 +272,7 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
     outs: dict[Path, str] = {}
     pipeline_out = _resolve_path(root, out)
     for name, table in tables.items():
-        stage = _check_stage(name, table, names, root, nproc, problem)
+        stage = _check_stage(name, table, names, root, defaults, problem)
         if stage is None:
             continue
         o = stage_out(root, pipeline_out, stage)
@@ -284,10 +286,10 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
     if problems:
         problems.sort(key=lambda pr: pr.line or 1 << 30)  # file order; those without a line last
         return None, problems
-    return Pipeline(path.resolve(), _resolve_path(root, out), nproc, stages), []
+    return Pipeline(path.resolve(), _resolve_path(root, out), defaults, stages), []
 
 
-def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | None, problem) -> Stage | None:
+def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict, problem) -> Stage | None:
     """Check one [stages.NAME] table, reporting every problem through `problem`; the Stage if it has none."""
     at = ("stages", name)
     i = names.index(name)
@@ -375,7 +377,7 @@ def _check_stage(name: str, table, names: list[str], root: Path, nproc: int | No
     stage = Stage(name, kind, values, refs, ref_files)
     # the stage's own checks (e.g. --schedule cosine|linear|constant), on the config it will run with
     try:
-        cfg = cls(**_base_values(stage, nproc))
+        cfg = cls(**_base_values(stage, defaults))
         check = getattr(cfg, "validate", None)
         if check:
             check()
@@ -412,11 +414,11 @@ def stage_out(root: Path, pipeline_out: Path, stage: Stage) -> Path:
     return pipeline_out / stage.name
 
 
-def _base_values(stage: Stage, nproc: int | None) -> dict:
-    """The stage's values with the pipeline defaults applied (refs left as written)."""
-    values = {}
-    if nproc is not None and "nproc" in C.field_types(stage.config):
-        values["nproc"] = nproc
+def _base_values(stage: Stage, defaults: dict) -> dict:
+    """The stage's values with the pipeline defaults (nproc, seed) applied where the stage has the option and does
+    not set it (refs left as written)."""
+    fields = C.field_types(stage.config)
+    values = {k: v for k, v in defaults.items() if k in fields}
     values.update(stage.values)
     return values
 
@@ -425,7 +427,7 @@ def resolve(p: Pipeline, stage: Stage) -> dict:
     """The full config the stage runs with: every field, refs -> absolute out dirs, paths -> absolute."""
     cls = stage.config
     cfg = C.as_dict(cls())
-    cfg.update(_base_values(stage, p.nproc))
+    cfg.update(_base_values(stage, p.defaults))
     for key in _path_fields(cls):
         v = cfg.get(key)
         if key in stage.refs:

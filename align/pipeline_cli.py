@@ -76,9 +76,12 @@ def run(
     from_: Optional[str] = typer.Option(None, "--from", help="Rerun this stage and every stage after it."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say which stages would run."),
     set_: list[str] = SET,
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of every stage that has one (= --set "
+                                       "pipeline.seed=N); keep another seed's chain with --set pipeline.out=DIR."),
 ):
     """Run the stages in order, skipping those whose artifact is complete and whose config and inputs are unchanged."""
-    results = P.run(file, from_stage=from_, dry_run=dry_run, echo=console.print, overrides=set_)
+    overrides = [*set_, *([f"pipeline.seed={seed}"] if seed is not None else [])]
+    results = P.run(file, from_stage=from_, dry_run=dry_run, echo=console.print, overrides=overrides)
     table = Table(title=f"pipeline {escape(file)}" + (" (dry run)" if dry_run else ""), header_style="bold")
     for col in ("stage", "status", "wall", "metrics"):
         table.add_column(col)

@@ -139,6 +139,7 @@ def test_valid_pipeline_resolves_refs_paths_presets_and_defaults(tmp_path):
 [pipeline]
 out = "runs/x"
 nproc = 2
+seed = 7
 
 [stages.base]
 stage = "model-init"
@@ -155,6 +156,7 @@ model = "@sft"
 data = "d/train.jsonl"
 out = "elsewhere/eval"    # outputs need not exist
 nproc = 1
+seed = 3
 """)
     p = P.load(f)
     assert p.names() == ["base", "sft", "eval"]
@@ -165,6 +167,9 @@ nproc = 1
     assert sft["max_steps"] == 3 and sft["lr"] == 1.0 and isinstance(sft["lr"], float) and sft["nproc"] == 2
     assert ev["model"] == str(tmp_path / "runs/x/sft") and ev["out"] == str(tmp_path / "elsewhere/eval")
     assert ev["nproc"] == 1
+    assert sft["seed"] == 7 and ev["seed"] == 3  # [pipeline] seed: every stage's default; a stage may override
+    reseeded = P.load(f, ["pipeline.seed=9"])  # `pipeline run --seed 9`
+    assert P.resolve(reseeded, reseeded.stage("sft"))["seed"] == 9 and P.resolve(reseeded, reseeded.stage("eval"))["seed"] == 3
     assert p.stage("eval").refs == {"model": "sft"}
     assert P.command(p.stage("base"), Path("x.toml"))[-4:] == ["model", "init", "--config", "x.toml"]
     with pytest.raises(UserError, match="stages: base, sft, eval"):
