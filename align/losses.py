@@ -82,6 +82,14 @@ def likelihood_reward(logits: torch.Tensor, labels: torch.Tensor, beta: float) -
     return beta * sequence_logps(logits, labels) / n
 
 
+def rpo_nll(policy_chosen: torch.Tensor, chosen_len: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-pair NLL term of RPO (Pang et al. 2024, "Iterative Reasoning Preference Optimization"):
+    α · (−log π_θ(y_w|x) / |y_w|), added to the preference loss. DPO only widens the gap between the two
+    answers and on near-identical pairs (a right and a wrong digit) it lowers the likelihood of both; the NLL term
+    keeps the chosen answer likely. Inputs are per pair: summed log-probs and response lengths."""
+    return -alpha * policy_chosen / chosen_len
+
+
 DPO_LOSSES = ("sigmoid", "ipo", "ipo-mean", "hinge")
 
 

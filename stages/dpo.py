@@ -6,6 +6,7 @@ Per pair, with summed response-token log-probs (never averaged) of the policy π
     sigmoid  −(1−ε) log σ(βΔ) − ε log σ(−βΔ)   (DPO, Rafailov et al. 2023; ε > 0: conservative DPO)
     ipo      (Δ − 1/(2β))²                      (Azar et al. 2023)
     hinge    max(0, 1 − βΔ)                      (SLiC)
+    + α · (−log π(y_w|x) / |y_w|) with --nll-coef α  (RPO, Pang et al. 2024: keeps the chosen answer likely)
 
 averaged over the pairs of the GLOBAL batch. Chosen and rejected go through each model in one forward. The
 reference is a second, inference-only engine of the input model (or --ref-model); with --precompute-ref its
@@ -34,7 +35,7 @@ from align.errors import UserError
 from align.evaluation import evaluate_policy
 from align.generation import Sampling
 from align.logprobs import logprobs
-from align.losses import DPO_LOSSES, IGNORE, dpo_loss
+from align.losses import DPO_LOSSES, IGNORE, dpo_loss, rpo_nll
 from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from stages.rm import load_pairs
@@ -55,6 +56,8 @@ class DPOConfig(SupervisedConfig):
                                "(IPO on per-token mean log-probs, TRL's: the same β pulls much harder) or hinge "
                                "(SLiC).")
     label_smoothing: float = opt(0.0, "ε of conservative DPO (sigmoid loss only), 0 <= ε < 0.5.")
+    nll_coef: float = opt(0.0, "α of RPO's NLL term: α · the chosen answer's per-token NLL added to each pair's loss "
+                               "(0: off).")
     precompute_ref: bool = opt(False, "Compute reference log-probs once before training and free the reference model.")
     eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).")
     eval_samples: int = opt(200, "Problems of --pass-data for greedy pass@1 (0: skip).")
@@ -71,6 +74,8 @@ class DPOConfig(SupervisedConfig):
             raise UserError("--label-smoothing applies to --loss sigmoid only.")
         if self.beta <= 0:
             raise UserError(f"--beta must be positive, not {self.beta}.")
+        if self.nll_coef < 0:
+            raise UserError(f"--nll-coef must be >= 0, not {self.nll_coef}.")
 
 
 def pair_logps(model, batch: dict) -> torch.Tensor:
@@ -114,7 +119,8 @@ class DPO:
         self.ref_eval = None
         self.n_params = count_parameters(self.policy.module)
         info(f"dpo: {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, β {cfg.beta}, loss {cfg.loss}"
-             f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}, reference "
+             f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}"
+             f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
              f"{'precomputed' if cfg.precompute_ref else 'live'}, {dist.world_size} process(es), ZeRO-{cfg.zero_stage}, "
              f"{run.dtype}, micro batch {self.micro} pairs x accum {accum}")
 
@@ -155,6 +161,10 @@ class DPO:
             rc, rr = self.reference_logps(idx, b).to(pc.dtype)
             lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
             loss, rw_c, rw_r = dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.loss, cfg.label_smoothing, tuple(lengths))
+            if cfg.nll_coef:
+                nll = rpo_nll(pc, lengths[0], cfg.nll_coef)
+                stats.mean("loss/nll", nll.sum(), len(idx))
+                loss = loss + nll
             self.policy.backward(loss.sum() / cfg.batch_size)  # the mean over the pairs of the global batch
             for name, total in zip(KEYS, (loss.sum(), rw_c.sum(), rw_r.sum(), (rw_c > rw_r).sum(), (rw_c - rw_r).sum(),
                                           pc.sum(), pr.sum())):

@@ -111,3 +111,16 @@ def test_missing_chosen_column(tmp_path, tiny_model_dir):
 def test_bad_loss_name(tmp_path, tiny_model_dir):
     assert_user_error(run_align("dpo", "--model", tiny_model_dir, "--loss", "kto", "--out", tmp_path / "o"),
                       "--loss must be one of sigmoid, ipo, ipo-mean, hinge")
+
+
+def test_rpo_nll_term_is_added_and_keeps_the_chosen_answer_likely(dpo):
+    """--nll-coef α: at step 0 (policy = reference, DPO loss log 2 per pair) the logged loss is log 2 + the mean
+    per-token NLL of the chosen answers times α; after training the chosen answers' log-prob ends higher than
+    under plain DPO from the same start (the `pre` run: same data, seed and settings)."""
+    root, _, pre, common = dpo
+    out = root / "rpo"
+    ok(run_align("dpo", *common, "--out", out, "--eval-samples", "0", "--precompute-ref", "--zero-stage", "2",
+                 "--nll-coef", "1.0"))
+    first, last = steps(out)[0], steps(out)[-1]
+    assert first["loss/nll"] > 0 and abs(first["loss"] - (math.log(2) + first["loss/nll"])) < 1e-5
+    assert last["logps/chosen"] > steps(pre)[-1]["logps/chosen"], (last["logps/chosen"], steps(pre)[-1]["logps/chosen"])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from align.losses import bradley_terry_loss, centering_penalty, dpo_loss, likelihood_reward, sequence_logps
+from align.losses import bradley_terry_loss, centering_penalty, dpo_loss, likelihood_reward, rpo_nll, sequence_logps
 
 D = torch.float64
 
@@ -67,6 +67,15 @@ def test_likelihood_reward_is_beta_times_the_mean_response_log_prob():
     assert torch.allclose(likelihood_reward(noisy, labels, 5.0)[0], r[0])
     x = torch.randn(1, 5, 3, dtype=D, requires_grad=True)
     assert torch.autograd.gradcheck(lambda z: likelihood_reward(z, torch.tensor([[-100, 2, 0, 1, -100]]), 2.0), (x,))
+
+
+def test_rpo_nll_hand_values_and_gradient():
+    # log π(y_w) = −6 over 3 tokens -> per-token NLL 2; α = 0.5 -> 1.0. log π = −1 over 4 tokens, α 0.5 -> 0.125
+    assert torch.allclose(rpo_nll(t(-6.0, -1.0), t(3.0, 4.0), 0.5), t(1.0, 0.125))
+    # d/d logπ = −α/|y_w|: raising the chosen answer's log-prob lowers the loss
+    x = t(-6.0, -1.0).requires_grad_()
+    rpo_nll(x, t(3.0, 4.0), 0.5).sum().backward()
+    assert torch.allclose(x.grad, t(-0.5 / 3, -0.5 / 4))
 
 
 def test_dpo_hand_values():
