@@ -216,8 +216,8 @@ def test_heldout_hacking_fires_at_the_first_evaluation_past_noise():
 
 
 
-# The default chain's PPO stage (pipelines.toml: from the 1,500-step SFT model, against its 0.80-accurate RM,
-# 50 steps, ptx 0.1, commit dd6650f), its held-out evaluations as recorded: (step, greedy pass@1 on 200
+# The default chain's PPO stage as it was at commit dd6650f (from the 1,500-step SFT model, against a 0.80-accurate
+# scalar-head RM, 50 steps, lr 1e-4, adaptive KL, ptx 0.1), its held-out evaluations as recorded: (step, greedy pass@1 on 200
 # problems, RM score of those answers, KL per episode). Held-out gold falls 0.42 -> 0.23 while the proxy climbs.
 DEFAULT_CHAIN_PPO_EVALS = [(0, 0.42, 0.2148, 0.0), (5, 0.335, 0.2431, 0.1844), (10, 0.275, 0.2719, 0.3861),
                            (15, 0.23, 0.3858, 0.6298), (20, 0.24, 0.3661, 0.5173), (25, 0.32, 0.3445, 0.7405),
@@ -236,6 +236,24 @@ def test_heldout_hacking_fires_on_the_default_chain_ppo_within_ten_steps():
     m = RLMonitor()
     for step, gold, proxy, kl in DEFAULT_CHAIN_PPO_EVALS:
         m.update(step, {"eval/pass@1/greedy": 0.42, "eval/reward": proxy, "eval/problems": 200.0, "eval/kl": kl})
+    assert fired(m, "reward_hacking_heldout") == []
+
+
+# The default chain's PPO stage now (commit 7aef21f: likelihood-head RM, 15 steps, lr 3e-5, fixed β 0.2, ptx 0.5),
+# its held-out evaluations as recorded on seeds 0 and 1 (the proxy rises, and so does the gold); and a 15-step run
+# at lr 1e-4 (seed 1) whose greedy pass@1 swung 0.395 -> 0.445 -> 0.365 at the same KL: noise, not hacking.
+HEALTHY_CHAIN_PPO_EVALS = {
+    "seed 0": [(0, 0.42, 0.0841, 0.0), (5, 0.425, 0.1697, 0.0664), (10, 0.425, 0.1566, 0.0381), (15, 0.455, 0.1726, 0.0892)],
+    "seed 1": [(0, 0.395, 0.1363, 0.0), (5, 0.44, 0.1968, 0.034), (10, 0.44, 0.2289, 0.098), (15, 0.435, 0.2259, 0.135)],
+    "lr 1e-4": [(0, 0.395, 0.136, 0.0), (5, 0.435, 0.188, 0.176), (10, 0.445, 0.197, 0.24), (15, 0.365, 0.199, 0.246)],
+}
+
+
+@pytest.mark.parametrize("run", list(HEALTHY_CHAIN_PPO_EVALS))
+def test_heldout_hacking_stays_silent_on_the_healthy_chain_ppo(run):
+    m = RLMonitor()
+    for step, gold, proxy, kl in HEALTHY_CHAIN_PPO_EVALS[run]:
+        m.update(step, {"eval/pass@1/greedy": gold, "eval/reward": proxy, "eval/problems": 200.0, "eval/kl": kl})
     assert fired(m, "reward_hacking_heldout") == []
 
 
