@@ -42,15 +42,26 @@ class ModelSource:
         return self.model_dir if self.model_dir is not None else TOKENIZER_DIR
 
     @property
+    def config(self) -> dict:
+        """The model's config.json ({} for a preset)."""
+        if self.model_dir is None:
+            return {}
+        import json
+
+        return json.loads((self.model_dir / "config.json").read_text())
+
+    @property
     def kind(self) -> str:
-        """'policy' (causal LM) or 'reward' (sequence classifier), from the artifact or config."""
+        """'policy' (causal LM) or 'reward' (a sequence classifier, or a causal LM whose config names a reward
+        head), from the artifact or config."""
         if self.artifact and self.artifact.get("model_kind"):
             return self.artifact["model_kind"]
         if self.model_dir is not None:
-            import json
+            from align.reward_model import HEAD_KEY
 
-            arch = json.loads((self.model_dir / "config.json").read_text()).get("architectures") or [""]
-            return "reward" if arch[0].endswith("ForSequenceClassification") else "policy"
+            config = self.config
+            arch = config.get("architectures") or [""]
+            return "reward" if arch[0].endswith("ForSequenceClassification") or config.get(HEAD_KEY) else "policy"
         return "policy"
 
 
@@ -193,9 +204,7 @@ def context_length(config) -> int | None:
     if isinstance(config, ModelSource):
         if config.preset:
             return PRESETS[config.preset]["max_position_embeddings"]
-        import json
-
-        config = json.loads((config.model_dir / "config.json").read_text())
+        config = config.config
     get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
     for key in ("max_position_embeddings", "n_positions", "seq_length"):
         if isinstance(get(key), int):

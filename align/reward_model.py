@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from align.errors import UserError
+from align.losses import likelihood_reward
 
 OFFSET_KEY = "align_reward_offset"
 SCALE_KEY = "align_reward_scale"
@@ -59,26 +60,19 @@ def load_reward_model(source, tokenizer, dtype, seed: int = 0, trust_remote_code
     """A reward model. To train one, name its `head`: `scalar` puts a new value head on `source`'s body,
     `likelihood` takes the causal LM itself (its config marked with the head and β). To use one (head None):
     the head its config names."""
-    if head is None:
-        head = "scalar" if source.preset else head_of(_read_config(source.model_dir))[0]
+    new = head is not None
+    if not new:
+        head = head_of(source.config)[0]
     if head == "scalar":
         return load_sequence_classifier(source, tokenizer, dtype, seed, trust_remote_code)
     from align.models import load_causal_lm
 
     model = load_causal_lm(source, tokenizer, dtype, seed, trust_remote_code)
-    if head_of(model.config)[0] != "likelihood":  # a new likelihood reward model
+    if new:  # trained with this β, whatever the source's config said
         setattr(model.config, HEAD_KEY, "likelihood")
         setattr(model.config, BETA_KEY, float(beta))
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
-
-
-def _read_config(model_dir) -> dict:
-    import json
-    from pathlib import Path
-
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def load_sequence_classifier(source, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
@@ -108,8 +102,6 @@ def load_sequence_classifier(source, tokenizer, dtype, seed: int = 0, trust_remo
 def raw_rewards(model, batch: dict) -> torch.Tensor:
     """Raw reward per row of a right-padded batch (input_ids, attention_mask; a likelihood head also needs
     `labels`: the response tokens, −100 elsewhere): [B] in fp32."""
-    from align.losses import likelihood_reward
-
     head, beta = head_of(getattr(model, "module", model).config)
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     if head == "likelihood":

@@ -224,7 +224,8 @@ class RewardModel:
         self.offset, self.scale, fitted_on = self.normalisation()
         return Output(self.rm.eng, self.tok, kind="reward",
                       config={OFFSET_KEY: self.offset, SCALE_KEY: self.scale, "pad_token_id": self.tok.pad_token_id,
-                              HEAD_KEY: self.cfg.head, BETA_KEY: self.cfg.likelihood_beta},
+                              HEAD_KEY: self.cfg.head,
+                              **({BETA_KEY: self.cfg.likelihood_beta} if self.cfg.head == "likelihood" else {})},
                       extra={"reward_offset": self.offset, "reward_scale": self.scale, "normalized_on": fitted_on,
                              "reward_head": self.cfg.head})
 

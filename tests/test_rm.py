@@ -236,6 +236,9 @@ def test_likelihood_head_end_to_end(rm, tmp_path, tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
     tok = PreTrainedTokenizerFast.from_pretrained(out / "model")
     assert getattr(model.config, HEAD_KEY) == "likelihood" and model.config.align_reward_beta == 3.0
+    from align.models import resolve
+
+    assert resolve(str(out / "model"), expect="reward").kind == "reward"  # a plain dir of it is a reward model too
 
     def plain(ex, side):
         seqs = [e["prompt_ids"] + e[f"{side}_ids"] for e in ex]
