@@ -18,6 +18,8 @@ from pathlib import Path
 from align.errors import UserError
 from align.paths import TOKENIZER_DIR
 
+REWARD_HEAD_KEY = "align_reward_head"  # a reward model's config names its head (align.reward_model)
+
 PRESETS = {
     # ~0.5M parameters: 2 layers x d128 with RoPE learns the arithmetic task in minutes on 2 CPU cores.
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -57,11 +59,9 @@ class ModelSource:
         if self.artifact and self.artifact.get("model_kind"):
             return self.artifact["model_kind"]
         if self.model_dir is not None:
-            from align.reward_model import HEAD_KEY
-
             config = self.config
             arch = config.get("architectures") or [""]
-            return "reward" if arch[0].endswith("ForSequenceClassification") or config.get(HEAD_KEY) else "policy"
+            return "reward" if arch[0].endswith("ForSequenceClassification") or config.get(REWARD_HEAD_KEY) else "policy"
         return "policy"
 
 

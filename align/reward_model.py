@@ -17,10 +17,11 @@ import torch
 
 from align.errors import UserError
 from align.losses import likelihood_reward
+from align.models import REWARD_HEAD_KEY
 
 OFFSET_KEY = "align_reward_offset"
 SCALE_KEY = "align_reward_scale"
-HEAD_KEY = "align_reward_head"
+HEAD_KEY = REWARD_HEAD_KEY
 BETA_KEY = "align_reward_beta"
 HEADS = ("scalar", "likelihood")
 
