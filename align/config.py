@@ -88,7 +88,8 @@ class TrainConfig(StageConfig):
                                          "the CPU).")
     columns: str = opt("", "Rename columns: old=new,old2=new2.")
     max_steps: int = opt(1000, "Optimiser steps.")
-    micro_batch_size: int = opt(0, "Sequences (pairs) per forward per process (0: the whole batch of a process).")
+    micro_batch_size: int = opt(0, "Sequences (pairs) per forward per process (0: the whole batch of a process; grpo: "
+                                         "as many as --micro-batch-tokens allows).")
     lr: float = opt(1e-4, "Peak learning rate (AdamW).")
     schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear (both to 10%) or constant.")
     warmup_steps: int = opt(20, "Linear warmup steps.")

@@ -37,11 +37,22 @@ class _LinearLogprob(torch.autograd.Function):
             lse[i : i + chunk] = l
         ctx.save_for_backward(h, w, ids, lse)
         ctx.chunk = chunk
+        dev = h.device.type
+        ctx.amp = (dev, torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, _g_ent):
+        # the backward runs under the forward's autocast (torch runs a Function's backward without it): under
+        # --precision bf16-mixed its GEMMs are bf16 like the forward's, not fp32
+        if ctx.amp is None:
+            return _LinearLogprob._backward(ctx, g)
+        with torch.autocast(ctx.amp[0], dtype=ctx.amp[1]):
+            return _LinearLogprob._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx, g):
         # Sliced over the VOCABULARY (same element budget as a forward chunk): each slice of grad_w is one GEMM
         # over all rows written straight in the weight's dtype (no [V, H] fp32 buffer: 0.5 GB at 152k × 896,
         # and a single rounding), while grad_h [N, H] — small — sums the slices in fp32.

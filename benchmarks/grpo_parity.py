@@ -87,7 +87,7 @@ def trl_worker(a, seed: int, out: Path) -> None:
         num_generations=a.generations, max_completion_length=a.max_new_tokens, max_steps=a.steps,
         learning_rate=a.lr, lr_scheduler_type="constant_with_warmup", warmup_steps=5, max_grad_norm=1.0,
         loss_type="dapo", scale_rewards="group", epsilon=0.2, epsilon_high=0.28, beta=0.0, num_iterations=1,
-        temperature=1.0, bf16=cuda, use_cpu=not cuda, logging_steps=1, report_to=[], save_strategy="no", seed=seed,
+        temperature=1.0, bf16=cuda and not a.trl_fp32, use_cpu=not cuda, logging_steps=1, report_to=[], save_strategy="no", seed=seed,
         log_completions=False, dataloader_num_workers=0)
     timer = Timer()
     tr = GRPOTrainer(model=model, reward_funcs=[math_reward], args=args, train_dataset=ds, processing_class=tok,
@@ -150,6 +150,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--sides", default="trl,ours")
     ap.add_argument("--ours-extra", action="append", default=[])
+    ap.add_argument("--trl-fp32", action="store_true", help="TRL without bf16 autocast (fp32 compute): its bf16 "
+                    "sampling can crash on a NaN probability late in a run; the side is then named trl-fp32")
     ap.add_argument("--out", default="runs/grpo_parity")
     ap.add_argument("--worker", default="")
     ap.add_argument("--report", action="store_true", help="Print the table of the runs already in --out.")
@@ -167,7 +169,7 @@ def main(argv=None) -> None:
         for side in filter(None, a.sides.split(",")):  # --sides "": the baseline only
             for seed in [int(s) for s in a.seeds.split(",")]:
                 out = root / f"{side}-seed{seed}"
-                r = trl(a, seed, out) if side == "trl" else ours(a, seed, out)  # ours, ours-PRECISION, ...
+                r = trl(a, seed, out) if side.startswith("trl") else ours(a, seed, out)  # ours, ours-PRECISION, ...
                 r.update(side=side, seed=seed, before=before,
                          after=greedy(r["model"], a, out.with_name(out.name + "-eval")))
                 (root / f"{side}-seed{seed}.json").write_text(json.dumps(r))

@@ -121,8 +121,8 @@ class DPO:
         info(f"dpo: {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, β {cfg.beta}, loss {cfg.loss}"
              f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}"
              f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
-             f"{'precomputed' if cfg.precompute_ref else 'live'}, {dist.world_size} process(es), ZeRO-{cfg.zero_stage}, "
-             f"{run.dtype}, micro batch {self.micro} pairs x accum {accum}")
+             f"{'precomputed' if cfg.precompute_ref else 'live'}, {dist.world_size} process(es), ZeRO-{run.zero_stage}, "
+             f"{run.precision}, micro batch {self.micro} pairs x accum {accum}")
 
     @torch.no_grad()
     def logps_of(self, model, examples: list[dict], batch_size: int = 32) -> torch.Tensor:

@@ -25,7 +25,7 @@ from align import rl, runtime
 from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info
-from align.engine.build import Optim
+from align.engine.build import Optim, rows_within
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -39,7 +39,7 @@ from align.rollout import Rollout, sample, select, timed
 
 
 @dataclass
-@defaults(out="runs/grpo", max_steps=150, lr=5e-5, schedule="constant", warmup_steps=5, micro_batch_size=32,
+@defaults(out="runs/grpo", max_steps=150, lr=5e-5, schedule="constant", warmup_steps=5, micro_batch_size=0,
           eval_every=0)
 class GRPOConfig(RLConfig):
     reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT] or file.py:FUNCTION[:WEIGHT]; repeat for several.")
@@ -64,6 +64,9 @@ class GRPOConfig(RLConfig):
                                      "tokens still count in its normaliser.")
     mask_truncated: bool = opt(False, "Drop completions that hit --max-new-tokens without EOS from the loss.")
     overlong_cache: int = opt(0, "Soft overlong penalty over the last N tokens of the budget (DAPO); 0: off.")
+    micro_batch_tokens: int = opt(16384, "With --micro-batch-size 0: the most tokens one micro-batch of the update "
+                                         "and log-prob passes may hold, counting every row as long as the longest "
+                                         "prompt + --max-new-tokens.")
     eval_k: str = opt("1,4,8", "pass@k values (samples per problem = max k).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward (less memory, more compute).")
 
@@ -75,6 +78,8 @@ class GRPOConfig(RLConfig):
             raise UserError(f"--loss-agg must be one of {', '.join(rl.LOSS_AGGREGATIONS)}, not {self.loss_agg!r}.")
         if self.on_reward_error not in ("fail", "skip", "zero"):
             raise UserError(f"--on-reward-error must be fail, skip or zero, not {self.on_reward_error!r}.")
+        if self.micro_batch_tokens <= 0:
+            raise UserError(f"--micro-batch-tokens must be positive, not {self.micro_batch_tokens}.")
         if self.num_generations < 2:
             raise UserError("--num-generations must be >= 2: advantages are relative to the group.")
         if self.reinforce and (self.num_iterations != 1 or self.beta):
@@ -112,7 +117,8 @@ class GRPO:
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
         dist = run.open(inputs)
         n_local = cfg.prompts_per_step // dist.world_size * cfg.num_generations
-        self.micro = min(cfg.micro_batch_size or n_local, n_local)
+        longest = max(map(len, self.prompt_ids), default=0) + cfg.max_new_tokens
+        self.micro = min(cfg.micro_batch_size or rows_within(n_local, longest, cfg.micro_batch_tokens), n_local)
         if n_local % self.micro:
             raise UserError(f"--micro-batch-size {self.micro} must divide the {n_local} sequences per process and step.")
         self.policy = run.train("policy", self.load_policy(source),
@@ -125,7 +131,7 @@ class GRPO:
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
         info(f"grpo: {count_parameters(self.policy.module) / 1e6:.2f}M parameters, {len(self.rows)} prompts, "
              f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "
-             f"ZeRO-{cfg.zero_stage}, rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
+             f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x {n_local // self.micro}, rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}")
 

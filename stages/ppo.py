@@ -197,7 +197,7 @@ class PPO:
                                 micro=self.micro, accum=accum + bool(self.ptx))
         self.value = run.train("value", self.load(load_sequence_classifier, sources["value"], self.tok),
                                replace(optim, lr=cfg.vf_lr), micro=self.micro, accum=accum, prefix="val/")
-        offload = cfg.offload_frozen and cfg.zero_stage == 3
+        offload = cfg.offload_frozen and run.zero_stage == 3
         self.reference = run.frozen(self.load(load_causal_lm, sources["reference"], self.tok), offload)
         self.rm = run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
         self.kl_ctl = (rl.FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
@@ -255,7 +255,7 @@ class PPO:
         info(f"ppo: {count_parameters(self.policy.module) / 1e6:.2f}M-parameter policy, {len(self.rows)} prompts"
              f"{f' ({self.dropped} longer than --max-prompt-length dropped)' if self.dropped else ''}, "
              f"{cfg.prompts_per_step} episodes/step in minibatches of {cfg.minibatch_size} x {cfg.ppo_epochs} epochs, "
-             f"{self.run.dist.world_size} process(es), ZeRO-{cfg.zero_stage}; β {cfg.init_kl_coef} "
+             f"{self.run.dist.world_size} process(es), ZeRO-{self.run.zero_stage}; β {cfg.init_kl_coef} "
              f"({'fixed' if cfg.fixed_kl else f'adaptive, target {cfg.target_kl}'}), ptx γ {cfg.ptx_coef}"
              f"{f' on {len(self.ptx)} texts' if self.ptx else ''}, gold reward {gold}")
         if not self.rm_same_tok:

@@ -163,7 +163,7 @@ class RewardModel:
                             micro=self.micro, accum=accum)
         self.n_params = count_parameters(self.rm.module)
         info(f"rm: {cfg.head} head, {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, {dist.world_size} process(es), "
-             f"ZeRO-{cfg.zero_stage}, {run.dtype}, micro batch {self.micro} pairs x accum {accum}, "
+             f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} pairs x accum {accum}, "
              f"device {dist.device.type}")
 
     def step(self, step: int) -> Stats:

@@ -67,7 +67,7 @@ class SFT:
         self.n_params = count_parameters(self.policy.module)
         packed = f" in {len(self.examples)} packed rows" if cfg.packing else ""
         info(f"sft: {self.n_params / 1e6:.2f}M parameters, {len(examples)} examples{packed}, {dist.world_size} "
-             f"process(es), ZeRO-{cfg.zero_stage}, {run.dtype}, micro batch {self.micro} x accum {accum}, "
+             f"process(es), ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x accum {accum}, "
              f"device {dist.device.type}")
 
     def step(self, step: int) -> Stats:

@@ -56,3 +56,11 @@ def test_right_padded_batch_needs_no_attention_mask():
     torch.testing.assert_close(free.flatten(), masked.sum(-1), rtol=1e-5, atol=1e-5)
     padded = m(input_ids=ids, attention_mask=mask).logits
     assert not torch.allclose(logits[mask == 0], padded[mask == 0], atol=1e-3)  # only padding positions differ
+
+
+def test_token_budget_micro_batches():
+    """grpo --micro-batch-size 0: the largest divisor of the rows whose worst-case padded tokens fit the budget."""
+    assert build.rows_within(128, 124, 16384) == 128  # the real-model recipe: one micro-batch
+    assert build.rows_within(128, 200, 16384) == 64  # 81 rows would fit; 64 divides 128
+    assert build.rows_within(12, 100, 500) == 4
+    assert build.rows_within(7, 10_000, 100) == 1  # nothing fits: one row at a time

@@ -25,6 +25,42 @@ def test_linear_logprobs_matches_log_softmax_and_grads():
     torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
 
 
+
+def test_the_fused_backward_runs_under_the_forwards_autocast():
+    """--precision bf16-mixed: the forward's GEMMs run in bf16 under autocast, and so must the backward's (torch
+    runs a custom Function's backward without autocast: it would be fp32 GEMMs, several times slower on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default:
+                self.seen.add(out.dtype)
+            return out
+
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    ids = torch.randint(0, 50, (37,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = linear_logprobs(h, w, ids, chunk=8)
+    mode = MatmulDtypes()
+    with mode:
+        gh, gw = torch.autograd.grad(lp.sum(), (h, w))
+    assert mode.seen == {torch.bfloat16} and gh.dtype == gw.dtype == torch.float32
+    rh, rw = torch.autograd.grad((h @ w.t()).log_softmax(-1).gather(-1, ids[:, None]).sum(), (h, w))
+    torch.testing.assert_close(gh, rh, rtol=0.05, atol=0.05)  # bf16 GEMMs: within bf16 rounding
+    torch.testing.assert_close(gw, rw, rtol=0.05, atol=0.05)
+    lp, _ = linear_logprobs(h, w, ids, chunk=8)  # no autocast: fp32 throughout
+    mode = MatmulDtypes()
+    with mode:
+        torch.autograd.grad(lp.sum(), (h, w))
+    assert mode.seen == {torch.float32}
+
 def tiny_llama(**kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 

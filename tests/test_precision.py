@@ -125,3 +125,43 @@ def test_bf16_mixed_keeps_fp32_weights_computes_in_bf16_and_small_updates_count(
     assert ((gain - 1).abs() > 0).all() and ((gain - 1).abs() < 2e-4).all()  # moved by about lr, and it shows
     _, params, gain, _, _ = norm_gain_after_one_step("bf16")
     assert params == torch.bfloat16 and (gain == 1).all()  # the same update, invisible to the bf16 module
+
+
+def test_auto_precision_and_the_one_gpu_engine_stage():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert build.resolve_precision(cuda) == "bf16-mixed" and build.compute_dtype(cuda) == torch.float32
+    assert build.resolve_precision(cpu) == "fp32" and build.compute_dtype(cuda, "bf16") == torch.bfloat16
+    stage, note = build.engine_stage(3, 1, cuda)
+    assert stage == 0 and "ZeRO-0" in note  # one GPU: nothing to partition, and the log says so
+    assert build.engine_stage(3, 2, cuda) == (3, "")  # two processes: ZeRO as asked
+    assert build.engine_stage(3, 1, cpu) == (3, "")  # CPU: as asked
+    assert build.engine_stage(3, 1, cuda, keep=True) == (3, "")  # an offload needs ZeRO
+
+
+def test_zero_0_clips_and_reports_the_gradient_norm_as_zero_3_does(tiny_model_dir):
+    """With no ZeRO optimizer and fp32 parameters DeepSpeed clips but keeps no norm: `Trained` clips and measures
+    itself. One step with an active clip: the same norm and the same updated weights as ZeRO-3's optimizer."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    def one_step(zero_stage):
+        runtime.init()
+        ref = resolve(str(tiny_model_dir))
+        tok = load_tokenizer(ref)
+        cfg = build.ds_config(zero_stage=zero_stage, micro_batch=2, grad_accum=2, world_size=1,
+                              dtype=torch.float32, grad_clip=0.05, precision="fp32")
+        clip = build.own_clipping(cfg)
+        assert (clip, cfg["gradient_clipping"]) == ((0.05, 0.0) if zero_stage == 0 else (None, 0.05))
+        model, link = build.load_partitioned(cfg, lambda dt: load_causal_lm(ref, tok, dt, seed=0), torch.float32)  # noqa: F841
+        eng = build.Trained(build.wrap(model, cfg, build.adamw(model, 1e-3, 0.0), lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0)),
+                            accum=2, world=1, lr=1e-3, clip=clip)
+        for ids in (torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 10, 2]]), torch.tensor([[1, 7, 7, 5, 2], [1, 9, 8, 6, 2]])):
+            eng.backward(eng(input_ids=ids, labels=ids).loss / 2)
+        with runtime.gathered_for_generation(eng.eng) as module:
+            weights = torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+        unset_hf_deepspeed_config()
+        return eng.metrics()["grad_norm"], weights
+
+    norm0, w0 = one_step(0)
+    norm3, w3 = one_step(3)
+    assert norm0 > 0.05 and norm0 == pytest.approx(norm3, rel=1e-5)  # the clip was active, the norm reported
+    torch.testing.assert_close(w0, w3, rtol=0, atol=1e-6)

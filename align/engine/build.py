@@ -23,16 +23,34 @@ from align.errors import UserError
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
-    """bf16 on CUDA and fp32 on CPU ("auto"), or what --precision asks for (bf16 keeps fp32 master weights in the
-    optimizer; bf16-pure keeps them in bf16, see ds_config)."""
+def resolve_precision(device: torch.device, precision: str = "auto") -> str:
+    """The precision a run uses: "auto" is bf16-mixed on CUDA (fp32 weights, gradients and Adam state, matmuls in
+    bf16 under torch.autocast: the mixed precision of TRL / Accelerate, which learns per step as fp32 does) and
+    fp32 on CPU; anything else as asked."""
     if precision not in PRECISIONS:
         raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}.")
     if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if precision == "bf16-mixed":  # the parameters stay fp32; torch.autocast runs the matmuls in bf16
-        return torch.float32
-    return torch.bfloat16 if precision.startswith("bf16") else torch.float32
+        return "bf16-mixed" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
+    """The dtype the module's parameters are loaded in: bf16 for bf16 / bf16-pure (bf16 keeps fp32 master weights in
+    the optimizer; bf16-pure keeps them in bf16, see ds_config), fp32 for fp32 and bf16-mixed (torch.autocast runs
+    the matmuls in bf16)."""
+    return torch.bfloat16 if resolve_precision(device, precision) in ("bf16", "bf16-pure") else torch.float32
+
+
+def engine_stage(zero_stage: int, world_size: int, device: torch.device, keep: bool = False) -> tuple[int, str]:
+    """(the ZeRO stage to run, a note for the log when it is not the one asked for). ZeRO partitions across
+    processes: with ONE process on a GPU, stages 1-3 hold the same bytes as stage 0 and add per-parameter hooks,
+    gathers and flat-buffer copies to every micro-batch (most of a small model's update time), so a single CUDA
+    process runs stage 0. `keep` (an offload was asked for: it needs ZeRO) and CPU runs (where the tests exercise
+    ZeRO-3 on one process) keep the stage asked for; a --deepspeed file's zero_optimization.stage wins anyway."""
+    if zero_stage == 0 or keep or world_size > 1 or device.type != "cuda":
+        return zero_stage, ""
+    return 0, (f"one GPU: ZeRO-{zero_stage} would partition nothing, so the engine runs as ZeRO-0 (the same memory, "
+               "no gather or partition hooks); ZeRO applies from 2 processes on")
 
 
 def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size: int, dtype: torch.dtype,
@@ -269,6 +287,13 @@ def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: boo
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=torch.cuda.is_available() or None)
 
 
+def rows_within(n: int, length: int, token_budget: int) -> int:
+    """The micro-batch size for `n` rows of at most `length` tokens each: the largest divisor of `n` whose padded
+    size (rows x length) fits `token_budget` tokens (at least 1). Few, large micro-batches: a small model's
+    update is bound by kernel launches and Python per micro-batch, not by its FLOPs."""
+    return max([d for d in range(1, n + 1) if n % d == 0 and d * length <= token_budget] or [1])
+
+
 def batch_layout(global_batch: int, micro_batch: int, world: int) -> tuple[int, int]:
     """(micro batch per rank, gradient accumulation steps) for a global batch; must divide evenly."""
     if micro_batch <= 0:
@@ -283,10 +308,13 @@ def batch_layout(global_batch: int, micro_batch: int, world: int) -> tuple[int, 
 
 class Trained:
     """A trained engine: forward like the model, `backward(loss)` once per micro-batch (the optimiser steps
-    after the `accum`-th), `metrics()` its last gradient norm and learning rate."""
+    after the `accum`-th), `metrics()` its last gradient norm and learning rate. `clip`: the global-norm clip this
+    class applies itself (None: DeepSpeed's optimizer clips and reports the norm; see `own_clipping`)."""
 
-    def __init__(self, eng, accum: int, world: int, lr: float, prefix: str = ""):
-        self.eng, self.accum, self.world, self.lr, self.prefix = eng, accum, world, lr, prefix
+    def __init__(self, eng, accum: int, world: int, lr: float, prefix: str = "", clip: float | None = None):
+        self.eng, self.accum, self.world, self.lr, self.prefix, self.clip = eng, accum, world, lr, prefix, clip
+        self.params = [p for p in eng.module.parameters() if p.requires_grad] if clip is not None else []
+        self.norm: torch.Tensor | None = None
 
     @property
     def module(self):
@@ -300,6 +328,9 @@ class Trained:
         divides by its accumulation steps and averages gradients over ranks; multiplying by both first leaves
         the gradient of the global objective itself, whatever the number of processes and micro-batches."""
         self.eng.backward(loss * self.world * self.accum)
+        if self.clip is not None and self.eng.is_gradient_accumulation_boundary():  # gradients are reduced by now
+            self.norm = (torch.nn.utils.clip_grad_norm_(self.params, self.clip) if self.clip > 0
+                         else torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]))
         self.eng.step()
 
     def apply_lr(self) -> None:
@@ -311,5 +342,17 @@ class Trained:
         sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
 
     def metrics(self) -> dict[str, float]:
-        return {f"{self.prefix}grad_norm": float(self.eng.get_global_grad_norm() or 0.0),
+        norm = self.norm if self.clip is not None else self.eng.get_global_grad_norm()
+        return {f"{self.prefix}grad_norm": float(norm if norm is not None else 0.0),
                 f"{self.prefix}lr": self.eng.lr_scheduler.get_last_lr()[0]}
+
+
+def own_clipping(cfg: dict) -> float | None:
+    """With no ZeRO optimizer and no DeepSpeed mixed precision (stage 0 with fp32 parameters: --precision fp32 or
+    bf16-mixed, or bf16-pure), DeepSpeed clips the gradients but keeps no norm to report: then `Trained` clips
+    and measures them itself, and DeepSpeed's clipping is turned off in `cfg` (in place). Returns the clip value
+    for `Trained`, or None where DeepSpeed's optimizer does both."""
+    if cfg["zero_optimization"]["stage"] != 0 or cfg.get("bf16", {}).get("enabled") or cfg.get("fp16", {}).get("enabled"):
+        return None
+    clip, cfg["gradient_clipping"] = cfg.get("gradient_clipping", 0.0), 0.0
+    return clip

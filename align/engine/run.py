@@ -31,7 +31,8 @@ from align.artifacts import ArtifactWriter
 from align.config import as_dict, load_toml
 from align.console import TrainProgress, info, summary_table
 from align.engine import checkpoint, outdir
-from align.engine.build import Optim, Trained, adamw, compute_dtype, ds_config, frozen_config, load_partitioned, lr_lambda, wrap
+from align.engine.build import (Optim, Trained, adamw, compute_dtype, ds_config, engine_stage, frozen_config, load_partitioned,
+                                lr_lambda, own_clipping, resolve_precision, wrap)
 from align.errors import Terminated, UserError
 
 RATES = ("tokens", "pairs")  # Stats.sum counts a stage may log: the run adds <name>_per_s per step and overall
@@ -138,7 +139,12 @@ class StageRun:
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if distributed:
             self.dist = runtime.init()
-            self.dtype = compute_dtype(self.dist.device, self.cfg.precision)
+            self.precision = resolve_precision(self.dist.device, self.cfg.precision)
+            self.dtype = compute_dtype(self.dist.device, self.precision)
+            keep = getattr(self.cfg, "offload_optimizer", False) or getattr(self.cfg, "offload_frozen", False)
+            self.zero_stage, note = engine_stage(self.cfg.zero_stage, self.dist.world_size, self.dist.device, keep)
+            if note:
+                info(note)
             seed_all(self.cfg.seed)
         self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, main)
         return self.dist
@@ -158,23 +164,24 @@ class StageRun:
         """A trained engine of the model `load(dtype)` returns (loaded straight into ZeRO-3 shards), with AdamW
         and `optim`'s schedule; `accum` micro-batches of `micro` rows make one optimiser step."""
         cfg = self.cfg
-        ds = ds_config(zero_stage=cfg.zero_stage, micro_batch=micro, grad_accum=accum,
+        ds = ds_config(zero_stage=self.zero_stage, micro_batch=micro, grad_accum=accum,
                        world_size=self.dist.world_size, dtype=self.dtype, grad_clip=cfg.grad_clip,
-                       user_config=cfg.deepspeed, precision=cfg.precision, offload_optimizer=cfg.offload_optimizer)
+                       user_config=cfg.deepspeed, precision=self.precision, offload_optimizer=cfg.offload_optimizer)
+        clip = own_clipping(ds)
         model, self._link = load_partitioned(ds, load, self.dtype)
         opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer)
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
         eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
         eng.train()
-        self.engines[name] = Trained(eng, accum, self.dist.world_size, optim.lr, prefix)
+        self.engines[name] = Trained(eng, accum, self.dist.world_size, optim.lr, prefix, clip)
         return self.engines[name]
 
     def frozen(self, load, offload_params: bool = False):
         """An inference-only engine of `load(dtype)` (a reference policy, a reward model, a model to evaluate)."""
         cfg = self.cfg
-        ds = frozen_config(ds_config(zero_stage=cfg.zero_stage, micro_batch=1, grad_accum=1,
+        ds = frozen_config(ds_config(zero_stage=self.zero_stage, micro_batch=1, grad_accum=1,
                                      world_size=self.dist.world_size, dtype=self.dtype, user_config=cfg.deepspeed,
-                                     precision=cfg.precision), offload_params)
+                                     precision=self.precision), offload_params)
         model, self._link = load_partitioned(ds, load, self.dtype)
         return wrap(model, ds)
 
