@@ -186,3 +186,17 @@ def test_dropout_is_off_so_the_first_ratio_is_exactly_one(files, tmp_path, shipp
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (step,) = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
     assert step["policy/approxkl"] == 0.0 and step["clip_ratio"] == 0.0
+
+
+def test_the_one_gpu_default_engine_path_runs_every_ppo_engine(files, tmp_path):
+    """What one CUDA process runs by default — ZeRO-0 engines and bf16-mixed precision (fp32 weights, bf16
+    autocast) — on the CPU: policy, value, reference and reward model, ptx; both trained engines report the
+    gradient norm they clip (DeepSpeed's ZeRO-0 fp32 path keeps none)."""
+    out = tmp_path / "ppo0"
+    proc = run_align("ppo", *base_args(files, out), "--ptx-coef", "0.1", "--zero-stage", "0", "--precision", "bf16-mixed",
+                     "--eval-data", "")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ZeRO-0" in proc.stdout + proc.stderr
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+    assert len(steps) == 2 and all(r["grad_norm"] > 0 and r["val/grad_norm"] > 0 for r in steps)
+    assert all(torch.isfinite(torch.tensor([r["loss/policy"], r["loss/value"], r["loss/ptx"]])).all() for r in steps)
