@@ -71,8 +71,18 @@ def rloo_advantages(rewards: torch.Tensor, valid=None, reduce=None) -> torch.Ten
     return (centred * n / (n - 1).clamp(min=1)).to(rewards.dtype)
 
 
+def reinforce_pp_advantages(rewards: torch.Tensor, valid=None, reduce=None, eps: float = 1e-4) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): no per-prompt baseline; the rewards are whitened over the WHOLE global batch,
+    A_ij = (r_ij − mean(r)) / (std(r) + eps), mean and unbiased std over every valid sample of every rank. A group
+    whose rewards are all equal still carries signal here (its samples sit above or below the batch)."""
+    v = torch.ones_like(rewards) if valid is None else valid
+    sums = masked_sums(rewards, v)
+    mean, var = moments(reduce(sums) if reduce else sums)
+    return torch.where(v.bool(), (rewards.double() - mean) / (var.sqrt() + eps), 0.0).to(rewards.dtype)
+
+
 ADVANTAGES = {"zscore": zscore_advantages, "mean": mean_advantages, "batch": batch_advantages,
-              "rloo": rloo_advantages}
+              "rloo": rloo_advantages, "reinforce++": reinforce_pp_advantages}
 
 
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -108,6 +118,45 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
     low = (ratio < 1 - eps_low) & (adv < 0)
     high = (ratio > 1 + eps_high) & (adv > 0)
     return loss, low, high
+
+
+def cispo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
+                    eps_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, 2025): clip the importance-sampling WEIGHT, not the update, and stop its gradient:
+
+        ρ = exp(log π_θ − log π_old),  L = −sg(clip(ρ, 1 − ε_low, 1 + ε_high)) · A · log π_θ
+
+    Every token keeps a gradient (−sg(ρ̂)·A·∇log π): PPO's clip zeroes it for the clipped tokens, often the rare,
+    high-ratio "fork" tokens of a reasoning trace. MiniMax-M1 sets no lower bound (ε_low ≥ 1) and tunes ε_high.
+    Returns (loss, low, high): where the weight was clipped from below / above."""
+    eps_high = eps_low if eps_high is None else eps_high
+    ratio = torch.exp(logp - old_logp)
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
+    return -weight * adv * logp, ratio < 1 - eps_low, ratio > 1 + eps_high
+
+
+def sequence_clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                               eps_low: float = 0.2, eps_high: float | None = None):
+    """GSPO (Zheng et al. 2025, Group Sequence Policy Optimization): one importance ratio per SEQUENCE, the
+    length-normalised likelihood ratio, clipped as a whole:
+
+        s_i = (π_θ(y_i|x) / π_old(y_i|x))^(1/|y_i|) = exp((1/|y_i|) Σ_t (log π_θ − log π_old)),
+        ℓ_i = −min(s_i·A_i, clip(s_i, 1 − ε_low, 1 + ε_high)·A_i)
+
+    `adv` [N] or [N, 1], `mask` [N, T] the tokens y_i counts. ℓ_i is returned on every token of sequence i, so
+    `--loss-agg seq-mean-token-mean` gives GSPO's (1/N) Σ_i ℓ_i (token-mean weights sequences by length). The
+    paper's clip ranges are ~1e3 times smaller than PPO's (3e-4 / 4e-4): a sequence ratio is a geometric mean.
+    Returns (per-token loss [N, T], low, high [N, T] bool)."""
+    eps_high = eps_low if eps_high is None else eps_high
+    m = mask.to(logp.dtype)
+    s = torch.exp(((logp - old_logp) * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))
+    a = adv.reshape(-1)
+    loss = -torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
+    low, high = (s < 1 - eps_low) & (a < 0), (s > 1 + eps_high) & (a > 0)
+    return (loss[:, None].expand_as(logp), low[:, None].expand(mask.shape), high[:, None].expand(mask.shape))
+
+
+POLICY_LOSSES = {"clip": clipped_surrogate, "cispo": cispo_surrogate}  # token-level; --ratio sequence: GSPO
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, n_tokens: float, n_seqs: float,

@@ -9,8 +9,9 @@ Per step (Shao et al. 2024, with DAPO's and Dr. GRPO's options):
      the resampling): their terms go (the KL's too), their tokens stay in --loss-agg's normaliser, so a step
      with few informative groups is not scaled up (the normaliser of TRL's and verl's token-mean);
   4. update, --num-iterations times over the batch: ρ = π_θ/π_old, per token
-     −min(ρA, clip(ρ, 1−ε, 1+ε_high)A) + β·k3(π_θ, π_ref), aggregated by --loss-agg over the global batch;
-     --reinforce is nanochat's on-policy −A·log π instead.
+     −min(ρA, clip(ρ, 1−ε, 1+ε_high)A) + β·k3(π_θ, π_ref), aggregated by --loss-agg over the global batch
+     (rl.POLICY_LOSSES[--loss]: clip, or CISPO's −sg(clip(ρ))·A·log π; --ratio sequence: GSPO's one clipped
+     length-normalised ratio per sequence); --reinforce is nanochat's on-policy −A·log π instead.
 Log-probs are taken at the sampling temperature, as sampled.
 """
 
@@ -51,8 +52,14 @@ class GRPOConfig(RLConfig):
                                        "the loss) or zero. Failures are counted in rewards/errors.")
     reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (0: no limit).")
     num_generations: int = opt(8, "G: completions per prompt.")
-    advantage: str = opt("zscore", "zscore ((r-mean)/std, GRPO), mean (r-mean, Dr. GRPO), batch (batch std) or "
-                                   "rloo (leave-one-out baseline).")
+    advantage: str = opt("zscore", "zscore ((r-mean)/std, GRPO), mean (r-mean, Dr. GRPO), batch (group-centred / batch "
+                                   "std), rloo (leave-one-out baseline) or reinforce++ (rewards whitened over the "
+                                   "global batch, no group baseline).")
+    loss: str = opt("clip", "Policy loss: clip (PPO's clipped surrogate) or cispo (clipped, detached IS weight x A x "
+                            "log π: every token keeps a gradient; MiniMax-M1).")
+    ratio: str = opt("token", "Importance ratio: token, or sequence (GSPO: the length-normalised sequence ratio, "
+                              "clipped per sequence; pair with tiny --epsilon / --epsilon-high, e.g. 3e-4 / 4e-4, and "
+                              "--loss-agg seq-mean-token-mean).")
     loss_agg: str = opt("token-mean", "seq-mean-token-mean (GRPO), token-mean (DAPO) or seq-sum (Dr. GRPO).")
     epsilon: float = opt(0.2, "Clip range below 1 (and above, unless --epsilon-high).")
     epsilon_high: float = opt(0.28, "Clip range above 1 (DAPO clip-higher).")
@@ -60,8 +67,9 @@ class GRPOConfig(RLConfig):
     beta: float = opt(0.0, "KL(π_θ‖π_ref) weight, k3 estimator; 0 loads no reference model.")
     reinforce: bool = opt(False, "nanochat's on-policy REINFORCE: −A·log π with the group-mean baseline; "
                                  "no ratio, clip or KL.")
-    drop_zero_std_groups: bool = opt(True, "Drop groups whose rewards are all equal (no signal) from the loss; their "
-                                     "tokens still count in its normaliser.")
+    drop_zero_std_groups: bool = opt(True, "Drop groups without signal (every advantage 0: all rewards equal, except "
+                                     "under reinforce++) from the loss; their tokens still count in its "
+                                     "normaliser.")
     mask_truncated: bool = opt(False, "Drop completions that hit --max-new-tokens without EOS from the loss.")
     overlong_cache: int = opt(0, "Soft overlong penalty over the last N tokens of the budget (DAPO); 0: off.")
     micro_batch_tokens: int = opt(16384, "With --micro-batch-size 0: the most tokens one micro-batch of the update "
@@ -76,6 +84,14 @@ class GRPOConfig(RLConfig):
             raise UserError(f"--advantage must be one of {', '.join(rl.ADVANTAGES)}, not {self.advantage!r}.")
         if self.loss_agg not in rl.LOSS_AGGREGATIONS:
             raise UserError(f"--loss-agg must be one of {', '.join(rl.LOSS_AGGREGATIONS)}, not {self.loss_agg!r}.")
+        if self.loss not in rl.POLICY_LOSSES:
+            raise UserError(f"--loss must be one of {', '.join(rl.POLICY_LOSSES)}, not {self.loss!r}.")
+        if self.ratio not in ("token", "sequence"):
+            raise UserError(f"--ratio must be token or sequence, not {self.ratio!r}.")
+        if self.ratio == "sequence" and self.loss != "clip":
+            raise UserError("--ratio sequence (GSPO) clips the sequence ratio: use it with --loss clip.")
+        if self.reinforce and (self.loss != "clip" or self.ratio != "token"):
+            raise UserError("--reinforce has no importance ratio: leave --loss and --ratio at their defaults.")
         if self.on_reward_error not in ("fail", "skip", "zero"):
             raise UserError(f"--on-reward-error must be fail, skip or zero, not {self.on_reward_error!r}.")
         if self.micro_batch_tokens <= 0:
@@ -202,10 +218,11 @@ class GRPO:
         adv = rl.ADVANTAGES[self.cfg.advantage](r.rewards, r.valid,
                                                  reduce=lambda t: runtime.all_reduce_sum(t.to(device)).cpu())
         zero_std = rl.zero_spread(r.rewards, r.valid).float()
+        no_signal = ((adv != 0) & r.valid.bool()).sum(dim=1) == 0  # = zero_std, except under reinforce++
         counted = r.valid.clone()
         if self.cfg.mask_truncated:
             counted *= r.finished
-        keep = counted * (1 - zero_std)[:, None] if self.cfg.drop_zero_std_groups else counted
+        keep = counted * (~no_signal).float()[:, None] if self.cfg.drop_zero_std_groups else counted
         return adv, keep, counted, zero_std
 
     # ---- 4. update
@@ -226,7 +243,10 @@ class GRPO:
                     low = high = torch.zeros_like(mask, dtype=torch.bool)
                 else:
                     old = old_logp[sl] if old_logp is not None else logp.detach()
-                    per_tok, low, high = rl.clipped_surrogate(logp, old, a, cfg.epsilon, cfg.epsilon_high)
+                    if cfg.ratio == "sequence":
+                        per_tok, low, high = rl.sequence_clipped_surrogate(logp, old, a, mask, cfg.epsilon, cfg.epsilon_high)
+                    else:
+                        per_tok, low, high = rl.POLICY_LOSSES[cfg.loss](logp, old, a, cfg.epsilon, cfg.epsilon_high)
                 kl = rl.kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None
                 if kl is not None:
                     per_tok = per_tok + cfg.beta * kl

@@ -137,6 +137,7 @@ def test_sort_task_with_a_user_reward_file(tmp_path, reward_file):
 
 def test_bad_grpo_flags_exit_2(tmp_path):
     for args, needle in ((["--advantage", "median"], "--advantage"), (["--num-generations", "1"], ">= 2"),
-                         (["--reward", "nope"], "unknown reward")):
+                         (["--reward", "nope"], "unknown reward"), (["--loss", "ppo2"], "--loss must be"),
+                         (["--ratio", "sequence", "--loss", "cispo"], "GSPO"), (["--micro-batch-tokens", "0"], "positive")):
         proc = run(align("grpo", "--out", str(tmp_path / "x"), *args))
         assert proc.returncode == 2 and needle in proc.stdout + proc.stderr, proc.stdout + proc.stderr

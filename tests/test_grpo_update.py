@@ -84,3 +84,34 @@ def test_dropping_groups_without_signal_does_not_rescale_the_step(tiny_model_dir
             losses[drop] = stats.reduce("cpu")["loss"]
         unset_hf_deepspeed_config()
     assert losses[True] == pytest.approx(losses[False], rel=1e-6) and losses[True] != 0
+
+
+@pytest.mark.parametrize("variant", [{"loss": "cispo"}, {"ratio": "sequence", "loss_agg": "seq-mean-token-mean"},
+                                     {"advantage": "reinforce++"}])
+def test_each_policy_objective_moves_probability_toward_the_rewarded_sample(tiny_model_dir, tmp_path, variant):
+    """CISPO, GSPO and REINFORCE++ learn in the right direction: two updates (π_old ≠ π_θ in the second) on one
+    group where the first sample earned 1 and the second 0 make the first likelier and the second less likely."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from align.logprobs import batched_logprobs
+
+    cfg = GRPOConfig(model=str(tiny_model_dir), out=str(tmp_path / "g"), eval_data="", prompts_per_step=1,
+                     num_generations=2, micro_batch_size=2, max_new_tokens=4, lr=1e-3, warmup_steps=0,
+                     num_iterations=2, **variant)
+    cfg.validate()
+    with StageRun(cfg, "grpo") as run:
+        algo = GRPO(cfg, run)
+        prompt, eos = algo.prompt_ids[0], algo.tok.eos_token_id
+        r = Rollout(algo.rows[:1], [Completion(prompt, [40, 41, eos], "", True), Completion(prompt, [42, eos], "", True)], 2)
+        r.rewards, r.valid = torch.tensor([[1.0, 0.0]]), torch.ones(1, 2)
+        adv, keep, counted, _ = algo.advantages(r)
+        batch = r.batch(algo.tok.pad_token_id, "cpu")
+        batch["loss_mask"] = batch["response_mask"] * keep.flatten()[:, None]
+        n_tokens = (batch["response_mask"] * counted.flatten()[:, None]).sum().item()
+        before = batched_logprobs(algo.policy, batch, 2).sum(1)
+        algo.update(batch, adv.flatten(), before.new_tensor(batched_logprobs(algo.policy, batch, 2)), None,
+                    n_tokens, 2.0, Stats())
+        after = batched_logprobs(algo.policy, batch, 2).sum(1)
+    unset_hf_deepspeed_config()
+    assert adv[0, 0] > 0 > adv[0, 1]
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
