@@ -91,6 +91,44 @@ def rpo_nll(policy_chosen: torch.Tensor, chosen_len: torch.Tensor, alpha: float)
 
 
 DPO_LOSSES = ("sigmoid", "ipo", "ipo-mean", "hinge")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # `align dpo --loss` without a reference model
+
+
+def simpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, lengths: tuple[torch.Tensor, torch.Tensor],
+               beta: float, gamma: float):
+    """SimPO (Meng et al. 2024, "Simple Preference Optimization with a Reference-Free Reward"): the reward is the
+    length-normalised log-likelihood, no reference model,
+
+        r(y) = (β/|y|)·log π(y|x),   loss = −log σ(r(y_w) − r(y_l) − γ)   (γ: a target reward margin).
+
+    Inputs per pair: summed log-probs and response lengths (|y_w|, |y_l|). Returns (loss per pair, r(y_w), r(y_l));
+    the rewards are detached. The paper's β is ~2-2.5 with γ/β ~0.5: much larger than DPO's."""
+    chosen_len, rejected_len = lengths
+    r_w, r_l = beta * policy_chosen / chosen_len, beta * policy_rejected / rejected_len
+    return -F.logsigmoid(r_w - r_l - gamma), r_w.detach(), r_l.detach()
+
+
+def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
+    """log(P / (1 − P)) for P = exp(mean_logp) < 1, as log P − log(1 − P) = ℓ − log(−expm1(ℓ)) (exact near P → 1;
+    ℓ is capped just below 0, where the odds are infinite)."""
+    ell = mean_logp.clamp(max=-1e-6)
+    return ell - torch.log(-torch.expm1(ell))
+
+
+def orpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, lengths: tuple[torch.Tensor, torch.Tensor],
+              lam: float):
+    """ORPO (Hong et al. 2024, "Monolithic Preference Optimization without Reference Model"): SFT on the chosen
+    answer plus an odds-ratio term, no reference model,
+
+        ℓ(y) = log π(y|x) / |y|  (per-token mean; P(y|x) = e^ℓ as in the paper's code),  odds(y) = P / (1 − P)
+        loss = −ℓ(y_w) + λ·(−log σ(log odds(y_w) − log odds(y_l)))
+
+    Inputs per pair: summed log-probs and response lengths. Returns (loss per pair, λ·ℓ(y_w), λ·ℓ(y_l)) with the
+    rewards detached (TRL's logged rewards)."""
+    chosen_len, rejected_len = lengths
+    l_w, l_r = policy_chosen / chosen_len, policy_rejected / rejected_len
+    loss = -l_w - lam * F.logsigmoid(log_odds(l_w) - log_odds(l_r))
+    return loss, (lam * l_w).detach(), (lam * l_r).detach()
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

@@ -7,11 +7,14 @@ Per pair, with summed response-token log-probs (never averaged) of the policy π
     ipo      (Δ − 1/(2β))²                      (Azar et al. 2023)
     hinge    max(0, 1 − βΔ)                      (SLiC)
     + α · (−log π(y_w|x) / |y_w|) with --nll-coef α  (RPO, Pang et al. 2024: keeps the chosen answer likely)
+and two reference-free losses (no reference model is loaded), on per-token mean log-probs ℓ(y) = log π(y|x)/|y|:
+    simpo    −log σ(β·ℓ(y_w) − β·ℓ(y_l) − γ)     (SimPO, Meng et al. 2024; γ = --simpo-gamma)
+    orpo     −ℓ(y_w) − β·log σ(log odds(y_w) − log odds(y_l)),  odds = e^ℓ / (1 − e^ℓ)  (ORPO, Hong et al. 2024)
 
 averaged over the pairs of the GLOBAL batch. Chosen and rejected go through each model in one forward. The
 reference is a second, inference-only engine of the input model (or --ref-model); with --precompute-ref its
 log-probs are computed once before training (for exactly the pairs training will use) and the reference is freed.
-Implicit rewards: β(log π − log π_ref) of chosen / rejected. Greedy pass@1 of the input model and of the policy
+Implicit rewards: β(log π − log π_ref) of chosen / rejected (simpo: β·ℓ(y); orpo: β·ℓ(y)). Greedy pass@1 of the input model and of the policy
 on --pass-data.
 """
 
@@ -35,7 +38,7 @@ from align.errors import UserError
 from align.evaluation import evaluate_policy
 from align.generation import Sampling
 from align.logprobs import logprobs
-from align.losses import DPO_LOSSES, IGNORE, dpo_loss, rpo_nll
+from align.losses import DPO_LOSSES, IGNORE, REFERENCE_FREE_LOSSES, dpo_loss, orpo_loss, rpo_nll, simpo_loss
 from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from stages.rm import load_pairs
@@ -53,8 +56,10 @@ class DPOConfig(SupervisedConfig):
     pass_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data for greedy pass@1 of policy and input model ('' : skip).", path=True)
     beta: float = opt(0.1, "β: strength of the implicit KL to the reference.")
     loss: str = opt("sigmoid", "sigmoid (DPO), ipo (IPO on summed log-probs, the DPO authors' convention), ipo-mean "
-                               "(IPO on per-token mean log-probs, TRL's: the same β pulls much harder) or hinge "
-                               "(SLiC).")
+                               "(IPO on per-token mean log-probs, TRL's: the same β pulls much harder), hinge "
+                               "(SLiC), or without a reference model simpo (β·mean log-prob reward with margin "
+                               "--simpo-gamma; SimPO uses β ~2) or orpo (chosen NLL + β · odds-ratio term).")
+    simpo_gamma: float = opt(0.5, "γ of --loss simpo: the target reward margin.")
     label_smoothing: float = opt(0.0, "ε of conservative DPO (sigmoid loss only), 0 <= ε < 0.5.")
     nll_coef: float = opt(0.0, "α of RPO's NLL term: α · the chosen answer's per-token NLL added to each pair's loss "
                                "(0: off).")
@@ -64,10 +69,16 @@ class DPOConfig(SupervisedConfig):
     verifier: str = verifier_opt()
     max_new_tokens: int = opt(48, "Generation budget for pass@1.")
 
+    @property
+    def reference_free(self) -> bool:
+        return self.loss in REFERENCE_FREE_LOSSES
+
     def validate(self):
         super().validate()
-        if self.loss not in DPO_LOSSES:
-            raise UserError(f"--loss must be one of {', '.join(DPO_LOSSES)}, not {self.loss!r}.")
+        if self.loss not in DPO_LOSSES + REFERENCE_FREE_LOSSES:
+            raise UserError(f"--loss must be one of {', '.join(DPO_LOSSES + REFERENCE_FREE_LOSSES)}, not {self.loss!r}.")
+        if self.reference_free and (self.precompute_ref or self.ref_model):
+            raise UserError(f"--loss {self.loss} uses no reference model: drop --precompute-ref / --ref-model.")
         if not 0 <= self.label_smoothing < 0.5:
             raise UserError(f"--label-smoothing must be in [0, 0.5), not {self.label_smoothing}.")
         if self.label_smoothing and self.loss != "sigmoid":
@@ -114,14 +125,14 @@ class DPO:
 
         self.policy = run.train("policy", load(source), Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule,
                                                               cfg.weight_decay), micro=self.micro, accum=accum)
-        self.reference = run.frozen(load(ref_source))
+        self.reference = None if cfg.reference_free else run.frozen(load(ref_source))
         self.ref_train: dict[int, torch.Tensor] | None = None  # --precompute-ref: pair index -> [2] log-probs
         self.ref_eval = None
         self.n_params = count_parameters(self.policy.module)
         info(f"dpo: {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, β {cfg.beta}, loss {cfg.loss}"
              f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}"
              f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
-             f"{'precomputed' if cfg.precompute_ref else 'live'}, {dist.world_size} process(es), ZeRO-{run.zero_stage}, "
+             f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}, {dist.world_size} process(es), ZeRO-{run.zero_stage}, "
              f"{run.precision}, micro batch {self.micro} pairs x accum {accum}")
 
     @torch.no_grad()
@@ -151,6 +162,16 @@ class DPO:
         with torch.no_grad():
             return pair_logps(self.reference, batch)
 
+    def pair_loss(self, pc, pr, lengths, idx, batch):
+        """(loss per pair, reward of chosen, of rejected) of --loss for the pairs `idx` (summed log-probs pc, pr)."""
+        cfg = self.cfg
+        if cfg.loss == "simpo":
+            return simpo_loss(pc, pr, lengths, cfg.beta, cfg.simpo_gamma)
+        if cfg.loss == "orpo":
+            return orpo_loss(pc, pr, lengths, cfg.beta)
+        rc, rr = self.reference_logps(idx, batch).to(pc.dtype)
+        return dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.loss, cfg.label_smoothing, lengths)
+
     def step(self, step: int) -> Stats:
         cfg, stats = self.cfg, Stats()
         if cfg.precompute_ref and self.ref_train is None:
@@ -158,9 +179,8 @@ class DPO:
         for idx in chunks(self.run.indices(len(self.examples), cfg.batch_size, step), self.micro):
             b = D.to_device(D.collate_pairs([self.examples[i] for i in idx], self.tok.pad_token_id), self.run.dist.device)
             pc, pr = pair_logps(self.policy, b)
-            rc, rr = self.reference_logps(idx, b).to(pc.dtype)
             lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
-            loss, rw_c, rw_r = dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.loss, cfg.label_smoothing, tuple(lengths))
+            loss, rw_c, rw_r = self.pair_loss(pc, pr, tuple(lengths), idx, b)
             if cfg.nll_coef:
                 nll = rpo_nll(pc, lengths[0], cfg.nll_coef)
                 stats.mean("loss/nll", nll.sum(), len(idx))
@@ -176,8 +196,12 @@ class DPO:
         cfg, metrics = self.cfg, {}
         if step > 0 and self.eval_examples:
             pol = self.logps_of(self.policy.eng, self.eval_examples)
-            ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)
-            rc, rr = cfg.beta * (pol[:, 0] - ref[:, 0]), cfg.beta * (pol[:, 1] - ref[:, 1])
+            if cfg.reference_free:  # the loss's own reward: β · per-token mean log-prob
+                n = torch.tensor([[len(e["chosen_ids"]), len(e["rejected_ids"])] for e in self.eval_examples])
+                rc, rr = (cfg.beta * pol / n).unbind(1)
+            else:
+                ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)
+                rc, rr = cfg.beta * (pol[:, 0] - ref[:, 0]), cfg.beta * (pol[:, 1] - ref[:, 1])
             metrics.update({"eval/rewards/accuracies": (rc > rr).float().mean().item(),
                             "eval/rewards/margins": (rc - rr).mean().item(), "eval/logps/chosen": pol[:, 0].mean().item()})
         if self.verifiable and step in (0, cfg.max_steps):

@@ -124,3 +124,20 @@ def test_rpo_nll_term_is_added_and_keeps_the_chosen_answer_likely(dpo):
     first, last = steps(out)[0], steps(out)[-1]
     assert first["loss/nll"] > 0 and abs(first["loss"] - (math.log(2) + first["loss/nll"])) < 1e-5
     assert last["logps/chosen"] > steps(pre)[-1]["logps/chosen"], (last["logps/chosen"], steps(pre)[-1]["logps/chosen"])
+
+
+@pytest.mark.parametrize("loss, beta", [("simpo", "2.0"), ("orpo", "0.1")])
+def test_reference_free_losses_load_no_reference_and_learn(dpo, loss, beta):
+    """--loss simpo / orpo: no reference engine is built; on the same 8 pairs every step the loss falls and the
+    chosen answers' reward margin over the rejected ones grows; held-out accuracy is the loss's own reward's."""
+    root, _, _, common = dpo
+    eight = write_rows(root / "eight.jsonl", [json.loads(x) for x in PAIRS.read_text().splitlines()[:8]])
+    out = root / loss
+    proc = ok(run_align("dpo", *common, "--data", eight, "--out", out, "--eval-samples", "0", "--loss", loss,
+                        "--beta", beta, "--max-steps", "6"))
+    assert "reference none" in proc.stdout + proc.stderr
+    s = steps(out)
+    assert len(s) == 6 and s[-1]["loss"] < s[0]["loss"] and s[-1]["rewards/margins"] > s[0]["rewards/margins"]
+    assert 0 <= metrics(out)["eval/rewards/accuracies"] <= 1
+    assert_user_error(run_align("dpo", *common, "--out", root / "x", "--loss", loss, "--precompute-ref"),
+                      "uses no reference model")

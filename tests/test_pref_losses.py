@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from align import losses
 from align.losses import bradley_terry_loss, centering_penalty, dpo_loss, likelihood_reward, rpo_nll, sequence_logps
 
 D = torch.float64
@@ -136,3 +137,34 @@ def test_ipo_on_summed_and_on_mean_log_probs():
     mean, rw_c, rw_r = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo-mean", lengths=lengths)
     assert mean.item() == pytest.approx((1.0 - 1.0) ** 2)  # Δ = (−1 + 1.5) − (−3 + 2.5) = 1
     assert rw_c.item() == pytest.approx(0.25) and rw_r.item() == pytest.approx(-0.25)
+
+
+def test_simpo_loss_by_hand_and_gradcheck():
+    """SimPO: r(y) = (β/|y|)·log π(y|x), loss = −log σ(r_w − r_l − γ); no reference."""
+    pc, pr = torch.tensor([-6.0, -2.0], dtype=torch.float64), torch.tensor([-12.0, -1.0], dtype=torch.float64)
+    lengths = (torch.tensor([3.0, 2.0], dtype=torch.float64), torch.tensor([4.0, 1.0], dtype=torch.float64))
+    loss, r_w, r_l = losses.simpo_loss(pc, pr, lengths, beta=2.0, gamma=0.5)
+    # pair 0: r_w = 2·(−2) = −4, r_l = 2·(−3) = −6, margin 2 − 0.5 = 1.5; pair 1: r_w = −2, r_l = −2, −0.5
+    torch.testing.assert_close(r_w, torch.tensor([-4.0, -2.0], dtype=torch.float64))
+    torch.testing.assert_close(r_l, torch.tensor([-6.0, -2.0], dtype=torch.float64))
+    torch.testing.assert_close(loss, torch.tensor([math.log1p(math.exp(-1.5)), math.log1p(math.exp(0.5))], dtype=torch.float64))
+    x = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: losses.simpo_loss(a, b, lengths, 2.0, 0.5)[0], (x, y))
+
+
+def test_orpo_loss_by_hand_and_gradcheck():
+    """ORPO: −ℓ_w − λ·log σ(log odds_w − log odds_r), ℓ the per-token mean log-prob, odds = e^ℓ / (1 − e^ℓ)."""
+    pc, pr = torch.tensor([-1.2], dtype=torch.float64), torch.tensor([-6.0], dtype=torch.float64)
+    lengths = (torch.tensor([2.0], dtype=torch.float64), torch.tensor([3.0], dtype=torch.float64))
+    loss, rw, rr = losses.orpo_loss(pc, pr, lengths, lam=0.1)
+    l_w, l_r = -0.6, -2.0
+    odds = lambda l: math.log(math.exp(l) / (1 - math.exp(l)))  # noqa: E731
+    want = -l_w + 0.1 * math.log1p(math.exp(-(odds(l_w) - odds(l_r))))
+    torch.testing.assert_close(loss, torch.tensor([want], dtype=torch.float64))
+    torch.testing.assert_close((rw, rr), (torch.tensor([0.1 * l_w], dtype=torch.float64), torch.tensor([0.1 * l_r], dtype=torch.float64)))
+    assert torch.isfinite(losses.log_odds(torch.tensor([0.0, -1e-9]))).all()  # P → 1: capped, not inf
+    x = -torch.rand(2, dtype=torch.float64).add(0.1).requires_grad_()
+    y = -torch.rand(2, dtype=torch.float64).add(0.1).requires_grad_()
+    two = (torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    assert torch.autograd.gradcheck(lambda a, b: losses.orpo_loss(a, b, two, 0.1)[0], (x, y))
