@@ -25,11 +25,12 @@ TYPER = dict(no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_en
 
 
 def relaunch(cfg) -> None:
-    """`--nproc N`: re-run this very command under torchrun with N processes, then exit with its code. torchrun
-    dies with this process (SIGTERM to it, even when this one is SIGKILLed) and stops its workers; a SIGTERM to
-    this process is passed on."""
-    nproc = getattr(cfg, "nproc", 1)
-    if nproc <= 1 or "LOCAL_RANK" in os.environ:
+    """`--nproc N` / `--nnodes M`: re-run this very command under torchrun (N processes here; with M > 1 this
+    machine is node --node-rank of M, meeting the others at --master-addr:--master-port), then exit with its code.
+    torchrun dies with this process (SIGTERM to it, even when this one is SIGKILLed) and stops its workers; a
+    SIGTERM to this process is passed on."""
+    nproc, nnodes = getattr(cfg, "nproc", 1), getattr(cfg, "nnodes", 1)
+    if (nproc <= 1 and nnodes <= 1) or "LOCAL_RANK" in os.environ:
         return
     import signal
     from pathlib import Path
@@ -37,20 +38,24 @@ def relaunch(cfg) -> None:
     from align.engine import outdir
     from align.runtime import die_with_parent, free_port, launch_env
 
-    if getattr(cfg, "out", None):
+    if getattr(cfg, "out", None) and cfg.node_rank == 0:  # the run's lock is node 0's: the others find it taken
         outdir.refuse_if_locked(Path(cfg.out))  # exit 2 here rather than a worker's failure through torchrun
 
+    own = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port")
     argv, skip = [], False
-    for a in sys.argv[1:]:  # drop --nproc: torchrun would take it for an abbreviation of its own flag
+    for a in sys.argv[1:]:  # drop the launch flags: torchrun would take --nproc for an abbreviation of its own
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in own:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f"{o}=" for o in own)):
             argv.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", "-m", "align", *argv]
-    console.print(f"[dim]launching {nproc} processes: torchrun --nproc_per_node={nproc} -m align {' '.join(argv)}[/]")
+    nodes = ([f"--nnodes={nnodes}", f"--node_rank={cfg.node_rank}", f"--master_addr={cfg.master_addr}",
+              f"--master_port={cfg.master_port}"] if nnodes > 1 else [f"--master_port={free_port()}"])
+    launch = [f"--nproc_per_node={nproc}", *nodes]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "align", *argv]
+    console.print(f"[dim]launching {nproc} process(es){f' on node {cfg.node_rank} of {nnodes}' if nnodes > 1 else ''}: "
+                  f"torchrun {' '.join(launch)} -m align {' '.join(argv)}[/]")
     proc = subprocess.Popen(cmd, env=launch_env(nproc), preexec_fn=die_with_parent)
     signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches torchrun and the workers themselves

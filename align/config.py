@@ -61,6 +61,11 @@ class StageConfig:
     seed: int = opt(0, "Random seed (data order, init, sampling).")
     zero_stage: int = opt(3, "DeepSpeed ZeRO stage 0..3.")
     nproc: int = opt(1, "Processes to launch on this machine (relaunches itself with torchrun).")
+    nnodes: int = opt(1, "Machines in the run: start the same command on each, with its --node-rank (torchrun's "
+                         "static rendezvous at --master-addr:--master-port); --nproc processes on each.")
+    node_rank: int = opt(0, "This machine's rank among --nnodes (0: the one at --master-addr).")
+    master_addr: str = opt("127.0.0.1", "With --nnodes > 1: the address of node 0, reachable from every node.")
+    master_port: int = opt(29500, "With --nnodes > 1: a free TCP port on node 0.")
     deepspeed: str = opt("", "A DeepSpeed JSON config; its keys win over align's.", path=True)
     trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
     precision: str = opt("auto", "Compute precision: auto (bf16 on CUDA, fp32 on CPU), bf16 (fp32 master weights), "
@@ -76,6 +81,8 @@ class StageConfig:
             raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}.")
         if not 0 <= self.zero_stage <= 3:
             raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), not {self.node_rank}.")
 
 
 @dataclass

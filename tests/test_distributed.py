@@ -107,3 +107,30 @@ def test_offload_threads_hint():
     assert offload_threads_hint(local_world=2, threads=16, cores=32) is None
     assert offload_threads_hint(local_world=2, threads=1, cores=2) is None  # the CI machine: 1 core each
     assert offload_threads_hint(local_world=1, threads=8, cores=8) is None
+
+
+def test_two_nodes_of_one_process_match_one_node_of_two(runs):
+    """`align sft --nnodes 2 --node-rank R --master-addr A --master-port P` started once per "node" (here both on
+    localhost, one process each) runs the same 2-rank job as one node with --nproc 2: the same loss curve."""
+    from align.runtime import free_port
+
+    root, _, two = runs
+    out, port = root / "nodes", free_port()
+    env = {**os.environ, "ALIGN_DIST_TIMEOUT": "120"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "align", "sft", "--out", str(out), "--deepspeed", str(root / "ds.json"),
+                               *SFT_ARGS, "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+                               "--master-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for r in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert "on node 1 of 2" in logs[1]
+    a, b = losses(two), losses(out)
+    assert len(a) == len(b) == STEPS
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-6 * max(1.0, abs(x)), (a, b)
+
+
+def test_a_node_rank_outside_nnodes_is_refused(tmp_path):
+    from tests.conftest import assert_user_error, run_align
+
+    assert_user_error(run_align("sft", "--nnodes", "2", "--node-rank", "2", "--out", tmp_path / "o"), "--node-rank must be in 0..1")
