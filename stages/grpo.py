@@ -65,6 +65,9 @@ class GRPOConfig(RLConfig):
     epsilon_high: float = opt(0.28, "Clip range above 1 (DAPO clip-higher).")
     num_iterations: int = opt(1, "Updates per rollout batch (π_old ≠ π_θ after the first).")
     beta: float = opt(0.0, "KL(π_θ‖π_ref) weight, k3 estimator; 0 loads no reference model.")
+    teacher: str = opt("", "On-policy distillation: a teacher model (same tokenizer) whose per-token reverse KL on the "
+                           "policy's own samples is added to the loss, times --distill-coef ('' : none).", path=True)
+    distill_coef: float = opt(1.0, "Weight of the --teacher's reverse-KL term.")
     reinforce: bool = opt(False, "nanochat's on-policy REINFORCE: −A·log π with the group-mean baseline; "
                                  "no ratio, clip or KL.")
     drop_zero_std_groups: bool = opt(True, "Drop groups without signal (every advantage 0: all rewards equal, except "
@@ -98,6 +101,8 @@ class GRPOConfig(RLConfig):
             raise UserError(f"--micro-batch-tokens must be positive, not {self.micro_batch_tokens}.")
         if self.num_generations < 2:
             raise UserError("--num-generations must be >= 2: advantages are relative to the group.")
+        if self.teacher and self.distill_coef <= 0:
+            raise UserError(f"--distill-coef must be positive with --teacher, not {self.distill_coef}.")
         if self.reinforce and (self.num_iterations != 1 or self.beta):
             raise UserError("--reinforce is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
         self.ks()
@@ -126,9 +131,16 @@ class GRPO:
         self.rows, self.prompt_ids = fitting(self.rows, D.encode_prompts(self.tok, [r["prompt"] for r in self.rows]),
                                              context_length(source), cfg.max_new_tokens)
 
+        teacher_source = resolve(cfg.teacher, expect="policy") if cfg.teacher else None
+        if teacher_source and load_tokenizer(teacher_source, cfg.trust_remote_code).get_vocab() != self.tok.get_vocab():
+            raise UserError(f"--teacher {cfg.teacher}: its tokenizer is not the policy's; per-token distillation "
+                            "compares the two models on the same tokens.")
+
         inputs = describe_inputs(source, cfg.data, cfg.eval_data)
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
+        if teacher_source:
+            inputs["teacher"] = describe_inputs(teacher_source)["model"]
         if cfg.prompts_per_step % runtime.world_size():
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
         dist = run.open(inputs)
@@ -142,6 +154,7 @@ class GRPO:
                                 Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay, (0.9, 0.999)),
                                 micro=self.micro, accum=n_local // self.micro)
         self.reference = run.frozen(self.load_policy(source)) if cfg.beta else None
+        self.teacher = run.frozen(self.load_policy(teacher_source)) if cfg.teacher else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
@@ -149,7 +162,8 @@ class GRPO:
              f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "
              f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x {n_local // self.micro}, rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
-             f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}")
+             f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
+             f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}")
 
     def load_policy(self, source):
         cfg = self.cfg
@@ -250,6 +264,11 @@ class GRPO:
                 kl = rl.kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None
                 if kl is not None:
                     per_tok = per_tok + cfg.beta * kl
+                distill = None
+                if "teacher_logp" in mb:  # on every counted token: a group without reward signal still distils
+                    d_loss, distill = rl.reverse_kl_distill(logp, mb["teacher_logp"])
+                    per_tok = per_tok * mask + cfg.distill_coef * d_loss * mb["counted_mask"]
+                    mask = mb["counted_mask"]
                 loss = rl.aggregate_loss(per_tok, mask, cfg.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs,
                                          max_len=cfg.max_new_tokens)
                 self.policy.backward(loss)
@@ -258,7 +277,9 @@ class GRPO:
                     for name, x in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),
                                     ("kl", kl)):
                         if x is not None:
-                            stats.mean(name, (x.detach().float() * mask).sum(), mask.sum())
+                            stats.mean(name, (x.detach().float() * mb["loss_mask"]).sum(), mb["loss_mask"].sum())
+                    if distill is not None:
+                        stats.mean("distill/reverse_kl", (distill * mask).sum(), mask.sum())
                     # over every sampled token, the dropped groups' too: measured even when no group has signal
                     stats.mean("entropy", (ent * mb["response_mask"]).sum(), mb["response_mask"].sum())
 
@@ -280,6 +301,9 @@ class GRPO:
             old_logp = (batched_logprobs(self.policy, batch, self.micro, cfg.temperature)
                         if cfg.num_iterations > 1 else None)
             ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature) if self.reference else None
+            if self.teacher is not None:  # the teacher scores every counted sample, dropped groups' too
+                batch["teacher_logp"] = batched_logprobs(self.teacher, batch, self.micro, cfg.temperature)
+                batch["counted_mask"] = counted_mask
             n_tokens, n_seqs, n_kept = runtime.all_reduce_sum(torch.stack([
                 counted_mask.sum(), counted.sum().to(dist.device), batch["loss_mask"].sum()])).tolist()
             stats.value("kept_token_frac", n_kept / max(n_tokens, 1.0))

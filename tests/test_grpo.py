@@ -52,21 +52,24 @@ def test_two_process_zero3_grpo_run(tmp_path):
     assert "start/pass@1/greedy" in art["metrics"] and "gain/pass@1/greedy" in art["metrics"]
 
 
-def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tmp_path, tiny_reward_model_dir):
+def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tmp_path, tiny_reward_model_dir,
+                                                                              tiny_model_dir):
+    """--beta, --reward-model and --teacher (on-policy distillation) together in one run."""
     out = tmp_path / "kl"
     proc = run(align("grpo", "--out", str(out), "--beta", "0.1", "--num-iterations", "2", "--advantage", "rloo",
-                     "--reward-model",
-                     str(tiny_reward_model_dir), "--reward-model-weight", "0.5", *SHORT, *SMALL))
+                     "--reward-model", str(tiny_reward_model_dir), "--reward-model-weight", "0.5",
+                     "--teacher", str(tiny_model_dir), "--distill-coef", "0.5", *SHORT, *SMALL))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())  # the info line wraps at the terminal width
     assert "reference model on" in said and "reward model" in said
     steps = [r for r in metric_rows(out) if "reward" in r]
-    assert all(r["kl"] >= 0 for r in steps)
+    assert all(r["kl"] >= 0 for r in steps) and all("distill/reverse_kl" in r for r in steps)
     # reward = math + 0.5 · RM: the step means add up the same way
     for r in steps:
         assert r["reward"] == pytest.approx(r["rewards/math"] + 0.5 * r["rewards/reward_model"], abs=1e-5)
     art = json.loads((out / "artifact.json").read_text())
     assert art["inputs"]["reward_model"]["spec"] == str(tiny_reward_model_dir)
+    assert art["inputs"]["teacher"]["spec"] == str(tiny_model_dir)
 
 
 def test_reward_model_that_is_a_preset_is_refused(tmp_path):
@@ -138,6 +141,7 @@ def test_sort_task_with_a_user_reward_file(tmp_path, reward_file):
 def test_bad_grpo_flags_exit_2(tmp_path):
     for args, needle in ((["--advantage", "median"], "--advantage"), (["--num-generations", "1"], ">= 2"),
                          (["--reward", "nope"], "unknown reward"), (["--loss", "ppo2"], "--loss must be"),
-                         (["--ratio", "sequence", "--loss", "cispo"], "GSPO"), (["--micro-batch-tokens", "0"], "positive")):
+                         (["--ratio", "sequence", "--loss", "cispo"], "GSPO"), (["--micro-batch-tokens", "0"], "positive"),
+                         (["--teacher", "tiny", "--distill-coef", "0"], "--distill-coef must be positive")):
         proc = run(align("grpo", "--out", str(tmp_path / "x"), *args))
         assert proc.returncode == 2 and needle in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -115,3 +115,42 @@ def test_each_policy_objective_moves_probability_toward_the_rewarded_sample(tiny
     unset_hf_deepspeed_config()
     assert adv[0, 0] > 0 > adv[0, 1]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
+
+
+def test_distillation_pulls_the_policy_to_the_teacher_even_without_reward_signal(tiny_model_dir, tmp_path):
+    """--teacher: both samples earn the same reward (no policy-gradient signal, the group is dropped), yet updates
+    bring the policy's log-probs of those tokens to the teacher's (another random init): on a fixed batch the loss
+    sg(log π − log π_T)·log π lowers the tokens the policy overrates and raises those it underrates."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from align.logprobs import batched_logprobs
+    from align.models import load_causal_lm, load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve("tiny"))
+    load_causal_lm(resolve("tiny"), tok, torch.float32, seed=1).save_pretrained(tmp_path / "teacher")
+    tok.save_pretrained(tmp_path / "teacher")
+    cfg = GRPOConfig(model=str(tiny_model_dir), out=str(tmp_path / "g"), eval_data="", prompts_per_step=1,
+                     num_generations=2, micro_batch_size=2, max_new_tokens=4, lr=1e-4, warmup_steps=0,
+                     teacher=str(tmp_path / "teacher"), distill_coef=1.0)
+    cfg.validate()
+    with StageRun(cfg, "grpo") as run:
+        algo = GRPO(cfg, run)
+        prompt, eos = algo.prompt_ids[0], algo.tok.eos_token_id
+        r = Rollout(algo.rows[:1], [Completion(prompt, [40, 41, eos], "", True), Completion(prompt, [42, eos], "", True)], 2)
+        r.rewards, r.valid = torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
+        adv, keep, counted, _ = algo.advantages(r)
+        batch = r.batch(algo.tok.pad_token_id, "cpu")
+        batch["loss_mask"] = batch["response_mask"] * keep.flatten()[:, None]
+        batch["counted_mask"] = batch["response_mask"] * counted.flatten()[:, None]
+        batch["teacher_logp"] = batched_logprobs(algo.teacher, batch, 2)
+        n_tokens = batch["counted_mask"].sum().item()
+        gaps = []
+        for _ in range(3):
+            gap = (batched_logprobs(algo.policy, batch, 2) - batch["teacher_logp"]).abs() * batch["counted_mask"]
+            gaps.append((gap.sum() / batch["counted_mask"].sum()).item())
+            stats = Stats()
+            algo.update(batch, adv.flatten(), None, None, n_tokens, 2.0, stats)
+            assert "distill/reverse_kl" in stats.reduce("cpu")
+    unset_hf_deepspeed_config()
+    assert keep.sum() == 0 and (adv == 0).all()  # no reward signal: only the teacher moves the policy
+    assert gaps[2] < gaps[1] < gaps[0], gaps
