@@ -32,6 +32,8 @@ STAGES = {
     "ppo": ["ppo", "--model", "tiny", "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2",
             "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"],
 }
+# what one CUDA process runs by default (ZeRO-0 engines, bf16 autocast over fp32 weights), resumed on the CPU
+STAGES["grpo-1gpu-default"] = [*STAGES["grpo"], "--zero-stage", "0", "--precision", "bf16-mixed"]
 TIMING = ("time/", "_per_s")  # wall-clock measurements, the only numbers allowed to differ
 
 
@@ -116,6 +118,7 @@ def inputs(tiny_model_dir, tiny_reward_model_dir, tmp_path_factory):
             "rm": [*model, "--data", prefs, "--eval-data", ptest],
             "dpo": [*model, "--data", prefs, "--eval-data", ptest, "--pass-data", test],
             "grpo": [*model, "--data", arith, "--eval-data", test],
+            "grpo-1gpu-default": [*model, "--data", arith, "--eval-data", test],
             "ppo": ["--reward-model", str(tiny_reward_model_dir), "--data", arith, "--eval-data", test,
                     "--ptx-data", arith]}
 
