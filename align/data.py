@@ -23,6 +23,7 @@ FORMATS = {
     "verifiable": ("prompt", "answer"),
     "text": ("text",),
     "responses": ("prompt", "response"),
+    "unpaired": ("prompt", "completion", "label"),
 }
 
 
@@ -326,6 +327,45 @@ def pair_report_text(report: dict) -> str:
     """One line for the console: kept pairs and every drop reason."""
     drops = ", ".join(f"{report[f'dropped_{k}']} {k.replace('_', ' ')}" for k in PAIR_DROP_REASONS)
     return f"{report['kept']}/{report['pairs']} pairs kept (dropped: {drops}; prompts cut: {report['prompt_truncated']})"
+
+
+def unpaired_examples(tokenizer, rows: list[dict], max_length: int, source: str = "data") -> list[dict]:
+    """KTO's rows: {prompt, completion, label} (label true: desirable) tokenised as the pairs are (chat-templated
+    prompt cut from the left to fit, completion + EOS never cut); empty or too-long completions are dropped.
+    Preference pairs ({prompt, chosen, rejected}) are unpaired: chosen desirable, rejected undesirable."""
+    if rows and "chosen" in rows[0]:
+        pairs, _ = preference_examples(tokenizer, rows, max_length, source)
+        return [{"prompt_ids": e["prompt_ids"], "completion_ids": e[k], "label": k == "chosen_ids"}
+                for e in pairs for k in ("chosen_ids", "rejected_ids")]
+    out = []
+    for row, p, c in zip(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows]),
+                         encode_completions(tokenizer, [r["completion"] for r in rows])):
+        label = row["label"]
+        if isinstance(label, str):
+            label = {"true": True, "1": True, "false": False, "0": False}.get(label.strip().lower(), label)
+        if not isinstance(label, (bool, int)) or label not in (0, 1):
+            raise UserError(f"{source}: label {row['label']!r} is not true/false (desirable or not).")
+        if str(row["completion"]).strip() and len(c) < max_length:
+            out.append({"prompt_ids": p[max(0, len(p) + len(c) - max_length):], "completion_ids": c, "label": bool(label)})
+    if not out:
+        raise UserError(f"{source}: no usable row (empty completions, or none fits --max-length {max_length}).")
+    return out
+
+
+def collate_kto(examples: list[dict], pad_id: int):
+    """One right-padded batch of 2B rows for KTO: the B (prompt_i, completion_i) rows, then B MISMATCHED rows
+    (prompt_{i+1 mod B}, completion_i) for the KL reference point; labels -100 on prompt and padding;
+    `desirable` [B] bool."""
+    import torch
+
+    n = len(examples)
+    prompts = [e["prompt_ids"] for e in examples]
+    prompts = prompts + prompts[1:] + prompts[:1]
+    comps = [e["completion_ids"] for e in examples] * 2
+    seqs = [p + c for p, c in zip(prompts, comps)]
+    labels = [[-100] * len(p) + c for p, c in zip(prompts, comps)]
+    return {"input_ids": torch.tensor(pad(seqs, pad_id)), "labels": torch.tensor(pad(labels, -100)),
+            "desirable": torch.tensor([e["label"] for e in examples[:n]])}
 
 
 def collate_pairs(examples: list[dict], pad_id: int):

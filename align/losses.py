@@ -92,6 +92,25 @@ def rpo_nll(policy_chosen: torch.Tensor, chosen_len: torch.Tensor, alpha: float)
 
 DPO_LOSSES = ("sigmoid", "ipo", "ipo-mean", "hinge")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # `align dpo --loss` without a reference model
+UNPAIRED_LOSSES = ("kto",)  # `align dpo --loss` on {prompt, completion, label} rows
+
+
+def kto_loss(policy: torch.Tensor, ref: torch.Tensor, kl_sums: torch.Tensor, desirable: torch.Tensor, beta: float,
+             w_desirable: float = 1.0, w_undesirable: float = 1.0):
+    """KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization") on unpaired rows:
+
+        r = log π(y|x) − log π_ref(y|x)   (summed response log-probs),
+        z0 = max(0, mean over the batch of log π(y'|x) − log π_ref(y'|x))   (mismatched x, y': the reference
+             point, an estimate of KL(π‖π_ref); no gradient),
+        desirable y:   λ_D · (1 − σ(β(r − z0))),   undesirable y:   λ_U · (1 − σ(β(z0 − r))).
+
+    `kl_sums` = [Σ (log π − log π_ref) over the mismatched rows, their count], already summed over every rank
+    (the reference point is the global batch's). Returns (loss per row, β·r detached, z0)."""
+    z0 = (kl_sums[0] / kl_sums[1].clamp(min=1)).clamp(min=0).detach()
+    r = policy - ref
+    loss = torch.where(desirable, w_desirable * (1 - torch.sigmoid(beta * (r - z0))),
+                       w_undesirable * (1 - torch.sigmoid(beta * (z0 - r))))
+    return loss, (beta * r).detach(), z0
 
 
 def simpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, lengths: tuple[torch.Tensor, torch.Tensor],

@@ -10,6 +10,9 @@ Per pair, with summed response-token log-probs (never averaged) of the policy π
 and two reference-free losses (no reference model is loaded), on per-token mean log-probs ℓ(y) = log π(y|x)/|y|:
     simpo    −log σ(β·ℓ(y_w) − β·ℓ(y_l) − γ)     (SimPO, Meng et al. 2024; γ = --simpo-gamma)
     orpo     −ℓ(y_w) − β·log σ(log odds(y_w) − log odds(y_l)),  odds = e^ℓ / (1 − e^ℓ)  (ORPO, Hong et al. 2024)
+and one on unpaired rows {prompt, completion, label} (pairs are unpaired: chosen desirable, rejected not):
+    kto      λ_D(1 − σ(β(r − z0))) desirable, λ_U(1 − σ(β(z0 − r))) undesirable; r = log π − log π_ref summed,
+             z0 = max(0, the batch's mean r on mismatched prompt/completion rows)  (KTO, Ethayarajh et al. 2024)
 
 averaged over the pairs of the GLOBAL batch. Chosen and rejected go through each model in one forward. The
 reference is a second, inference-only engine of the input model (or --ref-model); with --precompute-ref its
@@ -38,7 +41,8 @@ from align.errors import UserError
 from align.evaluation import evaluate_policy
 from align.generation import Sampling
 from align.logprobs import logprobs
-from align.losses import DPO_LOSSES, IGNORE, REFERENCE_FREE_LOSSES, dpo_loss, orpo_loss, rpo_nll, simpo_loss
+from align.losses import (DPO_LOSSES, IGNORE, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, dpo_loss, kto_loss, orpo_loss,
+                          rpo_nll, simpo_loss)
 from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from stages.rm import load_pairs
@@ -58,8 +62,11 @@ class DPOConfig(SupervisedConfig):
     loss: str = opt("sigmoid", "sigmoid (DPO), ipo (IPO on summed log-probs, the DPO authors' convention), ipo-mean "
                                "(IPO on per-token mean log-probs, TRL's: the same β pulls much harder), hinge "
                                "(SLiC), or without a reference model simpo (β·mean log-prob reward with margin "
-                               "--simpo-gamma; SimPO uses β ~2) or orpo (chosen NLL + β · odds-ratio term).")
+                               "--simpo-gamma; SimPO uses β ~2) or orpo (chosen NLL + β · odds-ratio term); kto on "
+                               "unpaired {prompt, completion, label} rows (or pairs, unpaired).")
     simpo_gamma: float = opt(0.5, "γ of --loss simpo: the target reward margin.")
+    desirable_weight: float = opt(1.0, "λ_D of --loss kto (raise it when desirable rows are fewer).")
+    undesirable_weight: float = opt(1.0, "λ_U of --loss kto.")
     label_smoothing: float = opt(0.0, "ε of conservative DPO (sigmoid loss only), 0 <= ε < 0.5.")
     nll_coef: float = opt(0.0, "α of RPO's NLL term: α · the chosen answer's per-token NLL added to each pair's loss "
                                "(0: off).")
@@ -75,8 +82,11 @@ class DPOConfig(SupervisedConfig):
 
     def validate(self):
         super().validate()
-        if self.loss not in DPO_LOSSES + REFERENCE_FREE_LOSSES:
-            raise UserError(f"--loss must be one of {', '.join(DPO_LOSSES + REFERENCE_FREE_LOSSES)}, not {self.loss!r}.")
+        losses = DPO_LOSSES + REFERENCE_FREE_LOSSES + UNPAIRED_LOSSES
+        if self.loss not in losses:
+            raise UserError(f"--loss must be one of {', '.join(losses)}, not {self.loss!r}.")
+        if self.loss == "kto" and self.precompute_ref:
+            raise UserError("--loss kto compares each row with mismatched ones of its batch: drop --precompute-ref.")
         if self.reference_free and (self.precompute_ref or self.ref_model):
             raise UserError(f"--loss {self.loss} uses no reference model: drop --precompute-ref / --ref-model.")
         if not 0 <= self.label_smoothing < 0.5:
@@ -89,16 +99,21 @@ class DPOConfig(SupervisedConfig):
             raise UserError(f"--nll-coef must be >= 0, not {self.nll_coef}.")
 
 
-def pair_logps(model, batch: dict) -> torch.Tensor:
-    """[2, B]: log π(y_w|x) and log π(y_l|x) summed over response tokens, from ONE forward of the 2B-row pair
-    batch. The rows are right-padded, so no attention mask is passed (causal attention never looks right) and
-    attention runs its fused causal kernel."""
+def row_logps(model, batch: dict) -> torch.Tensor:
+    """[N]: log π(y|x) summed over each row's response tokens (never averaged). The rows are right-padded, so no
+    attention mask is passed (causal attention never looks right) and attention runs its fused causal kernel."""
     lp, _ = logprobs(model, {"input_ids": batch["input_ids"], "response_mask": batch["labels"][:, 1:] != IGNORE})
-    return lp.sum(-1).view(2, -1)
+    return lp.sum(-1)
+
+
+def pair_logps(model, batch: dict) -> torch.Tensor:
+    """[2, B]: log π(y_w|x) and log π(y_l|x) from ONE forward of the 2B-row pair batch."""
+    return row_logps(model, batch).view(2, -1)
 
 
 class DPO:
     progress = ("loss", "rewards/accuracies", "eval/rewards/accuracies")
+    train_keys = KEYS
     eval_at_start = True  # greedy pass@1 of the input model, measured exactly as the policy's at the end
 
     def __init__(self, cfg: DPOConfig, run):
@@ -107,8 +122,8 @@ class DPO:
         ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source
         check_length(source, cfg.max_length)
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
-        self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)
-        self.eval_examples = load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length) if cfg.eval_data else []
+        self.examples = self.load_examples(cfg.data)
+        self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else []
         if cfg.eval_pairs:
             self.eval_examples = self.eval_examples[: cfg.eval_pairs]
         self.verifiable = (D.load_rows(cfg.pass_data, "verifiable", cfg.columns, limit=cfg.eval_samples)
@@ -134,6 +149,9 @@ class DPO:
              f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
              f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}, {dist.world_size} process(es), ZeRO-{run.zero_stage}, "
              f"{run.precision}, micro batch {self.micro} pairs x accum {accum}")
+
+    def load_examples(self, path: str) -> list[dict]:
+        return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length)
 
     @torch.no_grad()
     def logps_of(self, model, examples: list[dict], batch_size: int = 32) -> torch.Tensor:
@@ -193,17 +211,8 @@ class DPO:
         return stats
 
     def evaluate(self, step: int) -> dict:
-        cfg, metrics = self.cfg, {}
-        if step > 0 and self.eval_examples:
-            pol = self.logps_of(self.policy.eng, self.eval_examples)
-            if cfg.reference_free:  # the loss's own reward: β · per-token mean log-prob
-                n = torch.tensor([[len(e["chosen_ids"]), len(e["rejected_ids"])] for e in self.eval_examples])
-                rc, rr = (cfg.beta * pol / n).unbind(1)
-            else:
-                ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)
-                rc, rr = cfg.beta * (pol[:, 0] - ref[:, 0]), cfg.beta * (pol[:, 1] - ref[:, 1])
-            metrics.update({"eval/rewards/accuracies": (rc > rr).float().mean().item(),
-                            "eval/rewards/margins": (rc - rr).mean().item(), "eval/logps/chosen": pol[:, 0].mean().item()})
+        cfg = self.cfg
+        metrics = self.held_out() if step > 0 and self.eval_examples else {}
         if self.verifiable and step in (0, cfg.max_steps):
             m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist, verifier=cfg.verifier,
                                    sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
@@ -213,8 +222,20 @@ class DPO:
                      f"{m['pass@1/greedy']:.3f}")
         return metrics
 
+    def held_out(self) -> dict:
+        """Implicit-reward accuracy and margin on the held-out pairs."""
+        cfg, pol = self.cfg, self.logps_of(self.policy.eng, self.eval_examples)
+        if cfg.reference_free:  # the loss's own reward: β · per-token mean log-prob
+            n = torch.tensor([[len(e["chosen_ids"]), len(e["rejected_ids"])] for e in self.eval_examples])
+            rc, rr = (cfg.beta * pol / n).unbind(1)
+        else:
+            ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)
+            rc, rr = cfg.beta * (pol[:, 0] - ref[:, 0]), cfg.beta * (pol[:, 1] - ref[:, 1])
+        return {"eval/rewards/accuracies": (rc > rr).float().mean().item(), "eval/rewards/margins": (rc - rr).mean().item(),
+                "eval/logps/chosen": pol[:, 0].mean().item()}
+
     def final_metrics(self, last: dict, start: dict) -> dict:
-        final = {**{f"train/{k}": last[k] for k in KEYS}, **{k: v for k, v in last.items() if k.startswith("eval/")}}
+        final = {**{f"train/{k}": last[k] for k in self.train_keys}, **{k: v for k, v in last.items() if k.startswith("eval/")}}
         if "eval/pass@1/greedy" in last:
             final["pass@1/policy"] = final.pop("eval/pass@1/greedy")
         if "eval/pass@1/greedy" in start:
@@ -225,5 +246,74 @@ class DPO:
         return Output(self.policy.eng, self.tok)
 
 
+class KTO(DPO):
+    """--loss kto: the policy against the live reference on unpaired rows. Per step, first the reference point z0
+    from every mismatched row of the GLOBAL batch (no gradient), then the loss of each micro-batch's rows."""
+
+    progress = ("loss", "kl", "eval/rewards/accuracies")
+    train_keys = ("loss", "kl", "rewards/desirable", "rewards/undesirable")
+
+    def load_examples(self, path: str) -> list[dict]:
+        cfg = self.cfg
+        names = D.columns_of(D.read_rows(path))
+        paired = "chosen" in names and "label" not in names
+        rows = D.load_rows(path, "preference" if paired else "unpaired", cfg.columns)
+        examples = D.unpaired_examples(self.tok, rows, cfg.max_length, source=str(path))
+        n_good = sum(e["label"] for e in examples)
+        info(f"{path}: {len(examples)} rows for KTO ({n_good} desirable, {len(examples) - n_good} undesirable"
+             f"{', from preference pairs' if paired else ''})")
+        return examples
+
+    def batches(self, step: int) -> list[tuple[dict, dict]]:
+        """(matched rows, mismatched rows) of each micro-batch of global batch `step`, on the device."""
+        out = []
+        for idx in chunks(self.run.indices(len(self.examples), self.cfg.batch_size, step), self.micro):
+            b = D.to_device(D.collate_kto([self.examples[i] for i in idx], self.tok.pad_token_id), self.run.dist.device)
+            n = len(idx)
+            out.append(({"input_ids": b["input_ids"][:n], "labels": b["labels"][:n], "desirable": b["desirable"]},
+                        {"input_ids": b["input_ids"][n:], "labels": b["labels"][n:]}))
+        return out
+
+    def step(self, step: int) -> Stats:
+        cfg, stats = self.cfg, Stats()
+        batches = self.batches(step)
+        with torch.no_grad():  # the reference point: the global batch's mean log-ratio on mismatched rows
+            kl = sum((row_logps(self.policy, m) - row_logps(self.reference, m)).sum() for _, m in batches)
+            kl_sums = runtime.all_reduce_sum(torch.stack([kl.float(), torch.tensor(float(cfg.batch_size), device=kl.device)]))
+        for matched, _ in batches:
+            pol = row_logps(self.policy, matched)
+            with torch.no_grad():
+                ref = row_logps(self.reference, matched)
+            loss, reward, z0 = kto_loss(pol, ref.to(pol.dtype), kl_sums, matched["desirable"], cfg.beta,
+                                        cfg.desirable_weight, cfg.undesirable_weight)
+            self.policy.backward(loss.sum() / cfg.batch_size)
+            good = matched["desirable"].float()
+            stats.mean("loss", loss.sum(), len(loss))
+            stats.mean("rewards/desirable", (reward * good).sum(), good.sum())
+            stats.mean("rewards/undesirable", (reward * (1 - good)).sum(), (1 - good).sum())
+            stats.mean("kl", z0 * len(loss), len(loss))
+            stats.sum("pairs", len(loss))
+        return stats
+
+    @torch.no_grad()
+    def logps_of(self, model, examples: list[dict], batch_size: int = 32) -> torch.Tensor:
+        """[len(examples), 1] summed log-probs of each row's own completion, in order on every rank."""
+        dist = self.run.dist
+        parts = [row_logps(model, {k: v[: len(mb)] for k, v in D.to_device(D.collate_kto(mb, self.tok.pad_token_id),
+                                                                            dist.device).items()})[:, None].float().cpu()
+                 for mb in chunks(runtime.shard(examples, dist, pad=True), batch_size)]
+        return runtime.gather(torch.cat(parts), len(examples))
+
+    def held_out(self) -> dict:
+        """The share of held-out rows whose implicit reward β(log π − log π_ref) sits on their label's side of 0
+        (desirable above the reference, undesirable below), and the mean reward gap between the two kinds."""
+        examples = self.eval_examples
+        r = self.cfg.beta * (self.logps_of(self.policy.eng, examples) - self.logps_of(self.reference, examples))[:, 0]
+        label = torch.tensor([e["label"] for e in examples])
+        both = bool(label.any() and (~label).any())
+        return {"eval/rewards/accuracies": ((r > 0) == label).float().mean().item(),
+                "eval/rewards/margins": (r[label].mean() - r[~label].mean()).item() if both else 0.0}
+
+
 def run(cfg: DPOConfig) -> dict:
-    return train(cfg, "dpo", DPO)
+    return train(cfg, "dpo", KTO if cfg.loss == "kto" else DPO)

@@ -109,7 +109,7 @@ def test_missing_chosen_column(tmp_path, tiny_model_dir):
 
 
 def test_bad_loss_name(tmp_path, tiny_model_dir):
-    assert_user_error(run_align("dpo", "--model", tiny_model_dir, "--loss", "kto", "--out", tmp_path / "o"),
+    assert_user_error(run_align("dpo", "--model", tiny_model_dir, "--loss", "ppo", "--out", tmp_path / "o"),
                       "--loss must be one of sigmoid, ipo, ipo-mean, hinge")
 
 
@@ -141,3 +141,21 @@ def test_reference_free_losses_load_no_reference_and_learn(dpo, loss, beta):
     assert 0 <= metrics(out)["eval/rewards/accuracies"] <= 1
     assert_user_error(run_align("dpo", *common, "--out", root / "x", "--loss", loss, "--precompute-ref"),
                       "uses no reference model")
+
+
+def test_kto_on_unpaired_pairs_starts_at_one_half_and_separates_desirable_from_undesirable(dpo):
+    """--loss kto on 8 pairs (16 unpaired rows): at step 1 the policy is the reference (r = 0, z0 = 0), so every row
+    costs exactly 1 − σ(0) = 0.5; training raises the desirable rows' implicit reward above the undesirable ones'."""
+    root, _, _, common = dpo
+    eight = write_rows(root / "eight-kto.jsonl", [json.loads(x) for x in PAIRS.read_text().splitlines()[:8]])
+    out = root / "kto"
+    proc = ok(run_align("dpo", *common, "--data", eight, "--out", out, "--eval-samples", "0", "--loss", "kto",
+                        "--beta", "0.5", "--max-steps", "6", "--batch-size", "16"))
+    assert "16 rows for KTO (8 desirable, 8 undesirable, from preference pairs)" in " ".join((proc.stdout + proc.stderr).split())
+    s = steps(out)
+    assert s[0]["loss"] == pytest.approx(0.5, abs=1e-6) and s[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert s[-1]["rewards/desirable"] > s[-1]["rewards/undesirable"] and s[-1]["loss"] < 0.5
+    m = metrics(out)
+    assert 0 <= m["eval/rewards/accuracies"] <= 1 and "train/kl" in m
+    assert_user_error(run_align("dpo", *common, "--out", root / "y", "--loss", "kto", "--precompute-ref"),
+                      "drop --precompute-ref")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from align import losses
+from align.errors import UserError
 from align.losses import bradley_terry_loss, centering_penalty, dpo_loss, likelihood_reward, rpo_nll, sequence_logps
 
 D = torch.float64
@@ -168,3 +169,44 @@ def test_orpo_loss_by_hand_and_gradcheck():
     y = -torch.rand(2, dtype=torch.float64).add(0.1).requires_grad_()
     two = (torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
     assert torch.autograd.gradcheck(lambda a, b: losses.orpo_loss(a, b, two, 0.1)[0], (x, y))
+
+
+def test_kto_loss_by_hand_and_gradcheck():
+    """KTO: r = log π − log π_ref, z0 = max(0, mean mismatched log-ratio) (no gradient); desirable λ_D(1 − σ(β(r − z0))),
+    undesirable λ_U(1 − σ(β(z0 − r)))."""
+    pol = torch.tensor([-3.0, -5.0, -2.0], dtype=torch.float64)
+    ref = torch.tensor([-4.0, -4.0, -2.5], dtype=torch.float64)
+    good = torch.tensor([True, False, False])
+    kl_sums = torch.tensor([1.2, 4.0], dtype=torch.float64)  # mean 0.3 over 4 mismatched rows (every rank)
+    loss, reward, z0 = losses.kto_loss(pol, ref, kl_sums, good, beta=0.5, w_desirable=1.0, w_undesirable=2.0)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    want = [1 - sig(0.5 * (1.0 - 0.3)), 2 * (1 - sig(0.5 * (0.3 + 1.0))), 2 * (1 - sig(0.5 * (0.3 - 0.5)))]
+    torch.testing.assert_close(loss, torch.tensor(want, dtype=torch.float64))
+    torch.testing.assert_close(reward, torch.tensor([0.5, -0.5, 0.25], dtype=torch.float64))
+    assert z0.item() == pytest.approx(0.3)
+    neg = losses.kto_loss(pol, ref, torch.tensor([-2.0, 4.0], dtype=torch.float64), good, 0.5)[2]
+    assert neg.item() == 0.0  # a negative KL estimate is clamped: the reference point never goes below 0
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda p: losses.kto_loss(p, ref, kl_sums, good, 0.5, 1.0, 2.0)[0], (x,))
+
+
+def test_unpaired_rows_and_the_mismatched_kto_batch(shipped_tokenizer):
+    from align import data as D
+
+    tok = shipped_tokenizer
+    pairs = [{"prompt": "1 + 1?", "chosen": "2", "rejected": "3"}, {"prompt": "2 + 2?", "chosen": "4", "rejected": "5"}]
+    ex = D.unpaired_examples(tok, pairs, max_length=64)
+    assert [e["label"] for e in ex] == [True, False, True, False]  # chosen desirable, rejected not
+    rows = [{"prompt": "1 + 1?", "completion": "2", "label": "true"}, {"prompt": "2 + 2?", "completion": "5", "label": 0}]
+    ex = D.unpaired_examples(tok, rows, max_length=64)
+    assert [e["label"] for e in ex] == [True, False]
+    with pytest.raises(UserError, match="not true/false"):
+        D.unpaired_examples(tok, [{"prompt": "a", "completion": "b", "label": "maybe"}], max_length=64)
+    b = D.collate_kto(ex, pad_id=tok.pad_token_id)
+    assert b["input_ids"].shape[0] == 4 and b["desirable"].tolist() == [True, False]
+    seq = [x for x in b["input_ids"][2].tolist()]
+    want = ex[1]["prompt_ids"] + ex[0]["completion_ids"]  # row 0's completion after row 1's prompt
+    assert seq[: len(want)] == want
+    labels = b["labels"][2].tolist()
+    assert labels[: len(ex[1]["prompt_ids"])] == [-100] * len(ex[1]["prompt_ids"])  # the prompt is never scored
+    assert labels[len(ex[1]["prompt_ids"]): len(want)] == ex[0]["completion_ids"]
