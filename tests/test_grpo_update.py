@@ -86,6 +86,19 @@ def test_dropping_groups_without_signal_does_not_rescale_the_step(tiny_model_dir
     assert losses[True] == pytest.approx(losses[False], rel=1e-6) and losses[True] != 0
 
 
+def one_group(algo, rewards: list[float]):
+    """A rollout of one prompt with two fixed completions and these rewards, as the step batches it:
+    (advantages [1, 2], keep [1, 2], the batch with its loss and counted masks, counted tokens)."""
+    prompt, eos = algo.prompt_ids[0], algo.tok.eos_token_id
+    r = Rollout(algo.rows[:1], [Completion(prompt, [40, 41, eos], "", True), Completion(prompt, [42, eos], "", True)], 2)
+    r.rewards, r.valid = torch.tensor([rewards]), torch.ones(1, 2)
+    adv, keep, counted, _ = algo.advantages(r)
+    batch = r.batch(algo.tok.pad_token_id, "cpu")
+    batch["loss_mask"] = batch["response_mask"] * keep.flatten()[:, None]
+    batch["counted_mask"] = batch["response_mask"] * counted.flatten()[:, None]
+    return adv, keep, batch, batch["counted_mask"].sum().item()
+
+
 @pytest.mark.parametrize("variant", [{"loss": "cispo"}, {"ratio": "sequence", "loss_agg": "seq-mean-token-mean"},
                                      {"advantage": "reinforce++"}])
 def test_each_policy_objective_moves_probability_toward_the_rewarded_sample(tiny_model_dir, tmp_path, variant):
@@ -101,13 +114,7 @@ def test_each_policy_objective_moves_probability_toward_the_rewarded_sample(tiny
     cfg.validate()
     with StageRun(cfg, "grpo") as run:
         algo = GRPO(cfg, run)
-        prompt, eos = algo.prompt_ids[0], algo.tok.eos_token_id
-        r = Rollout(algo.rows[:1], [Completion(prompt, [40, 41, eos], "", True), Completion(prompt, [42, eos], "", True)], 2)
-        r.rewards, r.valid = torch.tensor([[1.0, 0.0]]), torch.ones(1, 2)
-        adv, keep, counted, _ = algo.advantages(r)
-        batch = r.batch(algo.tok.pad_token_id, "cpu")
-        batch["loss_mask"] = batch["response_mask"] * keep.flatten()[:, None]
-        n_tokens = (batch["response_mask"] * counted.flatten()[:, None]).sum().item()
+        adv, _, batch, n_tokens = one_group(algo, [1.0, 0.0])
         before = batched_logprobs(algo.policy, batch, 2).sum(1)
         algo.update(batch, adv.flatten(), before.new_tensor(batched_logprobs(algo.policy, batch, 2)), None,
                     n_tokens, 2.0, Stats())
@@ -135,15 +142,8 @@ def test_distillation_pulls_the_policy_to_the_teacher_even_without_reward_signal
     cfg.validate()
     with StageRun(cfg, "grpo") as run:
         algo = GRPO(cfg, run)
-        prompt, eos = algo.prompt_ids[0], algo.tok.eos_token_id
-        r = Rollout(algo.rows[:1], [Completion(prompt, [40, 41, eos], "", True), Completion(prompt, [42, eos], "", True)], 2)
-        r.rewards, r.valid = torch.tensor([[1.0, 1.0]]), torch.ones(1, 2)
-        adv, keep, counted, _ = algo.advantages(r)
-        batch = r.batch(algo.tok.pad_token_id, "cpu")
-        batch["loss_mask"] = batch["response_mask"] * keep.flatten()[:, None]
-        batch["counted_mask"] = batch["response_mask"] * counted.flatten()[:, None]
+        adv, keep, batch, n_tokens = one_group(algo, [1.0, 1.0])
         batch["teacher_logp"] = batched_logprobs(algo.teacher, batch, 2)
-        n_tokens = batch["counted_mask"].sum().item()
         gaps = []
         for _ in range(3):
             gap = (batched_logprobs(algo.policy, batch, 2) - batch["teacher_logp"]).abs() * batch["counted_mask"]
