@@ -17,8 +17,8 @@ and one on unpaired rows {prompt, completion, label} (pairs are unpaired: chosen
 averaged over the pairs of the GLOBAL batch. Chosen and rejected go through each model in one forward. The
 reference is a second, inference-only engine of the input model (or --ref-model); with --precompute-ref its
 log-probs are computed once before training (for exactly the pairs training will use) and the reference is freed.
-Implicit rewards: β(log π − log π_ref) of chosen / rejected (simpo: β·ℓ(y); orpo: β·ℓ(y)). Greedy pass@1 of the input model and of the policy
-on --pass-data.
+Implicit rewards: β(log π − log π_ref) of chosen / rejected (simpo, orpo: β·ℓ(y)). Greedy pass@1 of the input
+model and of the policy on --pass-data.
 """
 
 from __future__ import annotations
@@ -147,8 +147,9 @@ class DPO:
         info(f"dpo: {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, β {cfg.beta}, loss {cfg.loss}"
              f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}"
              f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
-             f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}, {dist.world_size} process(es), ZeRO-{run.zero_stage}, "
-             f"{run.precision}, micro batch {self.micro} pairs x accum {accum}")
+             f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}, "
+             f"{dist.world_size} process(es), ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} "
+             f"pairs x accum {accum}")
 
     def load_examples(self, path: str) -> list[dict]:
         return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length)
