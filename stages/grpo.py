@@ -160,7 +160,8 @@ class GRPO:
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
         info(f"grpo: {count_parameters(self.policy.module) / 1e6:.2f}M parameters, {len(self.rows)} prompts, "
              f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "
-             f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x {n_local // self.micro}, rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
+             f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x {n_local // self.micro}, "
+             f"rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
              f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}")
