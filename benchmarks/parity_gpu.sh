@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# On a lent 4-GPU machine, SmolLM2 parts sent ahead (see gpu_smollm2_setup.sh): benchmarks.grpo_parity side by
-# side, TRL seeds 0-2 on GPUs 0-2 and ours (seeds 0-2, one after the other) on GPU 3, then the table. END:
-# seconds into the call by which everything stops (runs cut short are left out of the table). PRECISION: ours'
-# --precision values, one after the other on GPU 3 (default: auto), e.g. PRECISION=bf16-mixed.
+# On a lent machine of 2+ GPUs, SmolLM2 parts sent ahead (see gpu_smollm2_setup.sh): benchmarks.grpo_parity side by
+# side — ours (seeds 0-2, one after the other) on the last GPU, TRL's seeds spread over the others (each GPU runs
+# its share one after the other, so every TRL step time is a run alone on its card) — then the table. END: seconds
+# into the call by which everything stops (runs cut short are left out of the table). TRL_SEEDS (default 0,1,2).
+# PRECISION: ours' --precision values, one after the other (default: auto). BEFORE: the held-out greedy pass@1 of
+# the model when already measured (skips that evaluation; 0.070 for the default task and data seed).
 set -uo pipefail
 END=${END:-560}
 bash benchmarks/gpu_smollm2_setup.sh
@@ -12,14 +14,20 @@ python -m align data make rg:basic_arithmetic --n 2000 --test-n 200 --seed 0 --p
   --param max_digits=2 --param "operators=['+','-']" --param allow_parentheses=false --param allow_negation=false \
   --out $R/train.jsonl --test-out $R/test.jsonl > $R/log-data 2>&1
 A=(--model $M --data $R/train.jsonl --eval-data $R/test.jsonl --out $R --steps 50)
+if [ -n "${BEFORE:-}" ]; then echo "{\"before\": $BEFORE}" > $R/eval_base.json; fi
 python -m benchmarks.grpo_parity "${A[@]}" --sides "" > $R/log-base 2>&1
-for i in 0 1 2; do
-  CUDA_VISIBLE_DEVICES=$i timeout $((END - SECONDS)) python -m benchmarks.grpo_parity "${A[@]}" --sides trl --seeds $i \
-    > $R/log-trl$i 2>&1 &
+G=$(nvidia-smi -L | wc -l)
+IFS=, read -ra SEEDS <<< "${TRL_SEEDS:-0,1,2}"
+for g in $(seq 0 $((G - 2))); do
+  (for i in "${!SEEDS[@]}"; do
+    [ $((i % (G - 1))) -eq "$g" ] || continue
+    CUDA_VISIBLE_DEVICES=$g timeout $((END - SECONDS)) python -m benchmarks.grpo_parity "${A[@]}" --sides trl \
+      --seeds "${SEEDS[$i]}" > $R/log-trl${SEEDS[$i]} 2>&1
+  done) &
 done
 for p in ${PRECISION:-auto}; do
-  CUDA_VISIBLE_DEVICES=3 timeout $((END - SECONDS)) python -m benchmarks.grpo_parity "${A[@]}" --sides ours-$p \
-    --seeds 0,1,2 --ours-extra=--precision --ours-extra=$p > $R/log-ours-$p 2>&1
+  CUDA_VISIBLE_DEVICES=$((G - 1)) timeout $((END - SECONDS)) python -m benchmarks.grpo_parity "${A[@]}" \
+    --sides ours-$p --seeds 0,1,2 --ours-extra=--precision --ours-extra=$p > $R/log-ours-$p 2>&1
 done
 wait
 echo "all done at ${SECONDS}s"
