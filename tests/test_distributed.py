@@ -130,7 +130,9 @@ def test_two_nodes_of_one_process_match_one_node_of_two(runs):
         assert abs(x - y) <= 1e-6 * max(1.0, abs(x)), (a, b)
 
 
-def test_a_node_rank_outside_nnodes_is_refused(tmp_path):
-    from tests.conftest import assert_user_error, run_align
+def test_a_node_rank_outside_nnodes_is_refused():
+    from align.config import StageConfig
+    from align.errors import UserError
 
-    assert_user_error(run_align("sft", "--nnodes", "2", "--node-rank", "2", "--out", tmp_path / "o"), "--node-rank must be in 0..1")
+    with pytest.raises(UserError, match=r"--node-rank must be in 0\.\.1"):
+        StageConfig(nnodes=2, node_rank=2)

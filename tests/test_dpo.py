@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from align.errors import UserError
 from tests.conftest import _DIST_ENV, ROOT, assert_user_error, run_align
 
 PAIRS = ROOT / "data/prefs/train.jsonl"
@@ -139,8 +140,10 @@ def test_reference_free_losses_load_no_reference_and_learn(dpo, loss, beta):
     s = steps(out)
     assert len(s) == 6 and s[-1]["loss"] < s[0]["loss"] and s[-1]["rewards/margins"] > s[0]["rewards/margins"]
     assert 0 <= metrics(out)["eval/rewards/accuracies"] <= 1
-    assert_user_error(run_align("dpo", *common, "--out", root / "x", "--loss", loss, "--precompute-ref"),
-                      "uses no reference model")
+    from stages.dpo import DPOConfig
+
+    with pytest.raises(UserError, match="uses no reference model"):
+        DPOConfig(loss=loss, precompute_ref=True).validate()
 
 
 def test_kto_on_unpaired_pairs_starts_at_one_half_and_separates_desirable_from_undesirable(dpo):
@@ -157,5 +160,7 @@ def test_kto_on_unpaired_pairs_starts_at_one_half_and_separates_desirable_from_u
     assert s[-1]["rewards/desirable"] > s[-1]["rewards/undesirable"] and s[-1]["loss"] < 0.5
     m = metrics(out)
     assert 0 <= m["eval/rewards/accuracies"] <= 1 and "train/kl" in m
-    assert_user_error(run_align("dpo", *common, "--out", root / "y", "--loss", "kto", "--precompute-ref"),
-                      "drop --precompute-ref")
+    from stages.dpo import DPOConfig
+
+    with pytest.raises(UserError, match="drop --precompute-ref"):
+        DPOConfig(loss="kto", precompute_ref=True).validate()

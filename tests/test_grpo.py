@@ -140,8 +140,19 @@ def test_sort_task_with_a_user_reward_file(tmp_path, reward_file):
 
 def test_bad_grpo_flags_exit_2(tmp_path):
     for args, needle in ((["--advantage", "median"], "--advantage"), (["--num-generations", "1"], ">= 2"),
-                         (["--reward", "nope"], "unknown reward"), (["--loss", "ppo2"], "--loss must be"),
-                         (["--ratio", "sequence", "--loss", "cispo"], "GSPO"), (["--micro-batch-tokens", "0"], "positive"),
-                         (["--teacher", "tiny", "--distill-coef", "0"], "--distill-coef must be positive")):
+                         (["--reward", "nope"], "unknown reward")):
         proc = run(align("grpo", "--out", str(tmp_path / "x"), *args))
         assert proc.returncode == 2 and needle in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("flags, needle", [({"loss": "ppo2"}, "--loss must be"), ({"ratio": "sequence", "loss": "cispo"}, "GSPO"),
+                                           ({"micro_batch_tokens": 0}, "positive"),
+                                           ({"teacher": "tiny", "distill_coef": 0.0}, "--distill-coef must be positive"),
+                                           ({"reinforce": True, "loss": "cispo"}, "--reinforce has no importance ratio")])
+def test_bad_combinations_of_the_policy_objective_are_refused(flags, needle):
+    """Checked by the config (every entry point: flags, --config, pipeline validate) before anything runs."""
+    from align.errors import UserError
+    from stages.grpo import GRPOConfig
+
+    with pytest.raises(UserError, match=needle):
+        GRPOConfig(**flags).validate()
