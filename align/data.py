@@ -115,9 +115,10 @@ def columns_of(rows: list[dict]) -> list[str]:
     return list(rows[0]) if rows else []
 
 
-def load_rows(path: str | Path, fmt: str, columns: str | dict | None = None, limit: int = 0) -> list[dict]:
-    """Load, rename columns (a renamed column replaces one of the new name), check the required columns of `fmt`;
-    returns dict rows."""
+def load_rows(path: str | Path, fmt: str | tuple[str, ...], columns: str | dict | None = None,
+              limit: int = 0) -> list[dict]:
+    """Load, rename columns (a renamed column replaces one of the new name), check the required columns of `fmt`
+    (a tuple: the first of those formats whose columns the data has); returns dict rows."""
     rows = read_rows(path)
     names = columns_of(rows)
     mapping = parse_columns(columns)
@@ -132,6 +133,8 @@ def load_rows(path: str | Path, fmt: str, columns: str | dict | None = None, lim
         names = columns_of(rows)
     if not rows:
         raise UserError(f"{path}: the dataset is empty.")
+    fmts = (fmt,) if isinstance(fmt, str) else fmt
+    fmt = next((f for f in fmts if all(c in names for c in FORMATS[f])), fmts[0])
     required = FORMATS[fmt]
     if fmt == "sft" and "messages" in names and "prompt" not in names:
         required = ("messages",)
@@ -333,7 +336,7 @@ def unpaired_examples(tokenizer, rows: list[dict], max_length: int, source: str 
     """KTO's rows: {prompt, completion, label} (label true: desirable) tokenised as the pairs are (chat-templated
     prompt cut from the left to fit, completion + EOS never cut); empty or too-long completions are dropped.
     Preference pairs ({prompt, chosen, rejected}) are unpaired: chosen desirable, rejected undesirable."""
-    if rows and "chosen" in rows[0]:
+    if rows and "label" not in rows[0]:  # preference pairs (load_rows(path, ("unpaired", "preference")))
         pairs, _ = preference_examples(tokenizer, rows, max_length, source)
         return [{"prompt_ids": e["prompt_ids"], "completion_ids": e[k], "label": k == "chosen_ids"}
                 for e in pairs for k in ("chosen_ids", "rejected_ids")]
@@ -358,14 +361,13 @@ def collate_kto(examples: list[dict], pad_id: int):
     `desirable` [B] bool."""
     import torch
 
-    n = len(examples)
     prompts = [e["prompt_ids"] for e in examples]
     prompts = prompts + prompts[1:] + prompts[:1]
     comps = [e["completion_ids"] for e in examples] * 2
     seqs = [p + c for p, c in zip(prompts, comps)]
     labels = [[-100] * len(p) + c for p, c in zip(prompts, comps)]
     return {"input_ids": torch.tensor(pad(seqs, pad_id)), "labels": torch.tensor(pad(labels, -100)),
-            "desirable": torch.tensor([e["label"] for e in examples[:n]])}
+            "desirable": torch.tensor([e["label"] for e in examples])}
 
 
 def collate_pairs(examples: list[dict], pad_id: int):

@@ -256,9 +256,8 @@ class KTO(DPO):
 
     def load_examples(self, path: str) -> list[dict]:
         cfg = self.cfg
-        names = D.columns_of(D.read_rows(path))
-        paired = "chosen" in names and "label" not in names
-        rows = D.load_rows(path, "preference" if paired else "unpaired", cfg.columns)
+        rows = D.load_rows(path, ("unpaired", "preference"), cfg.columns)  # read once, after --columns
+        paired = "label" not in rows[0]
         examples = D.unpaired_examples(self.tok, rows, cfg.max_length, source=str(path))
         n_good = sum(e["label"] for e in examples)
         info(f"{path}: {len(examples)} rows for KTO ({n_good} desirable, {len(examples) - n_good} undesirable"

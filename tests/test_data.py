@@ -310,3 +310,21 @@ def test_collate_sft_pads_right():
 def test_pad_left_and_right():
     assert D.pad([[1], [2, 3, 4]], 0) == [[1, 0, 0], [2, 3, 4]]
     assert D.pad([[1], [2, 3, 4]], 9, side="left") == [[9, 9, 1], [2, 3, 4]]
+
+
+def test_load_rows_takes_the_first_format_the_renamed_columns_fit(tmp_path):
+    """`align dpo --loss kto` reads ("unpaired", "preference"): renamed pair columns are pairs; labelled rows are
+    unpaired; data that fits neither is refused naming what the first format lacks."""
+    import json
+
+    from align import data as D
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"question": "1+1?", "good": "2", "bad": "3"}) + "\n")
+    rows = D.load_rows(pairs, ("unpaired", "preference"), "question=prompt,good=chosen,bad=rejected")
+    assert rows == [{"prompt": "1+1?", "chosen": "2", "rejected": "3"}]
+    unpaired = tmp_path / "unpaired.jsonl"
+    unpaired.write_text(json.dumps({"prompt": "1+1?", "completion": "2", "label": True}) + "\n")
+    assert D.load_rows(unpaired, ("unpaired", "preference"))[0]["label"] is True
+    with pytest.raises(UserError, match="no 'prompt', 'completion', 'label' column for unpaired data"):
+        D.load_rows(pairs, ("unpaired", "preference"))
