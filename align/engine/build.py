@@ -41,12 +41,17 @@ def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
     return torch.bfloat16 if resolve_precision(device, precision) in ("bf16", "bf16-pure") else torch.float32
 
 
-def engine_stage(zero_stage: int, world_size: int, device: torch.device, keep: bool = False) -> tuple[int, str]:
+def engine_stage(zero_stage: int, world_size: int, device: torch.device, keep: bool = False,
+                 user_config: str | None = None) -> tuple[int, str]:
     """(the ZeRO stage to run, a note for the log when it is not the one asked for). ZeRO partitions across
     processes: with ONE process on a GPU, stages 1-3 hold the same bytes as stage 0 and add per-parameter hooks,
     gathers and flat-buffer copies to every micro-batch (most of a small model's update time), so a single CUDA
     process runs stage 0. `keep` (an offload was asked for: it needs ZeRO) and CPU runs (where the tests exercise
-    ZeRO-3 on one process) keep the stage asked for; a --deepspeed file's zero_optimization.stage wins anyway."""
+    ZeRO-3 on one process) keep the stage asked for; a --deepspeed file's zero_optimization.stage wins."""
+    if user_config:
+        stage = _user_config(Path(user_config)).get("zero_optimization", {}).get("stage")
+        if stage is not None:
+            return int(stage), ""
     if zero_stage == 0 or keep or world_size > 1 or device.type != "cuda":
         return zero_stage, ""
     return 0, (f"one GPU: ZeRO-{zero_stage} would partition nothing, so the engine runs as ZeRO-0 (the same memory, "
