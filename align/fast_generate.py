@@ -11,7 +11,7 @@ and all cache / position bookkeeping run on the device, with no host work betwee
   gathered) weights in before each rollout, so the captured graphs replay after every optimizer step.
 * Attention reads the grouped KV heads directly ([B, KV, G, D] x [B, KV, L, D]): no copy of K/V per query head.
 * Prompts are left-padded; the prefill runs eagerly; decode stops early once every row has emitted EOS (checked
-  every `check_every` tokens).
+  every `check_every` tokens on a GPU, every token on a CPU).
 * On CPU (tests) the same code runs eagerly, without compile or graphs: `tests/test_fast_generate.py` checks
   that its greedy tokens equal HF `generate`'s.
 
@@ -89,7 +89,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 class FastDecoder:
     """Inference copy + static cache + (on CUDA) compiled, graph-captured decode step for one model."""
 
-    def __init__(self, module, device, dtype=None, use_graphs: bool | None = None, check_every: int = 32):
+    def __init__(self, module, device, dtype=None, use_graphs: bool | None = None, check_every: int | None = None):
         cfg = module.config
         self.cfg = cfg
         self.device = torch.device(device)
@@ -100,7 +100,9 @@ class FastDecoder:
         self.dtype = dtype or autocast_dtype(module) or (p0.dtype if p0.numel() else torch.bfloat16)
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if use_graphs is None else use_graphs
-        self.check_every = check_every
+        # how often decode asks whether every row has finished: on a GPU the answer costs a host sync, on a CPU
+        # nothing (and every extra step a full batch forward)
+        self.check_every = check_every or (32 if cuda else 1)
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads

@@ -226,6 +226,8 @@ stage = "model-init"
 stage = "model-init"
 seed = 1
 """)
+    # a CPU torch: the stages are forked from one server that imported torch & co. once (the CLI run below too)
+    assert P.stage_processes(P.load(f).stages) is not None
     ran = P.run(f)
     assert statuses(ran) == {"base": "ran", "twin": "ran"}
     assert ran[0].metrics.get("parameters", 0) > 0 and ran[0].seconds > 0
