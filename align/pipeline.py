@@ -605,11 +605,11 @@ def stage_processes(stages: list[Stage]):
 
 
 def _stage_main(argv: list[str]) -> None:
-    """A forked stage process: `align ARGV`. Its SystemExit code is the process's exit code."""
-    from align import cli
+    """A forked stage process: what `python -m align ARGV` runs. Its SystemExit code is the process's exit code."""
+    import runpy
 
     sys.argv = ["align", *argv]
-    cli.main()
+    runpy.run_module("align", run_name="__main__", alter_sys=True)
 
 
 def run_stage(cmd: list[str], processes) -> int:

@@ -43,8 +43,10 @@ def losses(out: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    shard_all = root / "ds.json"  # shard every tensor, even tiny ones, so partitioning is visible
-    shard_all.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    # ZeRO-3 on both (one process would otherwise run ZeRO-0, whose preset init is not zero.Init's), every tensor
+    # sharded, even tiny ones, so partitioning is visible
+    shard_all = root / "ds.json"
+    shard_all.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
     one, two = root / "one", root / "two"
     run(align_cmd("sft", "--out", str(one), "--deepspeed", str(shard_all), *SFT_ARGS))
     run(align_cmd("sft", "--out", str(two), "--deepspeed", str(shard_all), *SFT_ARGS, nproc=2))
