@@ -127,17 +127,18 @@ def test_bf16_mixed_keeps_fp32_weights_computes_in_bf16_and_small_updates_count(
     assert params == torch.bfloat16 and (gain == 1).all()  # the same update, invisible to the bf16 module
 
 
-def test_auto_precision_and_the_one_process_engine_stage(tmp_path):
+def test_auto_precision_and_the_one_gpu_engine_stage(tmp_path):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert build.resolve_precision(cuda) == "bf16-mixed" and build.compute_dtype(cuda) == torch.float32
     assert build.resolve_precision(cpu) == "fp32" and build.compute_dtype(cuda, "bf16") == torch.bfloat16
-    stage, note = build.engine_stage(3, 1)
-    assert stage == 0 and "ZeRO-0" in note  # one process: nothing to partition, and the log says so
-    assert build.engine_stage(3, 2) == (3, "")  # two processes: ZeRO as asked
-    assert build.engine_stage(3, 1, keep=True) == (3, "")  # an offload needs ZeRO
+    stage, note = build.engine_stage(3, 1, cuda)
+    assert stage == 0 and "ZeRO-0" in note  # one GPU: nothing to partition, and the log says so
+    assert build.engine_stage(3, 2, cuda) == (3, "")  # two processes: ZeRO as asked
+    assert build.engine_stage(3, 1, cpu) == (3, "")  # CPU: as asked
+    assert build.engine_stage(3, 1, cuda, keep=True) == (3, "")  # an offload needs ZeRO
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 2}}')
-    assert build.engine_stage(3, 1, user_config=str(ds)) == (2, "")  # a --deepspeed file's stage runs, and is logged
+    assert build.engine_stage(3, 1, cuda, user_config=str(ds)) == (2, "")  # a --deepspeed file's stage runs, and is logged
 
 
 def test_zero_0_clips_and_reports_the_gradient_norm_as_zero_3_does(tiny_model_dir):

@@ -41,22 +41,21 @@ def compute_dtype(device: torch.device, precision: str = "auto") -> torch.dtype:
     return torch.bfloat16 if resolve_precision(device, precision) in ("bf16", "bf16-pure") else torch.float32
 
 
-def engine_stage(zero_stage: int, world_size: int, keep: bool = False,
+def engine_stage(zero_stage: int, world_size: int, device: torch.device, keep: bool = False,
                  user_config: str | None = None) -> tuple[int, str]:
     """(the ZeRO stage to run, a note for the log when it is not the one asked for). ZeRO partitions across
-    processes: with ONE process, stages 1-3 hold the same bytes as stage 0 and add per-parameter hooks, gathers
-    and flat-buffer copies to every micro-batch (most of a small model's update time on a GPU; a third of the
-    tiny model's SFT step on 2 CPU cores), so a single process runs stage 0, on a GPU or a CPU. `keep` (an
-    offload was asked for: it needs ZeRO) keeps the stage asked for; a --deepspeed file's zero_optimization.stage
-    wins. ZeRO-3 is what runs from 2 processes on."""
+    processes: with ONE process on a GPU, stages 1-3 hold the same bytes as stage 0 and add per-parameter hooks,
+    gathers and flat-buffer copies to every micro-batch (most of a small model's update time), so a single CUDA
+    process runs stage 0. `keep` (an offload was asked for: it needs ZeRO) and CPU runs (where the tests exercise
+    ZeRO-3 on one process) keep the stage asked for; a --deepspeed file's zero_optimization.stage wins."""
     if user_config:
         stage = _user_config(Path(user_config)).get("zero_optimization", {}).get("stage")
         if stage is not None:
             return int(stage), ""
-    if zero_stage == 0 or keep or world_size > 1:
+    if zero_stage == 0 or keep or world_size > 1 or device.type != "cuda":
         return zero_stage, ""
-    return 0, (f"one process: ZeRO-{zero_stage} would partition nothing, so the engine runs as ZeRO-0 (the same "
-               "memory, no gather or partition hooks); ZeRO applies from 2 processes on")
+    return 0, (f"one GPU: ZeRO-{zero_stage} would partition nothing, so the engine runs as ZeRO-0 (the same memory, "
+               "no gather or partition hooks); ZeRO applies from 2 processes on")
 
 
 def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size: int, dtype: torch.dtype,

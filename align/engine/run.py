@@ -142,7 +142,7 @@ class StageRun:
             self.precision = resolve_precision(self.dist.device, self.cfg.precision)
             self.dtype = compute_dtype(self.dist.device, self.precision)
             keep = getattr(self.cfg, "offload_optimizer", False) or getattr(self.cfg, "offload_frozen", False)
-            self.zero_stage, note = engine_stage(self.cfg.zero_stage, self.dist.world_size, keep,
+            self.zero_stage, note = engine_stage(self.cfg.zero_stage, self.dist.world_size, self.dist.device, keep,
                                                  self.cfg.deepspeed)
             if note:
                 info(note)
