@@ -49,7 +49,7 @@ def engine_stage(zero_stage: int, world_size: int, device: torch.device, keep: b
     process runs stage 0. `keep` (an offload was asked for: it needs ZeRO) and CPU runs (where the tests exercise
     ZeRO-3 on one process) keep the stage asked for; a --deepspeed file's zero_optimization.stage wins."""
     if user_config:
-        stage = _user_config(Path(user_config)).get("zero_optimization", {}).get("stage")
+        stage = _read_user_config(Path(user_config)).get("zero_optimization", {}).get("stage")
         if stage is not None:
             return int(stage), ""
     if zero_stage == 0 or keep or world_size > 1 or device.type != "cuda":
@@ -116,13 +116,18 @@ def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size:
     return cfg
 
 
-def _user_config(path: Path) -> dict:
+def _read_user_config(path: Path) -> dict:
     try:
-        user = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: DeepSpeed config not found (--deepspeed).") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
+
+
+def _user_config(path: Path) -> dict:
+    """The --deepspeed file's keys that ds_config merges: all but the batch layout, which align sets (and says so)."""
+    user = _read_user_config(path)
     ignored = [k for k in BATCH_KEYS if k in user]
     if ignored:
         from align.console import warn
