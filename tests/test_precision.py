@@ -30,7 +30,8 @@ def train_three_steps(tiny_model_dir, dtype, zero_stage=3, **ds_kw):
     tok = load_tokenizer(ref)
     cfg = build.ds_config(zero_stage=zero_stage, micro_batch=2, grad_accum=1, world_size=1, dtype=dtype, **ds_kw)
     model, link = build.load_partitioned(cfg, lambda dtype: load_causal_lm(ref, tok, dtype, seed=0), dtype)  # noqa: F841
-    eng = build.wrap(model, cfg, build.adamw(model, 1e-3, 0.0))
+    sr = ds_kw.get("precision") == "bf16-pure"  # as StageRun.train builds it
+    eng = build.wrap(model, cfg, build.adamw(model, 1e-3, 0.0, stochastic_rounding=sr))
     ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 10, 2]])
     losses = []
     for _ in range(3):
@@ -59,8 +60,10 @@ def test_bf16_pure_keeps_master_weights_and_moments_in_bf16(tiny_model_dir):
 
 def test_bf16_pure_on_zero_0_is_plain_bf16_training(tiny_model_dir):
     """No ZeRO optimizer, no master copy: AdamW steps the bf16 module's own parameters (TRL's memory layout)."""
+    from align.optim import AdamWSR
+
     eng, losses = train_three_steps(tiny_model_dir, torch.bfloat16, zero_stage=0, precision="bf16-pure")
-    assert isinstance(eng.optimizer, torch.optim.AdamW)
+    assert isinstance(eng.optimizer, AdamWSR)  # stochastic rounding: see tests/test_optim.py
     params = [p for g in eng.optimizer.param_groups for p in g["params"]]
     assert {p.dtype for p in params} == {torch.bfloat16}
     assert {p.data_ptr() for p in params} <= {p.data_ptr() for p in eng.module.parameters()}  # no copy

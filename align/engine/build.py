@@ -275,8 +275,10 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return f
 
 
-def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: bool = False):
-    """AdamW, weight decay on matrices only (the fused kernel on GPU machines). With --offload-optimizer on a GPU
+def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: bool = False,
+          stochastic_rounding: bool = False):
+    """AdamW, weight decay on matrices only (the fused kernel on GPU machines). `stochastic_rounding` (--precision
+    bf16-pure: the optimizer steps bf16 weights): `align.optim.AdamWSR`. With --offload-optimizer on a GPU
     machine the step runs on the CPU: DeepSpeed's vectorised CPUAdam (built once per machine, ~1 min; several
     times faster than torch's CPU AdamW), or torch's AdamW where the build fails."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
@@ -292,6 +294,12 @@ def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: boo
 
             warn(f"DeepSpeedCPUAdam unavailable ({type(e).__name__}: {str(e)[:200]}); the offloaded optimiser "
                  "step uses torch's AdamW on the CPU")
+    if stochastic_rounding:
+        # bf16 weights stepped in bf16 (--precision bf16-pure): stochastic rounding keeps updates far below a
+        # bf16 ulp (lr 1e-5 on weights near 1) alive in expectation, where round-to-nearest drops them.
+        from align.optim import AdamWSR
+
+        return AdamWSR(groups, lr=lr, betas=betas)
     # GPU machines: the fused kernel (a few launches per step, no parameter-sized temporaries as the default
     # foreach AdamW allocates); on CPU-only machines torch's default, which the CPU tests pin down.
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=torch.cuda.is_available() or None)

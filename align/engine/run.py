@@ -170,7 +170,8 @@ class StageRun:
                        user_config=cfg.deepspeed, precision=self.precision, offload_optimizer=cfg.offload_optimizer)
         clip = own_clipping(ds)
         model, self._link = load_partitioned(ds, load, self.dtype)
-        opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer)
+        opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer,
+                    stochastic_rounding=self.precision == "bf16-pure")
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
         eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
         eng.train()

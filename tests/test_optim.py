@@ -1,0 +1,65 @@
+"""Stochastic rounding to bf16 and the AdamW that uses it (--precision bf16-pure)."""
+
+import pytest
+import torch
+
+from align.optim import AdamWSR, stochastic_round_bf16
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_the_two_neighbours():
+    g = torch.Generator().manual_seed(0)
+    ulp = 2.0**-7  # bf16 spacing in [1, 2)
+    for x in (1.0 + 0.3 * ulp, -(1.0 + 0.3 * ulp), 3.0e-5, -1234.5678):
+        xs = torch.full((200_000,), x, dtype=torch.float32)
+        r = stochastic_round_bf16(xs, g)
+        assert r.dtype == torch.bfloat16
+        lo, hi = sorted({v.item() for v in r.unique().float()})
+        assert lo <= x <= hi and torch.tensor(lo).bfloat16().float() == lo and torch.tensor(hi).bfloat16().float() == hi
+        assert r.float().mean().item() == pytest.approx(x, rel=2e-4)  # E[SR(x)] = x
+        p_up = (r.float() == hi).float().mean().item()
+        assert p_up == pytest.approx((x - lo) / (hi - lo), abs=0.01)  # two points with mean x
+    # round-to-nearest would map 1 + 0.3 ulp to 1.0 every time
+    assert torch.tensor(1.0 + 0.3 * ulp).bfloat16().item() == 1.0
+
+
+def test_values_bf16_holds_exactly_never_move():
+    x = torch.tensor([0.0, 1.0, -2.5, 0.15625, 1e-30, 3.0e38]).bfloat16().float()
+    for seed in range(5):
+        assert torch.equal(stochastic_round_bf16(x, torch.Generator().manual_seed(seed)).float(), x)
+
+
+def test_adamw_sr_is_torch_adamw_on_fp32_parameters():
+    torch.manual_seed(0)
+    a = torch.nn.Linear(8, 4)
+    b = torch.nn.Linear(8, 4)
+    b.load_state_dict(a.state_dict())
+    groups = lambda m: [{"params": [m.weight], "weight_decay": 0.1}, {"params": [m.bias], "weight_decay": 0.0}]
+    oa = torch.optim.AdamW(groups(a), lr=1e-2, betas=(0.9, 0.95))
+    ob = AdamWSR(groups(b), lr=1e-2, betas=(0.9, 0.95))
+    for step in range(6):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+    assert set(ob.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_updates_below_a_bf16_ulp_survive_with_stochastic_rounding_only():
+    """A weight of 1.0 (bf16 ulp 2^-7 ≈ 0.0078) with a constant gradient: Adam's step is ≈ lr = 1e-4, so 300
+    steps should move it by ≈ −0.03. Round-to-nearest AdamW (torch's, on bf16) never moves it; AdamWSR does, by
+    the right amount up to rounding noise, and keeps its moments in bf16 (8 bytes per parameter in all)."""
+    torch.manual_seed(0)
+    w_rn = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    w_sr = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    o_rn = torch.optim.AdamW([w_rn], lr=1e-4, weight_decay=0.0)
+    o_sr = AdamWSR([w_sr], lr=1e-4, weight_decay=0.0)
+    for _ in range(300):
+        for w, o in ((w_rn, o_rn), (w_sr, o_sr)):
+            w.grad = torch.ones_like(w)
+            o.step()
+    assert torch.all(w_rn == 1.0)
+    assert w_sr.float().mean().item() == pytest.approx(1.0 - 300 * 1e-4, abs=1e-3)
+    assert {t.dtype for t in o_sr.state[w_sr].values() if t.ndim} == {torch.bfloat16}
