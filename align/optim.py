@@ -43,23 +43,52 @@ class AdamWSR(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                                         exp_avg_sq=torch.zeros_like(p))
+            # chunks of <= 2^26 elements bound the fp32 temporaries (~20 bytes per element of a chunk)
+            chunk: list = []
+            for p in params + [None]:
+                if p is not None and (not chunk or sum(q.numel() for q in chunk) + p.numel() <= 1 << 26):
+                    chunk.append(p)
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                state["step"] += 1
-                t = state["step"].item()
-                g = p.grad.float()
-                m = state["exp_avg"].float().mul_(b1).add_(g, alpha=1 - b1)
-                v = state["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
-                denom = (v / (1 - b2**t)).sqrt_().add_(eps)  # v may be the state itself (fp32)
-                x = p.float().mul_(1 - lr * wd).addcdiv_(m, denom, value=-lr / (1 - b1**t))
-                p.copy_(stochastic_round_bf16(x) if p.dtype == torch.bfloat16 else x)
+                if chunk:
+                    self._update(chunk, group)
+                chunk = [p] if p is not None else []
         return loss
+
+    def _update(self, params: list, group: dict) -> None:
+        """One AdamW step of `params` (same group) with multi-tensor (foreach) kernels in fp32."""
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        for st in states:
+            st["step"] += 1
+        t = states[0]["step"].item()
+        f32 = lambda ts: [x.float() if x.dtype != torch.float32 else x for x in ts]  # noqa: E731
+        g = f32([p.grad for p in params])
+        m, v = f32([st["exp_avg"] for st in states]), f32([st["exp_avg_sq"] for st in states])
+        torch._foreach_mul_(m, b1)
+        torch._foreach_add_(m, g, alpha=1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, g, g, value=1 - b2)
+        for st, mi, vi in zip(states, m, v):
+            if st["exp_avg"] is not mi:
+                st["exp_avg"].copy_(mi)
+                st["exp_avg_sq"].copy_(vi)
+        denom = torch._foreach_div(v, 1 - b2**t)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        x = [p.float() if p.dtype != torch.float32 else p for p in params]
+        if wd:
+            torch._foreach_mul_(x, 1 - lr * wd)
+        torch._foreach_addcdiv_(x, m, denom, value=-lr / (1 - b1**t))
+        low = [(p, xi) for p, xi in zip(params, x) if p.dtype == torch.bfloat16]
+        if low:  # one stochastic rounding over the chunk's bf16 parameters, flattened
+            flat = stochastic_round_bf16(torch.cat([xi.reshape(-1) for _, xi in low]))
+            for (p, _), part in zip(low, flat.split([p.numel() for p, _ in low])):
+                p.copy_(part.view_as(p))
+        for p, xi in zip(params, x):
+            if p.dtype not in (torch.bfloat16, torch.float32):
+                p.copy_(xi)
