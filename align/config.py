@@ -72,8 +72,8 @@ class StageConfig:
                                  "fp32 master weights), bf16-mixed (fp32 weights and gradients, matmuls in bf16 under "
                                  "torch.autocast, as TRL/Accelerate's mixed precision), bf16-pure (master weights, "
                                  "gradients and Adam moments in bf16 too: 10 instead of 16 bytes per trained "
-                                 "parameter, coarser updates; with --zero-stage 0 no master copy at all: 8 bytes) or "
-                                 "fp32.")
+                                 "parameter; with --zero-stage 0 no master copy at all: 8 bytes; AdamW writes the "
+                                 "bf16 weights with stochastic rounding, so small updates survive) or fp32.")
 
     def __post_init__(self):
         # checked at construction, so every entry point (flags, --config, pipeline validate) refuses it before

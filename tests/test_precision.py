@@ -46,7 +46,10 @@ def optimizer_dtypes(tiny_model_dir, precision: str) -> set:
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     eng, _ = train_three_steps(tiny_model_dir, torch.bfloat16, precision=precision)
-    inner = eng.optimizer.optimizer  # the torch AdamW that ZeRO drives
+    inner = eng.optimizer.optimizer  # the AdamW that ZeRO drives
+    from align.optim import AdamWSR
+
+    assert isinstance(inner, AdamWSR) == (precision == "bf16-pure")  # stochastic rounding onto bf16 masters
     dtypes = {t.dtype for st in inner.state.values() for k, t in st.items() if k in ("exp_avg", "exp_avg_sq")}
     dtypes |= {p.dtype for g in inner.param_groups for p in g["params"]}  # the master partitions
     unset_hf_deepspeed_config()
@@ -171,3 +174,22 @@ def test_zero_0_clips_and_reports_the_gradient_norm_as_zero_3_does(tiny_model_di
     norm3, w3 = one_step(3)
     assert norm0 > 0.05 and norm0 == pytest.approx(norm3, rel=1e-5)  # the clip was active, the norm reported
     torch.testing.assert_close(w0, w3, rtol=0, atol=1e-6)
+
+
+def test_sft_under_bf16_pure_learns_through_stochastic_rounding(tmp_path):
+    """The whole stage path (StageRun.train) under --precision bf16-pure at lr 2e-3 on the tiny model: the run
+    completes, its loss falls, and the engine's optimizer is AdamWSR (the same run with round-to-nearest bf16
+    AdamW is the setting where small updates vanish)."""
+    import json
+
+    from tests.conftest import output, run_align, small_sft
+
+    out = tmp_path / "sft"
+    proc = run_align("sft", *small_sft(), "--precision", "bf16-pure", "--max-steps", "30", "--batch-size", "8",
+                     "--eval-every", "0", "--out", out)
+    assert proc.returncode == 0, output(proc)[-2000:]
+    assert "AdamW writes the bf16 weights with stochastic rounding" in output(proc)  # the engine's optimizer
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
+    assert json.loads((out / "artifact.json").read_text())["status"] == "complete"

@@ -34,6 +34,7 @@ from align.engine import checkpoint, outdir
 from align.engine.build import (Optim, Trained, adamw, compute_dtype, ds_config, engine_stage, frozen_config, load_partitioned,
                                 lr_lambda, own_clipping, resolve_precision, wrap)
 from align.errors import Terminated, UserError
+from align.optim import AdamWSR
 
 RATES = ("tokens", "pairs")  # Stats.sum counts a stage may log: the run adds <name>_per_s per step and overall
 
@@ -175,6 +176,8 @@ class StageRun:
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
         eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
         eng.train()
+        if isinstance(getattr(eng.optimizer, "optimizer", eng.optimizer), AdamWSR):  # ZeRO wraps it; ZeRO-0 not
+            info(f"{name}: AdamW writes the bf16 weights with stochastic rounding (--precision bf16-pure)")
         self.engines[name] = Trained(eng, accum, self.dist.world_size, optim.lr, prefix, clip)
         return self.engines[name]
 
