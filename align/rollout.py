@@ -77,7 +77,13 @@ def select(batch: dict, idx) -> dict:
 
 @contextlib.contextmanager
 def timed(times: dict, key: str):
-    """times[key] = the seconds the block took (a phase of an RL step: time/generate, time/update, ...)."""
+    """times[key] = the seconds the block took (a phase of an RL step: time/generate, time/update, ...); on a GPU
+    also times["memory/<phase>"] = the peak GiB allocated during it (which phase sets the run's peak)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        runtime.reset_peak()
     t = time.time()
     yield
     times[key] = time.time() - t
+    if cuda:
+        times["memory/" + key.split("/", 1)[-1]] = torch.cuda.max_memory_allocated() / 2**30

@@ -222,9 +222,19 @@ def partition_stats(eng) -> dict:
             "resident_per_rank": all_gather_objects(resident)}
 
 
+_PEAK_BEFORE_RESET = 0  # CUDA bytes: the process's peak up to the last reset_peak (see phase_peak)
+
+
+def reset_peak() -> None:
+    """Start measuring a phase's CUDA peak, keeping the process's overall peak for peak_memory_gib."""
+    global _PEAK_BEFORE_RESET
+    _PEAK_BEFORE_RESET = max(_PEAK_BEFORE_RESET, torch.cuda.max_memory_allocated())
+    torch.cuda.reset_peak_memory_stats()
+
+
 def peak_memory_gib(dist: Dist) -> float:
     if dist.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(dist.device) / 2**30
+        return max(_PEAK_BEFORE_RESET, torch.cuda.max_memory_allocated(dist.device)) / 2**30
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB (process RSS)

@@ -1,6 +1,7 @@
 """The pieces that make a GPU step cheap, checked on CPU: frozen engines beside a ZeRO-1/2 engine, ZeRO-3 leaf
 blocks, and mask-free forwards of right-padded batches."""
 
+import pytest
 import torch
 
 from align.engine import build
@@ -64,3 +65,28 @@ def test_token_budget_micro_batches():
     assert build.rows_within(128, 200, 16384) == 64  # 81 rows would fit; 64 divides 128
     assert build.rows_within(12, 100, 500) == 4
     assert build.rows_within(7, 10_000, 100) == 1  # nothing fits: one row at a time
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA allocator to measure (run on a GPU machine)")
+def test_rl_phases_log_their_cuda_peak_and_the_run_keeps_its_own():
+    """`timed` (an RL step's phases) logs memory/<phase> = the peak allocated during that phase; resetting the
+    peak per phase must not lose the run's overall peak (the summary's peak_memory_gib_per_rank)."""
+    from types import SimpleNamespace
+
+    from align import runtime
+    from align.rollout import timed
+
+    MiB = 2**20
+    big = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+    del big
+    times = {}
+    with timed(times, "time/generate"):
+        kept = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    with timed(times, "time/update"):
+        tmp = torch.empty(128 * MiB, dtype=torch.uint8, device="cuda")
+        del tmp
+    base = torch.cuda.memory_allocated() / 2**30 - 64 / 1024  # what was allocated before `kept`
+    assert times["memory/generate"] == pytest.approx(base + 64 / 1024, abs=0.01)
+    assert times["memory/update"] == pytest.approx(base + 192 / 1024, abs=0.01)  # kept + tmp
+    assert runtime.peak_memory_gib(SimpleNamespace(device=torch.device("cuda"))) >= base + 0.5
+    del kept
