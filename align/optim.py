@@ -27,6 +27,9 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
+CHUNK = 1 << 22  # elements per multi-tensor update: ~150 MB of fp32 temporaries
+
+
 class AdamWSR(torch.optim.Optimizer):
     """AdamW (Loshchilov & Hutter 2019) whose arithmetic runs in fp32 and whose bf16 parameters are written back
     with stochastic rounding; moments are kept in the parameter's dtype (rounded to nearest). For fp32
@@ -48,10 +51,11 @@ class AdamWSR(torch.optim.Optimizer):
                 if not self.state[p]:
                     self.state[p].update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
                                          exp_avg_sq=torch.zeros_like(p))
-            # chunks of <= 2^26 elements bound the fp32 temporaries (~20 bytes per element of a chunk)
+            # chunks of <= CHUNK elements bound the fp32 temporaries (~36 bytes per element of a chunk: 2^26
+            # elements made a 2.4 GB transient, the update's peak at 135M)
             chunk: list = []
             for p in params + [None]:
-                if p is not None and (not chunk or sum(q.numel() for q in chunk) + p.numel() <= 1 << 26):
+                if p is not None and (not chunk or sum(q.numel() for q in chunk) + p.numel() <= CHUNK):
                     chunk.append(p)
                     continue
                 if chunk:

@@ -63,3 +63,23 @@ def test_updates_below_a_bf16_ulp_survive_with_stochastic_rounding_only():
     assert torch.all(w_rn == 1.0)
     assert w_sr.float().mean().item() == pytest.approx(1.0 - 300 * 1e-4, abs=1e-3)
     assert {t.dtype for t in o_sr.state[w_sr].values() if t.ndim} == {torch.bfloat16}
+
+
+def test_chunked_update_equals_one_chunk(monkeypatch):
+    """The multi-tensor update runs over chunks of parameters (bounding its fp32 temporaries): the chunking must
+    not change the arithmetic (fp32 parameters, no rounding: exact)."""
+    import align.optim as O
+
+    def run(chunk):
+        monkeypatch.setattr(O, "CHUNK", chunk)
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        o = O.AdamWSR(m.parameters(), lr=1e-2)
+        for step in range(3):
+            o.zero_grad()
+            m(torch.randn(5, 8, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+            o.step()
+        return [p.detach().clone() for p in m.parameters()]
+
+    for a, b in zip(run(1 << 22), run(20)):  # 20 elements: one tensor per chunk (some larger than a chunk)
+        assert torch.equal(a, b)
