@@ -135,9 +135,9 @@ def killed_run(args, out, nproc):
     pytest.fail("the run finished three times before it could be killed")
 
 
-def check_resume(stage, inputs, tmp_path, nproc=1):
+def check_resume(stage, inputs, tmp_path, nproc=1, extra=()):
     ref, out = tmp_path / "uninterrupted", tmp_path / "killed"
-    args = [*(ONE_PROCESS if nproc == 1 else STAGES)[stage], *inputs[stage], *COMMON]
+    args = [*(ONE_PROCESS if nproc == 1 else STAGES)[stage], *inputs[stage], *COMMON, *extra]
     uninterrupted = start([*args, "--out", str(ref)], nproc)
     art, resumed_at = killed_run(args, out, nproc)
     finish(uninterrupted)
@@ -201,3 +201,9 @@ def test_checkpoint_holds_rng_algorithm_and_monitor_state(inputs, tmp_path):
     rng = json.loads((step / "rng-rank0.json").read_text())
     assert {"python", "torch", "numpy"} <= set(rng) and len(rng["torch"]) > 1000
     assert (step / "policy").is_dir() and not (out / "checkpoints" / "step1").exists()
+
+
+def test_bf16_pure_resume_after_sigkill_equals_an_uninterrupted_run(inputs, tmp_path):
+    """bf16 weights, bf16 Adam moments and stochastic rounding (whose noise comes from the checkpointed RNG):
+    a resumed GRPO run lands on the same weights as an uninterrupted one."""
+    check_resume("grpo", inputs, tmp_path, extra=("--precision", "bf16-pure"))
