@@ -53,14 +53,15 @@ class AdamWSR(torch.optim.Optimizer):
                                          exp_avg_sq=torch.zeros_like(p))
             # chunks of <= CHUNK elements bound the fp32 temporaries (~36 bytes per element of a chunk: 2^26
             # elements made a 2.4 GB transient, the update's peak at 135M)
-            chunk: list = []
-            for p in params + [None]:
-                if p is not None and (not chunk or sum(q.numel() for q in chunk) + p.numel() <= CHUNK):
-                    chunk.append(p)
-                    continue
-                if chunk:
+            chunk, size = [], 0
+            for p in params:
+                if chunk and size + p.numel() > CHUNK:
                     self._update(chunk, group)
-                chunk = [p] if p is not None else []
+                    chunk, size = [], 0
+                chunk.append(p)
+                size += p.numel()
+            if chunk:
+                self._update(chunk, group)
         return loss
 
     def _update(self, params: list, group: dict) -> None:

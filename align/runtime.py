@@ -222,7 +222,7 @@ def partition_stats(eng) -> dict:
             "resident_per_rank": all_gather_objects(resident)}
 
 
-_PEAK_BEFORE_RESET = 0  # CUDA bytes: the process's peak up to the last reset_peak (see phase_peak)
+_PEAK_BEFORE_RESET = 0  # CUDA bytes: the process's peak up to the last reset_peak (rollout.timed)
 
 
 def reset_peak() -> None:
