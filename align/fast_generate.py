@@ -126,22 +126,35 @@ class FastDecoder:
         self.inter = inter
         e = dict(device=self.device, dtype=self.dtype)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.embed = torch.empty(cfg.vocab_size, self.hidden, **e)
-        self.head = self.embed if self.tied else torch.empty(cfg.vocab_size, self.hidden, **e)
-        self.norm = torch.empty(self.hidden, **e)
-        self.layers = []
-        for _ in range(self.n_layers):
-            L = dict(ln1=torch.empty(self.hidden, **e), ln2=torch.empty(self.hidden, **e),
-                     qkv=torch.empty(nq + 2 * nk, self.hidden, **e), o=torch.empty(self.hidden, nq, **e),
-                     gu=torch.empty(2 * inter, self.hidden, **e), down=torch.empty(self.hidden, inter, **e))
+        shapes = {"embed": (cfg.vocab_size, self.hidden), "norm": (self.hidden,)}
+        if not self.tied:
+            shapes["head"] = (cfg.vocab_size, self.hidden)
+        for i in range(self.n_layers):
+            shapes.update({(i, "ln1"): (self.hidden,), (i, "ln2"): (self.hidden,), (i, "qkv"): (nq + 2 * nk, self.hidden),
+                           (i, "o"): (self.hidden, nq), (i, "gu"): (2 * inter, self.hidden), (i, "down"): (self.hidden, inter)})
             if self.qkv_bias:
-                L["qkv_b"] = torch.empty(nq + 2 * nk, **e)
+                shapes[i, "qkv_b"] = (nq + 2 * nk,)
             if self.o_bias:
-                L["o_b"] = torch.empty(self.hidden, **e)
+                shapes[i, "o_b"] = (self.hidden,)
             if self.mlp_bias:
-                L["gu_b"] = torch.empty(2 * inter, **e)
-                L["down_b"] = torch.empty(self.hidden, **e)
-            self.layers.append(L)
+                shapes[i, "gu_b"], shapes[i, "down_b"] = (2 * inter,), (self.hidden,)
+        # every weight a view of ONE buffer (offsets 64-element aligned), so that `release` can hand the whole
+        # inference copy back to the allocator between rollouts and `load_weights` take it again in one piece
+        align = lambda n: -(-n // 64) * 64  # noqa: E731
+        offsets, total = {}, 0
+        for k, shp in shapes.items():
+            offsets[k] = total
+            total += align(math.prod(shp))
+        self._wbuf = torch.empty(total, **e)
+        view = {k: self._wbuf[o : o + math.prod(shapes[k])].view(shapes[k]) for k, o in offsets.items()}
+        self.embed, self.norm = view["embed"], view["norm"]
+        self.head = self.embed if self.tied else view["head"]
+        self.layers = [{} for _ in range(self.n_layers)]
+        for k, t in view.items():
+            if isinstance(k, tuple):
+                self.layers[k[0]][k[1]] = t
+        self._wptr = self._wbuf.data_ptr()
+        self.recaptures = 0  # CUDA graphs re-captured because a buffer came back at another address
         self.vocab = cfg.vocab_size
         self._shape_key = None
         self._graphs: dict = {}
@@ -150,7 +163,9 @@ class FastDecoder:
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def load_weights(self, module) -> None:
-        """Copy the module's current weights in (call with ZeRO-3 params gathered). Addresses do not change."""
+        """Copy the module's current weights in (call with ZeRO-3 params gathered), into the buffer `release`
+        gave back if it did."""
+        self._take(self._wbuf, "_wptr")
         mm = module.model
         self.embed.copy_(mm.embed_tokens.weight)
         if not self.tied:
@@ -212,9 +227,13 @@ class FastDecoder:
         return self.k_cache + self.v_cache + [self.noise]
 
     def release(self) -> None:
-        """Free the KV cache and sampling buffer between rollouts (the training step needs the memory): the
-        tensors stay (no recompile), their storage goes. The next `generate` re-allocates them, zeroed, and
-        re-captures the graphs only if the allocator placed them elsewhere."""
+        """Free the inference weights, the KV cache and the sampling buffer between rollouts (the training step
+        needs the memory: at 0.5B the weights alone are 0.9 GiB): the tensors stay (no recompile), their storage
+        goes. `load_weights` and the next `generate` take it back (the cache zeroed) and re-capture the graphs
+        only if the allocator placed a buffer elsewhere."""
+        if self._wbuf.untyped_storage().nbytes():
+            self._wptr = self._wbuf.data_ptr()
+            self._wbuf.untyped_storage().resize_(0)
         if self._shape_key is None or self._released:
             return
         self._ptrs = [t.data_ptr() for t in self._big()]
@@ -222,14 +241,24 @@ class FastDecoder:
             t.untyped_storage().resize_(0)
         self._released = True
 
+    def _take(self, t: torch.Tensor, ptr_attr: str) -> None:
+        """Give `t` its storage back after `release` (contents undefined); drop the captured graphs if it moved."""
+        if t.untyped_storage().nbytes():
+            return
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+        if t.data_ptr() != getattr(self, ptr_attr) and self._graphs:
+            self._graphs = {}
+            self.recaptures += 1
+
     def _restore(self) -> None:
         if not self._released:
             return
         for t in self._big():
             t.untyped_storage().resize_(t.numel() * t.element_size())
             t.zero_()  # masked cache slots are multiplied by 0: they must not hold NaN/inf garbage
-        if [t.data_ptr() for t in self._big()] != self._ptrs:
+        if [t.data_ptr() for t in self._big()] != self._ptrs and self._graphs:
             self._graphs = {}
+            self.recaptures += 1
         self._released = False
 
     def kv_cache_bytes(self, rows: int, length: int) -> int:
@@ -422,7 +451,7 @@ class FastDecoder:
             t2 = time.perf_counter()
             print(f"[fast_generate] rows {n}/{B} cap {cap} graphs {self.use_graphs} runner {t1 - t0:.2f}s "
                   f"prefill+decode {t2 - t1:.2f}s for {steps} tokens = {(t2 - t1) / steps * 1e3:.2f} ms/token; "
-                  f"grad {torch.is_grad_enabled()} dynamo counters {dict(torch._dynamo.utils.counters['stats'])}",
+                  f"graph re-captures {self.recaptures} grad {torch.is_grad_enabled()} dynamo counters {dict(torch._dynamo.utils.counters['stats'])}",
                   file=sys.stderr, flush=True)
         return self.out[:n, :steps].tolist()
 

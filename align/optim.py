@@ -47,41 +47,44 @@ class AdamWSR(torch.optim.Optimizer):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             for p in params:
                 if not self.state[p]:
                     self.state[p].update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
                                          exp_avg_sq=torch.zeros_like(p))
-            # chunks of <= CHUNK elements bound the fp32 temporaries (~36 bytes per element of a chunk: 2^26
-            # elements made a 2.4 GB transient, the update's peak at 135M)
+                self.state[p]["step"] += 1
+            t = self.state[params[0]]["step"].item()  # one host sync per group, not per chunk
+            # chunks of <= CHUNK elements, large tensors sliced, bound the fp32 temporaries (~36 bytes per element
+            # of a chunk): whole tensors made a 5.5 GiB transient at 0.5B (its 136M-element embedding alone is
+            # 0.5 GiB per fp32 copy), and that transient was the step's peak
             chunk, size = [], 0
-            for p in params:
-                if chunk and size + p.numel() > CHUNK:
-                    self._update(chunk, group)
+            for piece in (q for p in params for q in _pieces(p, self.state[p], CHUNK)):
+                if chunk and size + piece[0].numel() > CHUNK:
+                    self._update(chunk, group, t)
                     chunk, size = [], 0
-                chunk.append(p)
-                size += p.numel()
+                chunk.append(piece)
+                size += piece[0].numel()
             if chunk:
-                self._update(chunk, group)
+                self._update(chunk, group, t)
         return loss
 
-    def _update(self, params: list, group: dict) -> None:
-        """One AdamW step of `params` (same group) with multi-tensor (foreach) kernels in fp32."""
+    def _update(self, pieces: list, group: dict, t: float) -> None:
+        """One AdamW step (step count `t`) of `pieces` — (parameter, gradient, exp_avg, exp_avg_sq) views of one
+        group — with multi-tensor (foreach) kernels in fp32."""
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        states = [self.state[p] for p in params]
-        for st in states:
-            st["step"] += 1
-        t = states[0]["step"].item()
+        params = [x[0] for x in pieces]
         f32 = lambda ts: [x.float() if x.dtype != torch.float32 else x for x in ts]  # noqa: E731
-        g = f32([p.grad for p in params])
-        m, v = f32([st["exp_avg"] for st in states]), f32([st["exp_avg_sq"] for st in states])
+        g = f32([x[1] for x in pieces])
+        m, v = f32([x[2] for x in pieces]), f32([x[3] for x in pieces])
         torch._foreach_mul_(m, b1)
         torch._foreach_add_(m, g, alpha=1 - b1)
         torch._foreach_mul_(v, b2)
         torch._foreach_addcmul_(v, g, g, value=1 - b2)
-        for st, mi, vi in zip(states, m, v):
-            if st["exp_avg"] is not mi:
-                st["exp_avg"].copy_(mi)
-                st["exp_avg_sq"].copy_(vi)
+        for (_, _, m0, v0), mi, vi in zip(pieces, m, v):
+            if m0 is not mi:
+                m0.copy_(mi)
+                v0.copy_(vi)
         denom = torch._foreach_div(v, 1 - b2**t)
         torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, eps)
@@ -90,10 +93,22 @@ class AdamWSR(torch.optim.Optimizer):
             torch._foreach_mul_(x, 1 - lr * wd)
         torch._foreach_addcdiv_(x, m, denom, value=-lr / (1 - b1**t))
         low = [(p, xi) for p, xi in zip(params, x) if p.dtype == torch.bfloat16]
-        if low:  # one stochastic rounding over the chunk's bf16 parameters, flattened
+        if low:  # one stochastic rounding over the chunk's bf16 pieces, flattened
             flat = stochastic_round_bf16(torch.cat([xi.reshape(-1) for _, xi in low]))
             for (p, _), part in zip(low, flat.split([p.numel() for p, _ in low])):
                 p.copy_(part.view_as(p))
         for p, xi in zip(params, x):
             if p.dtype not in (torch.bfloat16, torch.float32):
                 p.copy_(xi)
+
+
+def _pieces(p: torch.Tensor, state: dict, size: int):
+    """(parameter, gradient, exp_avg, exp_avg_sq) as flat views of at most `size` elements each (the tensor
+    whole where it is not contiguous): the update writes through the views into the tensors."""
+    ts = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+    if p.numel() <= size or not all(t.is_contiguous() for t in ts):
+        yield ts
+        return
+    flat = [t.view(-1) for t in ts]
+    for i in range(0, p.numel(), size):
+        yield tuple(f[i : i + size] for f in flat)

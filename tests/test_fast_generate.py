@@ -55,12 +55,11 @@ def test_weights_follow_the_module_and_eos_stops():
     s = Sampling(max_new_tokens=10, temperature=0.0)
     first = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
     dec = m._align_fast_decoder
-    addr = dec.layers[0]["qkv"].data_ptr()
     with torch.no_grad():
         m.model.layers[0].mlp.down_proj.weight.mul_(-1.0)
     again = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
     plain = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
-    assert m._align_fast_decoder is dec and dec.layers[0]["qkv"].data_ptr() == addr  # stable addresses
+    assert m._align_fast_decoder is dec  # one decoder per module: compiled and captured once
     assert [c.ids for c in again] == [c.ids for c in plain]
     assert [c.ids for c in again] != [c.ids for c in first]
     # a row that emits EOS stops there (trimmed, finished), the rest go on
@@ -131,7 +130,10 @@ def test_kv_cache_is_freed_between_rollouts_and_comes_back_zeroed():
     plain = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
     first = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
     dec = m._align_fast_decoder
-    assert all(t.untyped_storage().nbytes() == 0 for t in dec.k_cache + dec.v_cache)  # freed after the rollout
+    # freed after the rollout: the cache, and the inference copy of the weights (one buffer, every weight a view)
+    assert all(t.untyped_storage().nbytes() == 0 for t in dec.k_cache + dec.v_cache)
+    assert all(t.untyped_storage().nbytes() == 0 for L in dec.layers for t in L.values())
+    assert dec.embed.untyped_storage().nbytes() == dec.norm.untyped_storage().nbytes() == 0
     dec._restore()
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() and not t.any() for t in dec.k_cache)
     dec.release()

@@ -66,8 +66,8 @@ def test_updates_below_a_bf16_ulp_survive_with_stochastic_rounding_only():
 
 
 def test_chunked_update_equals_one_chunk(monkeypatch):
-    """The multi-tensor update runs over chunks of parameters (bounding its fp32 temporaries): the chunking must
-    not change the arithmetic (fp32 parameters, no rounding: exact)."""
+    """The multi-tensor update runs over chunks of parameters, a tensor larger than a chunk in slices (bounding
+    its fp32 temporaries): the chunking must not change the arithmetic (fp32 parameters, no rounding: exact)."""
     import align.optim as O
 
     def run(chunk):
@@ -81,5 +81,28 @@ def test_chunked_update_equals_one_chunk(monkeypatch):
             o.step()
         return [p.detach().clone() for p in m.parameters()]
 
-    for a, b in zip(run(1 << 22), run(20)):  # 20 elements: one tensor per chunk (some larger than a chunk)
+    for a, b in zip(run(1 << 22), run(20)):  # 20 elements: the 128- and 64-element weights go in slices
         assert torch.equal(a, b)
+
+
+def test_a_tensor_larger_than_a_chunk_is_stepped_in_slices_with_bounded_temporaries(monkeypatch):
+    """The fp32 temporaries of a step scale with the chunk, not with the largest tensor (an embedding of 136M
+    elements made the update's peak): the largest tensor the update allocates is one chunk."""
+    import align.optim as O
+
+    monkeypatch.setattr(O, "CHUNK", 64)
+    w = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+    w.grad = torch.full_like(w, 0.5)
+    seen = []
+    real_cat = torch.cat
+
+    def cat(ts, *a, **k):
+        out = real_cat(ts, *a, **k)
+        seen.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "cat", cat)
+    o = O.AdamWSR([w], lr=1e-2, weight_decay=0.0)
+    o.step()
+    assert seen and max(seen) <= 64 and sum(seen) == 1000  # every element rounded once, a chunk at a time
+    assert torch.all(w < 1.0) and o.state[w]["step"].item() == 1
