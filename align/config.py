@@ -68,7 +68,7 @@ class StageConfig:
     master_port: int = opt(29500, "With --nnodes > 1: a free TCP port on node 0.")
     deepspeed: str = opt("", "A DeepSpeed JSON config; its keys win over align's.", path=True)
     trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
-    precision: str = opt("auto", "Compute precision: auto (bf16-mixed on CUDA, fp32 on CPU), bf16 (a bf16 module, "
+    precision: str = opt("auto", "Compute precision: auto (bf16-pure on CUDA, bf16-mixed there with an offload; fp32 on CPU), bf16 (a bf16 module, "
                                  "fp32 master weights), bf16-mixed (fp32 weights and gradients, matmuls in bf16 under "
                                  "torch.autocast, as TRL/Accelerate's mixed precision), bf16-pure (master weights, "
                                  "gradients and Adam moments in bf16 too: 10 instead of 16 bytes per trained "

@@ -174,9 +174,9 @@ def test_dropout_is_off_so_the_first_ratio_is_exactly_one(files, tmp_path, shipp
     """A policy whose config has attention dropout 0.1: the one minibatch of a one-epoch step is scored with the
     weights that sampled it, so π_θ/π_old = 1 exactly (approx-KL 0, nothing clipped) only if dropout is off in
     both passes; with it on the two passes drew different dropout masks. Run as one CUDA process runs by default
-    — ZeRO-0 engines, bf16-mixed (fp32 weights, bf16 autocast) — on the CPU: policy, value, reference, reward
-    model and ptx all run, and both trained engines report the gradient norm they clip (DeepSpeed's ZeRO-0 fp32
-    path keeps none)."""
+    — ZeRO-0 engines, bf16-pure (bf16 weights, AdamW with stochastic rounding) — on the CPU: policy, value,
+    reference, reward model and ptx all run, and both trained engines report the gradient norm they clip
+    (DeepSpeed's ZeRO-0 path without its own mixed precision keeps none)."""
     from align.models import load_causal_lm, resolve
 
     model = load_causal_lm(resolve("tiny"), shipped_tokenizer, torch.float32, seed=0)
@@ -188,7 +188,7 @@ def test_dropout_is_off_so_the_first_ratio_is_exactly_one(files, tmp_path, shipp
                      "--eval-data", "", "--ptx-coef", "0.1", "--ptx-data", files["text"], "--ptx-batch-size", "2",
                      "--out", out, "--max-steps", "1", "--prompts-per-step", "8", "--minibatch-size", "8",
                      "--micro-batch-size", "4", "--ppo-epochs", "1", "--max-new-tokens", "8", "--zero-stage", "0",
-                     "--precision", "bf16-mixed")
+                     "--precision", "bf16-pure")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ZeRO-0" in proc.stdout + proc.stderr
     (step,) = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward" in r]

@@ -135,7 +135,8 @@ def test_bf16_mixed_keeps_fp32_weights_computes_in_bf16_and_small_updates_count(
 
 def test_auto_precision_and_the_one_gpu_engine_stage(tmp_path):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert build.resolve_precision(cuda) == "bf16-mixed" and build.compute_dtype(cuda) == torch.float32
+    assert build.resolve_precision(cuda) == "bf16-pure" and build.compute_dtype(cuda) == torch.bfloat16
+    assert build.resolve_precision(cuda, offload=True) == "bf16-mixed"  # ZeRO-Offload keeps fp32 master weights
     assert build.resolve_precision(cpu) == "fp32" and build.compute_dtype(cuda, "bf16") == torch.bfloat16
     stage, note = build.engine_stage(3, 1, cuda)
     assert stage == 0 and "ZeRO-0" in note  # one GPU: nothing to partition, and the log says so
@@ -149,7 +150,8 @@ def test_auto_precision_and_the_one_gpu_engine_stage(tmp_path):
 
 def test_zero_0_clips_and_reports_the_gradient_norm_as_zero_3_does(tiny_model_dir):
     """With no ZeRO optimizer and fp32 parameters DeepSpeed clips but keeps no norm: `Trained` clips and measures
-    itself. One step with an active clip: the same norm and the same updated weights as ZeRO-3's optimizer."""
+    itself. One step with an active clip: the same norm and the same updated weights as ZeRO-3's optimizer (and
+    without DeepSpeed's all-reduce over the one rank, which ZeRO-0 on one process skips)."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     def one_step(zero_stage):
@@ -163,6 +165,8 @@ def test_zero_0_clips_and_reports_the_gradient_norm_as_zero_3_does(tiny_model_di
         model, link = build.load_partitioned(cfg, lambda dt: load_causal_lm(ref, tok, dt, seed=0), torch.float32)  # noqa: F841
         eng = build.Trained(build.wrap(model, cfg, build.adamw(model, 1e-3, 0.0), lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0)),
                             accum=2, world=1, lr=1e-3, clip=clip)
+        # one process at ZeRO-0: no flattened all-reduce bucket over a single rank (the weights below match)
+        assert eng.eng.enable_backward_allreduce == (zero_stage != 0)
         for ids in (torch.tensor([[1, 5, 6, 7, 2], [1, 8, 9, 10, 2]]), torch.tensor([[1, 7, 7, 5, 2], [1, 9, 8, 6, 2]])):
             eng.backward(eng(input_ids=ids, labels=ids).loss / 2)
         with runtime.gathered_for_generation(eng.eng) as module:

@@ -32,9 +32,10 @@ STAGES = {
     "ppo": ["ppo", "--model", "tiny", "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2",
             "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"],
 }
-# 1 process: grpo runs what one CUDA process runs by default (ZeRO-0 engines, bf16 autocast over fp32 weights);
-# its ZeRO-3 resume is the 2-process test's
-ONE_PROCESS = {**STAGES, "grpo": [*STAGES["grpo"], "--zero-stage", "0", "--precision", "bf16-mixed"]}
+# 1 process: grpo runs what one CUDA process runs by default (ZeRO-0 engines, bf16 weights and moments, AdamW
+# with stochastic rounding whose noise comes from the checkpointed RNG); its fp32 ZeRO-3 resume is the 2-process
+# test's
+ONE_PROCESS = {**STAGES, "grpo": [*STAGES["grpo"], "--zero-stage", "0", "--precision", "bf16-pure"]}
 TIMING = ("time/", "_per_s")  # wall-clock measurements, the only numbers allowed to differ
 
 
@@ -135,9 +136,9 @@ def killed_run(args, out, nproc):
     pytest.fail("the run finished three times before it could be killed")
 
 
-def check_resume(stage, inputs, tmp_path, nproc=1, extra=()):
+def check_resume(stage, inputs, tmp_path, nproc=1):
     ref, out = tmp_path / "uninterrupted", tmp_path / "killed"
-    args = [*(ONE_PROCESS if nproc == 1 else STAGES)[stage], *inputs[stage], *COMMON, *extra]
+    args = [*(ONE_PROCESS if nproc == 1 else STAGES)[stage], *inputs[stage], *COMMON]
     uninterrupted = start([*args, "--out", str(ref)], nproc)
     art, resumed_at = killed_run(args, out, nproc)
     finish(uninterrupted)
@@ -163,9 +164,7 @@ def check_resume(stage, inputs, tmp_path, nproc=1, extra=()):
 
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_resume_after_sigkill_equals_an_uninterrupted_run(stage, inputs, tmp_path):
-    # one-process GRPO runs under --precision bf16-pure: bf16 weights and moments, stochastic rounding whose noise
-    # comes from the checkpointed RNG (fp32 GRPO resumes in the two-process test below)
-    check_resume(stage, inputs, tmp_path, extra=("--precision", "bf16-pure") if stage == "grpo" else ())
+    check_resume(stage, inputs, tmp_path)
 
 
 @pytest.mark.parametrize("stage", ["sft", "grpo"])

@@ -23,14 +23,15 @@ from align.errors import UserError
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
-def resolve_precision(device: torch.device, precision: str = "auto") -> str:
-    """The precision a run uses: "auto" is bf16-mixed on CUDA (fp32 weights, gradients and Adam state, matmuls in
-    bf16 under torch.autocast: the mixed precision of TRL / Accelerate, which learns per step as fp32 does) and
-    fp32 on CPU; anything else as asked."""
+def resolve_precision(device: torch.device, precision: str = "auto", offload: bool = False) -> str:
+    """The precision a run uses: "auto" is bf16-pure on CUDA (bf16 weights, gradients and Adam moments, AdamW
+    with stochastic rounding: 8 bytes per trained parameter on one GPU, and it learns per step as fp32 master
+    weights do, see align.optim), bf16-mixed there when something is offloaded to the CPU (`offload`: fp32
+    master weights, which ZeRO-Offload keeps), and fp32 on CPU; anything else as asked."""
     if precision not in PRECISIONS:
         raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}.")
     if precision == "auto":
-        return "bf16-mixed" if device.type == "cuda" else "fp32"
+        return ("bf16-mixed" if offload else "bf16-pure") if device.type == "cuda" else "fp32"
     return precision
 
 
@@ -333,6 +334,10 @@ class Trained:
         self.eng, self.accum, self.world, self.lr, self.prefix, self.clip = eng, accum, world, lr, prefix, clip
         self.params = [p for p in eng.module.parameters() if p.requires_grad] if clip is not None else []
         self.norm: torch.Tensor | None = None
+        if world == 1 and clip is not None:
+            # one process, no ZeRO optimizer: DeepSpeed's gradient "all-reduce" would flatten every gradient into
+            # one bucket and an fp32 copy of it (2.8 GiB at 0.5B: the GRPO update's peak) to average over 1 rank
+            eng.enable_backward_allreduce = False
 
     @property
     def module(self):

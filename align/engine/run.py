@@ -140,9 +140,9 @@ class StageRun:
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if distributed:
             self.dist = runtime.init()
-            self.precision = resolve_precision(self.dist.device, self.cfg.precision)
-            self.dtype = compute_dtype(self.dist.device, self.precision)
             keep = getattr(self.cfg, "offload_optimizer", False) or getattr(self.cfg, "offload_frozen", False)
+            self.precision = resolve_precision(self.dist.device, self.cfg.precision, offload=keep)
+            self.dtype = compute_dtype(self.dist.device, self.precision)
             self.zero_stage, note = engine_stage(self.cfg.zero_stage, self.dist.world_size, self.dist.device, keep,
                                                  self.cfg.deepspeed)
             if note:
