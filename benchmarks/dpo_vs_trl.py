@@ -5,8 +5,8 @@
 Same model directory (random init, bf16), tokenizer, pairs (data/prefs/train.jsonl, prompts templated the way
 align does it), global batch and micro-batch, max length 256, β 0.1, sigmoid loss, live frozen reference model,
 no gradient checkpointing. Prints the median step time (steps 2..N), pairs/s, peak GPU memory and ours/TRL.
-TRL runs without DeepSpeed (model and AdamW states in bf16); ours is `align dpo` (ZeRO-3, fp32 master weights,
-unless --ours-extra says otherwise: `--ours-extra="--zero-stage 0 --precision bf16-pure"` is TRL's layout).
+TRL runs without DeepSpeed (model and AdamW states in bf16); ours is `align dpo` at its defaults (one GPU: ZeRO-0,
+bf16-pure — TRL's bf16 layout, with stochastic rounding — unless --ours-extra says otherwise).
 """
 
 from __future__ import annotations

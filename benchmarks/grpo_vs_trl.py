@@ -9,8 +9,9 @@ temperature 1, β = 0, one update per rollout batch, gradient checkpointing (TRL
 noise reward (every group keeps its variance). Prints per step (median of steps 2..N): generation / reward /
 log-prob / backward+step seconds, generated tokens/s, peak GPU memory, ours/TRL ratios, and the decode roofline
 (bytes a decode step must read over the card's measured copy bandwidth, vs the achieved time per token).
-TRL runs without DeepSpeed (its plain single-GPU path, model and AdamW states in bf16); ours is `align grpo`
-(DeepSpeed ZeRO-3, bf16 with fp32 master weights; `--ours-extra "--precision bf16-pure"` keeps ours in bf16 too).
+TRL runs without DeepSpeed (its plain single-GPU path, model and AdamW states in bf16); ours is `align grpo` at
+its defaults (one GPU: a ZeRO-0 engine, --precision auto = bf16-pure: bf16 weights, gradients and moments,
+AdamW with stochastic rounding; `--ours-extra "--precision bf16-mixed"` gives ours fp32 master weights).
 """
 
 from __future__ import annotations
