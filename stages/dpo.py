@@ -19,6 +19,13 @@ reference is a second, inference-only engine of the input model (or --ref-model)
 log-probs are computed once before training (for exactly the pairs training will use) and the reference is freed.
 Implicit rewards: β(log π − log π_ref) of chosen / rejected (simpo, orpo: β·ℓ(y)). Greedy pass@1 of the input
 model and of the policy on --pass-data.
+
+--online (online DPO: Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"; Xiong et al.
+2024, iterative DPO): the pairs come from the CURRENT policy. Every --online-every steps, each slot of the next
+steps' batches gets one prompt of --data, --online-samples samples of it at --temperature, and a judge — the
+--verifier on the row, or the score of an `align rm train` artifact (--reward-model) — ranks them: chosen = the
+best sample, rejected = the worst. A prompt whose samples all score the same gives no pair; its slot keeps a
+weight of 0, and the loss is the mean over the pairs that exist in the global batch.
 """
 
 from __future__ import annotations
@@ -38,13 +45,16 @@ from align.engine.build import Optim, batch_layout
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy
-from align.generation import Sampling
+from align.evaluation import evaluate_policy, fitting
+from align.generation import Sampling, generate_on_rank
 from align.logprobs import logprobs
 from align.losses import (DPO_LOSSES, IGNORE, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, dpo_loss, kto_loss, orpo_loss,
                           rpo_nll, simpo_loss)
-from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
+from align.models import (check_length, context_length, count_parameters, disable_dropout, load_causal_lm,
+                          load_tokenizer, resolve)
 from align.paths import DATA_DIR
+from align.reward_model import load_reward_model, require_trained, score
+from align.rewards import guess_verifier, row_fields, verifier_fn
 from stages.rm import load_pairs
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -74,7 +84,15 @@ class DPOConfig(SupervisedConfig):
     eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).")
     eval_samples: int = opt(200, "Problems of --pass-data for greedy pass@1 (0: skip).")
     verifier: str = verifier_opt()
-    max_new_tokens: int = opt(48, "Generation budget for pass@1.")
+    max_new_tokens: int = opt(48, "Generation budget for pass@1 (and, with --online, for the sampled pairs).")
+    online: bool = opt(False, "Online DPO: pairs sampled from the current policy on the prompts of --data ({prompt, "
+                              "answer} rows) and ranked by --verifier, or by --reward-model.")
+    online_every: int = opt(1, "With --online: sample new pairs every N steps (each sampling fills the next N "
+                               "steps' batches).")
+    online_samples: int = opt(4, "With --online: samples per prompt; chosen = the best, rejected = the worst.")
+    temperature: float = opt(1.0, "With --online: sampling temperature.")
+    reward_model: str = opt("", "With --online: an `align rm train` artifact that ranks the samples (default: the "
+                                "--verifier).", path=True)
 
     @property
     def reference_free(self) -> bool:
@@ -97,6 +115,16 @@ class DPOConfig(SupervisedConfig):
             raise UserError(f"--beta must be positive, not {self.beta}.")
         if self.nll_coef < 0:
             raise UserError(f"--nll-coef must be >= 0, not {self.nll_coef}.")
+        if self.online:
+            if self.loss == "kto" or self.precompute_ref:
+                raise UserError("--online samples new pairs as it trains: drop --loss kto / --precompute-ref.")
+            if self.online_every < 1 or self.online_samples < 2:
+                raise UserError(f"--online-every must be >= 1 and --online-samples >= 2, not {self.online_every} "
+                                f"and {self.online_samples}.")
+            if not self.temperature > 0:
+                raise UserError(f"--temperature must be positive, not {self.temperature}.")
+        elif self.reward_model:
+            raise UserError("--reward-model ranks sampled pairs: it needs --online.")
 
 
 def row_logps(model, batch: dict) -> torch.Tensor:
@@ -122,7 +150,7 @@ class DPO:
         ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source
         check_length(source, cfg.max_length)
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
-        self.examples = self.load_examples(cfg.data)
+        self.examples = self.load_train(source)
         self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else []
         if cfg.eval_pairs:
             self.eval_examples = self.eval_examples[: cfg.eval_pairs]
@@ -132,6 +160,9 @@ class DPO:
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, cfg.pass_data if self.verifiable else "")
         if cfg.ref_model:
             inputs["ref_model"] = describe_inputs(ref_source)["model"]
+        rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
+        if rm_source:
+            inputs["reward_model"] = describe_inputs(rm_source)["model"]
         dist = run.open(inputs)
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
 
@@ -141,15 +172,22 @@ class DPO:
         self.policy = run.train("policy", load(source), Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule,
                                                               cfg.weight_decay), micro=self.micro, accum=accum)
         self.reference = None if cfg.reference_free else run.frozen(load(ref_source))
+        self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
+        self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
+                                                              cfg.trust_remote_code)) if rm_source else None)
         self.ref_train: dict[int, torch.Tensor] | None = None  # --precompute-ref: pair index -> [2] log-probs
         self.ref_eval = None
         self.n_params = count_parameters(self.policy.module)
-        info(f"dpo: {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, β {cfg.beta}, loss {cfg.loss}"
+        info(f"dpo: {self.n_params / 1e6:.2f}M parameters, {f'{len(self.examples)} pairs' if not cfg.online else 'online pairs'}, "
+             f"β {cfg.beta}, loss {cfg.loss}"
              f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}"
              f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
              f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}, "
              f"{dist.world_size} process(es), ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} "
              f"pairs x accum {accum}")
+
+    def load_train(self, source) -> list[dict]:
+        return self.load_examples(self.cfg.data)
 
     def load_examples(self, path: str) -> list[dict]:
         return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length)
@@ -315,5 +353,95 @@ class KTO(DPO):
                 "eval/rewards/margins": (r[label].mean() - r[~label].mean()).item() if both else 0.0}
 
 
+
+
+def best_worst(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online DPO's pairs from a judge's scores [P, K] of K samples of each of P prompts: (index of the best
+    sample [P], of the worst [P], weight [P]): weight 1 where the best scores strictly above the worst, 0 where
+    all K tie (no preference: no pair). Ties at the top or the bottom go to the first such sample."""
+    best, worst = scores.argmax(1), scores.argmin(1)
+    rows = torch.arange(len(scores))
+    return best, worst, (scores[rows, best] > scores[rows, worst]).float()
+
+
+class OnlineDPO(DPO):
+    """--online: each step's pairs are sampled from the current policy and ranked by the judge (see the module
+    docstring). The pairs of --online-every steps are sampled at once, at the first of them; a run resumed inside
+    such a window samples the rest of it anew."""
+
+    progress = ("loss", "online/reward", "rewards/accuracies")
+    train_keys = (*KEYS, "online/reward", "online/pair_frac")
+
+    def load_train(self, source) -> list[dict]:
+        cfg = self.cfg
+        rows = D.load_rows(cfg.data, "prompts", cfg.columns)
+        if not cfg.reward_model and "answer" not in rows[0] and cfg.verifier == "auto":
+            raise UserError(f"{cfg.data}: --online ranks samples with the verifier, which needs an 'answer' column "
+                            "(or pass --reward-model RM_ARTIFACT, or --verifier file.py:FUNCTION).")
+        context = context_length(source)
+        self.rows, self.prompt_ids = fitting(rows, D.encode_prompts(self.tok, [r["prompt"] for r in rows]),
+                                             min(context or cfg.max_length, cfg.max_length), cfg.max_new_tokens)
+        self.judge = None if cfg.reward_model else verifier_fn(
+            guess_verifier(self.rows) if cfg.verifier == "auto" else cfg.verifier)
+        self.buffer: dict[int, tuple[list[dict], torch.Tensor, float]] = {}  # step -> (pairs, weights, mean score)
+        info(f"dpo --online: {len(self.rows)} prompts of {cfg.data}, {cfg.online_samples} samples each at T "
+             f"{cfg.temperature}, new pairs every {cfg.online_every} step(s), ranked by "
+             f"{'--reward-model ' + cfg.reward_model if cfg.reward_model else 'the verifier'}")
+        return []
+
+    def rank(self, rows: list[dict], prompts: list[list[int]], completions) -> torch.Tensor:
+        """[n] the judge's score of each completion (verifier: its reward; RM: its normalised score)."""
+        if self.rm is not None:
+            texts = [r["prompt"] for r in rows]
+            return score(self.rm, self.rm_tok, texts, [c.text for c in completions], self.micro).float().cpu()
+        return torch.tensor([float(self.judge(r["prompt"], c.text, **row_fields(r))) for r, c in zip(rows, completions)])
+
+    def sample_window(self, step: int) -> None:
+        """Fill self.buffer for the steps from `step` to the end of its --online-every window: this rank's
+        slots (micro x accum per step), one prompt each, ONE generation call for the whole window."""
+        cfg, dist = self.cfg, self.run.dist
+        steps = range(step, min(cfg.max_steps, step - step % cfg.online_every + cfg.online_every))
+        idx = [i for s in steps for i in self.run.indices(len(self.rows), cfg.batch_size, s)]
+        K = cfg.online_samples
+        prompts = [self.prompt_ids[i] for i in idx for _ in range(K)]
+        done = generate_on_rank(self.policy.eng, self.tok, prompts,
+                                Sampling(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature), dist,
+                                batch_size=64)
+        rows = [self.rows[i] for i in idx for _ in range(K)]
+        scores = self.rank(rows, prompts, done).view(len(idx), K)
+        best, worst, weights = best_worst(scores)
+        pairs = [{"prompt_ids": self.prompt_ids[i], "chosen_ids": done[j * K + best[j]].ids,
+                  "rejected_ids": done[j * K + worst[j]].ids, "margin": 0.0} for j, i in enumerate(idx)]
+        per = len(idx) // len(steps)
+        for n, s in enumerate(steps):
+            sl = slice(n * per, (n + 1) * per)
+            self.buffer[s] = (pairs[sl], weights[sl], scores[sl].mean().item())
+
+    def step(self, step: int) -> Stats:
+        cfg, stats, device = self.cfg, Stats(), self.run.dist.device
+        if step not in self.buffer:
+            self.buffer = {}
+            self.sample_window(step)
+        pairs, weights, reward = self.buffer.pop(step)
+        n_pairs = runtime.all_reduce_sum(weights.sum().to(device)).item()  # pairs in the global batch
+        stats.mean("online/reward", reward * len(weights), len(weights))
+        stats.mean("online/pair_frac", weights.sum(), len(weights))
+        for sl in chunks(list(range(len(pairs))), self.micro):
+            b = D.to_device(D.collate_pairs([pairs[i] for i in sl], self.tok.pad_token_id), device)
+            w = weights[sl].to(device)
+            pc, pr = pair_logps(self.policy, b)
+            lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
+            loss, rw_c, rw_r = self.pair_loss(pc, pr, tuple(lengths), sl, b)
+            if cfg.nll_coef:
+                nll = rpo_nll(pc, lengths[0], cfg.nll_coef)
+                stats.mean("loss/nll", (nll * w).sum(), w.sum())
+                loss = loss + nll
+            self.policy.backward((loss * w).sum() / max(n_pairs, 1.0))  # the mean over the global batch's pairs
+            for name, total in zip(KEYS, (loss, rw_c, rw_r, (rw_c > rw_r).float(), rw_c - rw_r, pc, pr)):
+                stats.mean(name, (total.detach().float() * w).sum(), w.sum())
+            stats.sum("pairs", w.sum())
+        return stats
+
+
 def run(cfg: DPOConfig) -> dict:
-    return train(cfg, "dpo", KTO if cfg.loss == "kto" else DPO)
+    return train(cfg, "dpo", KTO if cfg.loss == "kto" else OnlineDPO if cfg.online else DPO)

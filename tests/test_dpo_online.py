@@ -1,0 +1,111 @@
+"""`align dpo --online`: pairs sampled from the current policy and ranked by a judge (a verifier function or a
+reward model). Pair selection on hand values; the tiny model learns what a judge prefers; a judge without
+preferences leaves the policy where it started; a reward-model judge; two processes; bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages.dpo import best_worst
+from tests.conftest import _DIST_ENV, ROOT, assert_user_error, run_align
+
+ARITH = ROOT / "data/arithmetic/train.jsonl"
+ONLINE = ["--online", "--data", ARITH, "--eval-data", "", "--pass-data", "", "--batch-size", "8", "--lr", "3e-3",
+          "--warmup-steps", "1", "--max-new-tokens", "12", "--online-samples", "4", "--eval-every", "0"]
+
+
+def judges(tmp_path: Path) -> Path:
+    path = tmp_path / "judges.py"
+    path.write_text("def letter_a(prompt, completion, **row):\n    return float(completion.count('a'))\n\n"
+                    "def indifferent(prompt, completion, **row):\n    return 1.0\n")
+    return path
+
+
+def steps(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"online/reward"' in x]
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_best_worst_pairs_the_top_and_bottom_sample_and_drops_ties():
+    scores = torch.tensor([[0.0, 1.0, 0.5], [2.0, 2.0, 2.0], [3.0, 1.0, 1.0], [-1.0, 4.0, 4.0]])
+    best, worst, weight = best_worst(scores)
+    assert best.tolist() == [1, 0, 0, 1] and worst.tolist() == [0, 0, 1, 0]  # ties: the first such sample
+    assert weight.tolist() == [1.0, 0.0, 1.0, 1.0]  # all equal: no preference, no pair
+
+
+def test_online_dpo_learns_what_the_judge_prefers(tmp_path):
+    """A judge that counts the letter 'a': chosen = the sample with the most. At step 1 the policy is the
+    reference (loss log 2); over 15 steps the sampled completions carry several times more 'a's."""
+    out = tmp_path / "od"
+    ok(run_align("dpo", "--model", "tiny", *ONLINE, "--verifier", f"{judges(tmp_path)}:letter_a", "--max-steps", "15",
+                 "--out", out))
+    rows = steps(out)
+    assert [r["step"] for r in rows] == list(range(1, 16))
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    first, last = sum(r["online/reward"] for r in rows[:3]) / 3, sum(r["online/reward"] for r in rows[-5:]) / 5
+    assert last > first + 3.0, (first, last)
+    assert all(0 < r["online/pair_frac"] <= 1 for r in rows)
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "complete" and art["metrics"]["train/online/reward"] == rows[-1]["online/reward"]
+
+
+def test_a_judge_without_preferences_leaves_the_policy_where_it_started(tmp_path, tiny_model_dir):
+    """Every sample scores the same: no pair exists, every slot weighs 0, the loss and gradient are 0 and AdamW
+    (no weight decay) leaves every weight as it was."""
+    out = tmp_path / "od"
+    ok(run_align("dpo", "--model", tiny_model_dir, *ONLINE, "--verifier", f"{judges(tmp_path)}:indifferent",
+                 "--max-steps", "2", "--out", out))
+    assert all(r["online/pair_frac"] == 0 and r["loss"] == 0 and r["grad_norm"] == 0 for r in steps(out))
+    before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_reward_model_ranks_the_samples(tmp_path, tiny_reward_model_dir):
+    out = tmp_path / "od"
+    ok(run_align("dpo", "--model", "tiny", *ONLINE, "--reward-model", tiny_reward_model_dir, "--max-steps", "2",
+                 "--out", out))
+    rows = steps(out)
+    assert len(rows) == 2 and all(math.isfinite(r["online/reward"]) and r["online/pair_frac"] > 0 for r in rows)
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["inputs"]["reward_model"]["spec"] == str(tiny_reward_model_dir)
+
+
+def test_two_process_online_dpo(tmp_path):
+    """Each rank samples, judges and pairs its own slots; the loss's normaliser is the global pair count."""
+    from align.runtime import free_port
+
+    out = tmp_path / "od2"
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                       "-m", "align", "dpo", "--model", "tiny", *map(str, ONLINE), "--verifier",
+                       f"{judges(tmp_path)}:letter_a", "--max-steps", "2", "--out", str(out)],
+                      capture_output=True, text=True, timeout=300, env=env))
+    rows = steps(out)
+    assert len(rows) == 2 and all(r["pairs"] > 0 for r in rows) and rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_online_bad_input_exits_2(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"  # prompts without answers: nothing for the verifier to check
+    prompts.write_text('{"prompt": "Say hi."}\n{"prompt": "Say bye."}\n')
+    one = ["--max-steps", "1"]  # should any of these start, it ends at once
+    assert_user_error(run_align("dpo", "--online", "--data", prompts, *one, "--out", tmp_path / "a"), str(prompts),
+                      "'answer'", "--reward-model")
+    assert_user_error(run_align("dpo", "--reward-model", tmp_path, *one, "--out", tmp_path / "b"), "--reward-model",
+                      "--online")
+    assert_user_error(run_align("dpo", "--online", "--loss", "kto", "--data", ARITH, *one, "--out", tmp_path / "c"),
+                      "--online")
+    assert_user_error(run_align("dpo", "--online", "--online-samples", "1", "--data", ARITH, *one,
+                                "--out", tmp_path / "d"), "--online-samples")
