@@ -107,12 +107,21 @@ class TrainConfig(StageConfig):
     save_every: int = opt(0, "Checkpoint every N steps (always one at the end; 0: end only).")
     resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).")
     monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
+    lora_r: int = opt(0, "LoRA rank (sft, dpo, grpo; 0: train every weight). The base stays frozen; model/ holds the "
+                         "merged weights, model/adapter/ the adapter.")
+    lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
+    lora_targets: str = opt("all-linear", "Modules that get adapters: all-linear (every Linear but the LM head) or "
+                                          "comma-separated module names (q_proj,v_proj).")
 
     def __post_init__(self):
         super().__post_init__()
         if self.offload_optimizer and (self.zero_stage == 0 or self.precision == "bf16-pure"):
             raise UserError("--offload-optimizer needs --zero-stage 1, 2 or 3 and fp32 master weights (not "
                             "--precision bf16-pure).")
+        if self.lora_r < 0 or not self.lora_alpha > 0 or not 0 <= self.lora_dropout < 1:
+            raise UserError(f"--lora-r must be >= 0, --lora-alpha > 0 and --lora-dropout in [0, 1), not "
+                            f"{self.lora_r}, {self.lora_alpha} and {self.lora_dropout}.")
 
     def validate(self):
         if self.schedule not in ("cosine", "linear", "constant"):

@@ -26,6 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from align.engine.lora import effective_weight, is_peft
+
 SUPPORTED = ("llama", "qwen2")
 
 
@@ -34,9 +36,11 @@ def enabled_by_env() -> bool:
 
 
 def bare(module):
-    """The HF model inside a DeepSpeed engine (DeepSpeed's unwrap_model_for_generation yields the engine)."""
+    """The HF model inside a DeepSpeed engine (DeepSpeed's unwrap_model_for_generation yields the engine) and
+    inside a peft model (its LoRA layers stay in it: `load_weights` applies their adapters)."""
     inner = getattr(module, "module", None)
-    return inner if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") else module
+    module = inner if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") else module
+    return module.get_base_model() if is_peft(module) else module
 
 
 def unsupported_reason(module) -> str | None:
@@ -164,7 +168,7 @@ class FastDecoder:
     @torch.no_grad()
     def load_weights(self, module) -> None:
         """Copy the module's current weights in (call with ZeRO-3 params gathered), into the buffer `release`
-        gave back if it did."""
+        gave back if it did; a LoRA layer's as merged, W + (α/r) B A."""
         self._take(self._wbuf, "_wptr")
         mm = module.model
         self.embed.copy_(mm.embed_tokens.weight)
@@ -176,13 +180,13 @@ class FastDecoder:
             a, m = layer.self_attn, layer.mlp
             L["ln1"].copy_(layer.input_layernorm.weight)
             L["ln2"].copy_(layer.post_attention_layernorm.weight)
-            L["qkv"][:nq].copy_(a.q_proj.weight)
-            L["qkv"][nq : nq + nk].copy_(a.k_proj.weight)
-            L["qkv"][nq + nk :].copy_(a.v_proj.weight)
-            L["o"].copy_(a.o_proj.weight)
-            L["gu"][:inter].copy_(m.gate_proj.weight)
-            L["gu"][inter:].copy_(m.up_proj.weight)
-            L["down"].copy_(m.down_proj.weight)
+            L["qkv"][:nq].copy_(effective_weight(a.q_proj))
+            L["qkv"][nq : nq + nk].copy_(effective_weight(a.k_proj))
+            L["qkv"][nq + nk :].copy_(effective_weight(a.v_proj))
+            L["o"].copy_(effective_weight(a.o_proj))
+            L["gu"][:inter].copy_(effective_weight(m.gate_proj))
+            L["gu"][inter:].copy_(effective_weight(m.up_proj))
+            L["down"].copy_(effective_weight(m.down_proj))
             if self.qkv_bias:
                 L["qkv_b"][:nq].copy_(a.q_proj.bias)
                 L["qkv_b"][nq : nq + nk].copy_(a.k_proj.bias)

@@ -182,11 +182,16 @@ def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | N
     else:
         state = {k: v.detach().cpu() for k, v in eng.module.state_dict().items()} if dist.is_main else None
     if dist.is_main:
+        from align.engine import lora
+
         module = eng.module
         if extra_config:
             for k, v in extra_config.items():
                 setattr(module.config, k, v)
-        module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+        if lora.is_peft(module):  # the merged model, and the adapter in model/adapter/
+            lora.save(module, state, Path(out_dir))
+        else:
+            module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
     barrier()
 

@@ -42,6 +42,7 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
+from align.engine.lora import AdaptersOff
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -171,7 +172,12 @@ class DPO:
 
         self.policy = run.train("policy", load(source), Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule,
                                                               cfg.weight_decay), micro=self.micro, accum=accum)
-        self.reference = None if cfg.reference_free else run.frozen(load(ref_source))
+        if cfg.reference_free:
+            self.reference = None
+        elif cfg.lora_r and not cfg.ref_model:  # the base model = the policy with its adapters off: no 2nd copy
+            self.reference = AdaptersOff(self.policy)
+        else:
+            self.reference = run.frozen(load(ref_source))
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
@@ -182,7 +188,8 @@ class DPO:
              f"β {cfg.beta}, loss {cfg.loss}"
              f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}"
              f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
-             f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}, "
+             f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}"
+             f"{' (the policy with its LoRA adapters off)' if isinstance(self.reference, AdaptersOff) else ''}, "
              f"{dist.world_size} process(es), ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} "
              f"pairs x accum {accum}")
 

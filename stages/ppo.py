@@ -89,6 +89,8 @@ class PPOConfig(RLConfig):
 
     def validate(self):
         super().validate()
+        if self.lora_r:
+            raise UserError("--lora-r: LoRA trains sft, dpo and grpo; ppo trains every weight of policy and value.")
         if self.kl_estimator not in rl.KL_ESTIMATORS:
             raise UserError(f"--kl-estimator must be k1 or k3, not {self.kl_estimator!r}.")
         if self.ppo_epochs <= 0:

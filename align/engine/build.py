@@ -226,7 +226,7 @@ def wrap(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
             from align.console import warn
 
             warn(hint)
-    if cfg["zero_optimization"]["stage"] == 3:
+    if cfg["zero_optimization"]["stage"] == 3 and not hasattr(model, "peft_config"):
         set_block_leaves(model)
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
     if optimizer is None:

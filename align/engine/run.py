@@ -33,6 +33,7 @@ from align.console import TrainProgress, info, summary_table
 from align.engine import checkpoint, outdir
 from align.engine.build import (Optim, Trained, adamw, compute_dtype, ds_config, engine_stage, frozen_config, load_partitioned,
                                 lr_lambda, own_clipping, resolve_precision, wrap)
+from align.engine.lora import is_peft, with_lora
 from align.errors import Terminated, UserError
 from align.optim import AdamWSR
 
@@ -170,7 +171,7 @@ class StageRun:
                        world_size=self.dist.world_size, dtype=self.dtype, grad_clip=cfg.grad_clip,
                        user_config=cfg.deepspeed, precision=self.precision, offload_optimizer=cfg.offload_optimizer)
         clip = own_clipping(ds)
-        model, self._link = load_partitioned(ds, load, self.dtype)
+        model, self._link = load_partitioned(ds, with_lora(load, cfg), self.dtype)
         opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer,
                     stochastic_rounding=self.precision == "bf16-pure")
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
@@ -178,6 +179,10 @@ class StageRun:
         eng.train()
         if isinstance(getattr(eng.optimizer, "optimizer", eng.optimizer), AdamWSR):  # ZeRO wraps it; ZeRO-0 not
             info(f"{name}: AdamW writes the bf16 weights with stochastic rounding (--precision bf16-pure)")
+        if is_peft(model):
+            n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+            info(f"{name}: LoRA r {cfg.lora_r}, α {cfg.lora_alpha:g} on {cfg.lora_targets}: {n / 1e6:.3f}M trained "
+                 "parameters, the base frozen")
         self.engines[name] = Trained(eng, accum, self.dist.world_size, optim.lr, prefix, clip)
         return self.engines[name]
 

@@ -1,0 +1,128 @@
+"""LoRA (`--lora-r`): the merge W + (α/r) B A on hand values; an SFT run trains only the adapter and writes the
+merged model (plain transformers) beside the adapter (peft), which agree; DPO's and GRPO's reference is the policy
+with its adapters off; the fast decoder decodes with the adapter applied; two ZeRO-3 processes; refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from align.engine.lora import merged_state_dict
+from tests.conftest import _DIST_ENV, ROOT, assert_user_error, run_align
+
+ARITH = ROOT / "data/arithmetic/train.jsonl"
+SFT = ["sft", "--data", ARITH, "--max-steps", "6", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1",
+       "--eval-every", "0", "--eval-samples", "0", "--lora-r", "4", "--lora-alpha", "8"]
+
+
+def ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_merge_is_w_plus_scaled_b_a():
+    W, A, B = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [-1.0]])
+    state = {"base_model.model.layer.q.base_layer.weight": W, "base_model.model.layer.q.base_layer.bias": torch.ones(2),
+             "base_model.model.layer.q.lora_A.default.weight": A, "base_model.model.layer.q.lora_B.default.weight": B,
+             "base_model.model.norm.weight": torch.full((2,), 0.5)}
+    out = merged_state_dict(state, scaling=0.5)
+    assert set(out) == {"layer.q.weight", "layer.q.bias", "norm.weight"}
+    assert out["layer.q.weight"].tolist() == [[1 + 1.5, 3.0], [-0.5, 1 - 1.0]]  # W + 0.5 · [[3, 6], [-1, -2]]
+    assert out["layer.q.bias"].tolist() == [1.0, 1.0] and out["norm.weight"].tolist() == [0.5, 0.5]
+
+
+def test_sft_trains_the_adapter_and_saves_the_merged_model_beside_it(tmp_path, tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sft"
+    said = ok(run_align(*SFT, "--model", tiny_model_dir, "--out", out)).stdout
+    assert "LoRA r 4" in said and "the base frozen" in said
+    merged = AutoModelForCausalLM.from_pretrained(out / "model")  # plain transformers, no peft
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out / "model" / "adapter")
+    ids = torch.tensor([[1, 5, 9, 11, 20, 31]])
+    torch.testing.assert_close(logits(merged, ids), logits(adapted, ids), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits(merged, ids), logits(base, ids), atol=1e-3)  # the adapter learned something
+    for name, p in base.named_parameters():  # what changed is low-rank: every 2-D difference has rank <= r
+        d = merged.state_dict()[name] - p.detach()
+        if d.ndim == 2 and d.abs().max() > 0:
+            assert torch.linalg.matrix_rank(d.double(), atol=1e-5).item() <= 4, name
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "complete" and (out / "model" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_dpo_reference_is_the_policy_with_its_adapters_off(tmp_path):
+    out = tmp_path / "dpo"
+    said = ok(run_align("dpo", "--model", "tiny", "--lora-r", "4", "--max-steps", "2", "--batch-size", "8",
+                        "--lr", "1e-3", "--warmup-steps", "1", "--eval-every", "0", "--eval-samples", "0",
+                        "--eval-data", "", "--out", out)).stdout
+    assert "the policy with its LoRA adapters off" in said
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # B = 0 at step 0: policy = reference
+    assert rows[-1]["rewards/margins"] != 0.0
+
+
+def test_grpo_with_lora_and_a_reference(tmp_path):
+    out = tmp_path / "grpo"
+    said = ok(run_align("grpo", "--model", "tiny", "--lora-r", "4", "--beta", "0.1", "--max-steps", "2",
+                        "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
+                        "--eval-samples", "4", "--eval-k", "1", "--lr", "1e-3", "--data", ARITH,
+                        "--out", out)).stdout
+    assert "the policy with its LoRA adapters off" in said
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"kl"' in x]
+    assert rows and all(math.isfinite(r["kl"]) and r["kl"] >= 0 for r in rows)
+
+
+def test_the_fast_decoder_decodes_with_the_adapter():
+    """Rollouts must see the current adapter: the decoder's copy is W + (α/r) B A, token for token what HF
+    `generate` gives on the peft model — and not what the base model gives."""
+    from peft import LoraConfig, get_peft_model
+
+    from align.generation import Sampling, generate_local
+    from tests.test_fast_generate import PROMPTS, Tok, make
+
+    base = make("qwen2", True)
+    s = Sampling(max_new_tokens=10, temperature=0.0)
+    before = generate_local(base, Tok(), PROMPTS, s, 4, "cpu", fast=False)
+    model = get_peft_model(make("qwen2", True), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # an adapter that moves the outputs
+    plain = generate_local(model, Tok(), PROMPTS, s, 4, "cpu", fast=False)
+    fast = generate_local(model, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    assert [c.ids for c in fast] == [c.ids for c in plain]
+    assert [c.ids for c in fast] != [c.ids for c in before]
+
+
+def test_two_process_zero3_lora_sft(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from align.runtime import free_port
+
+    out = tmp_path / "sft2"
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+                       "-m", "align", *map(str, SFT), "--model", str(tiny_model_dir), "--out", str(out)],
+                      capture_output=True, text=True, timeout=300, env=env))
+    merged = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert torch.isfinite(logits(merged, torch.tensor([[1, 5, 9]]))).all()
+
+
+def test_lora_is_refused_where_it_does_not_run(tmp_path):
+    assert_user_error(run_align("rm", "train", "--lora-r", "4", "--out", tmp_path / "rm"), "--lora-r")
+    assert_user_error(run_align("ppo", "--lora-r", "4", "--out", tmp_path / "ppo"), "--lora-r")
+    assert_user_error(run_align("sft", "--lora-r", "-1", "--out", tmp_path / "sft"), "--lora-r")
