@@ -93,19 +93,19 @@ def test_the_fast_decoder_decodes_with_the_adapter():
     from align.generation import Sampling, generate_local
     from tests.test_fast_generate import PROMPTS, Tok, make
 
-    base = make("qwen2", True)
     s = Sampling(max_new_tokens=10, temperature=0.0)
-    before = generate_local(base, Tok(), PROMPTS, s, 4, "cpu", fast=False)
     model = get_peft_model(make("qwen2", True), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    before = generate_local(model, Tok(), PROMPTS, s, 4, "cpu", fast=True)  # B = 0: the base model's tokens
+    assert [c.ids for c in before] == [c.ids for c in generate_local(make("qwen2", True), Tok(), PROMPTS, s, 4, "cpu",
+                                                                     fast=False)]
     torch.manual_seed(1)
-    with torch.no_grad():
+    with torch.no_grad():  # an "update" of the adapter only, between two rollouts of the same decoder
         for n, p in model.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.5)  # an adapter that moves the outputs
-    plain = generate_local(model, Tok(), PROMPTS, s, 4, "cpu", fast=False)
-    fast = generate_local(model, Tok(), PROMPTS, s, 4, "cpu", fast=True)
-    assert [c.ids for c in fast] == [c.ids for c in plain]
-    assert [c.ids for c in fast] != [c.ids for c in before]
+                p.normal_(0, 0.5)
+    after = generate_local(model, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    assert [c.ids for c in after] == [c.ids for c in generate_local(model, Tok(), PROMPTS, s, 4, "cpu", fast=False)]
+    assert [c.ids for c in after] != [c.ids for c in before]
 
 
 def test_two_process_zero3_lora_sft(tmp_path, tiny_model_dir):
