@@ -107,8 +107,8 @@ class TrainConfig(StageConfig):
     save_every: int = opt(0, "Checkpoint every N steps (always one at the end; 0: end only).")
     resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).")
     monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
-    lora_r: int = opt(0, "LoRA rank (sft, dpo, grpo; 0: train every weight). The base stays frozen; model/ holds the "
-                         "merged weights, model/adapter/ the adapter.")
+    lora_r: int = opt(0, "LoRA rank (0: train every weight). The base stays frozen (a score head trains in full); "
+                         "model/ holds the merged weights, model/adapter/ the adapter.")
     lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.")
     lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
     lora_targets: str = opt("all-linear", "Modules that get adapters: all-linear (every Linear but the LM head) or "

@@ -33,6 +33,7 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info, warn
 from align.engine.build import Optim
+from align.engine.lora import AdaptersOff
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -89,8 +90,6 @@ class PPOConfig(RLConfig):
 
     def validate(self):
         super().validate()
-        if self.lora_r:
-            raise UserError("--lora-r: LoRA trains sft, dpo and grpo; ppo trains every weight of policy and value.")
         if self.kl_estimator not in rl.KL_ESTIMATORS:
             raise UserError(f"--kl-estimator must be k1 or k3, not {self.kl_estimator!r}.")
         if self.ppo_epochs <= 0:
@@ -200,7 +199,9 @@ class PPO:
         self.value = run.train("value", self.load(load_sequence_classifier, sources["value"], self.tok),
                                replace(optim, lr=cfg.vf_lr), micro=self.micro, accum=accum, prefix="val/")
         offload = cfg.offload_frozen and run.zero_stage == 3
-        self.reference = run.frozen(self.load(load_causal_lm, sources["reference"], self.tok), offload)
+        # with LoRA the reference is the base model = the policy with its adapters off (no second copy)
+        self.reference = (AdaptersOff(self.policy) if cfg.lora_r and not cfg.ref_model
+                          else run.frozen(self.load(load_causal_lm, sources["reference"], self.tok), offload))
         self.rm = run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
         self.kl_ctl = (rl.FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
                        else rl.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
@@ -259,7 +260,8 @@ class PPO:
              f"{cfg.prompts_per_step} episodes/step in minibatches of {cfg.minibatch_size} x {cfg.ppo_epochs} epochs, "
              f"{self.run.dist.world_size} process(es), ZeRO-{self.run.zero_stage}; β {cfg.init_kl_coef} "
              f"({'fixed' if cfg.fixed_kl else f'adaptive, target {cfg.target_kl}'}), ptx γ {cfg.ptx_coef}"
-             f"{f' on {len(self.ptx)} texts' if self.ptx else ''}, gold reward {gold}")
+             f"{f' on {len(self.ptx)} texts' if self.ptx else ''}, gold reward {gold}"
+             f"{'; reference = the policy with its LoRA adapters off' if isinstance(self.reference, AdaptersOff) else ''}")
         if not self.rm_same_tok:
             warn(f"{cfg.reward_model}: tokenizer differs from the policy's "
                  f"({tokenizer_difference(self.tok, self.rm_tok)}); responses are re-tokenised from text with the "

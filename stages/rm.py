@@ -60,8 +60,6 @@ class RMConfig(SupervisedConfig):
 
     def validate(self):
         super().validate()
-        if self.lora_r:
-            raise UserError("--lora-r: LoRA trains sft, dpo and grpo; the reward model trains every weight.")
         if self.normalize_samples <= 0:
             raise UserError("--normalize-samples must be positive.")
         if self.head not in HEADS:

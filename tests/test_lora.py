@@ -122,7 +122,28 @@ def test_two_process_zero3_lora_sft(tmp_path, tiny_model_dir):
     assert torch.isfinite(logits(merged, torch.tensor([[1, 5, 9]]))).all()
 
 
-def test_lora_is_refused_where_it_does_not_run(tmp_path):
-    assert_user_error(run_align("rm", "train", "--lora-r", "4", "--out", tmp_path / "rm"), "--lora-r")
-    assert_user_error(run_align("ppo", "--lora-r", "4", "--out", tmp_path / "ppo"), "--lora-r")
+def test_reward_model_and_ppo_with_lora(tmp_path, tiny_model_dir):
+    """rm train: adapters on the body, the new score head trained in full; the merged model scores as the
+    adapter on its base does. ppo: policy and value get adapters, the reference is the policy with them off."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    rm = tmp_path / "rm"
+    ok(run_align("rm", "train", "--model", tiny_model_dir, "--lora-r", "4", "--max-steps", "4", "--batch-size", "8",
+                 "--lr", "3e-3", "--eval-every", "0", "--normalize-samples", "8", "--out", rm))
+    ids = torch.tensor([[1, 5, 9, 11, 20, 31]])
+    merged = AutoModelForSequenceClassification.from_pretrained(rm / "model")
+    adapted = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1),
+                                        rm / "model" / "adapter")
+    torch.testing.assert_close(logits(merged, ids), logits(adapted, ids), rtol=1e-4, atol=1e-4)
+    said = ok(run_align("ppo", "--model", tiny_model_dir, "--reward-model", rm, "--lora-r", "4", "--max-steps", "1",
+                        "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2", "--ppo-epochs",
+                        "1", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4", "--data", ARITH,
+                        "--out", tmp_path / "ppo")).stdout
+    assert "value: LoRA r 4" in said and "reference = the policy with its LoRA adapters off" in said
+
+
+def test_bad_lora_flags_exit_2(tmp_path):
     assert_user_error(run_align("sft", "--lora-r", "-1", "--out", tmp_path / "sft"), "--lora-r")
+    assert_user_error(run_align("grpo", "--lora-r", "4", "--lora-dropout", "1.5", "--out", tmp_path / "g"),
+                      "--lora-dropout")

@@ -3,8 +3,8 @@ adapters are added, switched off, merged and saved.
 
 A LoRA layer computes W x + (α/r) · B A x with the base W frozen and A [r, in], B [out, r] trained (B starts
 at 0, so step 0 is the base model). `--lora-r R --lora-alpha A --lora-dropout P --lora-targets all-linear|names`
-on sft, dpo and grpo; the reference of dpo and grpo is the same engine with its adapters switched off (no
-second copy of the model in memory); the artifact's model/ holds the merged weights W + (α/r) B A (plain
+on every training stage (a reward model's and PPO's value network's score head trains in full); the reference
+of dpo, grpo and ppo is the policy engine with its adapters switched off (no second copy of the model); the artifact's model/ holds the merged weights W + (α/r) B A (plain
 transformers loads it, and every later stage), and model/adapter/ the adapter alone in peft's format.
 """
 
@@ -16,28 +16,31 @@ ADAPTER_DIR = "adapter"
 _PREFIX = "base_model.model."
 
 
-def lora_config(cfg):
-    """The peft LoraConfig of a stage's flags, or None when --lora-r is 0."""
+def lora_config(cfg, head: str | None = None):
+    """The peft LoraConfig of a stage's flags (`head`: a new scalar head, trained in full beside the adapters),
+    or None when --lora-r is 0."""
     if not getattr(cfg, "lora_r", 0):
         return None
     from peft import LoraConfig
 
     targets = cfg.lora_targets
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
-                      target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
+                      target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+                      modules_to_save=[head] if head else None)
 
 
 def with_lora(load, cfg):
-    """`load(dtype)` followed by peft's adapters (frozen base, trainable A and B), or `load` itself without
-    --lora-r."""
-    config = lora_config(cfg)
-    if config is None:
+    """`load(dtype)` followed by peft's adapters (frozen base, trainable A and B; a sequence classifier's score
+    head — a reward model, PPO's value network — trained in full), or `load` itself without --lora-r."""
+    if not getattr(cfg, "lora_r", 0):
         return load
 
     def load_with_adapters(dtype):
         from peft import get_peft_model
 
-        return get_peft_model(load(dtype), config)
+        model = load(dtype)
+        head = "score" if isinstance(getattr(model, "score", None), torch.nn.Linear) else None
+        return get_peft_model(model, lora_config(cfg, head))
 
     return load_with_adapters
 
@@ -70,12 +73,14 @@ def effective_weight(linear) -> torch.Tensor:
 
 def merged_state_dict(state: dict, scaling: float, adapter: str = "default") -> dict:
     """A peft model's full state dict -> the plain model's, each LoRA layer merged: W' = W + scaling · B A
-    (computed in fp32, stored in W's dtype; scaling = α / r), its bias kept, the peft prefixes dropped."""
+    (computed in fp32, stored in W's dtype; scaling = α / r), its bias kept, a fully trained module (the score
+    head) as trained, the peft prefixes dropped."""
     out = {}
     for key, value in state.items():
-        if ".lora_" in key:
+        if ".lora_" in key or ".original_module." in key:
             continue
-        name = key.removeprefix(_PREFIX).replace(".base_layer.", ".")
+        name = (key.removeprefix(_PREFIX).replace(".base_layer.", ".")
+                .replace(f".modules_to_save.{adapter}.", "."))
         if key.endswith(".base_layer.weight"):
             stem = key[: -len("base_layer.weight")]
             a, b = state[f"{stem}lora_A.{adapter}.weight"], state[f"{stem}lora_B.{adapter}.weight"]
