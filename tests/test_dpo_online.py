@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from stages.dpo import best_worst
-from tests.conftest import _DIST_ENV, ROOT, assert_user_error, run_align
+from tests.conftest import _DIST_ENV, assert_user_error, run_align, small_data
 
-ARITH = ROOT / "data/arithmetic/train.jsonl"
+ARITH = small_data()["arith"]
 ONLINE = ["--online", "--data", ARITH, "--eval-data", "", "--pass-data", "", "--batch-size", "8", "--lr", "3e-3",
           "--warmup-steps", "1", "--max-new-tokens", "12", "--online-samples", "4", "--eval-every", "0"]
 

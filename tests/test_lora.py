@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from align.engine.lora import merged_state_dict
-from tests.conftest import _DIST_ENV, ROOT, assert_user_error, run_align
+from tests.conftest import _DIST_ENV, assert_user_error, run_align, small_data
 
-ARITH = ROOT / "data/arithmetic/train.jsonl"
+ARITH = small_data()["arith"]
 SFT = ["sft", "--data", ARITH, "--max-steps", "6", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1",
        "--eval-every", "0", "--eval-samples", "0", "--lora-r", "4", "--lora-alpha", "8"]
 
@@ -67,7 +67,7 @@ def test_dpo_reference_is_the_policy_with_its_adapters_off(tmp_path):
     out = tmp_path / "dpo"
     said = ok(run_align("dpo", "--model", "tiny", "--lora-r", "4", "--max-steps", "2", "--batch-size", "8",
                         "--lr", "1e-3", "--warmup-steps", "1", "--eval-every", "0", "--eval-samples", "0",
-                        "--eval-data", "", "--out", out)).stdout
+                        "--data", small_data()["prefs"], "--eval-data", "", "--out", out)).stdout
     assert "the policy with its LoRA adapters off" in said
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # B = 0 at step 0: policy = reference
@@ -79,7 +79,7 @@ def test_grpo_with_lora_and_a_reference(tmp_path):
     said = ok(run_align("grpo", "--model", "tiny", "--lora-r", "4", "--beta", "0.1", "--max-steps", "2",
                         "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
                         "--eval-samples", "4", "--eval-k", "1", "--lr", "1e-3", "--data", ARITH,
-                        "--out", out)).stdout
+                        "--eval-data", small_data()["arith_test"], "--out", out)).stdout
     assert "the policy with its LoRA adapters off" in said
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"kl"' in x]
     assert rows and all(math.isfinite(r["kl"]) and r["kl"] >= 0 for r in rows)
@@ -130,7 +130,8 @@ def test_reward_model_and_ppo_with_lora(tmp_path, tiny_model_dir):
 
     rm = tmp_path / "rm"
     ok(run_align("rm", "train", "--model", tiny_model_dir, "--lora-r", "4", "--max-steps", "4", "--batch-size", "8",
-                 "--lr", "3e-3", "--eval-every", "0", "--normalize-samples", "8", "--out", rm))
+                 "--lr", "3e-3", "--eval-every", "0", "--normalize-samples", "8", "--data", small_data()["prefs"],
+                 "--eval-data", small_data()["prefs_test"], "--out", rm))
     ids = torch.tensor([[1, 5, 9, 11, 20, 31]])
     merged = AutoModelForSequenceClassification.from_pretrained(rm / "model")
     adapted = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1),
@@ -139,7 +140,7 @@ def test_reward_model_and_ppo_with_lora(tmp_path, tiny_model_dir):
     said = ok(run_align("ppo", "--model", tiny_model_dir, "--reward-model", rm, "--lora-r", "4", "--max-steps", "1",
                         "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2", "--ppo-epochs",
                         "1", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4", "--data", ARITH,
-                        "--out", tmp_path / "ppo")).stdout
+                        "--eval-data", small_data()["arith_test"], "--ptx-data", ARITH, "--out", tmp_path / "ppo")).stdout
     assert "value: LoRA r 4" in said and "reference = the policy with its LoRA adapters off" in said
 
 
@@ -147,3 +148,18 @@ def test_bad_lora_flags_exit_2(tmp_path):
     assert_user_error(run_align("sft", "--lora-r", "-1", "--out", tmp_path / "sft"), "--lora-r")
     assert_user_error(run_align("grpo", "--lora-r", "4", "--lora-dropout", "1.5", "--out", tmp_path / "g"),
                       "--lora-dropout")
+
+
+def test_a_lora_run_resumes_exactly(tmp_path):
+    """3 steps, then --resume to 5: the adapter and the merged weights of an uninterrupted 5-step run."""
+    from safetensors.torch import load_file
+
+    args = ["sft", "--model", "tiny", "--data", ARITH, "--batch-size", "8", "--lr", "3e-3", "--schedule", "constant",
+            "--warmup-steps", "0", "--eval-every", "0", "--eval-samples", "0", "--lora-r", "4", "--save-every", "1"]
+    ok(run_align(*args, "--max-steps", "5", "--out", tmp_path / "a"))
+    ok(run_align(*args, "--max-steps", "3", "--out", tmp_path / "b"))
+    assert "resumed from the checkpoint at step 3" in ok(run_align(*args, "--max-steps", "5", "--resume",
+                                                                   "--out", tmp_path / "b")).stdout
+    for f in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        a, b = load_file(tmp_path / "a" / "model" / f), load_file(tmp_path / "b" / "model" / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
