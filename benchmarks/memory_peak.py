@@ -88,14 +88,13 @@ def main() -> None:
 
     import torch
 
-    from align.engine.run import StageRun
+    from benchmarks.inprocess import run_with_step_hook
 
     if not torch.cuda.is_available():
         raise SystemExit("memory_peak needs a CUDA device")
     state: dict = {}
-    original = StageRun._end_step
 
-    def end_step(run, step, *rest):  # `step` is 1-based: called after optimiser step `step - 1`
+    def hook(step):  # `step` is 1-based: called after optimiser step `step - 1`
         if step == a.record_step:
             torch.cuda.synchronize()
             state["resident"] = torch.cuda.memory_allocated()
@@ -104,15 +103,8 @@ def main() -> None:
             torch.cuda.synchronize()
             state["snapshot"] = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
-        return original(run, step, *rest)
 
-    StageRun._end_step = end_step
-    from align import cli
-
-    try:
-        cli.app()(args, prog_name="align", standalone_mode=False)
-    except SystemExit:
-        pass
+    run_with_step_hook(args, hook)
     if "snapshot" not in state:
         raise SystemExit(f"the run ended before step {a.record_step + 1}: pass --max-steps {a.record_step + 2} or more")
     if a.snapshot:

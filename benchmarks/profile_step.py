@@ -32,7 +32,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from align.engine.run import StageRun
+    from benchmarks.inprocess import run_with_step_hook
 
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -40,9 +40,8 @@ def main() -> None:
     cp = cProfile.Profile()
     walls: dict[str, float] = {}
     marks: dict[str, float] = {}
-    original = StageRun._end_step
 
-    def end_step(run, step, *args):  # `step` is 1-based: called after optimiser step `step - 1`
+    def hook(step):  # `step` is 1-based: called after optimiser step `step - 1`
         if cuda:
             torch.cuda.synchronize()
         now = time.time()
@@ -57,15 +56,8 @@ def main() -> None:
         elif step == 6:
             cp.disable()
             walls["python"] = now - marks["python"]
-        return original(run, step, *args)
 
-    StageRun._end_step = end_step
-    from align import cli
-
-    try:
-        cli.app()(args, prog_name="align", standalone_mode=False)
-    except SystemExit:
-        pass
+    run_with_step_hook(args, hook)
     if "torch" not in walls or "python" not in walls:
         raise SystemExit("the run ended before step 6: pass --max-steps 6 or more")
 
