@@ -169,7 +169,7 @@ class FastDecoder:
     def load_weights(self, module) -> None:
         """Copy the module's current weights in (call with ZeRO-3 params gathered), into the buffer `release`
         gave back if it did; a LoRA layer's as merged, W + (α/r) B A."""
-        self._take(self._wbuf, "_wptr")
+        self._take_weights()
         mm = module.model
         self.embed.copy_(mm.embed_tokens.weight)
         if not self.tied:
@@ -245,12 +245,14 @@ class FastDecoder:
             t.untyped_storage().resize_(0)
         self._released = True
 
-    def _take(self, t: torch.Tensor, ptr_attr: str) -> None:
-        """Give `t` its storage back after `release` (contents undefined); drop the captured graphs if it moved."""
+    def _take_weights(self) -> None:
+        """The weight buffer's storage back after `release` (contents undefined: `load_weights` fills it); the
+        captured graphs are dropped if it came back at another address."""
+        t = self._wbuf
         if t.untyped_storage().nbytes():
             return
         t.untyped_storage().resize_(t.numel() * t.element_size())
-        if t.data_ptr() != getattr(self, ptr_attr) and self._graphs:
+        if t.data_ptr() != self._wptr and self._graphs:
             self._graphs = {}
             self.recaptures += 1
 

@@ -42,7 +42,6 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
-from align.engine.lora import AdaptersOff
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -51,8 +50,7 @@ from align.generation import Sampling, generate_on_rank
 from align.logprobs import logprobs
 from align.losses import (DPO_LOSSES, IGNORE, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, dpo_loss, kto_loss, orpo_loss,
                           rpo_nll, simpo_loss)
-from align.models import (check_length, context_length, count_parameters, disable_dropout, load_causal_lm,
-                          load_tokenizer, resolve)
+from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import guess_verifier, row_fields, verifier_fn
@@ -151,7 +149,7 @@ class DPO:
         ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source
         check_length(source, cfg.max_length)
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
-        self.examples = self.load_train(source)
+        self.examples = self.load_train()
         self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else []
         if cfg.eval_pairs:
             self.eval_examples = self.eval_examples[: cfg.eval_pairs]
@@ -174,10 +172,8 @@ class DPO:
                                                               cfg.weight_decay), micro=self.micro, accum=accum)
         if cfg.reference_free:
             self.reference = None
-        elif cfg.lora_r and not cfg.ref_model:  # the base model = the policy with its adapters off: no 2nd copy
-            self.reference = AdaptersOff(self.policy)
         else:
-            self.reference = run.frozen(load(ref_source))
+            self.reference = run.reference(self.policy, load(ref_source))
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
@@ -188,12 +184,11 @@ class DPO:
              f"β {cfg.beta}, loss {cfg.loss}"
              f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}"
              f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
-             f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}"
-             f"{' (the policy with its LoRA adapters off)' if isinstance(self.reference, AdaptersOff) else ''}, "
+             f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}, "
              f"{dist.world_size} process(es), ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} "
              f"pairs x accum {accum}")
 
-    def load_train(self, source) -> list[dict]:
+    def load_train(self) -> list[dict]:
         return self.load_examples(self.cfg.data)
 
     def load_examples(self, path: str) -> list[dict]:
@@ -240,21 +235,29 @@ class DPO:
         cfg, stats = self.cfg, Stats()
         if cfg.precompute_ref and self.ref_train is None:
             self.precompute_reference()
-        for idx in chunks(self.run.indices(len(self.examples), cfg.batch_size, step), self.micro):
-            b = D.to_device(D.collate_pairs([self.examples[i] for i in idx], self.tok.pad_token_id), self.run.dist.device)
+        idx = self.run.indices(len(self.examples), cfg.batch_size, step)
+        self.train_on([self.examples[i] for i in idx], idx, torch.ones(len(idx)), cfg.batch_size, stats)
+        return stats
+
+    def train_on(self, pairs: list[dict], idx: list, weights: torch.Tensor, n_pairs: float, stats: Stats) -> None:
+        """One optimiser step on this rank's `pairs` (`idx`: their keys for precomputed reference log-probs), each
+        weighing `weights` (online DPO: 0 for a slot without a pair): the loss is the weighted sum over the pairs
+        of the global batch divided by its `n_pairs`."""
+        cfg, device = self.cfg, self.run.dist.device
+        for sl in chunks(list(range(len(pairs))), self.micro):
+            b = D.to_device(D.collate_pairs([pairs[i] for i in sl], self.tok.pad_token_id), device)
+            w = weights[sl].to(device)
             pc, pr = pair_logps(self.policy, b)
             lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
-            loss, rw_c, rw_r = self.pair_loss(pc, pr, tuple(lengths), idx, b)
+            loss, rw_c, rw_r = self.pair_loss(pc, pr, tuple(lengths), [idx[i] for i in sl], b)
             if cfg.nll_coef:
                 nll = rpo_nll(pc, lengths[0], cfg.nll_coef)
-                stats.mean("loss/nll", nll.sum(), len(idx))
+                stats.mean("loss/nll", (nll * w).sum(), w.sum())
                 loss = loss + nll
-            self.policy.backward(loss.sum() / cfg.batch_size)  # the mean over the pairs of the global batch
-            for name, total in zip(KEYS, (loss.sum(), rw_c.sum(), rw_r.sum(), (rw_c > rw_r).sum(), (rw_c - rw_r).sum(),
-                                          pc.sum(), pr.sum())):
-                stats.mean(name, total, len(idx))
-            stats.sum("pairs", len(idx))
-        return stats
+            self.policy.backward((loss * w).sum() / max(n_pairs, 1.0))  # the mean over the global batch's pairs
+            for name, total in zip(KEYS, (loss, rw_c, rw_r, (rw_c > rw_r).float(), rw_c - rw_r, pc, pr)):
+                stats.mean(name, (total.detach().float() * w).sum(), w.sum())
+            stats.sum("pairs", w.sum())
 
     def evaluate(self, step: int) -> dict:
         cfg = self.cfg
@@ -360,8 +363,6 @@ class KTO(DPO):
                 "eval/rewards/margins": (r[label].mean() - r[~label].mean()).item() if both else 0.0}
 
 
-
-
 def best_worst(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online DPO's pairs from a judge's scores [P, K] of K samples of each of P prompts: (index of the best
     sample [P], of the worst [P], weight [P]): weight 1 where the best scores strictly above the worst, 0 where
@@ -379,15 +380,15 @@ class OnlineDPO(DPO):
     progress = ("loss", "online/reward", "rewards/accuracies")
     train_keys = (*KEYS, "online/reward", "online/pair_frac")
 
-    def load_train(self, source) -> list[dict]:
+    def load_train(self) -> list[dict]:
         cfg = self.cfg
         rows = D.load_rows(cfg.data, "prompts", cfg.columns)
         if not cfg.reward_model and "answer" not in rows[0] and cfg.verifier == "auto":
             raise UserError(f"{cfg.data}: --online ranks samples with the verifier, which needs an 'answer' column "
                             "(or pass --reward-model RM_ARTIFACT, or --verifier file.py:FUNCTION).")
-        context = context_length(source)
+        # a pair is prompt + one sample: it fits --max-length (already checked against the model's context)
         self.rows, self.prompt_ids = fitting(rows, D.encode_prompts(self.tok, [r["prompt"] for r in rows]),
-                                             min(context or cfg.max_length, cfg.max_length), cfg.max_new_tokens)
+                                             cfg.max_length, cfg.max_new_tokens)
         self.judge = None if cfg.reward_model else verifier_fn(
             guess_verifier(self.rows) if cfg.verifier == "auto" else cfg.verifier)
         self.buffer: dict[int, tuple[list[dict], torch.Tensor, float]] = {}  # step -> (pairs, weights, mean score)
@@ -396,7 +397,7 @@ class OnlineDPO(DPO):
              f"{'--reward-model ' + cfg.reward_model if cfg.reward_model else 'the verifier'}")
         return []
 
-    def rank(self, rows: list[dict], prompts: list[list[int]], completions) -> torch.Tensor:
+    def rank(self, rows: list[dict], completions) -> torch.Tensor:
         """[n] the judge's score of each completion (verifier: its reward; RM: its normalised score)."""
         if self.rm is not None:
             texts = [r["prompt"] for r in rows]
@@ -415,7 +416,7 @@ class OnlineDPO(DPO):
                                 Sampling(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature), dist,
                                 batch_size=64)
         rows = [self.rows[i] for i in idx for _ in range(K)]
-        scores = self.rank(rows, prompts, done).view(len(idx), K)
+        scores = self.rank(rows, done).view(len(idx), K)
         best, worst, weights = best_worst(scores)
         pairs = [{"prompt_ids": self.prompt_ids[i], "chosen_ids": done[j * K + best[j]].ids,
                   "rejected_ids": done[j * K + worst[j]].ids, "margin": 0.0} for j, i in enumerate(idx)]
@@ -425,7 +426,7 @@ class OnlineDPO(DPO):
             self.buffer[s] = (pairs[sl], weights[sl], scores[sl].mean().item())
 
     def step(self, step: int) -> Stats:
-        cfg, stats, device = self.cfg, Stats(), self.run.dist.device
+        stats, device = Stats(), self.run.dist.device
         if step not in self.buffer:
             self.buffer = {}
             self.sample_window(step)
@@ -433,20 +434,7 @@ class OnlineDPO(DPO):
         n_pairs = runtime.all_reduce_sum(weights.sum().to(device)).item()  # pairs in the global batch
         stats.mean("online/reward", reward * len(weights), len(weights))
         stats.mean("online/pair_frac", weights.sum(), len(weights))
-        for sl in chunks(list(range(len(pairs))), self.micro):
-            b = D.to_device(D.collate_pairs([pairs[i] for i in sl], self.tok.pad_token_id), device)
-            w = weights[sl].to(device)
-            pc, pr = pair_logps(self.policy, b)
-            lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
-            loss, rw_c, rw_r = self.pair_loss(pc, pr, tuple(lengths), sl, b)
-            if cfg.nll_coef:
-                nll = rpo_nll(pc, lengths[0], cfg.nll_coef)
-                stats.mean("loss/nll", (nll * w).sum(), w.sum())
-                loss = loss + nll
-            self.policy.backward((loss * w).sum() / max(n_pairs, 1.0))  # the mean over the global batch's pairs
-            for name, total in zip(KEYS, (loss, rw_c, rw_r, (rw_c > rw_r).float(), rw_c - rw_r, pc, pr)):
-                stats.mean(name, (total.detach().float() * w).sum(), w.sum())
-            stats.sum("pairs", w.sum())
+        self.train_on(pairs, list(range(len(pairs))), weights, n_pairs, stats)
         return stats
 
 

@@ -27,7 +27,6 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info
 from align.engine.build import Optim, rows_within
-from align.engine.lora import AdaptersOff
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -154,9 +153,7 @@ class GRPO:
                                 # β2 = 0.999 (not SFT's 0.95): policy gradients are noisy, a longer memory keeps steps small
                                 Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay, (0.9, 0.999)),
                                 micro=self.micro, accum=n_local // self.micro)
-        # with LoRA the reference is the base model = the policy with its adapters off (no second copy)
-        self.reference = ((AdaptersOff(self.policy) if cfg.lora_r else run.frozen(self.load_policy(source)))
-                          if cfg.beta else None)
+        self.reference = run.reference(self.policy, self.load_policy(source)) if cfg.beta else None
         self.teacher = run.frozen(self.load_policy(teacher_source)) if cfg.teacher else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
@@ -167,7 +164,6 @@ class GRPO:
              f"rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
-             f"{' = the policy with its LoRA adapters off' if isinstance(self.reference, AdaptersOff) else ''}"
              f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}")
 
     def load_policy(self, source):

@@ -33,7 +33,6 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info, warn
 from align.engine.build import Optim
-from align.engine.lora import AdaptersOff
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -199,9 +198,7 @@ class PPO:
         self.value = run.train("value", self.load(load_sequence_classifier, sources["value"], self.tok),
                                replace(optim, lr=cfg.vf_lr), micro=self.micro, accum=accum, prefix="val/")
         offload = cfg.offload_frozen and run.zero_stage == 3
-        # with LoRA the reference is the base model = the policy with its adapters off (no second copy)
-        self.reference = (AdaptersOff(self.policy) if cfg.lora_r and not cfg.ref_model
-                          else run.frozen(self.load(load_causal_lm, sources["reference"], self.tok), offload))
+        self.reference = run.reference(self.policy, self.load(load_causal_lm, sources["reference"], self.tok), offload)
         self.rm = run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
         self.kl_ctl = (rl.FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
                        else rl.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
@@ -260,8 +257,7 @@ class PPO:
              f"{cfg.prompts_per_step} episodes/step in minibatches of {cfg.minibatch_size} x {cfg.ppo_epochs} epochs, "
              f"{self.run.dist.world_size} process(es), ZeRO-{self.run.zero_stage}; β {cfg.init_kl_coef} "
              f"({'fixed' if cfg.fixed_kl else f'adaptive, target {cfg.target_kl}'}), ptx γ {cfg.ptx_coef}"
-             f"{f' on {len(self.ptx)} texts' if self.ptx else ''}, gold reward {gold}"
-             f"{'; reference = the policy with its LoRA adapters off' if isinstance(self.reference, AdaptersOff) else ''}")
+             f"{f' on {len(self.ptx)} texts' if self.ptx else ''}, gold reward {gold}")
         if not self.rm_same_tok:
             warn(f"{cfg.reward_model}: tokenizer differs from the policy's "
                  f"({tokenizer_difference(self.tok, self.rm_tok)}); responses are re-tokenised from text with the "

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from align.config import PRECISIONS
+from align.engine.lora import is_peft
 from align.errors import UserError
 
 # align sets the batch layout itself; these keys of a --deepspeed file are ignored (with a warning)
@@ -226,7 +227,7 @@ def wrap(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
             from align.console import warn
 
             warn(hint)
-    if cfg["zero_optimization"]["stage"] == 3 and not hasattr(model, "peft_config"):
+    if cfg["zero_optimization"]["stage"] == 3 and not is_peft(model):  # LoRA: the backward met partitioned adapters
         set_block_leaves(model)
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
     if optimizer is None:

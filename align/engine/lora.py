@@ -17,10 +17,7 @@ _PREFIX = "base_model.model."
 
 
 def lora_config(cfg, head: str | None = None):
-    """The peft LoraConfig of a stage's flags (`head`: a new scalar head, trained in full beside the adapters),
-    or None when --lora-r is 0."""
-    if not getattr(cfg, "lora_r", 0):
-        return None
+    """The peft LoraConfig of a stage's flags (`head`: a new scalar head, trained in full beside the adapters)."""
     from peft import LoraConfig
 
     targets = cfg.lora_targets
@@ -51,7 +48,7 @@ def is_peft(module) -> bool:
 
 class AdaptersOff:
     """A trained engine with its LoRA adapters switched off for each call: the base model, which is the frozen
-    reference of dpo and grpo, without a second copy of it. Forward only (no gradient)."""
+    reference of dpo, grpo and ppo (StageRun.reference), without a second copy of it. Forward only."""
 
     def __init__(self, trained):
         self.trained, self.module = trained, trained.module

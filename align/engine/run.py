@@ -33,7 +33,7 @@ from align.console import TrainProgress, info, summary_table
 from align.engine import checkpoint, outdir
 from align.engine.build import (Optim, Trained, adamw, compute_dtype, ds_config, engine_stage, frozen_config, load_partitioned,
                                 lr_lambda, own_clipping, resolve_precision, wrap)
-from align.engine.lora import is_peft, with_lora
+from align.engine.lora import AdaptersOff, is_peft, with_lora
 from align.errors import Terminated, UserError
 from align.optim import AdamWSR
 
@@ -185,6 +185,14 @@ class StageRun:
                  "parameters, the base frozen")
         self.engines[name] = Trained(eng, accum, self.dist.world_size, optim.lr, prefix, clip)
         return self.engines[name]
+
+    def reference(self, policy: Trained, load, offload_params: bool = False):
+        """The frozen reference of `policy`: under LoRA with no other reference model named (--ref-model), the
+        policy with its adapters switched off (the base model, no second copy); else a frozen engine of `load`."""
+        if is_peft(policy.module) and not getattr(self.cfg, "ref_model", ""):
+            info("reference = the policy with its LoRA adapters off (no second copy of the model)")
+            return AdaptersOff(policy)
+        return self.frozen(load, offload_params)
 
     def frozen(self, load, offload_params: bool = False):
         """An inference-only engine of `load(dtype)` (a reference policy, a reward model, a model to evaluate)."""
