@@ -143,8 +143,11 @@ def check_resume(stage, inputs, tmp_path, nproc=1):
     art, resumed_at = killed_run(args, out, nproc)
     finish(uninterrupted)
     # SIGKILL: nothing could mark it failed; 2 processes: the workers outlive the killed torchrun long enough to
-    # hear of it (PR_SET_PDEATHSIG) and stop at the end of their step, saying so
-    assert art["status"] == "running" or (nproc > 1 and art["reason"].startswith("terminated (SIGTERM)"))
+    # hear of it (PR_SET_PDEATHSIG, once per thread of torchrun) and stop together at the end of their step
+    if nproc == 1:
+        assert art["status"] == "running"
+    else:
+        assert art["status"] == "failed" and art["reason"].startswith("terminated (SIGTERM) at step "), art["reason"]
     assert 1 <= resumed_at < STEPS
     assert not (out / "model").exists()
     if stage == "sft":  # an incomplete artifact is refused as an input

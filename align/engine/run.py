@@ -90,6 +90,7 @@ class StageRun:
         self._link = None  # transformers' ZeRO-3 loading link, alive while engines are built
         self.lock: Path | None = None
         self.stop_signal: int | None = None  # SIGINT / SIGTERM received during the step loop
+        self.sigterm = False  # a SIGTERM has been received (any later one is the same request)
         self.in_loop = False
         self._handlers: dict = {}  # the signal handlers open() replaced, restored at the end
         self.monitor = None
@@ -154,12 +155,19 @@ class StageRun:
 
     def _on_signal(self, signum, frame) -> None:
         """Ctrl-C / SIGTERM: inside the step loop the step finishes, every rank learns of it through the step's
-        all-reduce, and the run checkpoints and stops; anywhere else (or a second time) it stops at once."""
+        all-reduce, and the run checkpoints and stops; anywhere else, or Ctrl-C a second time, it stops at once.
+        SIGTERM is one request however often it comes: a worker told of its launcher's death (PR_SET_PDEATHSIG)
+        gets one SIGTERM per thread of the dead launcher, and a repeat must not break off the graceful stop (one
+        rank gone mid-collective would fail its peers) nor the failure report being written."""
+        if signum == signal.SIGTERM and self.sigterm:
+            return
+        self.sigterm = self.sigterm or signum == signal.SIGTERM
         if not self.in_loop or self.stop_signal is not None:
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated()
         self.stop_signal = signum
+        again = "Ctrl-C again" if signum == signal.SIGINT else "SIGKILL"
         info(f"[yellow]{signal.Signals(signum).name}: stopping after this step (checkpoint, then exit); "
-             "again to stop at once[/]")
+             f"{again} to stop at once[/]")
 
     # ---- engines
 
