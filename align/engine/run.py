@@ -112,8 +112,8 @@ class StageRun:
         finally:
             if self.lock is not None:
                 self.lock.unlink(missing_ok=True)
-            for sig, handler in self._handlers.items():
-                signal.signal(sig, handler)
+            for sig, handler in self._handlers.items():  # a stop on SIGTERM ignores its repeats to the end
+                signal.signal(sig, signal.SIG_IGN if sig == signal.SIGTERM and self.sigterm else handler)
         return False
 
     def _fail_if_running(self, exc) -> None:
@@ -236,7 +236,6 @@ class StageRun:
                 if stop:
                     self._stop(done, algo, bar)
             self.in_loop = False
-        self._handlers: dict = {}  # the signal handlers open() replaced, restored at the end
 
     def _step(self, algo, step: int) -> tuple[dict, bool]:
         """One step of the algorithm and its reduced metrics; and whether any rank was asked to stop."""
@@ -353,7 +352,8 @@ class StageRun:
         wall = time.time() - self.t_fit
         self.checkpoint(cfg.max_steps, algo)
         out = algo.output()
-        runtime.save_model(out.engine, out.tokenizer, self.writer.begin_model(), dist, extra_config=out.config)
+        runtime.save_model(out.engine, out.tokenizer, self.writer.begin_model(), dist, extra_config=out.config,
+                           merge=getattr(cfg, "merge", True))
         rates = {f"{k}_per_s": round(v / max(self.train_seconds, 1e-9), 1) for k, v in self.counted.items()}
         final = {**algo.final_metrics(self.last, self.start_eval), **rates, "steps": cfg.max_steps,
                  "wall_seconds": round(wall, 1), "train_seconds": round(self.train_seconds, 1),
