@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from align.errors import UserError
+from align.models import PRESETS
 from align.paths import DATA_DIR
 
 PRECISIONS = ("auto", "bf16", "bf16-mixed", "bf16-pure", "fp32")
@@ -108,11 +109,14 @@ class TrainConfig(StageConfig):
     resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).")
     monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
     lora_r: int = opt(0, "LoRA rank (0: train every weight). The base stays frozen (a score head trains in full); "
-                         "model/ holds the merged weights, model/adapter/ the adapter.")
+                         "model/adapter/ holds the adapter.")
     lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.")
     lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
     lora_targets: str = opt("all-linear", "Modules that get adapters: all-linear (every Linear but the LM head) or "
                                           "comma-separated module names (q_proj,v_proj).")
+    merge: bool = opt(True, "With --lora-r: model/ also holds the merged model (plain transformers loads it). "
+                            "--no-merge: the adapter alone (a fraction of the size); later stages merge it into its "
+                            "base, this run's --model, when they load it.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -122,6 +126,12 @@ class TrainConfig(StageConfig):
         if self.lora_r < 0 or not self.lora_alpha > 0 or not 0 <= self.lora_dropout < 1:
             raise UserError(f"--lora-r must be >= 0, --lora-alpha > 0 and --lora-dropout in [0, 1), not "
                             f"{self.lora_r}, {self.lora_alpha} and {self.lora_dropout}.")
+        if not self.merge and not self.lora_r:
+            raise UserError("--no-merge keeps a LoRA adapter without its merged model: it needs --lora-r.")
+        if not self.merge and getattr(self, "model", None) in PRESETS and not Path(self.model).exists():
+            raise UserError(f"--no-merge: the adapter's base would be the preset {self.model!r}, a random init that "
+                            "exists only in this run; train the adapter on a saved model (a directory or an "
+                            "artifact), or keep the merged model (--merge).")
 
     def validate(self):
         if self.schedule not in ("cosine", "linear", "constant"):

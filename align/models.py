@@ -38,6 +38,13 @@ class ModelSource:
     model_dir: Path | None  # None for presets
     artifact: dict | None = None
     preset: str | None = None
+    base: ModelSource | None = None  # a LoRA adapter saved alone (--no-merge): the model it is merged into
+
+    @property
+    def adapter_dir(self) -> Path | None:
+        from align.engine.lora import ADAPTER_DIR
+
+        return self.model_dir / ADAPTER_DIR if self.base is not None else None
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -85,6 +92,10 @@ def resolve(spec: str, expect: str | None = "policy") -> ModelSource:
         if not (model_dir / "config.json").is_file():
             raise UserError(f"{path}: this {art.get('stage')} artifact holds no model (no {MODEL_DIR}/config.json).")
         source = ModelSource(spec, model_dir, artifact=art)
+        from align.engine.lora import is_adapter_only
+
+        if is_adapter_only(model_dir):
+            source.base = adapter_base(path, art)
     elif (path / "config.json").is_file():
         source = ModelSource(spec, path)
     else:
@@ -92,9 +103,29 @@ def resolve(spec: str, expect: str | None = "policy") -> ModelSource:
     if expect and source.kind != expect:
         want = "a policy (causal LM, e.g. an sft artifact)" if expect == "policy" else "a reward model (rm artifact)"
         raise UserError(f"{spec}: this is a {source.kind} model, but {want} is expected here.")
-    if source.model_dir is not None and not any(source.model_dir.glob("*.safetensors")):
+    if source.model_dir is not None and source.base is None and not any(source.model_dir.glob("*.safetensors")):
         raise UserError(f"{source.model_dir}: no .safetensors weights (align loads safetensors only, never pickles).")
     return source
+
+
+def adapter_base(path: Path, art: dict) -> ModelSource:
+    """The base model of an artifact that holds a LoRA adapter alone (--no-merge): the run's input model, found
+    where the run recorded it and checked unchanged since (artifact digest or file hashes)."""
+    from align.artifacts import artifact_digest, hash_tree
+
+    rec = art.get("inputs", {}).get("model", {})
+    where = rec.get("artifact") or rec.get("dir") or rec.get("spec", "")
+    what = f"{path}: holds a LoRA adapter without its merged model (--no-merge); its base model {where}"
+    if not ("artifact" in rec or "dir" in rec):  # a preset's random init: refused at training time (config.py)
+        raise UserError(f"{what} is not a saved model; retrain with --merge.")
+    if not Path(where).exists():
+        raise UserError(f"{what} is gone. Put it back there, or retrain with --merge.")
+    changed = (artifact_digest(Path(where)) != rec.get("sha256") if "artifact" in rec
+               else hash_tree(Path(where)) != rec.get("files"))
+    if changed:
+        raise UserError(f"{what} has changed since the adapter was trained on it; merging would give another "
+                        "model. Restore it, or retrain with --merge.")
+    return resolve(where, expect=None)
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -163,6 +194,9 @@ def load_causal_lm(source: ModelSource, tokenizer, dtype, seed: int = 0, trust_r
     if source.preset:
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(preset_config(source.preset, tokenizer), dtype=dtype)
+    if source.base is not None:
+        return with_saved_adapter(load_causal_lm(source.base, tokenizer, dtype, seed, trust_remote_code),
+                                  source)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source.model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
@@ -175,6 +209,18 @@ def load_causal_lm(source: ModelSource, tokenizer, dtype, seed: int = 0, trust_r
             f"{model.config.vocab_size}; token ids past it would index outside the embedding. Use the tokenizer "
             "the model was trained with (tokenizer_class in tokenizer_config.json)."
         )
+    return model
+
+
+def with_saved_adapter(model, source: ModelSource):
+    """`model` (loaded from `source.base`) with `source`'s saved LoRA adapter merged in and align's own config
+    keys (a reward model's head and normalisation) taken from `source`'s config."""
+    from align.engine.lora import merge_saved_adapter
+
+    merge_saved_adapter(model, source.adapter_dir)
+    for k, v in source.config.items():
+        if k.startswith("align_") or k == "pad_token_id":
+            setattr(model.config, k, v)
     return model
 
 

@@ -82,8 +82,11 @@ def load_sequence_classifier(source, tokenizer, dtype, seed: int = 0, trust_remo
     reward is read at the last non-padding token."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from align.models import preset_config
+    from align.models import preset_config, with_saved_adapter
 
+    if source.base is not None:  # a LoRA adapter saved alone: its base's body (and head), then the adapter
+        return with_saved_adapter(load_sequence_classifier(source.base, tokenizer, dtype, seed,
+                                                           trust_remote_code), source)
     torch.manual_seed(seed)  # the new score head
     if source.preset:
         cfg = preset_config(source.preset, tokenizer)

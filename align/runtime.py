@@ -171,8 +171,10 @@ def gathered_for_generation(eng, gather: bool = True):
         yield module
 
 
-def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | None = None) -> None:
-    """Write a plain `save_pretrained` directory (safetensors + tokenizer) on rank 0.
+def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | None = None,
+               merge: bool = True) -> None:
+    """Write a plain `save_pretrained` directory (safetensors + tokenizer) on rank 0; a LoRA model: its adapter
+    in adapter/ and, with `merge`, the merged model (engine.lora.save).
 
     Under ZeRO-3, `module.save_pretrained()` alone would write empty shards; the consolidated state dict
     must be gathered on every rank first.
@@ -188,8 +190,8 @@ def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | N
         if extra_config:
             for k, v in extra_config.items():
                 setattr(module.config, k, v)
-        if lora.is_peft(module):  # the merged model, and the adapter in model/adapter/
-            lora.save(module, state, Path(out_dir))
+        if lora.is_peft(module):
+            lora.save(module, state, Path(out_dir), merge)
         else:
             module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)

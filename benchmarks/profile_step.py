@@ -2,7 +2,8 @@
 
     python -m benchmarks.profile_step --out /tmp/prof -- dpo --model DIR --max-steps 6 --batch-size 64
 
-Steps 0-1 are warm-up (compiles, allocator growth). Steps 2-3 run under torch.profiler: the table of the ops
+Steps 0-1 are warm-up (compiles, allocator growth). Steps 2-3 run under torch.profiler: each phase the stage
+marks (time/generate, time/update, ...) with its wall, GPU kernel time and top kernels; the table of the ops
 that take the most GPU time and the most CPU time, and the GPU's busy fraction (kernel time / wall time) — a
 step that keeps the GPU busy under ~50 % is bound by the CPU (Python, hooks, launches), not by the GPU.
 Steps 4-5 run under cProfile: the Python functions with the most cumulative time (which library's hooks, which
@@ -17,6 +18,30 @@ import io
 import pstats
 import time
 from pathlib import Path
+
+
+def phases(events, rows: int) -> list[str]:
+    """Each named phase of the profiled steps (the `time/...` ranges a stage marks): its wall time, the GPU kernel
+    time launched inside it and the kernels that take the most of it. A phase whose kernels fill much less than
+    its wall is bound by the host (Python, launches, synchronisations), not by the GPU."""
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    ranges: dict[str, list] = {}
+    for e in events:
+        if e.device_type.name == "CPU" and e.name.startswith("time/"):
+            ranges.setdefault(e.name, []).append(e.time_range)
+    out = []
+    for name, spans in sorted(ranges.items()):
+        wall = sum(r.elapsed_us() for r in spans) / 1e6
+        inside = [k for k in kernels if any(r.start <= k.time_range.start < r.end for r in spans)]
+        by: dict[str, list[float]] = {}
+        for k in inside:
+            by.setdefault(k.name, []).append(k.time_range.elapsed_us() / 1e6)
+        busy = sum(map(sum, by.values()))
+        out += ["", f"phase {name} ({len(spans)} ranges): wall {wall:.3f} s, {len(inside)} kernels, GPU {busy:.3f} s "
+                    f"({100 * busy / max(wall, 1e-9):.0f} % of the wall)", "  GPU s  | calls | kernel"]
+        for k, ts in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+            out.append(f"  {sum(ts):.4f} | {len(ts):5d} | {k[:110]}")
+    return out
 
 
 def main() -> None:
@@ -68,6 +93,7 @@ def main() -> None:
     lines.append(f"profiled steps 2-3 (torch.profiler): wall {walls['torch']:.3f} s"
                  + (f", GPU kernels {busy:.3f} s = {100 * busy / walls['torch']:.1f} % busy" if cuda else ""))
     if cuda:
+        lines += phases(tp.events(), a.rows)
         lines += ["", "top ops by self GPU time:", ev.table(sort_by="self_cuda_time_total", row_limit=a.rows)]
     lines += ["", "top ops by self CPU time:", ev.table(sort_by="self_cpu_time_total", row_limit=a.rows)]
     s = io.StringIO()

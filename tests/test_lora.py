@@ -1,5 +1,6 @@
 """LoRA (`--lora-r`): the merge W + (α/r) B A on hand values; an SFT run trains only the adapter and writes the
-merged model (plain transformers) beside the adapter (peft), which agree; DPO's and GRPO's reference is the policy
+merged model (plain transformers) beside the adapter (peft), which agree, or with --no-merge the adapter alone,
+which later stages merge into its base; DPO's and GRPO's reference is the policy
 with its adapters off; the fast decoder decodes with the adapter applied; two ZeRO-3 processes; refusals."""
 
 from __future__ import annotations
@@ -163,3 +164,54 @@ def test_a_lora_run_resumes_exactly(tmp_path):
     for f in ("model.safetensors", "adapter/adapter_model.safetensors"):
         a, b = load_file(tmp_path / "a" / "model" / f), load_file(tmp_path / "b" / "model" / f)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_no_merge_keeps_the_adapter_alone_and_later_stages_merge_it_into_its_base(tmp_path, tiny_model_dir):
+    """--no-merge: model/ holds the config, tokenizer and adapter but no weights; loading the artifact (any stage)
+    merges the adapter into the run's --model and gives the weights the --merge run saved; a reward model's
+    score head comes from the adapter. A changed base, a preset base and --no-merge without --lora-r: exit 2."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from align.errors import UserError
+    from align.models import load_causal_lm, load_tokenizer, resolve
+    from align.reward_model import load_reward_model
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    ok(run_align(*SFT, "--model", base, "--out", tmp_path / "merged"))
+    ok(run_align(*SFT, "--model", base, "--out", tmp_path / "alone", "--no-merge"))
+    alone = tmp_path / "alone" / "model"
+    assert not list(alone.glob("*.safetensors")) and (alone / "adapter" / "adapter_model.safetensors").is_file()
+    source = resolve(str(tmp_path / "alone"))
+    loaded = load_causal_lm(source, load_tokenizer(source), torch.float32).state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "model").state_dict()
+    assert loaded.keys() == saved.keys()
+    for k in saved:
+        torch.testing.assert_close(loaded[k], saved[k], rtol=0, atol=1e-6)
+    assert not torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"],
+                           AutoModelForCausalLM.from_pretrained(base).state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    # a later stage loads it, under ZeRO-3 on two processes too (align eval: the same samples as the merged model)
+    for name in ("alone", "merged"):
+        ok(run_align("eval", tmp_path / name, "--data", small_data()["arith_test"], "--k", "1,2", "--limit", "8",
+                     "--max-new-tokens", "6", "--nproc", "2", "--out", tmp_path / f"eval-{name}"))
+    assert (tmp_path / "eval-alone" / "samples.jsonl").read_text() == (tmp_path / "eval-merged" / "samples.jsonl").read_text()
+
+    rm = ["rm", "train", "--model", base, "--lora-r", "4", "--max-steps", "2", "--batch-size", "8", "--lr", "3e-3",
+          "--eval-every", "0", "--normalize-samples", "8", "--data", small_data()["prefs"], "--eval-data", ""]
+    ok(run_align(*rm, "--out", tmp_path / "rm-merged"))
+    ok(run_align(*rm, "--out", tmp_path / "rm-alone", "--no-merge"))
+    rm_source = resolve(str(tmp_path / "rm-alone"), expect="reward")
+    got = load_reward_model(rm_source, load_tokenizer(rm_source), torch.float32)
+    want = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm-merged" / "model")
+    for k, v in want.state_dict().items():
+        torch.testing.assert_close(got.state_dict()[k], v, rtol=0, atol=1e-6)
+    assert got.config.align_reward_offset == want.config.align_reward_offset
+
+    (base / "config.json").write_text((base / "config.json").read_text() + "\n")  # the base changed since
+    with pytest.raises(UserError, match="has changed since the adapter was trained"):
+        resolve(str(tmp_path / "alone"))
+    assert_user_error(run_align("sft", "--no-merge", "--out", tmp_path / "x"), "--lora-r")
+    assert_user_error(run_align("sft", "--model", "tiny", "--lora-r", "4", "--no-merge", "--out", tmp_path / "y"),
+                      "preset")

@@ -4,13 +4,20 @@ adapters are added, switched off, merged and saved.
 A LoRA layer computes W x + (α/r) · B A x with the base W frozen and A [r, in], B [out, r] trained (B starts
 at 0, so step 0 is the base model). `--lora-r R --lora-alpha A --lora-dropout P --lora-targets all-linear|names`
 on every training stage (a reward model's and PPO's value network's score head trains in full); the reference
-of dpo, grpo and ppo is the policy engine with its adapters switched off (no second copy of the model); the artifact's model/ holds the merged weights W + (α/r) B A (plain
-transformers loads it, and every later stage), and model/adapter/ the adapter alone in peft's format.
+of dpo, grpo and ppo is the policy engine with its adapters switched off (no second copy of the model). The
+artifact's model/adapter/ holds the adapter in peft's format and model/ the merged weights W + (α/r) B A (plain
+transformers loads them); with --no-merge model/ holds only the config and tokenizer beside the adapter, and a
+later stage loads the run's input model and merges the adapter into it (`merge_saved_adapter`).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+
+from align.errors import UserError
 
 ADAPTER_DIR = "adapter"
 _PREFIX = "base_model.model."
@@ -86,11 +93,52 @@ def merged_state_dict(state: dict, scaling: float, adapter: str = "default") -> 
     return out
 
 
-def save(module, state: dict, out_dir, safe: bool = True) -> None:
-    """Write a peft `module` (its full state dict `state`) as the merged plain model in `out_dir` and the adapter
-    alone in `out_dir/adapter` (rank 0)."""
-    cfg = module.peft_config["default"]
-    module.get_base_model().save_pretrained(out_dir, state_dict=merged_state_dict(state, cfg.lora_alpha / cfg.r),
-                                            safe_serialization=safe)
-    module.save_pretrained(out_dir / ADAPTER_DIR, state_dict=state, safe_serialization=safe)
+def save(module, state: dict, out_dir: Path, merge: bool = True) -> None:
+    """Write a peft `module` (its full state dict `state`) as the adapter alone in `out_dir/adapter` and, with
+    `merge`, the merged plain model in `out_dir`; without, `out_dir` gets only the model's config (rank 0)."""
+    cfg, base = module.peft_config["default"], module.get_base_model()
+    if merge:
+        base.save_pretrained(out_dir, state_dict=merged_state_dict(state, cfg.lora_alpha / cfg.r),
+                             safe_serialization=True)
+    else:
+        base.config.save_pretrained(out_dir)
+    module.save_pretrained(out_dir / ADAPTER_DIR, state_dict=state, safe_serialization=True)
+
+
+def is_adapter_only(model_dir: Path) -> bool:
+    """A model directory of a --no-merge run: the adapter and the config, no weights of the model itself."""
+    return (model_dir / ADAPTER_DIR / "adapter_config.json").is_file() and not any(model_dir.glob("*.safetensors"))
+
+
+def merge_saved_adapter(model, adapter_dir: Path) -> None:
+    """Merge the peft adapter saved in `adapter_dir` into the plain `model` (its base) in place: W += (α/r) B A
+    for each LoRA pair (in fp32, stored in W's dtype: the rounding of `merged_state_dict`), and the weights of a
+    module trained in full beside the adapters (a score head) copied. Every rank calls it: under ZeRO-3 each
+    parameter is gathered, changed and partitioned again."""
+    import deepspeed
+    from safetensors.torch import load_file
+
+    conf = json.loads((adapter_dir / "adapter_config.json").read_text())
+    if conf.get("use_dora") or conf.get("use_rslora") or conf.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{adapter_dir}: only plain LoRA adapters (no DoRA, no rsLoRA) are merged here.")
+    scaling = conf["lora_alpha"] / conf["r"]
+    saved = {k.removeprefix(_PREFIX): v for k, v in load_file(adapter_dir / "adapter_model.safetensors").items()}
+    params = dict(model.named_parameters())
+    for name, value in saved.items():
+        if ".lora_B." in name:
+            continue
+        if ".lora_A." in name:
+            stem, b = name.split(".lora_A.")[0], saved.get(name.replace(".lora_A.", ".lora_B."))
+            target = params.get(f"{stem}.weight")
+            delta = None if b is None else scaling * (b.float() @ value.float())
+        else:  # a module trained in full (modules_to_save)
+            target, delta = params.get(name), None
+        if target is None or (delta is not None and delta.shape != tuple(getattr(target, "ds_shape", target.shape))):
+            raise UserError(f"{adapter_dir}: the adapter's {name} does not fit the base model it is merged into.")
+        with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+            with torch.no_grad():
+                if delta is None:
+                    target.copy_(value.to(target.dtype))
+                else:
+                    target.copy_((target.float() + delta.to(target.device)).to(target.dtype))
 
