@@ -43,12 +43,17 @@ def free_port() -> int:
 def launch_env(nproc: int) -> dict[str, str]:
     """Environment for `nproc` processes started on this machine. torchrun pins every process to one OpenMP
     thread unless OMP_NUM_THREADS is set; that left DeepSpeed's CPU Adam (`--offload-optimizer`) single-threaded
-    on 2 GPUs while one process used every core. Give each process its share of the cores instead (a value the
-    user set is kept)."""
+    on 2 GPUs while one process used every core. Give each process its share of the cores instead. torchrun,
+    told to stop (SIGTERM), SIGKILLs its workers 30 s later: too soon for a large model to finish its step and
+    write its checkpoint, so the workers get SHUTDOWN_GRACE_S. Values the user set are kept."""
     env = dict(os.environ)
     if nproc > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // nproc))
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_GRACE_S))
     return env
+
+
+SHUTDOWN_GRACE_S = 600  # a stopped multi-process run's time to finish its step and checkpoint before SIGKILL
 
 
 def die_with_parent() -> None:

@@ -94,10 +94,12 @@ def test_launch_env_gives_each_process_its_share_of_cores(monkeypatch):
     from align.runtime import launch_env
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
     assert launch_env(2)["OMP_NUM_THREADS"] == "16"
     assert launch_env(64)["OMP_NUM_THREADS"] == "1"
     assert "OMP_NUM_THREADS" not in launch_env(1)
+    assert launch_env(2)["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "600"  # torchrun's 30 s would cut a checkpoint off
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert launch_env(2)["OMP_NUM_THREADS"] == "3"
 
