@@ -149,6 +149,9 @@ def test_bad_lora_flags_exit_2(tmp_path):
     assert_user_error(run_align("sft", "--lora-r", "-1", "--out", tmp_path / "sft"), "--lora-r")
     assert_user_error(run_align("grpo", "--lora-r", "4", "--lora-dropout", "1.5", "--out", tmp_path / "g"),
                       "--lora-dropout")
+    said = assert_user_error(run_align("sft", "--lora-r", "4", "--lora-targets", "embed_tokens,q_proj", "--max-steps",
+                                       "1", "--data", ARITH, "--out", tmp_path / "e"), "embeddings")
+    assert "embed_tokens" in said
 
 
 def test_a_lora_run_resumes_exactly(tmp_path):

@@ -44,7 +44,14 @@ def with_lora(load, cfg):
 
         model = load(dtype)
         head = "score" if isinstance(getattr(model, "score", None), torch.nn.Linear) else None
-        return get_peft_model(model, lora_config(cfg, head))
+        model = get_peft_model(model, lora_config(cfg, head))
+        other = sorted({n for n, m in model.named_modules() if hasattr(m, "lora_A") and not len(m.lora_A)
+                        and len(getattr(m, "lora_embedding_A", ()))})
+        if other:  # an embedding's adapter (lora_embedding_A/B) is neither merged nor saved merged here
+            raise UserError(f"--lora-targets {cfg.lora_targets}: LoRA goes on Linear layers here, not on "
+                            f"embeddings ({', '.join(n.split('.')[-1] for n in other)}); name Linear modules "
+                            "(q_proj,v_proj,...) or use all-linear.")
+        return model
 
     return load_with_adapters
 
