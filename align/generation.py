@@ -90,7 +90,7 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
             traceback.print_exc()
             warn(f"fast generation failed ({type(e).__name__}: {e}); falling back to HF generate for this process")
             os.environ["ALIGN_FAST_GENERATION"] = "0"
-    from align.engine.build import autocast_dtype
+    from align.engine.build import autocast_dtype, eager
 
     cfg = _generation_config(tokenizer, s)
     amp = autocast_dtype(module)  # --precision bf16-mixed: generate under the autocast the engine's forward uses
@@ -101,7 +101,7 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
         chunk = prompts[i : i + batch_size]
         ids = torch.tensor(pad(chunk, tokenizer.pad_token_id, side="left"), device=device)
         mask = torch.tensor(pad([[1] * len(p) for p in chunk], 0, side="left"), device=device)
-        with torch.autocast(torch.device(device).type, dtype=amp or torch.bfloat16, enabled=amp is not None):
+        with torch.autocast(torch.device(device).type, dtype=amp or torch.bfloat16, enabled=amp is not None), eager():
             gen = module.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, synced_gpus=synced_gpus)
         for p, row in zip(chunk, gen[:, ids.shape[1] :].tolist()):
             resp, finished = trim_at_eos(row, tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -205,8 +205,12 @@ def entropy_from_logits(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor
 
 def distinct_n(sequences: list[list[int]], n: int) -> float:
     """Distinct-n (Li et al. 2016): unique n-grams / total n-grams over a set of generations."""
-    grams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 0.0
+    unique, total = set(), 0
+    for s in sequences:
+        grams = list(zip(*(s[i:] for i in range(n))))
+        unique.update(grams)
+        total += len(grams)
+    return len(unique) / total if total else 0.0
 
 
 def overlong_penalty(length: int, max_len: int, cache: int) -> float:

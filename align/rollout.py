@@ -61,14 +61,16 @@ def sample(policy, tokenizer, rows: list[dict], prompt_ids: list[list[int]], gro
 
 
 def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
+    """Right-padded rows and their response mask, with NO attention mask: padding comes after every real token of
+    its row, so causal attention never reads it at a position a loss uses, and positions count 0.. either way;
+    without a mask attention runs the fused causal (flash) kernel instead of a masked one."""
     seqs = [c.prompt_ids + c.ids for c in completions]
     ids = torch.tensor(pad(seqs, pad_id), device=device)
-    attn = torch.tensor(pad([[1] * len(s) for s in seqs], 0), device=device)
     resp = torch.zeros(ids.shape[0], ids.shape[1] - 1, device=device)
     for i, c in enumerate(completions):
         start = len(c.prompt_ids) - 1  # logits at position p predict token p+1
         resp[i, start : start + len(c.ids)] = 1
-    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp}
+    return {"input_ids": ids, "response_mask": resp}
 
 
 def select(batch: dict, idx) -> dict:

@@ -3,7 +3,8 @@
 #   TOOL=memory_peak (default): what holds the memory at the GRPO and DPO peaks (benchmarks.memory_peak);
 #   TOOL=profile_step: where the step's time goes, each phase with its top kernels (benchmarks.profile_step).
 #   PRECISIONS="bf16-pure bf16-mixed" STAGES="grpo dpo" MODELS="0.5b" bash benchmarks/memory_gpu.sh
-# PRECISIONS "auto" runs ours at its default flags. EXTRA (optional): more flags for every run; LIMIT: seconds
+# PRECISIONS "auto" runs ours at its default flags. EXTRA (optional): more flags for every run; STEPS: steps per run
+# (default 6); TOOL_ARGS: flags for the tool (e.g. "--warmup 4" with STEPS=8); LIMIT: seconds
 # per run.
 set -uo pipefail
 OUT=${OUT:-/tmp/mem}
@@ -14,16 +15,16 @@ for m in ${MODELS:-0.5b}; do
   for p in ${PRECISIONS:-bf16-pure}; do
     for s in ${STAGES:-grpo dpo}; do
       if [ "$s" = grpo ]; then
-        args=(grpo --eval-data "" --max-steps 6 --prompts-per-step 8 --num-generations 8 --max-new-tokens 512
+        args=(grpo --eval-data "" --max-steps ${STEPS:-6} --prompts-per-step 8 --num-generations 8 --max-new-tokens 512
               --micro-batch-size 16 --reward benchmarks/bench_reward.py:noise --temperature 1.0 --beta 0
               --num-iterations 1 --lr 5e-5 --gradient-checkpointing)
       else
-        args=(dpo --eval-data "" --eval-samples 0 --max-steps 6 --batch-size 64 --micro-batch-size 16 --beta 0.1
+        args=(dpo --eval-data "" --eval-samples 0 --max-steps ${STEPS:-6} --batch-size 64 --micro-batch-size 16 --beta 0.1
               --loss sigmoid --max-length 256 --lr 5e-7)
       fi
       tag=$s-$m-$p
       rm -rf "/root/mem/run-$tag"
-      timeout "${LIMIT:-300}" python -m "benchmarks.$TOOL" --out "$OUT/$tag" -- "${args[@]}" --model "$M" \
+      timeout "${LIMIT:-300}" python -m "benchmarks.$TOOL" ${TOOL_ARGS:-} --out "$OUT/$tag" -- "${args[@]}" --model "$M" \
         --out "/root/mem/run-$tag" --precision "$p" ${EXTRA:-} > "$OUT/$tag.log" 2>&1
       echo "=== $TOOL $tag (rc $?)"
       if [ "$TOOL" = profile_step ]; then

@@ -2,12 +2,13 @@
 
     python -m benchmarks.profile_step --out /tmp/prof -- dpo --model DIR --max-steps 6 --batch-size 64
 
-Steps 0-1 are warm-up (compiles, allocator growth). Steps 2-3 run under torch.profiler: each phase the stage
+The first --warmup steps (default 2) warm up (compiles, allocator growth); the next two run under torch.profiler:
+each phase the stage
 marks (time/generate, time/update, ...) with its wall, GPU kernel time and top kernels; the table of the ops
 that take the most GPU time and the most CPU time, and the GPU's busy fraction (kernel time / wall time) — a
 step that keeps the GPU busy under ~50 % is bound by the CPU (Python, hooks, launches), not by the GPU.
-Steps 4-5 run under cProfile: the Python functions with the most cumulative time (which library's hooks, which
-of our functions). The run needs at least 6 steps. Tables go to stdout and to --out.
+The two after those run under cProfile: the Python functions with the most cumulative time (which library's
+hooks, which of our functions). The run needs --warmup + 4 steps. Tables go to stdout and to --out.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="profile")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the profiled ones (compiles, warm-up)")
     ap.add_argument("stage_args", nargs=argparse.REMAINDER, help="-- then an align command, e.g. -- dpo --model DIR")
     a = ap.parse_args()
     args = a.stage_args[1:] if a.stage_args[:1] == ["--"] else a.stage_args
@@ -63,6 +65,7 @@ def main() -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     tp = profile(activities=acts)
     cp = cProfile.Profile()
+    w = a.warmup
     walls: dict[str, float] = {}
     marks: dict[str, float] = {}
 
@@ -70,27 +73,27 @@ def main() -> None:
         if cuda:
             torch.cuda.synchronize()
         now = time.time()
-        if step == 2:
+        if step == w:
             tp.start()
             marks["torch"] = now
-        elif step == 4:
+        elif step == w + 2:
             tp.stop()
             walls["torch"] = now - marks["torch"]
             cp.enable()
             marks["python"] = time.time()
-        elif step == 6:
+        elif step == w + 4:
             cp.disable()
             walls["python"] = now - marks["python"]
 
     run_with_step_hook(args, hook)
     if "torch" not in walls or "python" not in walls:
-        raise SystemExit("the run ended before step 6: pass --max-steps 6 or more")
+        raise SystemExit(f"the run ended before step {w + 4}: pass --max-steps {w + 4} or more")
 
     lines = [f"command: align {' '.join(args)}"]
     ev = tp.key_averages()
     dev_key = "self_device_time_total" if cuda else "self_cpu_time_total"
     busy = sum(getattr(e, dev_key) for e in ev if e.device_type.name != "CPU") / 1e6 if cuda else 0.0
-    lines.append(f"profiled steps 2-3 (torch.profiler): wall {walls['torch']:.3f} s"
+    lines.append(f"profiled steps {w}-{w + 1} (torch.profiler): wall {walls['torch']:.3f} s"
                  + (f", GPU kernels {busy:.3f} s = {100 * busy / walls['torch']:.1f} % busy" if cuda else ""))
     if cuda:
         lines += phases(tp.events(), a.rows)
@@ -98,7 +101,7 @@ def main() -> None:
     lines += ["", "top ops by self CPU time:", ev.table(sort_by="self_cpu_time_total", row_limit=a.rows)]
     s = io.StringIO()
     pstats.Stats(cp, stream=s).sort_stats("cumulative").print_stats(a.rows * 2)
-    lines += ["", f"profiled steps 4-5 (cProfile, adds overhead): wall {walls['python']:.3f} s", s.getvalue()]
+    lines += ["", f"profiled steps {w + 2}-{w + 3} (cProfile, adds overhead): wall {walls['python']:.3f} s", s.getvalue()]
     s = io.StringIO()
     pstats.Stats(cp, stream=s).sort_stats("tottime").print_stats(a.rows)
     lines += ["by own time:", s.getvalue()]

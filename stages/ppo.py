@@ -152,7 +152,7 @@ def token_values(v_eng, mb: dict):
     got = {}
     hook = head.register_forward_hook(lambda module, inputs, output: got.__setitem__("v", output))
     try:
-        v_eng(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False)
+        v_eng(input_ids=mb["input_ids"], attention_mask=mb.get("attention_mask"), use_cache=False)
     finally:
         hook.remove()
     # in the reward's units: the normalisation of the RM it starts from ((raw − offset) / scale; none: identity)

@@ -90,3 +90,72 @@ def test_rl_phases_log_their_cuda_peak_and_the_run_keeps_its_own():
     assert times["memory/update"] == pytest.approx(base + 192 / 1024, abs=0.01)  # kept + tmp
     assert runtime.peak_memory_gib(SimpleNamespace(device=torch.device("cuda"))) >= base + 0.5
     del kept
+
+
+def test_compile_applies_on_a_gpu_with_whole_parameters_only():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert build.compiles(True, cuda, 0) and build.compiles(True, cuda, 2)
+    assert not build.compiles(True, cuda, 3)  # ZeRO-3's gather hooks on each block
+    assert not build.compiles(True, cpu, 0) and not build.compiles(False, cuda, 0)
+
+
+def test_compiled_blocks_give_the_eager_log_probs_and_gradients():
+    """Regional compilation (here with dynamo's aot_eager backend: the same graph capture and autograd split as
+    inductor, without building kernels) under gradient checkpointing, with the fused log-prob head and ragged
+    lengths: the update's log-probs and gradients are the eager model's; the state-dict keys do not change; HF
+    generate runs the blocks eagerly under `build.eager()` (no new graph) and samples the same tokens."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from align.logprobs import logprobs
+
+    torch._dynamo.reset()
+    ref, m = tiny_llama(), tiny_llama()
+    keys = list(m.state_dict())
+    for model in (ref, m):  # as a stage does: checkpointing is asked for when the model loads, before the engine
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    assert build.compile_blocks(m, backend="aot_eager") == len(m.model.layers) == 2
+    assert list(m.state_dict()) == keys
+    for length in (9, 13, 7):  # a second length makes the graph dynamic; the third reuses it
+        ids = torch.randint(3, 101, (4, length))
+        mask = torch.ones_like(ids)
+        mask[1, length - 3 :] = 0
+        resp = torch.zeros(4, length - 1)
+        resp[:, 3:] = 1
+        resp[1, length - 4 :] = 0
+        batch = {"input_ids": ids, "attention_mask": mask, "response_mask": resp}
+        out = []
+        for model in (ref, m):
+            model.zero_grad()
+            lp, _ = logprobs(model, batch)
+            (lp * torch.linspace(-1, 1, lp.shape[1])).sum().backward()
+            out.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+        torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-6)
+        for g_c, g_e in zip(out[1][1], out[0][1]):
+            torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-6)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1  # the blocks did run compiled
+
+    def saved_bytes(model):  # what a training forward keeps for its backward
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(input_ids=torch.randint(3, 101, (4, 32)), use_cache=False)
+        return sum(sizes)
+
+    plain = tiny_llama().train()  # no checkpointing: every block's activations saved
+    assert not m.is_gradient_checkpointing  # transformers' wrapper is off: the recompute is inside the compiled block
+    assert saved_bytes(m) < saved_bytes(plain) / 2
+    graphs = counters["stats"]["unique_graphs"]
+    prompt = torch.randint(3, 101, (2, 5))
+    for model in (ref, m):
+        model.eval()
+    with torch.no_grad(), build.eager():
+        a = m.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    b = ref.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b) and counters["stats"]["unique_graphs"] == graphs

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from align.engine.run import StageRun
+from align.data import pad
 from align.engine.stats import Stats
 from align.generation import Completion
 from align.rollout import Rollout
@@ -37,7 +38,9 @@ def test_update_loss_is_reinforce_on_temperature_scaled_log_probs(tiny_model_dir
         batch["loss_mask"] = batch["response_mask"] * torch.tensor([[1.0], [0.0]])  # the second sample is dropped
         adv = torch.tensor([1.5, -1.0])
         with torch.no_grad():
-            logits = algo.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            # the masked forward: the update's mask-free one must give the same log-probs on response tokens
+            attn = torch.tensor(pad([[1] * (len(c.prompt_ids) + len(c.ids)) for c in r.completions], 0))
+            logits = algo.policy(input_ids=batch["input_ids"], attention_mask=attn).logits[:, :-1]
         lp = (logits / temperature).log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
         mask = batch["loss_mask"]
         want = -(adv[:, None] * lp * mask).sum() / mask.sum()  # token-mean over the kept tokens of the batch

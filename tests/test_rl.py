@@ -180,7 +180,7 @@ def test_response_mask_covers_response_and_eos_only():
     comps = [Completion([1, 4, 7], [9, 9, eos], "", True), Completion([1, 5], [8], "", False)]
     b = rollout_batch(comps, pad, "cpu")
     assert b["input_ids"].tolist() == [[1, 4, 7, 9, 9, eos], [1, 5, 8, pad, pad, pad]]
-    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    assert "attention_mask" not in b  # right-padded: causal attention never reads the padding of a used position
     # target t predicts token t+1: row 0 predicts tokens 3..5 (9, 9, EOS); row 1 predicts token 2 (8) only
     assert b["response_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
 

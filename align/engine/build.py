@@ -171,16 +171,71 @@ def autocast_dtype(module: torch.nn.Module) -> torch.dtype | None:
     return getattr(module, AUTOCAST_ATTR, None)
 
 
+def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's transformer blocks: the modules of the classes it names in `_no_split_modules`."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
 def set_block_leaves(model: torch.nn.Module) -> None:
-    """ZeRO-3 fetches and releases each transformer block's parameters as one unit (the block classes the model
-    names in `_no_split_modules`): one pair of hooks per block instead of one per Linear / norm inside it,
-    ~10× fewer Python hook calls per forward and backward, the step's main CPU cost on one GPU."""
+    """ZeRO-3 fetches and releases each transformer block's parameters as one unit: one pair of hooks per block
+    instead of one per Linear / norm inside it, ~10× fewer Python hook calls per forward and backward, the step's
+    main CPU cost on one GPU."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
+    classes = list({type(m) for m in blocks(model)})
     if classes:
         set_z3_leaf_modules(model, classes)
+
+
+def compiles(asked: bool, device: torch.device, zero_stage: int) -> bool:
+    """Whether a run's engines compile their blocks (`compile_blocks`): asked for (--compile, the default), on a
+    GPU (inductor's CPU code takes minutes to build on a small machine for steps that take milliseconds) and with
+    whole parameters in every process (ZeRO-3's gather hooks on each block would break the compiled graph)."""
+    return asked and device.type == "cuda" and zero_stage != 3
+
+
+def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
+    """Regional compilation: torch.compile each transformer block in place (state-dict keys unchanged). The
+    blocks are one class, so one compiled graph serves all of them, for every batch size and length (dynamic
+    shapes; recompiled only for a new kind of call: training or eval, grad or no grad). A small model's update and log-prob passes
+    are bound by kernel launches and Python per layer (a Llama block is ~40 kernels forward, ~80 backward, eager);
+    compiled, its norms, RoPE, activations and residual adds fuse into a few kernels. Generation outside the fast
+    decoder runs the blocks eagerly (`eager`): a KV cache that grows every token would recompile. Returns the
+    number of blocks compiled."""
+    import torch._dynamo
+
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+    found = blocks(model)
+    checkpointed = bool(getattr(model, "is_gradient_checkpointing", False))
+    if checkpointed:  # recompute INSIDE the compiled block (transformers' wrapper may sit outside it)
+        model.gradient_checkpointing_disable()
+    for b in found:
+        if checkpointed:
+            b.forward = _recomputed(b, b.forward)
+        b.compile(backend=backend, dynamic=True)
+    return len(found)
+
+
+def _recomputed(block: torch.nn.Module, forward):
+    """`forward` under activation checkpointing when training with gradients (Chen et al. 2016, "Training Deep
+    Nets with Sublinear Memory Cost": keep the block's inputs, recompute the rest in the backward). Traced by
+    torch.compile with the block, the recompute is part of the compiled backward: no saved-tensor hooks or
+    second Python forward per block, as transformers' own checkpointing wrapper costs."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args, **kwargs):
+        if block.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def eager():
+    """A context in which compiled blocks run eagerly (HF generate: its growing KV cache would recompile)."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def load_partitioned(cfg: dict, load, dtype):
@@ -212,8 +267,9 @@ def _without_muon() -> None:
         sys.modules[name] = placeholder
 
 
-def wrap(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
-    """A DeepSpeed engine around `model`; without an optimizer an inference-only (frozen) one."""
+def wrap(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None, compile: bool = False):
+    """A DeepSpeed engine around `model`; without an optimizer an inference-only (frozen) one. `compile`: its
+    transformer blocks compiled (`compile_blocks`)."""
     import deepspeed
 
     _without_muon()
@@ -230,6 +286,8 @@ def wrap(model: torch.nn.Module, cfg: dict, optimizer=None, lr_scheduler=None):
     if cfg["zero_optimization"]["stage"] == 3 and not is_peft(model):  # LoRA: the backward met partitioned adapters
         set_block_leaves(model)
     eng, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=cfg)
+    if compile:
+        compile_blocks(eng.module)
     if optimizer is None:
         eng.eval()
     return eng

@@ -31,8 +31,8 @@ from align.artifacts import ArtifactWriter
 from align.config import as_dict, load_toml
 from align.console import TrainProgress, info, summary_table
 from align.engine import checkpoint, outdir
-from align.engine.build import (Optim, Trained, adamw, compute_dtype, ds_config, engine_stage, frozen_config, load_partitioned,
-                                lr_lambda, own_clipping, resolve_precision, wrap)
+from align.engine.build import (Optim, Trained, adamw, compiles, compute_dtype, ds_config, engine_stage, frozen_config,
+                                load_partitioned, lr_lambda, own_clipping, resolve_precision, wrap)
 from align.engine.lora import AdaptersOff, is_peft, with_lora
 from align.errors import Terminated, UserError
 from align.optim import AdamWSR
@@ -88,6 +88,7 @@ class StageRun:
         self.train_seconds = 0.0
         self.counted: dict[str, float] = {}  # RATES counted since this process started
         self._link = None  # transformers' ZeRO-3 loading link, alive while engines are built
+        self.compile = False  # the engines' blocks are compiled (set by open)
         self.lock: Path | None = None
         self.stop_signal: int | None = None  # SIGINT / SIGTERM received during the step loop
         self.sigterm = False  # a SIGTERM has been received (any later one is the same request)
@@ -149,6 +150,10 @@ class StageRun:
                                                  self.cfg.deepspeed)
             if note:
                 info(note)
+            self.compile = compiles(getattr(self.cfg, "compile", False), self.dist.device, self.zero_stage)
+            if self.compile:
+                info("torch.compile: every engine's transformer blocks are compiled (the first steps compile; "
+                     "--no-compile runs eagerly)")
             seed_all(self.cfg.seed)
         self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, main)
         return self.dist
@@ -183,7 +188,7 @@ class StageRun:
         opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer,
                     stochastic_rounding=self.precision == "bf16-pure")
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
-        eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule))
+        eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule), compile=self.compile)
         eng.train()
         if isinstance(getattr(eng.optimizer, "optimizer", eng.optimizer), AdamWSR):  # ZeRO wraps it; ZeRO-0 not
             info(f"{name}: AdamW writes the bf16 weights with stochastic rounding (--precision bf16-pure)")
@@ -209,7 +214,7 @@ class StageRun:
                                      world_size=self.dist.world_size, dtype=self.dtype, user_config=cfg.deepspeed,
                                      precision=self.precision), offload_params)
         model, self._link = load_partitioned(ds, load, self.dtype)
-        return wrap(model, ds)
+        return wrap(model, ds, compile=self.compile)
 
     def indices(self, n: int, size: int, step: int, seed: int | None = None) -> list[int]:
         """This rank's share of global batch `step` of `size` indices into `n` items."""
