@@ -188,11 +188,12 @@ def set_block_leaves(model: torch.nn.Module) -> None:
         set_z3_leaf_modules(model, classes)
 
 
-def compiles(asked: bool, device: torch.device, zero_stage: int) -> bool:
+def compiles(asked: bool, device: torch.device, zero_stage: int, world_size: int) -> bool:
     """Whether a run's engines compile their blocks (`compile_blocks`): asked for (--compile, the default), on a
-    GPU (inductor's CPU code takes minutes to build on a small machine for steps that take milliseconds) and with
-    whole parameters in every process (ZeRO-3's gather hooks on each block would break the compiled graph)."""
-    return asked and device.type == "cuda" and zero_stage != 3
+    GPU (inductor's CPU code takes minutes to build on a small machine for steps that take milliseconds), in a
+    one-process run with whole parameters (ZeRO-3's gather hooks on each block would break the compiled graph;
+    several processes, where ZeRO-3 is the default, run eagerly)."""
+    return asked and device.type == "cuda" and zero_stage != 3 and world_size == 1
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:

@@ -150,7 +150,8 @@ class StageRun:
                                                  self.cfg.deepspeed)
             if note:
                 info(note)
-            self.compile = compiles(getattr(self.cfg, "compile", False), self.dist.device, self.zero_stage)
+            self.compile = compiles(getattr(self.cfg, "compile", False), self.dist.device, self.zero_stage,
+                                    self.dist.world_size)
             if self.compile:
                 info("torch.compile: every engine's transformer blocks are compiled (the first steps compile; "
                      "--no-compile runs eagerly)")
