@@ -21,11 +21,22 @@ import time
 from pathlib import Path
 
 
+def is_annotation(e, names: set[str]) -> bool:
+    """A GPU-side copy of a `record_function` range (time/update, Optimizer.step#...; `names`: the ranges' names):
+    it spans the range's kernels, it is not one, so kernel sums leave it out."""
+    return bool(getattr(e, "is_user_annotation", False)) or e.name in names
+
+
+def kernels_of(events) -> list:
+    names = {x.name for x in events if x.device_type.name == "CPU" and getattr(x, "is_user_annotation", False)}
+    return [e for e in events if e.device_type.name == "CUDA" and not is_annotation(e, names)]
+
+
 def phases(events, rows: int) -> list[str]:
     """Each named phase of the profiled steps (the `time/...` ranges a stage marks): its wall time, the GPU kernel
     time launched inside it and the kernels that take the most of it. A phase whose kernels fill much less than
     its wall is bound by the host (Python, launches, synchronisations), not by the GPU."""
-    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    kernels = kernels_of(events)
     ranges: dict[str, list] = {}
     for e in events:
         if e.device_type.name == "CPU" and e.name.startswith("time/"):
@@ -91,12 +102,12 @@ def main() -> None:
 
     lines = [f"command: align {' '.join(args)}"]
     ev = tp.key_averages()
-    dev_key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(getattr(e, dev_key) for e in ev if e.device_type.name != "CPU") / 1e6 if cuda else 0.0
+    events = tp.events()
+    busy = sum(e.time_range.elapsed_us() for e in kernels_of(events)) / 1e6 if cuda else 0.0
     lines.append(f"profiled steps {w}-{w + 1} (torch.profiler): wall {walls['torch']:.3f} s"
                  + (f", GPU kernels {busy:.3f} s = {100 * busy / walls['torch']:.1f} % busy" if cuda else ""))
     if cuda:
-        lines += phases(tp.events(), a.rows)
+        lines += phases(events, a.rows)
         lines += ["", "top ops by self GPU time:", ev.table(sort_by="self_cuda_time_total", row_limit=a.rows)]
     lines += ["", "top ops by self CPU time:", ev.table(sort_by="self_cpu_time_total", row_limit=a.rows)]
     s = io.StringIO()
