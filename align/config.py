@@ -75,10 +75,10 @@ class StageConfig:
                                  "gradients and Adam moments in bf16 too: 10 instead of 16 bytes per trained "
                                  "parameter; with --zero-stage 0 no master copy at all: 8 bytes; AdamW writes the "
                                  "bf16 weights with stochastic rounding, so small updates survive) or fp32.")
-    compile: bool = opt(True, "One GPU process: torch.compile each transformer block (one compile serves them "
-                              "all): fewer kernel launches in every forward and backward, for a first step up to "
-                              "~1 min longer on a machine's first run (inductor caches the code on disk). Several "
-                              "processes and CPU runs stay eager.")
+    compile: bool = opt(True, "One GPU process (ZeRO-0, the one-GPU default): torch.compile each transformer "
+                              "block (one compile serves them all): fewer kernel launches in every forward and "
+                              "backward, for a first step up to ~1 min longer on a machine's first run (inductor "
+                              "caches the code on disk). Several processes, offloads and CPU runs stay eager.")
 
     def __post_init__(self):
         # checked at construction, so every entry point (flags, --config, pipeline validate) refuses it before

@@ -191,9 +191,10 @@ def set_block_leaves(model: torch.nn.Module) -> None:
 def compiles(asked: bool, device: torch.device, zero_stage: int, world_size: int) -> bool:
     """Whether a run's engines compile their blocks (`compile_blocks`): asked for (--compile, the default), on a
     GPU (inductor's CPU code takes minutes to build on a small machine for steps that take milliseconds), in a
-    one-process run with whole parameters (ZeRO-3's gather hooks on each block would break the compiled graph;
-    several processes, where ZeRO-3 is the default, run eagerly)."""
-    return asked and device.type == "cuda" and zero_stage != 3 and world_size == 1
+    one-process ZeRO-0 run — the one-GPU default, and the case measured (ZeRO-3's gather hooks on each block
+    would break the compiled graph; ZeRO-1/2 on one GPU, i.e. with an offload, and several processes run
+    eagerly)."""
+    return asked and device.type == "cuda" and zero_stage == 0 and world_size == 1
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
