@@ -201,8 +201,8 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     """Regional compilation: torch.compile each transformer block in place (state-dict keys unchanged). The
     blocks are one class, so one compiled graph serves all of them, for every batch size and length (dynamic
     shapes; recompiled only for a new kind of call: training or eval, grad or no grad). A small model's update and log-prob passes
-    are bound by kernel launches and Python per layer (a Llama block is ~40 kernels forward, ~80 backward, eager);
-    compiled, its norms, RoPE, activations and residual adds fuse into a few kernels. Generation outside the fast
+    are bound by kernel launches and Python per layer; compiled, a block's norms, RoPE, activations and residual
+    adds fuse into a few kernels. Generation outside the fast
     decoder runs the blocks eagerly (`eager`): a KV cache that grows every token would recompile. Returns the
     number of blocks compiled."""
     import torch._dynamo
