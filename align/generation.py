@@ -115,9 +115,22 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
 
 
 def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None) -> list[Completion]:
+    from align.engine.lora import parked_base
     from align.fast_generate import bare, decoder_for
 
     dec = decoder_for(bare(module), device)
+    parked = parked_base(module, device)  # LoRA: the base W is not read while the decoder's merged copy decodes
+    if parked:
+        parked.park()
+    try:
+        return _decode_chunks(dec, tokenizer, prompts, s, batch_size, on_batch)
+    finally:
+        dec.release()  # the KV cache is not needed until the next rollout
+        if parked:
+            parked.restore()
+
+
+def _decode_chunks(dec, tokenizer, prompts, s: Sampling, batch_size: int, on_batch=None) -> list[Completion]:
     eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     out: list[Completion] = []
     # CUDA graphs: every chunk as wide as the first (a short last chunk would compile and capture a new shape)
@@ -130,7 +143,6 @@ def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, dev
             out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
         if on_batch:
             on_batch(len(chunk))
-    dec.release()  # the KV cache is not needed until the next rollout
     return out
 
 

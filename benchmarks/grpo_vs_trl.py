@@ -86,7 +86,7 @@ def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling
         cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, prompts * a.generations // nproc))
     if a.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
-    cmd += a.ours_extra.split()
+    cmd += a.ours_extra.split() + (a.multi_extra.split() if nproc > 1 else [])
     if not V.run(cmd, out.parent / (out.name + ".log"), env=env, gpus=nproc):
         return None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -154,6 +154,8 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=16)
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     ap.add_argument("--nproc", default="1", help="ours: process counts, e.g. 1,2 (TRL: 1 GPU)")
+    ap.add_argument("--multi-extra", default="", help="extra flags for our N>1-process runs only, e.g. "
+                    "'--zero-stage 0' (replicas, all-reduced gradients) against the ZeRO-3 default")
     ap.add_argument("--scaling", default="strong",
                     help="N processes: the same prompts per step (strong) or N x as many (weak: each GPU keeps "
                          "the 1-GPU batch); 'strong,weak' runs both against one 1-GPU baseline")
@@ -189,7 +191,9 @@ def main() -> None:
                 if on:
                     rows.append(scaling_row(n, on, o))
                     results[f"ours-{name}-n{n}-{scaling}"] = on
-            report += [f"\nZeRO-3 {scaling} scaling, ours, {name} (throughput = completion tokens per step time)",
+            engine = a.multi_extra or "ZeRO-3 (default)"
+            report += [f"\n{scaling} scaling, ours, {name}, N processes with {engine} (throughput = completion tokens "
+                       "per step time)",
                        "| GPUs | tokens per GPU per step | step (s) | tokens/s | vs 1 GPU | generate (s) | update (s) | "
                        "peak GiB per rank |", "|---|---|---|---|---|---|---|---|", *rows]
         results[f"ours-{name}"], results[f"trl-{name}"] = o, t

@@ -109,6 +109,50 @@ def test_the_fast_decoder_decodes_with_the_adapter():
     assert [c.ids for c in after] != [c.ids for c in before]
 
 
+def test_the_frozen_base_waits_in_host_memory_during_a_rollout(monkeypatch):
+    """The decoder decodes from its merged copy, so the base W is parked in host memory for the rollout: freed
+    on the device while the decoder runs, then back bit for bit; the adapters stay; the tokens are those of HF
+    `generate` on the peft model; the parameter objects are the same before and after."""
+    from peft import LoraConfig, get_peft_model
+
+    from align.engine.lora import parked_base
+    from align.generation import Sampling, generate_local
+    from tests.test_fast_generate import PROMPTS, Tok, make
+
+    monkeypatch.setenv("ALIGN_PARK_BASE", "1")  # on CUDA it is on by default; here it is asked for
+    torch.manual_seed(0)
+    model = get_peft_model(make("qwen2", False), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    params = dict(model.named_parameters())
+    frozen = {n: p.detach().clone() for n, p in params.items() if not p.requires_grad}
+    ids = torch.tensor([PROMPTS[0]])
+    before = logits(model, ids)
+    s = Sampling(max_new_tokens=8, temperature=0.0)
+    seen = []
+
+    def during(_n):  # called inside the rollout, after each chunk
+        seen.append([params[n].untyped_storage().nbytes() for n in frozen])
+        assert all(p.untyped_storage().nbytes() > 0 for n, p in params.items() if "lora_" in n)
+
+    fast = generate_local(model, Tok(), PROMPTS, s, 2, "cpu", fast=True, on_batch=during)
+    assert len(seen) == 2 and all(b == 0 for row in seen for b in row)  # every frozen storage was freed
+    parked = parked_base(model, "cpu")
+    assert parked is not None and not parked.parked and parked.nbytes > 0
+    assert dict(model.named_parameters()) == params  # the same objects
+    for n, v in frozen.items():
+        assert torch.equal(params[n], v), n
+    assert torch.equal(logits(model, ids), before)
+    monkeypatch.setenv("ALIGN_PARK_BASE", "0")
+    assert [c.ids for c in fast] == [c.ids for c in generate_local(model, Tok(), PROMPTS, s, 2, "cpu", fast=False)]
+    assert parked_base(model, "cpu") is None
+    monkeypatch.delenv("ALIGN_PARK_BASE")
+    assert parked_base(model, "cpu") is None  # by default: on CUDA only
+    assert parked_base(make("qwen2", False), "cuda") is None  # not a LoRA model
+
+
 def test_two_process_zero3_lora_sft(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
