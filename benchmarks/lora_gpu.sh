@@ -19,6 +19,7 @@ memory)
   CUDA_VISIBLE_DEVICES=1 python -m benchmarks.grpo_vs_trl --models 0.5b --steps "${STEPS:-4}" --only ours \
     --ours-extra="$LORA" --out /tmp/lora-mem-lora > "$OUT/mem-lora.log" 2>&1 || true
   wait || true
+  for r in full lora; do cp /tmp/lora-mem-$r/ours-0.5b-n1/metrics.jsonl "$OUT/mem-$r-metrics.jsonl" || true; done
   for r in full lora; do echo "== $r"; grep -A14 "^### GRPO" "$OUT/mem-$r.log" || tail -20 "$OUT/mem-$r.log"; done ;;
 real)
   P=(--param min_terms=2 --param max_terms=2 --param max_digits=2 --param "operators=['+','-']"
