@@ -5,7 +5,7 @@
 #   PRECISIONS="bf16-pure bf16-mixed" STAGES="grpo dpo" MODELS="0.5b" bash benchmarks/memory_gpu.sh
 # PRECISIONS "auto" runs ours at its default flags. EXTRA (optional): more flags for every run; STEPS: steps per run
 # (default 6); TOOL_ARGS: flags for the tool (e.g. "--warmup 4" with STEPS=8); LIMIT: seconds
-# per run.
+# per run; TAG: a suffix for this invocation's run names (several side by side).
 set -uo pipefail
 OUT=${OUT:-/tmp/mem}
 TOOL=${TOOL:-memory_peak}
@@ -22,7 +22,7 @@ for m in ${MODELS:-0.5b}; do
         args=(dpo --eval-data "" --eval-samples 0 --max-steps ${STEPS:-6} --batch-size 64 --micro-batch-size 16 --beta 0.1
               --loss sigmoid --max-length 256 --lr 5e-7)
       fi
-      tag=$s-$m-$p
+      tag=$s-$m-$p${TAG:-}
       rm -rf "/root/mem/run-$tag"
       timeout "${LIMIT:-300}" python -m "benchmarks.$TOOL" ${TOOL_ARGS:-} --out "$OUT/$tag" -- "${args[@]}" --model "$M" \
         --out "/root/mem/run-$tag" --precision "$p" ${EXTRA:-} > "$OUT/$tag.log" 2>&1
