@@ -109,6 +109,57 @@ def test_the_fast_decoder_decodes_with_the_adapter():
     assert [c.ids for c in after] != [c.ids for c in before]
 
 
+def test_the_adapter_branch_runs_in_the_activations_dtype():
+    """A bf16 base with peft's fp32 adapters: peft alone keeps an fp32 copy of every targeted Linear's input for
+    the backward; `apply_in_activation_dtype` runs (α/r)·B(A x) in bf16 — the adapters add no fp32 activation to
+    what the bare bf16 model saves (its norms' and softmaxes' fp32) — while A and B stay fp32 and get fp32
+    gradients close to peft's own."""
+    from peft import LoraConfig, get_peft_model
+
+    from align.engine.lora import apply_in_activation_dtype
+    from tests.test_fast_generate import make
+
+    ids = torch.tensor([[1, 5, 9, 11, 7, 30, 31, 32]] * 4)
+
+    def run(mode: str):
+        torch.manual_seed(0)
+        model = make("qwen2", False).to(torch.bfloat16)
+        if mode != "bare":
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.normal_(0, 0.5)
+        if mode == "ours":
+            assert apply_in_activation_dtype(model) == 2 * 7  # 2 layers x q, k, v, o, gate, up, down
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        fp32 = []
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params and t.dtype == torch.float32:
+                fp32.append(t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(input_ids=ids).logits
+        out.float().square().mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
+        assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+        return out, sum(fp32), grads
+
+    _, bare_fp32, _ = run("bare")
+    ref, ref_fp32, ref_grads = run("peft")
+    out, fp32, grads = run("ours")
+    assert ref_fp32 > bare_fp32 >= fp32
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref.float(), atol=0.05, rtol=0.02)
+    assert len(grads) == 2 * 2 * 7
+    for n, g in grads.items():
+        assert g is not None and g.dtype == torch.float32 and g.abs().sum() > 0, n
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), ref_grads[n].flatten(), dim=0)
+        assert cos > 0.99, (n, cos)
+
+
 def test_the_frozen_base_waits_in_host_memory_during_a_rollout(monkeypatch):
     """The decoder decodes from its merged copy, so the base W is parked in host memory for the rollout: freed
     on the device while the decoder runs, then back bit for bit; the adapters stay; the tokens are those of HF

@@ -45,6 +45,7 @@ def with_lora(load, cfg):
         model = load(dtype)
         head = "score" if isinstance(getattr(model, "score", None), torch.nn.Linear) else None
         model = get_peft_model(model, lora_config(cfg, head))
+        apply_in_activation_dtype(model)
         other = sorted({n for n, m in model.named_modules() if hasattr(m, "lora_A") and not len(m.lora_A)
                         and len(getattr(m, "lora_embedding_A", ()))})
         if other:  # an embedding's adapter (lora_embedding_A/B) is neither merged nor saved merged here
@@ -54,6 +55,31 @@ def with_lora(load, cfg):
         return model
 
     return load_with_adapters
+
+
+def _linear_in_input_dtype(self, x: torch.Tensor) -> torch.Tensor:
+    bias = None if self.bias is None else self.bias.to(x.dtype)
+    return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+def apply_in_activation_dtype(model) -> int:
+    """peft keeps the adapters A and B in fp32 beside a bf16 base and casts each LoRA layer's input up to fp32:
+    an fp32 copy of every targeted Linear's input and an fp32 sum of its output, kept for the backward — more
+    activation memory than full fine-tuning of the same model. Here the branch runs in the activations' dtype
+    instead, (α/r)·B(A x) with A and B cast to x's dtype (bf16: the base path's own rounding), while A, B, their
+    gradients and Adam moments stay fp32: the adapters' updates are not rounded to bf16. With an fp32 model
+    (CPU, --precision bf16-mixed) nothing changes. Returns the number of LoRA layers changed."""
+    import types
+
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "lora_A") and hasattr(m, "_cast_input_dtype") and len(m.lora_A):
+            m.cast_input_dtype_enabled = False  # peft's switch (peft.helpers.disable_input_dtype_casting)
+            for lin in [*m.lora_A.values(), *m.lora_B.values()]:
+                if isinstance(lin, torch.nn.Linear):
+                    lin.forward = types.MethodType(_linear_in_input_dtype, lin)
+            n += 1
+    return n
 
 
 def is_peft(module) -> bool:
