@@ -190,11 +190,11 @@ def set_block_leaves(model: torch.nn.Module) -> None:
 
 def compiles(asked: bool, device: torch.device, zero_stage: int, world_size: int) -> bool:
     """Whether a run's engines compile their blocks (`compile_blocks`): asked for (--compile, the default), on a
-    GPU (inductor's CPU code takes minutes to build on a small machine for steps that take milliseconds), at
-    ZeRO-0 — the one-GPU default, and `--zero-stage 0` on several GPUs (replicas whose gradients DeepSpeed
-    all-reduces after the backward, outside the blocks). ZeRO-3's gather hooks on each block would break the
-    compiled graph; ZeRO-1/2 (on one GPU: with an offload) run eagerly, not measured compiled."""
-    return asked and device.type == "cuda" and zero_stage == 0
+    GPU (inductor's CPU code takes minutes to build on a small machine for steps that take milliseconds), in a
+    one-process ZeRO-0 run — the one-GPU default, and the case measured (ZeRO-3's gather hooks on each block
+    would break the compiled graph; ZeRO-1/2 on one GPU, i.e. with an offload, and several processes run
+    eagerly)."""
+    return asked and device.type == "cuda" and zero_stage == 0 and world_size == 1
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
