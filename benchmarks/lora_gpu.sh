@@ -6,7 +6,8 @@
 #   bash benchmarks/lora_gpu.sh real     SmolLM2-135M-Instruct (benchmarks/gpu_smollm2_setup.sh first), GRPO on
 #                                        two-term arithmetic for STEPS (100) steps, full fine-tuning at lr 1e-5
 #                                        (the real-model recipe) against LoRA at lr 1e-4 (10x: LoRA's usual
-#                                        factor, set before any run): held-out greedy pass@1 before and after
+#                                        factor, set before any run): held-out greedy pass@1 before and after;
+#                                        TOKENS: the completion cap (64)
 # Logs and per-step metrics go to $OUT (or ./lora_gpu_out).
 set -euo pipefail
 OUT=${OUT:-lora_gpu_out}; mkdir -p "$OUT"
@@ -25,7 +26,7 @@ real)
   P=(--param min_terms=2 --param max_terms=2 --param max_digits=2 --param "operators=['+','-']"
      --param allow_parentheses=false --param allow_negation=false)
   common=(--model /root/smollm2 --seeds 0 --steps "${STEPS:-100}" --verifier math "${P[@]}")
-  tail=(--max-new-tokens 64 --eval-k 1 --eval-every 50)
+  tail=(--max-new-tokens "${TOKENS:-64}" --eval-k 1 --eval-every 50)
   CUDA_VISIBLE_DEVICES=0 python -m benchmarks.real_model "${common[@]}" --out /tmp/real-full -- --lr 1e-5 \
     "${tail[@]}" > "$OUT/real-full.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 python -m benchmarks.real_model "${common[@]}" --out /tmp/real-lora -- --lr 1e-4 $LORA \
