@@ -12,7 +12,6 @@
 set -euo pipefail
 OUT=${OUT:-lora_gpu_out}; mkdir -p "$OUT"
 LORA="--lora-r 16 --lora-alpha 32"
-STEPS=${STEPS:-}
 case "${1:-}" in
 memory)
   CUDA_VISIBLE_DEVICES=0 python -m benchmarks.grpo_vs_trl --models 0.5b --steps "${STEPS:-4}" --only ours \

@@ -128,8 +128,8 @@ class ParkedBase:
                 continue
             seen.add(st.data_ptr())
             self.storages.append(st)
-        pin = bool(self.storages) and self.storages[0].device.type == "cuda"
-        self.host = [torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        self.cuda = bool(self.storages) and self.storages[0].device.type == "cuda"
+        self.host = [torch.empty(st.nbytes(), dtype=torch.uint8, pin_memory=self.cuda).untyped_storage()
                      for st in self.storages]
         self.nbytes = sum(st.nbytes() for st in self.storages)
         self.parked = False
@@ -139,7 +139,7 @@ class ParkedBase:
             return
         for st, host in zip(self.storages, self.host):
             host.copy_(st, non_blocking=True)
-        if self.storages and self.storages[0].device.type == "cuda":
+        if self.cuda:
             torch.cuda.current_stream().synchronize()  # the copies must land before the storage is reused
         for st in self.storages:
             st.resize_(0)
@@ -155,13 +155,11 @@ class ParkedBase:
 
 
 def parked_base(module, device) -> ParkedBase | None:
-    """The LoRA `module`'s ParkedBase (made on first use; `module` a peft model, bare or inside a DeepSpeed
-    engine), or None: not a LoRA model, nothing frozen and unpartitioned, not on CUDA. ALIGN_PARK_BASE=0 turns
-    it off, =1 on on any device (tests)."""
+    """The LoRA `module`'s ParkedBase (made on first use; `module` the peft model a rollout decodes from), or
+    None: not a LoRA model, nothing frozen and unpartitioned, not on CUDA. ALIGN_PARK_BASE=0 turns it off, =1 on
+    on any device (tests)."""
     import os
 
-    inner = getattr(module, "module", None)
-    module = inner if is_peft(inner) else module
     env = os.environ.get("ALIGN_PARK_BASE", "auto").lower()
     if not is_peft(module) or env in ("0", "false", "no", "off") or (
             env == "auto" and torch.device(device).type != "cuda"):
