@@ -35,43 +35,74 @@ def _site(frames: list[dict]) -> str:
     return f"{fmt(ours)} <- {fmt(inner)}"
 
 
-def peak_blocks(events: list[dict], resident: int) -> tuple[int, int, list[tuple[str, int, int]]]:
+def _by_site(blocks) -> list[tuple[str, int, int, int]]:
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for size, site in blocks:
+        sites[site][0] += size
+        sites[site][1] += 1
+        sites[site][2] = max(sites[site][2], size)
+    return sorted(((s, *v) for s, v in sites.items()), key=lambda x: -x[1])
+
+
+def peak_blocks(events: list[dict], resident: int, start: int = 0):
     """Replay an allocation trace (torch.cuda.memory._snapshot()['device_traces'][d]): (peak bytes, index of the
     peak event, [(site, bytes, blocks, largest block)] live at the peak, most bytes first). Blocks the autograd
     engine allocates in its own thread (most gradients) have no Python frame. `resident`: bytes allocated before the
-    trace began (they are live throughout)."""
+    trace began (they are live throughout). `start`: the peak is looked for from this event on (the events before
+    it are replayed: what they left live is listed by site too)."""
     live: dict[int, tuple[int, str]] = {}
-    now = best = resident
+    now = resident
+    best = -1
     best_i, best_live = -1, {}
     for i, e in enumerate(events):
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
             now += e["size"]
-            if now > best:
+            if i >= start and now > best:
                 best, best_i, best_live = now, i, dict(live)
         elif e["action"] == "free_requested" and e["addr"] in live:
             now -= live.pop(e["addr"])[0]
-    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for size, site in best_live.values():
-        sites[site][0] += size
-        sites[site][1] += 1
-        sites[site][2] = max(sites[site][2], size)
-    return best, best_i, sorted(((s, *v) for s, v in sites.items()), key=lambda x: -x[1])
+    return max(best, resident), best_i, _by_site(best_live.values())
 
 
-def report(snapshot: dict, resident: int, rows: int) -> str:
-    events = snapshot["device_traces"][0]
-    peak, at, sites = peak_blocks(events, resident)
+def live_at(events: list[dict], stop: int):
+    """[(site, bytes, blocks, largest)] of the blocks allocated in events[:stop] and still live at `stop`."""
+    live: dict[int, tuple[int, str]] = {}
+    for e in events[:stop]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
+        elif e["action"] == "free_requested":
+            live.pop(e["addr"], None)
+    return _by_site(live.values())
+
+
+def _table(sites, rows: int) -> list[str]:
     gib = 2**30
-    lines = [f"peak allocated during the recorded step: {peak / gib:.2f} GiB (event {at} of {len(events)}); "
-             f"resident before it: {resident / gib:.2f} GiB", "", "| GiB | blocks | largest (MiB) | allocated at |",
-             "|---|---|---|---|",
-             f"| {resident / gib:.3f} | - | - | resident before the step (weights, gradients, optimiser state) |"]
-    lines += [f"| {b / gib:.3f} | {n} | {m / 2**20:.1f} | {s} |" for s, b, n, m in sites[:rows]]
+    lines = [f"| {b / gib:.3f} | {n} | {m / 2**20:.1f} | {s} |" for s, b, n, m in sites[:rows]]
     rest = sites[rows:]
     if rest:
         lines.append(f"| {sum(r[1] for r in rest) / gib:.3f} | {sum(r[2] for r in rest)} | - | {len(rest)} other sites |")
-    return "\n".join(lines)
+    return lines
+
+
+def report(snapshot: dict, resident: int, rows: int, start: int = 0) -> str:
+    """The recorded step's peak by allocation site. With `start` > 0 the history began `start` events (some steps)
+    before the recorded step: what those steps allocated and left live at its start is listed first (what grows
+    from step to step)."""
+    events = snapshot["device_traces"][0]
+    peak, at, sites = peak_blocks(events, resident, start)
+    gib = 2**30
+    lines = []
+    if start:
+        grown = live_at(events, start)
+        lines += [f"allocated since the history began and live at the recorded step's start: "
+                  f"{sum(g[1] for g in grown) / gib:.3f} GiB", "", "| GiB | blocks | largest (MiB) | allocated at |",
+                  "|---|---|---|---|", *_table(grown, rows), ""]
+    lines += [f"peak allocated during the recorded step: {peak / gib:.2f} GiB (event {at} of {len(events)}); "
+              f"resident before the history: {resident / gib:.2f} GiB", "", "| GiB | blocks | largest (MiB) | allocated at |",
+              "|---|---|---|---|",
+              f"| {resident / gib:.3f} | - | - | resident before the history began (weights, gradients, optimiser state) |"]
+    return "\n".join(lines + _table(sites, rows))
 
 
 def main() -> None:
@@ -80,6 +111,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--snapshot", default="", help="also write the raw snapshot here (for pytorch.org/memory_viz)")
     ap.add_argument("--record-step", type=int, default=1, help="the (0-based) step recorded; earlier ones warm up")
+    ap.add_argument("--history-from", type=int, default=-1,
+                    help="start the allocation history at this (0-based) step, before --record-step: what the steps between leave live (what grows step to step) is listed too")
     ap.add_argument("stage_args", nargs=argparse.REMAINDER, help="-- then an align command, e.g. -- grpo --model DIR")
     a = ap.parse_args()
     args = a.stage_args[1:] if a.stage_args[:1] == ["--"] else a.stage_args
@@ -94,11 +127,16 @@ def main() -> None:
         raise SystemExit("memory_peak needs a CUDA device")
     state: dict = {}
 
+    first = a.history_from if 0 <= a.history_from < a.record_step else a.record_step
+
     def hook(step):  # `step` is 1-based: called after optimiser step `step - 1`
-        if step == a.record_step:
+        if step == first:
             torch.cuda.synchronize()
             state["resident"] = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+        if step == a.record_step and first < a.record_step:
+            torch.cuda.synchronize()
+            state["start"] = len(torch.cuda.memory._snapshot()["device_traces"][0])
         elif step == a.record_step + 1 and "resident" in state:
             torch.cuda.synchronize()
             state["snapshot"] = torch.cuda.memory._snapshot()
@@ -110,7 +148,8 @@ def main() -> None:
     if a.snapshot:
         with open(a.snapshot, "wb") as f:
             pickle.dump(state["snapshot"], f)
-    text = f"command: align {' '.join(args)}\n" + report(state["snapshot"], state["resident"], a.rows)
+    text = f"command: align {' '.join(args)}\n" + report(state["snapshot"], state["resident"], a.rows,
+                                                                state.get("start", 0))
     (out / "memory_peak.txt").write_text(text)
     print(text, flush=True)
 
