@@ -159,6 +159,7 @@ class FastDecoder:
                 self.layers[k[0]][k[1]] = t
         self._wptr = self._wbuf.data_ptr()
         self.recaptures = 0  # CUDA graphs re-captured because a buffer came back at another address
+        self._side = None  # the warm-up stream of every capture
         self.vocab = cfg.vocab_size
         self._shape_key = None
         self._graphs: dict = {}
@@ -381,7 +382,9 @@ class FastDecoder:
 
         # warm up (compiles) on a side stream, then capture; the state it leaves is reset by the next prefill
         saved = [t.clone() for t in (self.cur_tok, self.cur_pos, self.widx, self.sidx, self.finished)]
-        s = torch.cuda.Stream()
+        if self._side is None:  # ONE side stream for the decoder's life: cuBLAS keeps a workspace (32 MiB on
+            self._side = torch.cuda.Stream()  # Hopper) per stream it ran on, so a new stream per capture leaks one
+        s = self._side
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):

@@ -8,15 +8,17 @@
 #                                        (the real-model recipe) against LoRA at lr 1e-4 (10x: LoRA's usual
 #                                        factor, set before any run): held-out greedy pass@1 before and after;
 #                                        TOKENS: the completion cap (64)
-# Logs and per-step metrics go to $OUT (or ./lora_gpu_out).
+# Logs and per-step metrics go to $OUT (or ./lora_gpu_out). With one GPU both runs share it (peaks and learning
+# are still per run; timings are then contended).
 set -euo pipefail
 OUT=${OUT:-lora_gpu_out}; mkdir -p "$OUT"
+G1=1; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { G1=0; echo "one GPU: both runs share it"; }
 LORA="--lora-r 16 --lora-alpha 32"
 case "${1:-}" in
 memory)
   CUDA_VISIBLE_DEVICES=0 python -m benchmarks.grpo_vs_trl --models 0.5b --steps "${STEPS:-4}" --only ours \
     --out /tmp/lora-mem-full > "$OUT/mem-full.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 python -m benchmarks.grpo_vs_trl --models 0.5b --steps "${STEPS:-4}" --only ours \
+  CUDA_VISIBLE_DEVICES=$G1 python -m benchmarks.grpo_vs_trl --models 0.5b --steps "${STEPS:-4}" --only ours \
     --ours-extra="$LORA" --out /tmp/lora-mem-lora > "$OUT/mem-lora.log" 2>&1 || true
   wait || true
   for r in full lora; do cp /tmp/lora-mem-$r/ours-0.5b-n1/metrics.jsonl "$OUT/mem-$r-metrics.jsonl" || true; done
@@ -28,7 +30,7 @@ real)
   tail=(--max-new-tokens "${TOKENS:-64}" --eval-k 1 --eval-every 50)
   CUDA_VISIBLE_DEVICES=0 python -m benchmarks.real_model "${common[@]}" --out /tmp/real-full -- --lr 1e-5 \
     "${tail[@]}" > "$OUT/real-full.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 python -m benchmarks.real_model "${common[@]}" --out /tmp/real-lora -- --lr 1e-4 $LORA \
+  CUDA_VISIBLE_DEVICES=$G1 python -m benchmarks.real_model "${common[@]}" --out /tmp/real-lora -- --lr 1e-4 $LORA \
     "${tail[@]}" > "$OUT/real-lora.log" 2>&1 || true
   wait || true
   for r in full lora; do

@@ -116,7 +116,7 @@ def test_the_adapter_branch_runs_in_the_activations_dtype():
     gradients close to peft's own."""
     from peft import LoraConfig, get_peft_model
 
-    from align.engine.lora import apply_in_activation_dtype
+    from align.engine.lora import apply_in_activation_dtype, fuse_lora_forward
     from tests.test_fast_generate import make
 
     ids = torch.tensor([[1, 5, 9, 11, 7, 30, 31, 32]] * 4)
@@ -130,8 +130,9 @@ def test_the_adapter_branch_runs_in_the_activations_dtype():
                 for n, p in model.named_parameters():
                     if "lora_B" in n:
                         p.normal_(0, 0.5)
-        if mode == "ours":
+        if mode == "ours":  # as `with_lora` leaves a model
             assert apply_in_activation_dtype(model) == 2 * 7  # 2 layers x q, k, v, o, gate, up, down
+            assert fuse_lora_forward(model) == 2 * 7
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         fp32 = []
 
@@ -158,6 +159,85 @@ def test_the_adapter_branch_runs_in_the_activations_dtype():
         assert g is not None and g.dtype == torch.float32 and g.abs().sum() > 0, n
         cos = torch.nn.functional.cosine_similarity(g.flatten(), ref_grads[n].flatten(), dim=0)
         assert cos > 0.99, (n, cos)
+
+
+def test_lora_linear_is_its_formula_with_exact_gradients():
+    """`lora_linear` = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ on hand values; its hand-written backward passes gradcheck
+    (float64) for x, A and B; W and b (frozen) get none; fp32 adapters beside bf16 activations get fp32 grads."""
+    from align.engine.lora import lora_linear
+
+    x = torch.tensor([[1.0, 2.0], [0.0, -1.0]])
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # [out 3, in 2]
+    b = torch.tensor([0.5, 0.0, -1.0])
+    a = torch.tensor([[1.0, -1.0]])  # r = 1
+    bw = torch.tensor([[2.0], [0.0], [1.0]])
+    # x·Wᵀ + b = [[1.5, 2, 2], [0.5, -1, -2]];  x·Aᵀ = [[-1], [1]];  0.5·(x·Aᵀ)·Bᵀ = [[-1, 0, -0.5], [1, 0, 0.5]]
+    want = torch.tensor([[0.5, 2.0, 1.5], [1.5, -1.0, -1.5]])
+    torch.testing.assert_close(lora_linear(x, w, b, a, bw, 0.5), want)
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(2, 3, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    W, Bias = torch.randn(4, 5, dtype=torch.float64, generator=g), torch.randn(4, dtype=torch.float64, generator=g)
+    A = torch.randn(2, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    B = torch.randn(4, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, a, bw: lora_linear(x, W, Bias, a, bw, 1.5), (X, A, B))
+    ref = X @ W.t() + Bias + 1.5 * (X @ A.t()) @ B.t()
+    torch.testing.assert_close(lora_linear(X, W, Bias, A, B, 1.5), ref)
+
+    xb = torch.randn(3, 5, generator=g).bfloat16().requires_grad_()
+    a32, b32 = torch.randn(2, 5, generator=g, requires_grad=True), torch.randn(4, 2, generator=g, requires_grad=True)
+    y = lora_linear(xb, W.bfloat16(), None, a32, b32, 2.0)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    assert a32.grad.dtype == b32.grad.dtype == torch.float32
+
+
+def test_lora_layers_compute_through_one_buffer_unless_they_cannot():
+    """`fuse_lora_forward` (what `with_lora` applies): a peft model's logits and adapter gradients are peft's own;
+    with the adapters switched off it is the base model; with dropout on, peft's forward runs."""
+    from peft import LoraConfig, get_peft_model
+
+    from align.engine import lora
+    from tests.test_fast_generate import make
+
+    ids = torch.tensor([[1, 5, 9, 11, 7, 30, 31, 32]] * 3)
+
+    def run(fused: bool, dropout: float = 0.0):
+        torch.manual_seed(0)
+        model = get_peft_model(make("qwen2", False), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                 lora_dropout=dropout))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.5)
+        if fused:
+            assert lora.fuse_lora_forward(model) == 2 * 7
+        out = model(input_ids=ids).logits
+        out.square().mean().backward()
+        return model, out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    calls = []
+    real = lora.LoraLinear.apply
+    lora.LoraLinear.apply = lambda *a: calls.append(1) or real(*a)
+    try:
+        _, ref, ref_grads = run(False)
+        assert not calls
+        model, out, grads = run(True)
+        assert len(calls) == 2 * 7
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert sorted(grads) == sorted(ref_grads) and len(grads) == 2 * 2 * 7  # A and B of every layer, no base
+        for n in grads:
+            torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6)
+        calls.clear()
+        with torch.no_grad(), model.disable_adapter():
+            off = model(input_ids=ids).logits
+        assert not calls
+        torch.testing.assert_close(off, logits(make("qwen2", False), ids))
+        model.train()
+        run(True, dropout=0.1)
+        assert not calls  # dropout: peft's path
+    finally:
+        lora.LoraLinear.apply = real
 
 
 def test_the_frozen_base_waits_in_host_memory_during_a_rollout(monkeypatch):
