@@ -162,8 +162,8 @@ def test_the_adapter_branch_runs_in_the_activations_dtype():
 
 
 def test_lora_linear_is_its_formula_with_exact_gradients():
-    """`lora_linear` = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ on hand values; its hand-written backward passes gradcheck
-    (float64) for x, A and B; W and b (frozen) get none; fp32 adapters beside bf16 activations get fp32 grads."""
+    """`lora_linear` = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ on hand values; its gradients (an in-place add into the base
+    output) pass gradcheck (float64) for x, A and B; fp32 adapters beside bf16 activations get fp32 grads."""
     from align.engine.lora import lora_linear
 
     x = torch.tensor([[1.0, 2.0], [0.0, -1.0]])
@@ -217,8 +217,8 @@ def test_lora_layers_compute_through_one_buffer_unless_they_cannot():
         return model, out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     calls = []
-    real = lora.LoraLinear.apply
-    lora.LoraLinear.apply = lambda *a: calls.append(1) or real(*a)
+    real = lora.lora_linear
+    lora.lora_linear = lambda *a: calls.append(1) or real(*a)
     try:
         _, ref, ref_grads = run(False)
         assert not calls
@@ -237,7 +237,7 @@ def test_lora_layers_compute_through_one_buffer_unless_they_cannot():
         run(True, dropout=0.1)
         assert not calls  # dropout: peft's path
     finally:
-        lora.LoraLinear.apply = real
+        lora.lora_linear = real
 
 
 def test_the_frozen_base_waits_in_host_memory_during_a_rollout(monkeypatch):

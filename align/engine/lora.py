@@ -83,53 +83,22 @@ def apply_in_activation_dtype(model) -> int:
     return n
 
 
-class LoraLinear(torch.autograd.Function):
-    """One LoRA Linear with its base frozen, as ONE output buffer (Hu et al. 2021, eq. 3, h = W₀x + ΔWx with
-    ΔW = (α/r)·BA):
-
-        y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ,  s = α/r,  u = x·Aᵀ  [N, r]
-
-    The adapter's term is added into the base GEMM's output by one addmm; peft's layer makes B(Ax), its scaled
-    copy and the sum — three [N, out] tensors, which a compiled block's backward keeps more of than a plain
-    Linear's. Saved: x, u and A, B in x's dtype (W is a parameter: no copy). Backward, with g = ∂L/∂y:
-
-        g_u = s·g·B           [N, r]
-        ∂L/∂x = g·W + g_u·A
-        ∂L/∂B = s·gᵀ·u        [out, r]
-        ∂L/∂A = g_uᵀ·x        [r, in]
-
-    A and B may be stored in fp32 beside a bf16 x (their moments stay fp32): they are used in x's dtype and their
-    gradients come back in their own."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, a, bw, s: float):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        a_, b_ = a.to(x.dtype), bw.to(x.dtype)
-        u = x2 @ a_.t()
-        y = torch.nn.functional.linear(x2, w, b)
-        y.addmm_(u, b_.t(), alpha=s)
-        ctx.save_for_backward(x2, w, u, a_, b_)
-        ctx.s, ctx.shape, ctx.dtypes = s, shape, (a.dtype, bw.dtype)
-        return y.view(*shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, g):
-        x2, w, u, a_, b_ = ctx.saved_tensors
-        g2 = g.reshape(-1, g.shape[-1])
-        gu = (g2 @ b_).mul_(ctx.s)
-        gx = (g2 @ w).addmm_(gu, a_).view(ctx.shape) if ctx.needs_input_grad[0] else None
-        ga = (gu.t() @ x2).to(ctx.dtypes[0]) if ctx.needs_input_grad[3] else None
-        gb = (g2.t() @ u).mul_(ctx.s).to(ctx.dtypes[1]) if ctx.needs_input_grad[4] else None
-        return gx, None, None, ga, gb, None
-
-
 def lora_linear(x, w, b, a, bw, s: float):
-    """y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ with W, b frozen (`LoraLinear`)."""
-    return LoraLinear.apply(x, w, b, a, bw, s)
+    """One LoRA Linear with its base W (and bias b) frozen (Hu et al. 2021, eq. 3: h = W₀x + ΔWx, ΔW = (α/r)·BA):
+
+        y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ,  s = α/r,  A [r, in], B [out, r]
+
+    The adapter's term is added INTO the base output by one in-place addmm (β = 1): no [N, out] tensors beside
+    y (peft's layer makes B(Ax), its scaled copy and their sum). The in-place add is safe for autograd: the base
+    Linear's backward reads W, not y. A and B may be stored in fp32 beside bf16 activations: they are used in
+    x's dtype (the base path's rounding) and receive gradients in their own."""
+    y = torch.nn.functional.linear(x, w, b)
+    u = torch.nn.functional.linear(x, a.to(x.dtype))
+    y.view(-1, y.shape[-1]).addmm_(u.view(-1, u.shape[-1]), bw.to(x.dtype).t(), alpha=s)
+    return y
 
 
-def _one_buffer_forward(self, x, *args, **kwargs):
+def _lean_forward(self, x, *args, **kwargs):
     """A peft LoRA Linear's forward through `lora_linear` when it is the plain case — one active vanilla
     adapter, no dropout, adapters on and unmerged, a frozen whole (not ZeRO-3-partitioned) base, no autocast;
     anything else runs peft's own forward."""
@@ -149,8 +118,8 @@ def _one_buffer_forward(self, x, *args, **kwargs):
 
 
 def fuse_lora_forward(model) -> int:
-    """Every peft LoRA Linear of `model` computes through `lora_linear` where it can (`_one_buffer_forward`):
-    the memory of a plain Linear's output, and fewer kernels. Returns the number of layers changed."""
+    """Every peft LoRA Linear of `model` computes through `lora_linear` where it can (`_lean_forward`): one
+    output buffer, as a plain Linear's, and fewer kernels. Returns the number of layers changed."""
     import types
 
     from peft.tuners.lora.layer import Linear
@@ -158,7 +127,7 @@ def fuse_lora_forward(model) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            m.forward = types.MethodType(_one_buffer_forward, m)
+            m.forward = types.MethodType(_lean_forward, m)
             n += 1
     return n
 
