@@ -181,7 +181,16 @@ def test_two_processes_match_one_process(rm, tmp_path):
         assert abs(x - y) <= 1e-4 * max(1.0, abs(x)), (a, b)
     oa, ta = (json.loads((d / "artifact.json").read_text()) for d in (one, two))
     assert ta["world_size"] == 2
-    assert abs(oa["reward_offset"] - ta["reward_offset"]) < 1e-4
+    # The normalised rewards (raw − offset: what later stages read) must match row by row. The raw offset alone
+    # need not: the Bradley–Terry loss is blind to a shift of every score, and Adam turns the rounding noise of the
+    # ~0 gradient along that shift — different for 1 and 2 processes, and from one CPU to another — into steps of
+    # ~lr (3e-3 here): measured 2.0e-4 on one machine, every reference row moved alike.
+    norm = [[json.loads(line)["reward"] for line in (d / "normalization.jsonl").read_text().splitlines()]
+            for d in (one, two)]
+    assert len(norm[0]) == len(norm[1]) > 0
+    for x, y in zip(*norm):
+        assert abs(x - y) < 1e-4, (x, y)
+    assert abs(oa["reward_offset"] - ta["reward_offset"]) < 4 * 3e-3
     assert abs(oa["metrics"]["eval/accuracy"] - ta["metrics"]["eval/accuracy"]) < 1e-9
 
 
