@@ -46,15 +46,17 @@ def _by_site(blocks) -> list[tuple[str, int, int, int]]:
 
 def peak_blocks(events: list[dict], resident: int, start: int = 0):
     """Replay an allocation trace (torch.cuda.memory._snapshot()['device_traces'][d]): (peak bytes, index of the
-    peak event, [(site, bytes, blocks, largest block)] live at the peak, most bytes first). Blocks the autograd
-    engine allocates in its own thread (most gradients) have no Python frame. `resident`: bytes allocated before the
-    trace began (they are live throughout). `start`: the peak is looked for from this event on (the events before
-    it are replayed: what they left live is listed by site too)."""
+    peak event, [(site, bytes, blocks, largest block)] live at the peak, most bytes first, and the same list for
+    the blocks allocated before event `start` and still live there). Blocks the autograd engine allocates in its
+    own thread (most gradients) have no Python frame. `resident`: bytes allocated before the trace began (they are
+    live throughout). The peak is looked for from event `start` on."""
     live: dict[int, tuple[int, str]] = {}
     now = resident
     best = -1
-    best_i, best_live = -1, {}
+    best_i, best_live, before = -1, {}, {}
     for i, e in enumerate(events):
+        if i == start:
+            before = dict(live)
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
             now += e["size"]
@@ -62,18 +64,7 @@ def peak_blocks(events: list[dict], resident: int, start: int = 0):
                 best, best_i, best_live = now, i, dict(live)
         elif e["action"] == "free_requested" and e["addr"] in live:
             now -= live.pop(e["addr"])[0]
-    return max(best, resident), best_i, _by_site(best_live.values())
-
-
-def live_at(events: list[dict], stop: int):
-    """[(site, bytes, blocks, largest)] of the blocks allocated in events[:stop] and still live at `stop`."""
-    live: dict[int, tuple[int, str]] = {}
-    for e in events[:stop]:
-        if e["action"] == "alloc":
-            live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
-        elif e["action"] == "free_requested":
-            live.pop(e["addr"], None)
-    return _by_site(live.values())
+    return max(best, resident), best_i, _by_site(best_live.values()), _by_site(before.values())
 
 
 def _table(sites, rows: int) -> list[str]:
@@ -90,11 +81,10 @@ def report(snapshot: dict, resident: int, rows: int, start: int = 0) -> str:
     before the recorded step: what those steps allocated and left live at its start is listed first (what grows
     from step to step)."""
     events = snapshot["device_traces"][0]
-    peak, at, sites = peak_blocks(events, resident, start)
+    peak, at, sites, grown = peak_blocks(events, resident, start)
     gib = 2**30
     lines = []
     if start:
-        grown = live_at(events, start)
         lines += [f"allocated since the history began and live at the recorded step's start: "
                   f"{sum(g[1] for g in grown) / gib:.3f} GiB", "", "| GiB | blocks | largest (MiB) | allocated at |",
                   "|---|---|---|---|", *_table(grown, rows), ""]

@@ -192,7 +192,7 @@ def test_lora_linear_is_its_formula_with_exact_gradients():
     assert a32.grad.dtype == b32.grad.dtype == torch.float32
 
 
-def test_lora_layers_compute_through_one_buffer_unless_they_cannot():
+def test_lora_layers_compute_through_one_buffer_unless_they_cannot(monkeypatch):
     """`fuse_lora_forward` (what `with_lora` applies): a peft model's logits and adapter gradients are peft's own;
     with the adapters switched off it is the base model; with dropout on, peft's forward runs."""
     from peft import LoraConfig, get_peft_model
@@ -218,26 +218,22 @@ def test_lora_layers_compute_through_one_buffer_unless_they_cannot():
 
     calls = []
     real = lora.lora_linear
-    lora.lora_linear = lambda *a: calls.append(1) or real(*a)
-    try:
-        _, ref, ref_grads = run(False)
-        assert not calls
-        model, out, grads = run(True)
-        assert len(calls) == 2 * 7
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        assert sorted(grads) == sorted(ref_grads) and len(grads) == 2 * 2 * 7  # A and B of every layer, no base
-        for n in grads:
-            torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6)
-        calls.clear()
-        with torch.no_grad(), model.disable_adapter():
-            off = model(input_ids=ids).logits
-        assert not calls
-        torch.testing.assert_close(off, logits(make("qwen2", False), ids))
-        model.train()
-        run(True, dropout=0.1)
-        assert not calls  # dropout: peft's path
-    finally:
-        lora.lora_linear = real
+    monkeypatch.setattr(lora, "lora_linear", lambda *a: calls.append(1) or real(*a))
+    _, ref, ref_grads = run(False)
+    assert not calls
+    model, out, grads = run(True)
+    assert len(calls) == 2 * 7
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert sorted(grads) == sorted(ref_grads) and len(grads) == 2 * 2 * 7  # A and B of every layer, no base
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6)
+    calls.clear()
+    with torch.no_grad(), model.disable_adapter():
+        off = model(input_ids=ids).logits
+    assert not calls
+    torch.testing.assert_close(off, logits(make("qwen2", False), ids))
+    run(True, dropout=0.1)
+    assert not calls  # dropout: peft's path
 
 
 def test_the_frozen_base_waits_in_host_memory_during_a_rollout(monkeypatch):
