@@ -15,7 +15,11 @@ and all cache / position bookkeeping run on the device, with no host work betwee
 * On CPU (tests) the same code runs eagerly, without compile or graphs: `tests/test_fast_generate.py` checks
   that its greedy tokens equal HF `generate`'s.
 
-Supported: `LlamaForCausalLM` / `Qwen2ForCausalLM` with default RoPE and SiLU MLPs (others fall back to HF).
+Supported: the Llama family's decoder layout with SiLU MLPs — `llama` (Llama 2/3.x: default, `linear`, `dynamic`,
+`yarn` and `llama3` RoPE), `qwen2` (q/k/v biases), `qwen3` (per-head q/k RMSNorm before RoPE) and `mistral` — when
+the rollout fits any sliding window (`mistral`'s `sliding_window`, or a Qwen model's with `use_sliding_window`)
+and, for `dynamic` RoPE, the model's original context. Anything else decodes through HF `generate`; the log names
+the reason once per process.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch.nn.functional as F
 
 from align.engine.lora import effective_weight, is_peft
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # computed by the model's own rotary module
 
 
 def enabled_by_env() -> bool:
@@ -43,21 +48,53 @@ def bare(module):
     return module.get_base_model() if is_peft(module) else module
 
 
-def unsupported_reason(module) -> str | None:
-    """None when `module` can use the fast path, else why not."""
+def rope_type(cfg) -> str:
+    for rp in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
+        if isinstance(rp, dict) and (rp.get("rope_type") or rp.get("type")):
+            return rp.get("rope_type") or rp.get("type")
+    return "default"
+
+
+def sliding_window(cfg) -> int | None:
+    """The attention window the HF forward applies (None: full causal attention). Mistral applies
+    `sliding_window` to every layer; Qwen2/Qwen3 only with `use_sliding_window` (to some layers)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(cfg, "model_type", None) == "mistral":
+        return int(window)
+    types = getattr(cfg, "layer_types", None) or []
+    return int(window) if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in types else None
+
+
+def unsupported_reason(module, length: int | None = None) -> str | None:
+    """None when `module` can use the fast path for sequences of up to `length` tokens (prompt + new), else why
+    not (one short phrase, logged)."""
     cfg = getattr(module, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED:
         return f"model type {getattr(cfg, 'model_type', None)!r} (fast path: {', '.join(SUPPORTED)})"
-    for rp in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
-        if isinstance(rp, dict) and (rp.get("rope_type") or rp.get("type") or "default") != "default":
-            return "non-default RoPE scaling"
+    rt = rope_type(cfg)
+    if rt not in ROPE_TYPES:
+        return f"RoPE type {rt!r} (fast path: {', '.join(ROPE_TYPES)})"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act}"
-    if getattr(cfg, "use_sliding_window", False):
-        return "sliding-window attention"
     if not hasattr(module, "lm_head") or not hasattr(getattr(module, "model", None), "layers"):
         return "unexpected module layout"
+    if not hasattr(getattr(module.model, "rotary_emb", None), "original_inv_freq"):
+        return "no rotary embedding module"
+    window = sliding_window(cfg)
+    if window is not None and length is not None and length > window:
+        return f"sliding-window attention ({window} tokens) shorter than the rollout ({length} tokens)"
+    if rt == "dynamic" and length is not None and length > cfg.max_position_embeddings:
+        return f"dynamic RoPE past the original context ({cfg.max_position_embeddings} tokens)"
     return None
+
+
+def describe(module) -> str:
+    """What the fast path runs, for the log: 'qwen3 (q/k norm), llama3 RoPE'."""
+    cfg = module.config
+    extra = " (q/k norm)" if hasattr(module.model.layers[0].self_attn, "q_norm") else ""
+    return f"{cfg.model_type}{extra}, {rope_type(cfg)} RoPE"
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,14 +150,16 @@ class FastDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
-        rp = getattr(cfg, "rope_parameters", None) or {}
-        theta = rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=self.device)
-                                         .float() / self.head_dim))
+        # RoPE frequencies and cos/sin scale as the model's own rotary module computed them (default, linear,
+        # llama3, yarn; `dynamic` below its original context, where it equals the default)
+        rotary = module.model.rotary_emb
+        self.inv_freq = rotary.original_inv_freq.detach().float().to(self.device)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # ---- inference weights (stable addresses)
         layer0 = module.model.layers[0]
         a, m = layer0.self_attn, layer0.mlp
+        self.qk_norm = hasattr(a, "q_norm")  # Qwen3: RMSNorm over each head's q and k before RoPE
         self.qkv_bias = a.q_proj.bias is not None
         self.o_bias = a.o_proj.bias is not None
         self.mlp_bias = m.gate_proj.bias is not None
@@ -136,6 +175,8 @@ class FastDecoder:
         for i in range(self.n_layers):
             shapes.update({(i, "ln1"): (self.hidden,), (i, "ln2"): (self.hidden,), (i, "qkv"): (nq + 2 * nk, self.hidden),
                            (i, "o"): (self.hidden, nq), (i, "gu"): (2 * inter, self.hidden), (i, "down"): (self.hidden, inter)})
+            if self.qk_norm:
+                shapes[i, "qn"], shapes[i, "kn"] = (self.head_dim,), (self.head_dim,)
             if self.qkv_bias:
                 shapes[i, "qkv_b"] = (nq + 2 * nk,)
             if self.o_bias:
@@ -188,6 +229,9 @@ class FastDecoder:
             L["gu"][:inter].copy_(effective_weight(m.gate_proj))
             L["gu"][inter:].copy_(effective_weight(m.up_proj))
             L["down"].copy_(effective_weight(m.down_proj))
+            if self.qk_norm:
+                L["qn"].copy_(a.q_norm.weight)
+                L["kn"].copy_(a.k_norm.weight)
             if self.qkv_bias:
                 L["qkv_b"][:nq].copy_(a.q_proj.bias)
                 L["qkv_b"][nq : nq + nk].copy_(a.k_proj.bias)
@@ -275,7 +319,13 @@ class FastDecoder:
     def _rope(self, pos: torch.Tensor):
         freqs = pos[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+
+    def _qk(self, L, q: torch.Tensor, k: torch.Tensor):
+        """Qwen3's per-head q/k RMSNorm (q [..., H, D], k [..., KV, D]); identity for the other families."""
+        if not self.qk_norm:
+            return q, k
+        return _rms(q, L["qn"], self.eps), _rms(k, L["kn"], self.eps)
 
     def _mlp(self, L, h):
         gu = F.linear(h, L["gu"], L.get("gu_b"))
@@ -298,8 +348,8 @@ class FastDecoder:
             h = _rms(x, L["ln1"], self.eps)
             qkv = F.linear(h, L["qkv"], L.get("qkv_b"))
             q, k, v = qkv.split([self.nq, self.nk, self.nk], dim=-1)
-            q = q.view(B, P, self.n_heads, self.head_dim).transpose(1, 2)
-            k = k.view(B, P, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = self._qk(L, q.view(B, P, self.n_heads, self.head_dim), k.view(B, P, self.n_kv, self.head_dim))
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(B, P, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             self.k_cache[li][:, :, :P].copy_(k)
@@ -327,8 +377,8 @@ class FastDecoder:
             h = _rms(x, L["ln1"], self.eps)
             qkv = F.linear(h, L["qkv"], L.get("qkv_b"))
             q, k, v = qkv.split([self.nq, self.nk, self.nk], dim=-1)
-            q = _rotate(q.view(B, self.n_heads, self.head_dim), cos, sin)
-            k = _rotate(k.view(B, self.n_kv, self.head_dim), cos, sin)
+            q, k = self._qk(L, q.view(B, self.n_heads, self.head_dim), k.view(B, self.n_kv, self.head_dim))
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = v.view(B, self.n_kv, self.head_dim)
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc.index_copy_(2, self.widx, k[:, :, None])

@@ -58,25 +58,41 @@ def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bo
     return ids, False
 
 
-def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None = None) -> bool:
-    """The compiled static-cache decoder (align.fast_generate) is used on CUDA by default for Llama / Qwen2
-    models; `fast=False` or ALIGN_FAST_GENERATION=0 selects HF `generate`; `fast=True` forces it (also on CPU,
-    eagerly: tests). Never with `synced_gpus` (sharded weights)."""
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        from align.console import info
+
+        info(msg)
+
+
+def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None = None,
+                  length: int | None = None) -> bool:
+    """The compiled static-cache decoder (align.fast_generate) is used on CUDA by default for the models it
+    supports (`fast_generate.SUPPORTED`) and rollouts of up to `length` tokens; `fast=False` or
+    ALIGN_FAST_GENERATION=0 selects HF `generate`; `fast=True` forces it (also on CPU, eagerly: tests). Never with
+    `synced_gpus` (sharded weights). On a GPU the choice and its reason are logged once per process."""
     from align import fast_generate as FG
 
     module = FG.bare(module)
     if synced_gpus or fast is False or not FG.enabled_by_env():
         return False
-    if FG.unsupported_reason(module) is not None:
-        return False
-    return bool(fast) or torch.device(device).type == "cuda"
+    wanted = bool(fast) or torch.device(device).type == "cuda"
+    why = FG.unsupported_reason(module, length)
+    if wanted:
+        _say_once(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({FG.describe(module)})")
+    return wanted and why is None
 
 
 @torch.no_grad()
 def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, batch_size: int,
                    device, synced_gpus: bool = False, fast: bool | None = None, on_batch=None) -> list[Completion]:
     """Generate for this rank's prompts with a plain (already gathered or unsharded) module."""
-    if use_fast_path(module, device, synced_gpus, fast):
+    length = max((len(p) for p in prompts), default=0) + s.max_new_tokens
+    if use_fast_path(module, device, synced_gpus, fast, length):
         if fast:  # forced (tests): errors surface
             return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch)
         try:
