@@ -27,14 +27,40 @@ from benchmarks import vs_trl as V
 PHASES = ["time/generate", "time/reward", "time/logprobs", "time/update"]
 
 
-def prompts_text(n: int) -> list[str]:
+FILLER = ("Read the following notes carefully before you answer; only the last question counts. " * 400).split()
+
+
+def raw_prompts(n: int, tokens: int = 0) -> list[str]:
+    """The arithmetic prompts, each led by filler words so that it has about `tokens` tokens (0: as they are):
+    long-context shapes with the same data for both sides."""
     from align import data as D
     from align.models import load_tokenizer, resolve
     from align.paths import DATA_DIR
 
+    rows = [r["prompt"] for r in D.load_rows(str(DATA_DIR / "arithmetic/train.jsonl"), "prompts")[:n]]
+    if not tokens:
+        return rows
     tok = load_tokenizer(resolve("tiny"))
-    rows = D.load_rows(str(DATA_DIR / "arithmetic/train.jsonl"), "prompts")[:n]
-    return D.prompt_texts(tok, [r["prompt"] for r in rows])
+    out = []
+    for r in rows:
+        lo, hi = 0, len(FILLER)  # the most filler words that keep the templated prompt within `tokens`
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            text = " ".join(FILLER[:mid]) + "\n" + r
+            if len(tok(D.prompt_texts(tok, [text])[0], add_special_tokens=False)["input_ids"]) <= tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        out.append(" ".join(FILLER[:lo]) + "\n" + r)
+    return out
+
+
+def prompts_text(n: int, tokens: int = 0) -> list[str]:
+    from align import data as D
+    from align.models import load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve("tiny"))
+    return D.prompt_texts(tok, raw_prompts(n, tokens))
 
 
 def trl_worker(a) -> None:
@@ -49,7 +75,7 @@ def trl_worker(a) -> None:
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16)
     n = a.prompts * a.generations
-    ds = Dataset.from_list([{"prompt": p} for p in prompts_text(2000)])
+    ds = Dataset.from_list([{"prompt": p} for p in prompts_text(a.prompts * a.steps, a.prompt_tokens)])
     args = GRPOConfig(
         output_dir=a.json + ".trl", per_device_train_batch_size=a.micro_batch_size,
         gradient_accumulation_steps=n // a.micro_batch_size, num_generations=a.generations,
@@ -78,6 +104,7 @@ def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling
     1-GPU batch; strong: the same global batch split over the GPUs."""
     prompts = a.prompts * nproc if scaling == "weak" else a.prompts
     cmd = [*V.torchrun(nproc), "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--eval-data", "",
+           *(["--data", a.data_file] if a.data_file else []),
            "--max-steps", str(a.steps), "--prompts-per-step", str(prompts), "--num-generations", str(a.generations),
            "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size * 1),
            "--reward", "benchmarks/bench_reward.py:noise", "--temperature", "1.0", "--beta", "0",
@@ -104,7 +131,8 @@ def trl(model: Path, a, out: Path) -> dict | None:
     js = out.with_suffix(".json")
     cmd = [sys.executable, "-m", "benchmarks.grpo_vs_trl", "--trl-worker", "--model", str(model), "--json", str(js),
            "--steps", str(a.steps), "--prompts", str(a.prompts), "--generations", str(a.generations),
-           "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size)]
+           "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size),
+           "--prompt-tokens", str(a.prompt_tokens)]
     if not a.gradient_checkpointing:
         cmd.append("--no-gradient-checkpointing")
     if not V.run(cmd, out.parent / (out.name + ".log")):
@@ -125,6 +153,14 @@ def table(name: str, a, o: dict | None, t: dict | None, bw: float | None, prompt
         lines.append(f"| {k[5:]} (s) | {V.fmt(g(o, k))} | {V.fmt(g(t, k))} | {V.ratio(g(o, k), g(t, k))} |")
     tps = {n: (d["tokens"] / d["time/generate"] if d and d.get("time/generate") else None) for n, d in (("o", o), ("t", t))}
     lines.append(f"| generated tokens/s | {V.fmt(tps['o'], ',.0f')} | {V.fmt(tps['t'], ',.0f')} | {V.ratio(tps['o'], tps['t'])} |")
+    nemo = {n: (a.prompts * a.generations * prompt_len + d["tokens"]) / d["time/step"] if d else None
+            for n, d in (("o", o), ("t", t))}
+    lines.append(f"| tokens/s per GPU (prompt + completion / step) | {V.fmt(nemo['o'], ',.0f')} | "
+                 f"{V.fmt(nemo['t'], ',.0f')} | {V.ratio(nemo['o'], nemo['t'])} |")
+    mfu = {n: 6 * V.n_params(name) * (a.prompts * a.generations * prompt_len + d["tokens"]) / d["time/update"] / 989e12
+           if d and d.get("time/update") else None for n, d in (("o", o), ("t", t))}
+    lines.append(f"| update MFU (6·N·tokens / update time / 989 TFLOP/s) | {V.fmt(mfu['o'], '.1%')} | "
+                 f"{V.fmt(mfu['t'], '.1%')} | {V.ratio(mfu['o'], mfu['t'])} |")
     lines.append(f"| peak GPU memory (GiB) | {V.fmt(g(o, 'peak_gib'), '.2f')} | {V.fmt(g(t, 'peak_gib'), '.2f')} | "
                  f"{V.ratio(g(o, 'peak_gib'), g(t, 'peak_gib'))} |")
     if bw:
@@ -152,6 +188,9 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts padded with filler words to about this "
+                    "many tokens (0: the arithmetic prompts as they are, ~50 tokens)")
+    ap.add_argument("--data-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     ap.add_argument("--nproc", default="1", help="ours: process counts, e.g. 1,2 (TRL: 1 GPU)")
     ap.add_argument("--multi-extra", default="", help="extra flags for our N>1-process runs only, e.g. "
@@ -173,7 +212,11 @@ def main() -> None:
     from align.models import load_tokenizer, resolve
 
     tok = load_tokenizer(resolve("tiny"))
-    prompt_len = statistics.mean(len(x) for x in tok(prompts_text(64), add_special_tokens=False)["input_ids"])
+    prompt_len = statistics.mean(len(x) for x in tok(prompts_text(64, a.prompt_tokens), add_special_tokens=False)["input_ids"])
+    if a.prompt_tokens:  # ours reads the same long prompts from a file
+        a.data_file = str(root / f"prompts-{a.prompt_tokens}.jsonl")
+        Path(a.data_file).write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n"
+                                             for p in raw_prompts(a.prompts * a.steps, a.prompt_tokens)))
     report, results = [], {}
     for name in a.models.split(","):
         model = V.make_model(name, root)

@@ -19,15 +19,53 @@ MODELS = {
     "135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                            intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                            max_position_embeddings=2048)),
-    # Qwen2-0.5B's shape
     # CPU smoke test of the harness itself
     "tiny": ("llama", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
                            max_position_embeddings=512)),
+    # Qwen2-0.5B's shape
     "0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                            intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                            max_position_embeddings=4096, rms_norm_eps=1e-6)),
+    # the real configs of the model families people post-train (their config.json values)
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                   num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                                   tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-1.7b": ("qwen3", dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                 head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True,
+                                 max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-4b": ("qwen3", dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                               head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
+                               max_position_embeddings=40960, rms_norm_eps=1e-6,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "llama3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                  intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                                  max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192})),
+    "llama3.1-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                  intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                                  max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192})),
+    # Mistral-7B-v0.1's layout (32k vocabulary, 4,096-token window) at 1.5B: 20 of its layers, a narrower MLP
+    "mistral-1.5b": ("mistral", dict(hidden_size=2048, num_hidden_layers=20, num_attention_heads=16,
+                                     num_key_value_heads=8, intermediate_size=7168, vocab_size=32000,
+                                     tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                     sliding_window=4096,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
+
+
+def config(name: str, **ids):
+    from transformers import AutoConfig
+
+    arch, kw = MODELS[name]
+    return AutoConfig.for_model(arch, **kw, **ids)
 
 
 def harness_args(ap, models: str, steps: int) -> None:
@@ -53,37 +91,40 @@ def out_root(out: str, prefix: str) -> Path:
 
 
 def make_model(name: str, root: Path) -> Path:
+    """A random-weight bf16 model of `name`'s config (built on the GPU when there is one: an 8B model in
+    seconds) with the project's tokenizer, saved as safetensors."""
     out = root / f"model-{name}"
     if (out / "config.json").exists():
         return out
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from align.paths import TOKENIZER_DIR
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    arch, kw = MODELS[name]
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg = LlamaConfig(**kw, **ids) if arch == "llama" else Qwen2Config(**kw, **ids)
+    cfg = config(name, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = (LlamaForCausalLM if arch == "llama" else Qwen2ForCausalLM)(cfg).to(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    del model
     return out
 
 
 def n_params(name: str) -> int:
-    _, kw = MODELS[name]
-    h, i, L, V = kw["hidden_size"], kw["intermediate_size"], kw["num_hidden_layers"], kw["vocab_size"]
-    d = h // kw["num_attention_heads"]
-    kv = kw["num_key_value_heads"] * d
-    attn = h * h * 2 + h * kv * 2 + (2 * kv + h if name == "0.5b" else 0)
-    return V * h * (1 if kw["tie_word_embeddings"] else 2) + L * (attn + 3 * h * i + 2 * h) + h
+    """Exact parameter count of `name`'s config (built on the meta device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config(name))
+    return sum(p.numel() for p in m.parameters())
 
 
 def kv_bytes_per_token(name: str, elem: int = 2) -> int:
     _, kw = MODELS[name]
-    d = kw["hidden_size"] // kw["num_attention_heads"]
+    d = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
     return 2 * kw["num_hidden_layers"] * kw["num_key_value_heads"] * d * elem
 
 
