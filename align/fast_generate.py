@@ -201,6 +201,7 @@ class FastDecoder:
         self._wptr = self._wbuf.data_ptr()
         self.recaptures = 0  # CUDA graphs re-captured because a buffer came back at another address
         self._side = None  # the warm-up stream of every capture
+        self.bucket = int(os.environ.get("ALIGN_DECODE_BUCKET", 256)) if self.use_graphs else 1  # see attn_len
         self.vocab = cfg.vocab_size
         self._shape_key = None
         self._graphs: dict = {}
@@ -364,12 +365,14 @@ class FastDecoder:
         x = _rms(x[:, -1], self.norm, self.eps)
         return F.linear(x, self.head).float()
 
-    def _decode_logits(self) -> torch.Tensor:
-        """One token per row: reads cur_tok / cur_pos, writes cache slot widx, returns [B, V] fp32 logits."""
+    def _decode_logits(self, bias: torch.Tensor) -> torch.Tensor:
+        """One token per row: reads cur_tok / cur_pos, writes cache slot widx, returns [B, V] fp32 logits.
+        Attention reads the first n = bias.shape[1] cache slots only (`bias` is attn_bias[:, :n], n > widx)."""
         B = self.cur_tok.shape[0]
         G = self.n_heads // self.n_kv
-        self.attn_bias.index_fill_(1, self.widx, 0.0)
-        bias = self.attn_bias[:, None, None, :]
+        n = bias.shape[1]
+        bias.index_fill_(1, self.widx, 0.0)
+        bias = bias[:, None, None, :]
         cos, sin = self._rope(self.cur_pos)  # [B, D]
         cos, sin = cos[:, None], sin[:, None]
         x = F.embedding(self.cur_tok, self.embed)
@@ -383,8 +386,9 @@ class FastDecoder:
             kc, vc = self.k_cache[li], self.v_cache[li]
             kc.index_copy_(2, self.widx, k[:, :, None])
             vc.index_copy_(2, self.widx, v[:, :, None])
+            kc, vc = kc[:, :, :n], vc[:, :, :n]
             qg = q.view(B, self.n_kv, G, self.head_dim)
-            s = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale + bias  # [B, KV, G, cap]
+            s = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale + bias  # [B, KV, G, n]
             pr = s.softmax(-1).to(self.dtype)
             o = torch.matmul(pr, vc).reshape(B, self.nq)
             x = x + F.linear(o, L["o"], L.get("o_b"))
@@ -399,9 +403,9 @@ class FastDecoder:
         # Exponential race: argmax(p / E), E ~ Exp(1), samples from softmax(z) (same law as multinomial).
         return (z.softmax(-1) / noise).argmax(-1)
 
-    def _step(self, sampling, eos: int, pad: int) -> None:
+    def _step(self, sampling, eos: int, pad: int, bias: torch.Tensor) -> None:
         """Everything one generated token needs, on the device (this is what the CUDA graph holds)."""
-        logits = self._decode_logits()
+        logits = self._decode_logits(bias)
         nxt = self._choose(logits, self.noise, sampling)
         nxt = torch.where(self.finished, torch.full_like(nxt, pad), nxt)
         self.out.index_copy_(1, self.sidx, nxt[:, None])
@@ -411,29 +415,46 @@ class FastDecoder:
         self.widx.add_(1)
         self.sidx.add_(1)
 
-    def _runner(self, sampling, eos: int, pad: int):
-        """A callable doing one `_step` (+ fresh noise): a CUDA-graph replay on CUDA, eager elsewhere."""
-        key = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, eos, pad)
+    def attn_len(self, w: int) -> int:
+        """Cache slots the decode step that writes slot `w` attends to: w + 1 rounded up to a multiple of `bucket`
+        (CUDA graphs: one graph per bucket, 256 slots; eager: 1, exactly w + 1), so attention reads the written part
+        of the cache, not all of it (at 4K tokens that halves the bytes a decode step reads)."""
+        return min(self._shape_key[1], -(-(w + 1) // self.bucket) * self.bucket)
+
+    def _bias(self, n: int) -> torch.Tensor:
+        """attn_bias[:, :n], its length dynamic for the compiler (one compile serves every bucket)."""
+        b = self.attn_bias[:, :n]
+        if self.use_graphs:
+            torch._dynamo.maybe_mark_dynamic(b, 1)
+        return b
+
+    def _runner(self, sampling, eos: int, pad: int, n: int):
+        """A callable doing one `_step` over n cache slots (+ fresh noise): a CUDA-graph replay on CUDA, eager
+        elsewhere."""
+        key = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, eos, pad, n)
+        bias = self._bias(n)
         if not self.use_graphs:
             def eager():
                 if not sampling.greedy:
                     self.noise.exponential_()
-                self._step(sampling, eos, pad)
+                self._step(sampling, eos, pad, bias)
             return eager
         if key in self._graphs:
             return self._graphs[key].replay
         if self._compiled is None:
-            self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False)
+            self._compiled = torch.compile(self._step, fullgraph=True)
 
         def body():
             if not sampling.greedy:
                 self.noise.exponential_()
-            self._compiled(sampling, eos, pad)
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # only n is dynamic
+                self._compiled(sampling, eos, pad, bias)
 
         # warm up (compiles) on a side stream, then capture; the state it leaves is reset by the next prefill
         saved = [t.clone() for t in (self.cur_tok, self.cur_pos, self.widx, self.sidx, self.finished)]
         if self._side is None:  # ONE side stream for the decoder's life: cuBLAS keeps a workspace (32 MiB on
             self._side = torch.cuda.Stream()  # Hopper) per stream it ran on, so a new stream per capture leaks one
+            self._pool = torch.cuda.graph_pool_handle()  # and one memory pool for every graph (run one at a time)
         s = self._side
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -443,7 +464,7 @@ class FastDecoder:
         torch.cuda.current_stream().wait_stream(s)
         self.widx.zero_(), self.sidx.zero_()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, pool=self._pool):
             body()
         for t, v in zip((self.cur_tok, self.cur_pos, self.widx, self.sidx, self.finished), saved):
             t.copy_(v)
@@ -484,7 +505,10 @@ class FastDecoder:
 
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-        runner = self._runner(sampling, eos, pad)  # before the prefill: warm-up scribbles on the state
+        # one runner per attention length the decode steps will need (writing slots P .. P + max_new - 2), all
+        # made before the prefill: a capture's warm-up scribbles on the state
+        runners = {n: self._runner(sampling, eos, pad, n)
+                   for n in sorted({self.attn_len(w) for w in range(P, P + sampling.max_new_tokens - 1)})}
         if dbg:
             torch.cuda.synchronize()
             t1 = time.perf_counter()
@@ -501,7 +525,7 @@ class FastDecoder:
         self.sidx.fill_(1)
         steps = 1
         while steps < sampling.max_new_tokens:
-            runner()
+            runners[self.attn_len(P + steps - 1)]()
             steps += 1
             if steps % self.check_every == 0 and bool(self.finished[:n].all()):
                 break

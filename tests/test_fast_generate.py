@@ -111,6 +111,22 @@ def test_fallbacks_name_their_reason():
     assert "RoPE type 'longrope'" in unsupported_reason(m)
 
 
+def test_attention_over_the_written_part_of_the_cache():
+    """Decode steps attend to the first attn_len(w) cache slots only: exactly w + 1 eagerly, w + 1 rounded up to
+    a bucket on CUDA graphs (the slots past w masked). Both give HF's tokens."""
+    m = make("qwen3", False)
+    s = Sampling(max_new_tokens=20, temperature=0.0)
+    plain = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
+    for bucket in (1, 8):
+        dec = FastDecoder(m, "cpu")
+        dec.bucket = bucket
+        dec.load_weights(m)
+        rows = dec.generate(PROMPTS, s, EOS, PAD)
+        assert [r[: len(c.ids)] for r, c in zip(rows, plain)] == [c.ids for c in plain]
+        assert dec.attn_len(7) == (8 if bucket == 8 else 8) and dec.attn_len(8) == (16 if bucket == 8 else 9)
+        assert dec.attn_len(10_000) == dec._shape_key[1]  # never past the cache
+
+
 def test_weights_follow_the_module_and_eos_stops():
     m = make("llama", True)
     s = Sampling(max_new_tokens=10, temperature=0.0)
