@@ -1,5 +1,6 @@
 """Fast rollouts for Llama / Qwen2-architecture policies: a persistent inference copy, a static KV cache and a
-decode step that is compiled once and replayed as one CUDA graph per generated token.
+decode step that is compiled once (one layer's code serves every layer) and replayed as one CUDA graph per
+generated token.
 
 Why: batched RL rollouts of small models are bound by kernel launches and Python, not by the GPU (HF
 `generate` spends ~0.8 ms per layer per decode step). Here one decode step over the whole batch is a single
@@ -254,10 +255,12 @@ class FastDecoder:
         if self._shape_key == (B, cap):
             return
         d = self.device
-        self.k_cache = [torch.zeros(B, self.n_kv, cap, self.head_dim, device=d, dtype=self.dtype)
+        # one spare slot, never attended to: no slice [:, :n] of the cache or the bias is contiguous, so one
+        # compile serves every attention length n (a contiguous slice takes other code paths: a recompile)
+        self.k_cache = [torch.zeros(B, self.n_kv, cap + 1, self.head_dim, device=d, dtype=self.dtype)
                         for _ in range(self.n_layers)]
         self.v_cache = [torch.zeros_like(k) for k in self.k_cache]
-        self.attn_bias = torch.zeros(B, cap, device=d, dtype=torch.float32)
+        self.attn_bias = torch.zeros(B, cap + 1, device=d, dtype=torch.float32)
         self.cur_tok = torch.zeros(B, dtype=torch.long, device=d)
         self.cur_pos = torch.zeros(B, dtype=torch.long, device=d)
         self.widx = torch.zeros(1, dtype=torch.long, device=d)  # cache slot the next token is written to
@@ -365,47 +368,38 @@ class FastDecoder:
         x = _rms(x[:, -1], self.norm, self.eps)
         return F.linear(x, self.head).float()
 
-    def _decode_logits(self, bias: torch.Tensor) -> torch.Tensor:
-        """One token per row: reads cur_tok / cur_pos, writes cache slot widx, returns [B, V] fp32 logits.
-        Attention reads the first n = bias.shape[1] cache slots only (`bias` is attn_bias[:, :n], n > widx)."""
-        B = self.cur_tok.shape[0]
-        G = self.n_heads // self.n_kv
-        n = bias.shape[1]
+    # One decode step is three compiled pieces: the step's inputs, ONE transformer layer (the same compiled code
+    # for every layer: its weights and cache are arguments) and the step's end. Compiling one layer instead of
+    # the unrolled model keeps the first step's compile short at any depth; the CUDA graph still holds the whole
+    # step, so a token costs one replay either way.
+    def _step_in(self, bias: torch.Tensor):
+        """Opens cache slot widx for attention; the current tokens' embeddings and RoPE cos/sin."""
         bias.index_fill_(1, self.widx, 0.0)
-        bias = bias[:, None, None, :]
         cos, sin = self._rope(self.cur_pos)  # [B, D]
-        cos, sin = cos[:, None], sin[:, None]
-        x = F.embedding(self.cur_tok, self.embed)
-        for li, L in enumerate(self.layers):
-            h = _rms(x, L["ln1"], self.eps)
-            qkv = F.linear(h, L["qkv"], L.get("qkv_b"))
-            q, k, v = qkv.split([self.nq, self.nk, self.nk], dim=-1)
-            q, k = self._qk(L, q.view(B, self.n_heads, self.head_dim), k.view(B, self.n_kv, self.head_dim))
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            v = v.view(B, self.n_kv, self.head_dim)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc.index_copy_(2, self.widx, k[:, :, None])
-            vc.index_copy_(2, self.widx, v[:, :, None])
-            kc, vc = kc[:, :, :n], vc[:, :, :n]
-            qg = q.view(B, self.n_kv, G, self.head_dim)
-            s = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale + bias  # [B, KV, G, n]
-            pr = s.softmax(-1).to(self.dtype)
-            o = torch.matmul(pr, vc).reshape(B, self.nq)
-            x = x + F.linear(o, L["o"], L.get("o_b"))
-            x = x + self._mlp(L, _rms(x, L["ln2"], self.eps))
-        x = _rms(x, self.norm, self.eps)
-        return F.linear(x, self.head).float()
+        return F.embedding(self.cur_tok, self.embed), cos[:, None], sin[:, None]
 
-    def _choose(self, logits: torch.Tensor, noise: torch.Tensor, sampling) -> torch.Tensor:
-        if sampling.greedy:
-            return logits.argmax(-1)
-        z = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-        # Exponential race: argmax(p / E), E ~ Exp(1), samples from softmax(z) (same law as multinomial).
-        return (z.softmax(-1) / noise).argmax(-1)
+    def _layer_step(self, L: dict, kc: torch.Tensor, vc: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """One layer for one token per row: writes k/v at slot widx, attends to the first n = bias.shape[1]
+        slots (`bias` is attn_bias[:, :n], n > widx)."""
+        B, n, G = x.shape[0], bias.shape[1], self.n_heads // self.n_kv
+        h = _rms(x, L["ln1"], self.eps)
+        qkv = F.linear(h, L["qkv"], L.get("qkv_b"))
+        q, k, v = qkv.split([self.nq, self.nk, self.nk], dim=-1)
+        q, k = self._qk(L, q.view(B, self.n_heads, self.head_dim), k.view(B, self.n_kv, self.head_dim))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        kc.index_copy_(2, self.widx, k[:, :, None])
+        vc.index_copy_(2, self.widx, v.view(B, self.n_kv, 1, self.head_dim))
+        kc, vc = kc[:, :, :n], vc[:, :, :n]
+        qg = q.view(B, self.n_kv, G, self.head_dim)
+        s = torch.matmul(qg, kc.transpose(-1, -2)).float() * self.scale + bias[:, None, None, :]  # [B, KV, G, n]
+        o = torch.matmul(s.softmax(-1).to(self.dtype), vc).reshape(B, self.nq)
+        x = x + F.linear(o, L["o"], L.get("o_b"))
+        return x + self._mlp(L, _rms(x, L["ln2"], self.eps))
 
-    def _step(self, sampling, eos: int, pad: int, bias: torch.Tensor) -> None:
-        """Everything one generated token needs, on the device (this is what the CUDA graph holds)."""
-        logits = self._decode_logits(bias)
+    def _step_out(self, x: torch.Tensor, sampling, eos: int, pad: int) -> None:
+        """Final norm, LM head, the next token chosen; EOS tracking and the cache / position bookkeeping."""
+        logits = F.linear(_rms(x, self.norm, self.eps), self.head).float()
         nxt = self._choose(logits, self.noise, sampling)
         nxt = torch.where(self.finished, torch.full_like(nxt, pad), nxt)
         self.out.index_copy_(1, self.sidx, nxt[:, None])
@@ -414,6 +408,22 @@ class FastDecoder:
         self.cur_pos.add_(1)
         self.widx.add_(1)
         self.sidx.add_(1)
+
+    def _choose(self, logits: torch.Tensor, noise: torch.Tensor, sampling) -> torch.Tensor:
+        if sampling.greedy:
+            return logits.argmax(-1)
+        z = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+        # Exponential race: argmax(p / E), E ~ Exp(1), samples from softmax(z) (same law as multinomial).
+        return (z.softmax(-1) / noise).argmax(-1)
+
+    def _step(self, sampling, eos: int, pad: int, bias: torch.Tensor, fns=None) -> None:
+        """Everything one generated token needs, on the device (this is what the CUDA graph holds); `fns`: the
+        compiled (step_in, layer_step, step_out), else eager."""
+        step_in, layer_step, step_out = fns or (self._step_in, self._layer_step, self._step_out)
+        x, cos, sin = step_in(bias)
+        for L, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
+            x = layer_step(L, kc, vc, x, cos, sin, bias)
+        step_out(x, sampling, eos, pad)
 
     def attn_len(self, w: int) -> int:
         """Cache slots the decode step that writes slot `w` attends to: w + 1 rounded up to a multiple of `bucket`
@@ -424,31 +434,34 @@ class FastDecoder:
     def _bias(self, n: int) -> torch.Tensor:
         """attn_bias[:, :n], its length dynamic for the compiler (one compile serves every bucket)."""
         b = self.attn_bias[:, :n]
-        if self.use_graphs:
-            torch._dynamo.maybe_mark_dynamic(b, 1)
+        torch._dynamo.maybe_mark_dynamic(b, 1)
         return b
+
+    def compile_step(self, backend="inductor") -> None:
+        """Compile the decode step's three pieces (on CUDA before the first capture; tests: any backend)."""
+        self._compiled = tuple(torch.compile(f, fullgraph=True, backend=backend)
+                               for f in (self._step_in, self._layer_step, self._step_out))
+
+    def _run_step(self, sampling, eos: int, pad: int, bias: torch.Tensor) -> None:
+        if not sampling.greedy:
+            self.noise.exponential_()
+        if self._compiled is None:
+            return self._step(sampling, eos, pad, bias)
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # only the attention length is dynamic
+            self._step(sampling, eos, pad, bias, self._compiled)
 
     def _runner(self, sampling, eos: int, pad: int, n: int):
         """A callable doing one `_step` over n cache slots (+ fresh noise): a CUDA-graph replay on CUDA, eager
         elsewhere."""
         key = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, eos, pad, n)
         bias = self._bias(n)
+        body = lambda: self._run_step(sampling, eos, pad, bias)  # noqa: E731
         if not self.use_graphs:
-            def eager():
-                if not sampling.greedy:
-                    self.noise.exponential_()
-                self._step(sampling, eos, pad, bias)
-            return eager
+            return body
         if key in self._graphs:
             return self._graphs[key].replay
         if self._compiled is None:
-            self._compiled = torch.compile(self._step, fullgraph=True)
-
-        def body():
-            if not sampling.greedy:
-                self.noise.exponential_()
-            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # only n is dynamic
-                self._compiled(sampling, eos, pad, bias)
+            self.compile_step()
 
         # warm up (compiles) on a side stream, then capture; the state it leaves is reset by the next prefill
         saved = [t.clone() for t in (self.cur_tok, self.cur_pos, self.widx, self.sidx, self.finished)]
@@ -491,9 +504,6 @@ class FastDecoder:
             ids[i, P - len(p) :] = torch.tensor(p)
             mask[i, P - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        neg = torch.finfo(torch.float32).min
-        self.attn_bias.fill_(neg)
-        self.attn_bias[:, :P].masked_fill_(mask.bool(), 0.0)
         if self.out is None or self._out_len < sampling.max_new_tokens:
             self.out = torch.full((B, sampling.max_new_tokens), pad, dtype=torch.long, device=self.device)
             self._out_len = sampling.max_new_tokens
@@ -512,6 +522,9 @@ class FastDecoder:
         if dbg:
             torch.cuda.synchronize()
             t1 = time.perf_counter()
+        # the attention mask AFTER the captures: their warm-up opens slots 0-1 (`_step_in`) for every row
+        self.attn_bias.fill_(torch.finfo(torch.float32).min)
+        self.attn_bias[:, :P].masked_fill_(mask.bool(), 0.0)
         logits = self._prefill(ids, mask)
         if not sampling.greedy:
             self.noise.exponential_()

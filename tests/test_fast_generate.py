@@ -216,3 +216,26 @@ def test_kv_cache_is_freed_between_rollouts_and_comes_back_zeroed():
     dec.release()
     again = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
     assert [c.ids for c in first] == [c.ids for c in again] == [c.ids for c in plain]
+
+
+def test_one_compile_serves_every_layer_and_attention_length():
+    """The decode step compiles as three pieces (inputs, ONE layer reused by every layer, output) with the
+    attention length dynamic: a rollout over several buckets compiles each piece once (counted with a
+    counting backend: dynamo's guards are the same on any device), and its tokens are the eager ones."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    m = make("qwen3", False)
+    s = Sampling(max_new_tokens=20, temperature=0.0)
+    eager = FastDecoder(m, "cpu")
+    eager.load_weights(m)
+    want = eager.generate(PROMPTS, s, EOS, PAD)
+    dec = FastDecoder(m, "cpu")
+    dec.bucket = 4  # several attention lengths within the rollout
+    dec.load_weights(m)
+    counters = [CompileCounter() for _ in range(3)]
+    dec._compiled = tuple(torch.compile(f, fullgraph=True, backend=c)
+                          for f, c in zip((dec._step_in, dec._layer_step, dec._step_out), counters))
+    assert dec.generate(PROMPTS, s, EOS, PAD) == want
+    assert len({dec.attn_len(w) for w in range(7, 26)}) >= 5
+    assert [c.frame_count for c in counters] == [1, 1, 1]
