@@ -80,7 +80,7 @@ def build_command(cmd: registry.Command) -> click.Command:
     for f in C.fields(cfg_cls):
         t = types[f.name]
         flag = "--" + f.name.replace("_", "-")
-        h = literal(f.metadata.get("help", ""))
+        h = literal(C.help_text(f))
         default_value = f.default_factory() if C.is_list(t) else f.default
         if f.name in cmd.positional:
             default = typer.Argument(default_value, help=h, show_default=True)
@@ -104,7 +104,7 @@ def build_command(cmd: registry.Command) -> click.Command:
     command.__signature__ = inspect.Signature(params)
     command.__doc__ = cmd.help
     app = typer.Typer(**TYPER)
-    app.command(cmd.words[-1], help=cmd.help)(command)
+    app.command(cmd.words[-1], help=literal(cmd.help))(command)
     return typer.main.get_command(app)
 
 
@@ -144,7 +144,20 @@ def app() -> click.Group:
     root = typer.Typer(name="align", cls=LazyGroup, help="Align causal language models: SFT -> reward model -> "
                        "PPO-ptx -> DPO -> GRPO, on DeepSpeed ZeRO-3.", **TYPER)
     root.add_typer(pipeline_cli.app, name="pipeline", help=registry.GROUPS["pipeline"])
-    return typer.main.get_command(root)
+    group = typer.main.get_command(root)
+    literal_help(group.commands["pipeline"])
+    return group
+
+
+def literal_help(cmd: click.Command) -> None:
+    """Pass the help texts of a click command, its parameters and subcommands through `literal` (in place): the
+    typer-built pipeline commands, whose texts name TOML tables such as [stages.NAME]."""
+    cmd.help = literal(cmd.help) if cmd.help else cmd.help
+    for param in cmd.params:
+        if getattr(param, "help", None):
+            param.help = literal(param.help)
+    for sub in getattr(cmd, "commands", {}).values():
+        literal_help(sub)
 
 
 def main() -> None:

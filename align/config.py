@@ -7,6 +7,8 @@ flags, TOML keys and artifact config are always the same names.
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -17,12 +19,72 @@ from align.models import PRESETS
 from align.paths import DATA_DIR
 
 PRECISIONS = ("auto", "bf16", "bf16-mixed", "bf16-pure", "fp32")
+SEED_MAX = 2**32 - 1  # the seeds are scaled and offset (seed * 1_000_003 + step ...): kept far below 2**63
 
 
-def opt(default, help: str, **meta):
+def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None, **meta):
+    """An option: its default, its --help text and what it allows: `choices` (a value outside them is refused),
+    bounds `ge` (>=), `gt` (>), `le` (<=), `lt` (<). Flags, --config files and pipeline stage tables are all
+    checked against them (`check_value`, `Options.validate`), and --help shows the range."""
+    allowed = {k: v for k, v in (("choices", tuple(choices) if choices else None), ("ge", ge), ("gt", gt), ("le", le),
+                                 ("lt", lt)) if v is not None}
+    meta = {"help": help, **allowed, **meta}
     if isinstance(default, list):  # repeatable flag (--reward a --reward b) / TOML array
-        return field(default_factory=lambda: list(default), metadata={"help": help, **meta})
-    return field(default=default, metadata={"help": help, **meta})
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+BOUNDS = (("ge", ">=", operator.ge), ("gt", ">", operator.gt), ("le", "<=", operator.le), ("lt", "<", operator.lt))
+
+
+def allowed(meta) -> str:
+    """What an option allows, in words ("> 0 and <= 1", "one of a, b"); "" when anything of its type goes."""
+    if "choices" in meta:
+        return "one of " + ", ".join(map(str, meta["choices"]))
+    return " and ".join(f"{sym} {meta[k]}" for k, sym, _ in BOUNDS if k in meta)
+
+
+def disallowed(meta, value) -> bool:
+    """Whether `value` is outside what the option's metadata allows (NaN and infinities are, for a bounded one)."""
+    if "choices" in meta:
+        return value not in meta["choices"]
+    bounded = [(op, meta[k]) for k, _, op in BOUNDS if k in meta]
+    if bounded and isinstance(value, float) and not math.isfinite(value):
+        return True
+    return not all(op(value, bound) for op, bound in bounded)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def help_text(f: dataclasses.Field) -> str:
+    """An option's --help text, with its numeric range."""
+    text = f.metadata.get("help", "")
+    return f"{text} [{allowed(f.metadata)}]" if "choices" not in f.metadata and allowed(f.metadata) else text
+
+
+@dataclass
+class Options:
+    """Base of every command's config: `validate()` refuses a value outside its option's declared choices or
+    bounds, naming the flag; a subclass adds checks across options after `super().validate()`."""
+
+    def validate(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if disallowed(f.metadata, value):
+                raise UserError(f"{flag(f.name)} must be {allowed(f.metadata)}, got {value!r}.", option=f.name)
+
+
+def positive_ints(text: str, name: str) -> list[int]:
+    """A comma-separated list of integers >= 1 (pass@k values: --k 1,4,8), sorted and deduplicated."""
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"{name} must be comma-separated integers like 1,4,8, got {text!r}.") from None
+    if not ks or ks[0] < 1:
+        raise UserError(f"{name} must be comma-separated integers >= 1 like 1,4,8, got {text!r}.")
+    return ks
 
 
 def verifier_opt():
@@ -54,27 +116,30 @@ def defaults(**values):
 
 
 @dataclass
-class StageConfig:
+class StageConfig(Options):
     """Flags every stage shares."""
 
     model: str = opt("tiny", "Preset name (tiny, small), a stage's --out artifact, or a save_pretrained dir.", path=True)
     out: str = opt("runs/out", "Output artifact directory.", path=True)
-    seed: int = opt(0, "Random seed (data order, init, sampling).")
-    zero_stage: int = opt(3, "DeepSpeed ZeRO stage 0..3.")
-    nproc: int = opt(1, "Processes to launch on this machine (relaunches itself with torchrun).")
+    seed: int = opt(0, "Random seed (data order, init, sampling).", ge=0, le=SEED_MAX)
+    zero_stage: int = opt(3, "DeepSpeed ZeRO stage 0..3.", ge=0, le=3)
+    nproc: int = opt(1, "Processes to launch on this machine (relaunches itself with torchrun).", ge=1)
     nnodes: int = opt(1, "Machines in the run: start the same command on each, with its --node-rank (torchrun's "
-                         "static rendezvous at --master-addr:--master-port); --nproc processes on each.")
-    node_rank: int = opt(0, "This machine's rank among --nnodes (0: the one at --master-addr).")
+                         "static rendezvous at --master-addr:--master-port); --nproc processes on each.", ge=1)
+    node_rank: int = opt(0, "This machine's rank among --nnodes (0: the one at --master-addr).", ge=0)
     master_addr: str = opt("127.0.0.1", "With --nnodes > 1: the address of node 0, reachable from every node.")
-    master_port: int = opt(29500, "With --nnodes > 1: a free TCP port on node 0.")
-    deepspeed: str = opt("", "A DeepSpeed JSON config; its keys win over align's.", path=True)
+    master_port: int = opt(29500, "With --nnodes > 1: a free TCP port on node 0.", ge=1, le=65535)
+    deepspeed: str = opt("", "A DeepSpeed JSON config for what align has no flag for (ZeRO bucket sizes, "
+                             "persistence threshold, a ZeRO stage, ...): every key is applied, or refused with the "
+                             "flag to use instead (optimizer, scheduler, batch sizes, precision, clipping).", path=True)
     trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
     precision: str = opt("auto", "Compute precision: auto (bf16-pure on CUDA, bf16-mixed there with an offload; fp32 on CPU), bf16 (a bf16 module, "
                                  "fp32 master weights), bf16-mixed (fp32 weights and gradients, matmuls in bf16 under "
                                  "torch.autocast, as TRL/Accelerate's mixed precision), bf16-pure (master weights, "
                                  "gradients and Adam moments in bf16 too: 10 instead of 16 bytes per trained "
                                  "parameter; with --zero-stage 0 no master copy at all: 8 bytes; AdamW writes the "
-                                 "bf16 weights with stochastic rounding, so small updates survive) or fp32.")
+                                 "bf16 weights with stochastic rounding, so small updates survive) or fp32.",
+                         choices=PRECISIONS)
     compile: bool = opt(True, "One GPU process (ZeRO-0, the one-GPU default): torch.compile each transformer "
                               "block (one compile serves them all): fewer kernel launches in every forward and "
                               "backward, for a first step up to ~1 min longer on a machine's first run (inductor "
@@ -83,12 +148,18 @@ class StageConfig:
     def __post_init__(self):
         # checked at construction, so every entry point (flags, --config, pipeline validate) refuses it before
         # anything is written
-        if self.precision not in PRECISIONS:
-            raise UserError(f"--precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}.")
-        if not 0 <= self.zero_stage <= 3:
-            raise UserError(f"--zero-stage must be 0..3, not {self.zero_stage}.")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        if self.nnodes >= 1 and not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), not {self.node_rank}.")
+
+    def validate(self):
+        super().validate()
+        if self.deepspeed:
+            from align.engine import ds_file
+
+            try:
+                ds_file.read(self.deepspeed, offload_optimizer=getattr(self, "offload_optimizer", False))
+            except UserError as e:
+                raise UserError(str(e), option="deepspeed") from None
 
 
 @dataclass
@@ -99,23 +170,26 @@ class TrainConfig(StageConfig):
     offload_optimizer: bool = opt(False, "ZeRO-Offload: fp32 master weights, gradients and Adam moments in CPU memory "
                                          "(−12 bytes per trained parameter on the GPU; the optimiser step runs on "
                                          "the CPU).")
-    columns: str = opt("", "Rename columns: old=new,old2=new2.")
-    max_steps: int = opt(1000, "Optimiser steps.")
+    columns: str = opt("", "Rename columns: old=new,old2=new2 (each old name must be a column of --data).")
+    max_steps: int = opt(1000, "Optimiser steps.", ge=1)
     micro_batch_size: int = opt(0, "Sequences (pairs) per forward per process (0: the whole batch of a process; grpo: "
-                                         "as many as --micro-batch-tokens allows).")
-    lr: float = opt(1e-4, "Peak learning rate (AdamW).")
-    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear (both to 10%) or constant.")
-    warmup_steps: int = opt(20, "Linear warmup steps.")
-    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
-    grad_clip: float = opt(1.0, "Gradient clipping (global norm).")
-    eval_every: int = opt(100, "Evaluate on the held-out data every N steps (and always at the end; 0: only then).")
-    save_every: int = opt(0, "Checkpoint every N steps (always one at the end; 0: end only).")
+                                         "as many as --micro-batch-tokens allows).", ge=0)
+    lr: float = opt(1e-4, "Peak learning rate (AdamW).", gt=0)
+    schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear (both to 10%) or constant.",
+                        choices=("cosine", "linear", "constant"))
+    warmup_steps: int = opt(20, "Linear warmup steps.", ge=0)
+    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).", ge=0)
+    grad_clip: float = opt(1.0, "Gradient clipping: the global gradient norm is scaled down to at most this (0: off).",
+                           ge=0)
+    eval_every: int = opt(100, "Evaluate on the held-out data every N steps (and always at the end; 0: only then).",
+                          ge=0)
+    save_every: int = opt(0, "Checkpoint every N steps (always one at the end; 0: end only).", ge=0)
     resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).")
     monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
     lora_r: int = opt(0, "LoRA rank (0: train every weight). The base stays frozen (a score head trains in full); "
-                         "model/adapter/ holds the adapter.")
-    lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.")
-    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.")
+                         "model/adapter/ holds the adapter.", ge=0)
+    lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.", gt=0)
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.", ge=0, lt=1)
     lora_targets: str = opt("all-linear", "Modules that get adapters: all-linear (every Linear but the LM head) or "
                                           "comma-separated module names (q_proj,v_proj).")
     merge: bool = opt(True, "With --lora-r: model/ also holds the merged model (plain transformers loads it). "
@@ -127,9 +201,6 @@ class TrainConfig(StageConfig):
         if self.offload_optimizer and (self.zero_stage == 0 or self.precision == "bf16-pure"):
             raise UserError("--offload-optimizer needs --zero-stage 1, 2 or 3 and fp32 master weights (not "
                             "--precision bf16-pure).")
-        if self.lora_r < 0 or not self.lora_alpha > 0 or not 0 <= self.lora_dropout < 1:
-            raise UserError(f"--lora-r must be >= 0, --lora-alpha > 0 and --lora-dropout in [0, 1), not "
-                            f"{self.lora_r}, {self.lora_alpha} and {self.lora_dropout}.")
         if not self.merge and not self.lora_r:
             raise UserError("--no-merge keeps a LoRA adapter without its merged model: it needs --lora-r.")
         if not self.merge and getattr(self, "model", None) in PRESETS and not Path(self.model).exists():
@@ -138,15 +209,7 @@ class TrainConfig(StageConfig):
                             "artifact), or keep the merged model (--merge).")
 
     def validate(self):
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise UserError(f"--schedule must be cosine, linear or constant, not {self.schedule!r}.")
-        if self.max_steps <= 0 or not self.lr > 0:
-            raise UserError(f"--max-steps and --lr must be positive (got {self.max_steps} and {self.lr}).")
-        if min(self.warmup_steps, self.eval_every, self.save_every, self.micro_batch_size, self.weight_decay) < 0:
-            raise UserError("--warmup-steps, --eval-every, --save-every, --micro-batch-size and --weight-decay "
-                            "must be >= 0.")
-        if not self.grad_clip > 0:
-            raise UserError(f"--grad-clip must be positive, not {self.grad_clip}.")
+        super().validate()
         if getattr(self, "verifier", "auto") != "auto":
             from align.rewards import verifier_fn
 
@@ -157,44 +220,34 @@ class TrainConfig(StageConfig):
 class SupervisedConfig(TrainConfig):
     """A stage that trains on a fixed dataset (sft, rm, dpo)."""
 
-    batch_size: int = opt(32, "Global batch size (examples or pairs per optimiser step, all processes).")
+    batch_size: int = opt(32, "Global batch size (examples or pairs per optimiser step, all processes).", ge=1)
     max_length: int = opt(256, "Max tokens of an example (prompt + the longer response of a pair); the prompt is "
-                               "cut from the left, a response never.")
-
-    def validate(self):
-        super().validate()
-        if self.batch_size <= 0:
-            raise UserError("--batch-size must be positive.")
+                               "cut from the left, a response never.", ge=1)
 
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Options):
     """How responses are sampled (eval, rollouts)."""
 
-    max_new_tokens: int = opt(48, "Max new tokens per response.")
-    temperature: float = opt(1.0, "Sampling temperature (the RL stages score log-probs at the same temperature).")
-    top_k: int = opt(0, "Top-k sampling (0: off).")
-    top_p: float = opt(1.0, "Top-p sampling (1: off).")
+    max_new_tokens: int = opt(48, "Max new tokens per response.", ge=1)
+    temperature: float = opt(1.0, "Sampling temperature (0: greedy).", ge=0)
+    top_k: int = opt(0, "Top-k sampling (0: off).", ge=0)
+    top_p: float = opt(1.0, "Top-p sampling (1: off).", gt=0, le=1)
 
 
 @dataclass
 class RLConfig(SamplingConfig, TrainConfig):
     """An RL stage (ppo, grpo): rollouts of the policy on prompts, pass@k on held-out verifiable data."""
 
+    temperature: float = opt(1.0, "Sampling temperature of the rollouts (they are sampled: > 0); the log-probs are "
+                                  "scored at the same temperature.", gt=0)
     data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Prompts {prompt[, answer, ...]}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data {prompt, answer} "
                                                                     "('' : skip).", path=True)
-    eval_samples: int = opt(200, "Held-out problems to evaluate (0: skip).")
+    eval_samples: int = opt(200, "Held-out problems to evaluate (0: skip).", ge=0)
     verifier: str = verifier_opt()
-    prompts_per_step: int = opt(16, "Prompts per step (all processes).")
+    prompts_per_step: int = opt(16, "Prompts per step (all processes).", ge=1)
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus).")
-
-    def validate(self):
-        super().validate()
-        if self.prompts_per_step <= 0:
-            raise UserError("--prompts-per-step must be positive.")
-        if not self.temperature > 0:
-            raise UserError("--temperature must be > 0: rollouts are sampled.")
 
 
 def fields(cls) -> list[dataclasses.Field]:
@@ -217,12 +270,15 @@ def load_toml(path: str | Path) -> dict:
         raise UserError(f"{path}: invalid TOML: {e}.") from None
 
 
-def check_value(cls, key: str, value, where: str) -> object:
-    """Type-check one config value; returns it (ints are accepted for floats)."""
+def check_value(cls, key: str, value, where: str, name: str | None = None) -> object:
+    """Check one config value against its option's type, choices and bounds; returns it (ints are accepted for
+    floats). `where` starts the message (a file, a key path; "" for a flag), `name` names the option in it (by
+    default 'key'; a flag: --key)."""
     types = field_types(cls)
+    prefix, name = (f"{where}: " if where else ""), name or repr(key)
     if key not in types:
         known = ", ".join(sorted(types))
-        raise UserError(f"{where}: unknown key {key!r} for this stage (known: {known}).")
+        raise UserError(f"{prefix}unknown key {key!r} for this stage (known: {known}).")
     want = types[key]
     ok = (
         (want is bool and isinstance(value, bool))
@@ -232,9 +288,13 @@ def check_value(cls, key: str, value, where: str) -> object:
         or (is_list(want) and isinstance(value, list) and all(isinstance(v, str) for v in value))
     )
     if not ok:
-        name = "a list of strings" if is_list(want) else want.__name__
-        raise UserError(f"{where}: {key!r} must be {name}, got {type(value).__name__} {value!r}.")
-    return float(value) if want is float else value
+        kind = "a list of strings" if is_list(want) else want.__name__
+        raise UserError(f"{prefix}{name} must be {kind}, got {type(value).__name__} {value!r}.")
+    value = float(value) if want is float else value
+    meta = next(f.metadata for f in dataclasses.fields(cls) if f.name == key)
+    if disallowed(meta, value):
+        raise UserError(f"{prefix}{name} must be {allowed(meta)}, got {value!r}.")
+    return value
 
 
 def normalise_keys(d: dict) -> dict:
@@ -247,12 +307,11 @@ def build(cls, toml_path: str | None, explicit: dict):
     if toml_path:
         data = normalise_keys(load_toml(toml_path))
         for k, v in data.items():
-            values[k] = check_value(cls, k, v, f"{toml_path}: key {k!r}")
-    values.update(explicit)
+            values[k] = check_value(cls, k, v, str(toml_path))
+    for k, v in explicit.items():
+        values[k] = check_value(cls, k, list(v) if isinstance(v, tuple) else v, "", flag(k))
     cfg = cls(**values)
-    validate = getattr(cfg, "validate", None)
-    if validate:
-        validate()
+    cfg.validate()
     return cfg
 
 

@@ -7,10 +7,13 @@ import os
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-console = Console(highlight=False)
+# emoji=False: a message quoting the user's input (--reward math:abc) is printed as written, never with an emoji
+# for a :name: code; markup in such a message is escaped where it is printed (`warn`, the CLI's error line)
+console = Console(highlight=False, emoji=False)
 
 
 def is_main() -> bool:
@@ -22,9 +25,14 @@ def info(msg: str) -> None:
         console.print(msg)
 
 
-def warn(msg: str) -> None:
-    if is_main():
-        console.print(f"[yellow]warning:[/] {msg}")
+_warned: set[str] = set()
+
+
+def warn(msg: str, once: bool = False) -> None:
+    """A warning on rank 0, printed as written (no markup); `once`: not again in this process."""
+    if is_main() and not (once and msg in _warned):
+        _warned.add(msg)
+        console.print(f"[yellow]warning:[/] {escape(msg)}")
 
 
 def fmt(v) -> str:

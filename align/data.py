@@ -116,16 +116,18 @@ def columns_of(rows: list[dict]) -> list[str]:
 
 
 def load_rows(path: str | Path, fmt: str | tuple[str, ...], columns: str | dict | None = None,
-              limit: int = 0) -> list[dict]:
+              limit: int = 0, held_out: bool = False) -> list[dict]:
     """Load, rename columns (a renamed column replaces one of the new name), check the required columns of `fmt`
-    (a tuple: the first of those formats whose columns the data has); returns dict rows."""
+    (a tuple: the first of those formats whose columns the data has); returns dict rows. Every old name of
+    `columns` must be a column of the data, except in `held_out` data that already has the new name."""
     rows = read_rows(path)
     names = columns_of(rows)
     mapping = parse_columns(columns)
     for old, new in mapping.items():
-        if old not in names and new not in names:
+        if old not in names and not (held_out and new in names):
             raise UserError(f"{path}: --columns maps {old!r}, but the data has no such column ({_cols(names)}).")
-    # a file that already has the new name (the shipped held-out data beside your renamed training data) is kept
+    # held-out data that already has the new name (the shipped held-out data beside your renamed training data)
+    # is kept
     mapping = {old: new for old, new in mapping.items() if old in names}
     if mapping:
         replaced = set(mapping.values()) - set(mapping)
@@ -195,14 +197,16 @@ def prompt_texts(tokenizer, prompts: list) -> list[str]:
 def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
     if not prompts:
         return []
-    return tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]
+    # verbose=False: no "sequence length is longer than the specified maximum" warning; align cuts or drops
+    # what does not fit (the callers' --max-length / context checks)
+    return tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False, verbose=False)["input_ids"]
 
 
 def encode_completions(tokenizer, completions: list[str]) -> list[list[int]]:
     """Response tokens followed by EOS: the model must learn to stop."""
     if not completions:
         return []
-    ids = tokenizer(list(completions), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(list(completions), add_special_tokens=False, verbose=False)["input_ids"]
     return [c + [tokenizer.eos_token_id] for c in ids]
 
 

@@ -9,6 +9,10 @@ class UserError(Exception):
 
     exit_code = 2
 
+    def __init__(self, message: str = "", option: str | None = None):
+        super().__init__(message)
+        self.option = option  # the config option (field name) at fault, when one is: pipelines point at its key
+
 
 class Terminated(BaseException):
     """SIGTERM arrived (align installs the handler while a stage runs): the run stops like on Ctrl-C, its artifact

@@ -69,7 +69,7 @@ def fitting(rows: list[dict], prompt_ids: list[list[int]], context: int | None, 
                         "lower --max-new-tokens.")
     if len(keep) < len(rows):
         warn(f"{len(rows) - len(keep)} of {len(rows)} prompts leave no room for {new_tokens} new tokens in the "
-             f"model's {context} positions: left out")
+             f"model's {context} positions: left out", once=True)  # once, not at every evaluation
     return [rows[i] for i in keep], [prompt_ids[i] for i in keep]
 
 

@@ -97,9 +97,10 @@ class Problem:
     key: str  # TOML key path, e.g. stages.sft.max_steps
     message: str
     line: int | None = None
+    origin: str = ""  # where the key came from when not the file: "--set stages.sft.lr=x"
 
     def format(self, file: str) -> str:
-        where = f"{file}:{self.line}" if self.line else file
+        where = self.origin or (f"{file}:{self.line}" if self.line else file)
         return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
 
 
@@ -177,34 +178,34 @@ def _toml_error_line(e: tomllib.TOMLDecodeError) -> tuple[int | None, str]:
     return None, msg
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> tuple[list[Problem], set[tuple[str, ...]]]:
+def apply_overrides(data: dict, overrides: list[str]) -> tuple[list[Problem], dict[tuple[str, ...], str]]:
     """`--set stages.sft.model=DIR`: each KEY.PATH=VALUE replaces (or adds) one key of the parsed file. VALUE is
-    read as a TOML value (1e-5, true, [1, 2], "text") and else taken as a string; a string naming an existing
-    file or directory relative to the current directory is made absolute (TOML paths are relative to the file).
-    Returns (problems, the key paths set)."""
-    problems, keys_set = [], set()
+    read as a TOML value (1e-5, true, [1, 2], "text") and else taken as a string (a relative path in it is
+    relative to the current directory: `parse` resolves it so). Returns (problems, {key path: the --set item}
+    for each key it set and each table it made)."""
+    problems, origins = [], {}
     for item in overrides:
         key, eq, raw = item.partition("=")
         keys = tuple(k.strip() for k in key.split("."))
         if not eq or not all(keys):
-            problems.append(Problem(f"--set {item}", "write KEY.PATH=VALUE, e.g. --set stages.sft.model=DIR"))
+            problems.append(Problem("", "write KEY.PATH=VALUE, e.g. --set stages.sft.model=DIR", origin=f"--set {item}"))
             continue
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
-        if isinstance(value, str) and not value.startswith("@") and value and Path(value).exists():
-            value = str(Path(value).resolve())
         table = data
-        for k in keys[:-1]:
+        for n, k in enumerate(keys[:-1], 1):
+            if k not in table:
+                origins.setdefault(keys[:n], item)
             table = table.setdefault(k, {})
             if not isinstance(table, dict):
-                problems.append(Problem(f"--set {item}", f"{k!r} is not a table"))
+                problems.append(Problem("", f"{k!r} is not a table", origin=f"--set {item}"))
                 break
         else:
             table[keys[-1]] = value
-            keys_set.add(keys)
-    return problems, keys_set
+            origins[keys] = item
+    return problems, origins
 
 
 def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None, list[Problem]]:
@@ -224,11 +225,16 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
         return None, [Problem("", f"invalid TOML: {msg}", line)]
 
     loc = Locator(text)
-    problems, overridden = apply_overrides(data, list(overrides))
+    problems, origins = apply_overrides(data, list(overrides))
+
+    def set_by(keys: tuple[str, ...]) -> str | None:
+        """The --set item a key (or the table holding it) comes from; None: the file."""
+        return next((origins[keys[:n]] for n in range(len(keys), 0, -1) if keys[:n] in origins), None)
 
     def problem(keys: tuple[str, ...], message: str) -> None:
-        if tuple(keys) in overridden:  # the value came from --set, not from the file's line
-            problems.append(Problem(".".join(keys), message + " (from --set)", None))
+        item = set_by(tuple(keys))
+        if item:  # the value came from --set, not from a line of the file
+            problems.append(Problem(".".join(keys), message, origin=f"--set {item}"))
         else:
             problems.append(Problem(".".join(keys), message, loc.line(keys)))
 
@@ -254,11 +260,12 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
         if not isinstance(v, want) or isinstance(v, bool):
             problem(("pipeline", k), f"must be {want.__name__}, got {type(v).__name__} {v!r}")
         elif key == "out":
-            out = v
-        elif key == "nproc" and v < 1:
-            problem(("pipeline", k), f"must be >= 1, got {v}")
-        elif key in STAGE_DEFAULTS:
-            defaults[key] = v
+            out = str(_resolve_path(Path.cwd(), v)) if set_by(("pipeline", k)) else v
+        else:  # nproc, seed: each stage's option of that name, with its range
+            try:
+                defaults[key] = C.check_value(C.StageConfig, key, v, "pipeline")
+            except UserError as e:
+                problem(("pipeline", k), str(e).removeprefix("pipeline: ").rstrip("."))
 
     # ---- [stages.NAME], in file order: a @ref must name a stage above
     tables = data.get("stages", {})
@@ -272,7 +279,7 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
     outs: dict[Path, str] = {}
     pipeline_out = _resolve_path(root, out)
     for name, table in tables.items():
-        stage = _check_stage(name, table, names, root, defaults, problem)
+        stage = _check_stage(name, table, names, root, defaults, problem, set_by)
         if stage is None:
             continue
         o = stage_out(root, pipeline_out, stage)
@@ -289,8 +296,10 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
     return Pipeline(path.resolve(), _resolve_path(root, out), defaults, stages), []
 
 
-def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict, problem) -> Stage | None:
-    """Check one [stages.NAME] table, reporting every problem through `problem`; the Stage if it has none."""
+def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict, problem, set_by) -> Stage | None:
+    """Check one [stages.NAME] table, reporting every problem through `problem`; the Stage if it has none. A
+    relative path is relative to `root`, the file's folder, or when `set_by(key path)` (a --set value) to the
+    current directory (made absolute here)."""
     at = ("stages", name)
     i = names.index(name)
     if not isinstance(table, dict):
@@ -363,13 +372,15 @@ def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict,
                 problem(kp, str(e).removeprefix(f"{where}: ").rstrip("."))
                 bad_stage = True
                 continue
-            if key in paths and key != "out" and v and not _is_preset(key, v):
-                p = _resolve_path(root, v)
-                if not p.exists():
+            if key in paths and v and not _is_preset(key, v):
+                p = _resolve_path(Path.cwd() if set_by(kp) else root, v)
+                if key != "out" and not p.exists():
                     what = " (not a preset or @stage either)" if key == "model" else ""
                     problem(kp, f"no such file or directory: {v}{what}"
                                 + (f" (looked for {p})" if not Path(v).is_absolute() else ""))
                     bad_stage = True
+                elif set_by(kp):
+                    v = str(p)
         values[key] = v
 
     if bad_stage or cls is None:
@@ -384,7 +395,7 @@ def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict,
     except UserError as e:
         # point at the key the message names (--schedule -> stages.NAME.schedule) when it is in the table
         raw = {k.replace("-", "_"): k for k in table}
-        flags = [f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", str(e))]
+        flags = [e.option] if e.option else [f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", str(e))]
         named = [raw[f] for f in flags if f in raw]
         problem(at + tuple(named[:1]), str(e).rstrip("."))
         return None

@@ -236,19 +236,24 @@ def lookup(name: str) -> Callable | None:
     return REWARDS.get(name)
 
 
-def parse_rewards(specs: list[str]) -> list[RewardFn]:
+def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
+    """The reward functions of --reward specs NAME[:WEIGHT], rg:TASK[:WEIGHT], file.py:FUNCTION[:WEIGHT] (`flag`
+    names the option in messages)."""
     out = []
     for spec in specs:
         parts = spec.split(":")
         weight = 1.0
         if len(parts) > 1 and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", parts[-1]):
             weight = float(parts.pop())
+        if len(parts) == 2 and (parts[0] in REWARDS or parts[0] in GROUP_REWARDS):
+            raise UserError(f"{flag} {spec}: the weight {parts[1]!r} is not a number (NAME:WEIGHT, e.g. "
+                            f"{parts[0]}:0.5).")
         if parts[0] == "rg" and len(parts) == 2:
             name = ":".join(parts)
             out.append(RewardFn(name, weight, lookup(name)))
         elif parts[0].endswith(".py"):
             if len(parts) != 2:
-                raise UserError(f"--reward {spec}: a user reward is path/to/file.py:FUNCTION[:WEIGHT].")
+                raise UserError(f"{flag} {spec}: a user reward is path/to/file.py:FUNCTION[:WEIGHT].")
             out.append(RewardFn(f"{Path(parts[0]).stem}.{parts[1]}", weight, _load_user_fn(parts[0], parts[1])))
         elif len(parts) == 1 and parts[0] in REWARDS:
             out.append(RewardFn(parts[0], weight, REWARDS[parts[0]]))
@@ -256,7 +261,7 @@ def parse_rewards(specs: list[str]) -> list[RewardFn]:
             out.append(RewardFn(parts[0], weight, None))
         else:
             known = ", ".join([*REWARDS, *GROUP_REWARDS])
-            raise UserError(f"--reward {spec}: unknown reward; built-ins: {known}, rg:TASK (reasoning-gym), or "
+            raise UserError(f"{flag} {spec}: unknown reward; built-ins: {known}, rg:TASK (reasoning-gym), or "
                             "path/to/file.py:FUNCTION.")
     if not out:
         raise UserError("give at least one --reward (e.g. --reward math).")

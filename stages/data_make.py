@@ -17,30 +17,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from align import tasks
-from align.config import opt
+from align.config import SEED_MAX, Options, opt
 from align.console import info, summary_table
 from align.errors import UserError
 
 
 @dataclass
-class DataMakeConfig:
+class DataMakeConfig(Options):
     task: str = opt("arithmetic", "Task: arithmetic, sort, prefs, text, or rg:NAME (a reasoning-gym task).")
-    n: int = opt(1000, "Rows to generate (prefs --from-model: prompts to sample, 0 = all of --data).")
-    seed: int = opt(0, "Random seed.")
+    n: int = opt(1000, "Rows to generate (prefs --from-model: prompts to sample, 0 = all of --data).", ge=0)
+    seed: int = opt(0, "Random seed.", ge=0, le=SEED_MAX)
     out: str = opt("data.jsonl", "Output JSONL file, or a directory: an artifact with data.jsonl and test.jsonl.",
                    path=True)
-    test_n: int = opt(0, "Also write a held-out split of N rows, disjoint from the main one (no shared prompt).")
+    test_n: int = opt(0, "Also write a held-out split of N rows, disjoint from the main one (no shared prompt).",
+                     ge=0)
     test_out: str = opt("", "Held-out output file (default: OUT with .test.jsonl).", path=True)
     levels: str = opt("1,2,3,4", "arithmetic/prefs difficulty levels: 1-digit/2 operands .. 2-digit/3 operands.")
     param: list[str] = opt([], "rg:NAME task option KEY=VALUE (repeatable), e.g. --param max_terms=3.")
     from_model: str = opt("", "prefs: sample the pairs from this model (a directory, artifact or hub id).",
                           path=True)
     data: str = opt("", "prefs --from-model: verifiable prompts {prompt, answer} to sample on.", path=True)
-    samples: int = opt(8, "prefs --from-model: completions sampled per prompt.")
-    max_new_tokens: int = opt(128, "prefs --from-model: longest completion.")
-    temperature: float = opt(1.0, "prefs --from-model: sampling temperature.")
+    samples: int = opt(8, "prefs --from-model: completions sampled per prompt (a pair needs a correct and an "
+                               "incorrect one).", ge=2)
+    max_new_tokens: int = opt(128, "prefs --from-model: longest completion.", ge=1)
+    temperature: float = opt(1.0, "prefs --from-model: sampling temperature.", gt=0)
     verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).")
-    batch_size: int = opt(64, "prefs --from-model: generation batch.")
+    batch_size: int = opt(64, "prefs --from-model: generation batch.", ge=1)
 
 
 def run(cfg: DataMakeConfig) -> dict:
@@ -130,8 +132,6 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
         raise UserError(f"--from-model makes preference pairs: use `align data make prefs`, not {cfg.task!r}.")
     if not cfg.data:
         raise UserError("prefs --from-model needs --data: a verifiable JSONL file {prompt, answer}.")
-    if cfg.samples < 2:
-        raise UserError("--samples must be >= 2: a pair needs a correct and an incorrect completion.")
     rows = D.load_rows(cfg.data, "verifiable", limit=cfg.n)
     check = verifier_fn(guess_verifier(rows) if cfg.verifier == "auto" else cfg.verifier)
     quiet_libraries()

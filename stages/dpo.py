@@ -67,29 +67,31 @@ class DPOConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for implicit-reward accuracy ('' : none).", path=True)
     pass_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data for greedy pass@1 of policy and input model ('' : skip).", path=True)
-    beta: float = opt(0.1, "β: strength of the implicit KL to the reference.")
+    beta: float = opt(0.1, "β: strength of the implicit KL to the reference.", gt=0)
     loss: str = opt("sigmoid", "sigmoid (DPO), ipo (IPO on summed log-probs, the DPO authors' convention), ipo-mean "
                                "(IPO on per-token mean log-probs, TRL's: the same β pulls much harder), hinge "
                                "(SLiC), or without a reference model simpo (β·mean log-prob reward with margin "
                                "--simpo-gamma; SimPO uses β ~2) or orpo (chosen NLL + β · odds-ratio term); kto on "
-                               "unpaired {prompt, completion, label} rows (or pairs, unpaired).")
-    simpo_gamma: float = opt(0.5, "γ of --loss simpo: the target reward margin.")
-    desirable_weight: float = opt(1.0, "λ_D of --loss kto (raise it when desirable rows are fewer).")
-    undesirable_weight: float = opt(1.0, "λ_U of --loss kto.")
-    label_smoothing: float = opt(0.0, "ε of conservative DPO (sigmoid loss only), 0 <= ε < 0.5.")
+                               "unpaired {prompt, completion, label} rows (or pairs, unpaired).",
+                       choices=DPO_LOSSES + REFERENCE_FREE_LOSSES + UNPAIRED_LOSSES)
+    simpo_gamma: float = opt(0.5, "γ of --loss simpo: the target reward margin.", ge=0)
+    desirable_weight: float = opt(1.0, "λ_D of --loss kto (raise it when desirable rows are fewer).", gt=0)
+    undesirable_weight: float = opt(1.0, "λ_U of --loss kto.", gt=0)
+    label_smoothing: float = opt(0.0, "ε of conservative DPO (sigmoid loss only).", ge=0, lt=0.5)
     nll_coef: float = opt(0.0, "α of RPO's NLL term: α · the chosen answer's per-token NLL added to each pair's loss "
-                               "(0: off).")
+                               "(0: off).", ge=0)
     precompute_ref: bool = opt(False, "Compute reference log-probs once before training and free the reference model.")
-    eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).")
-    eval_samples: int = opt(200, "Problems of --pass-data for greedy pass@1 (0: skip).")
+    eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).", ge=0)
+    eval_samples: int = opt(200, "Problems of --pass-data for greedy pass@1 (0: skip).", ge=0)
     verifier: str = verifier_opt()
-    max_new_tokens: int = opt(48, "Generation budget for pass@1 (and, with --online, for the sampled pairs).")
+    max_new_tokens: int = opt(48, "Generation budget for pass@1 (and, with --online, for the sampled pairs).", ge=1)
     online: bool = opt(False, "Online DPO: pairs sampled from the current policy on the prompts of --data ({prompt, "
                               "answer} rows) and ranked by --verifier, or by --reward-model.")
     online_every: int = opt(1, "With --online: sample new pairs every N steps (each sampling fills the next N "
-                               "steps' batches).")
-    online_samples: int = opt(4, "With --online: samples per prompt; chosen = the best, rejected = the worst.")
-    temperature: float = opt(1.0, "With --online: sampling temperature.")
+                               "steps' batches).", ge=1)
+    online_samples: int = opt(4, "With --online: samples per prompt; chosen = the best, rejected = the worst.",
+                                ge=2)
+    temperature: float = opt(1.0, "With --online: sampling temperature.", gt=0)
     reward_model: str = opt("", "With --online: an `align rm train` artifact that ranks the samples (default: the "
                                 "--verifier).", path=True)
 
@@ -99,29 +101,15 @@ class DPOConfig(SupervisedConfig):
 
     def validate(self):
         super().validate()
-        losses = DPO_LOSSES + REFERENCE_FREE_LOSSES + UNPAIRED_LOSSES
-        if self.loss not in losses:
-            raise UserError(f"--loss must be one of {', '.join(losses)}, not {self.loss!r}.")
         if self.loss == "kto" and self.precompute_ref:
             raise UserError("--loss kto compares each row with mismatched ones of its batch: drop --precompute-ref.")
         if self.reference_free and (self.precompute_ref or self.ref_model):
             raise UserError(f"--loss {self.loss} uses no reference model: drop --precompute-ref / --ref-model.")
-        if not 0 <= self.label_smoothing < 0.5:
-            raise UserError(f"--label-smoothing must be in [0, 0.5), not {self.label_smoothing}.")
         if self.label_smoothing and self.loss != "sigmoid":
             raise UserError("--label-smoothing applies to --loss sigmoid only.")
-        if self.beta <= 0:
-            raise UserError(f"--beta must be positive, not {self.beta}.")
-        if self.nll_coef < 0:
-            raise UserError(f"--nll-coef must be >= 0, not {self.nll_coef}.")
         if self.online:
             if self.loss == "kto" or self.precompute_ref:
                 raise UserError("--online samples new pairs as it trains: drop --loss kto / --precompute-ref.")
-            if self.online_every < 1 or self.online_samples < 2:
-                raise UserError(f"--online-every must be >= 1 and --online-samples >= 2, not {self.online_every} "
-                                f"and {self.online_samples}.")
-            if not self.temperature > 0:
-                raise UserError(f"--temperature must be positive, not {self.temperature}.")
         elif self.reward_model:
             raise UserError("--reward-model ranks sampled pairs: it needs --online.")
 
@@ -153,7 +141,7 @@ class DPO:
         self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else []
         if cfg.eval_pairs:
             self.eval_examples = self.eval_examples[: cfg.eval_pairs]
-        self.verifiable = (D.load_rows(cfg.pass_data, "verifiable", cfg.columns, limit=cfg.eval_samples)
+        self.verifiable = (D.load_rows(cfg.pass_data, "verifiable", cfg.columns, limit=cfg.eval_samples, held_out=True)
                            if cfg.pass_data and cfg.eval_samples else [])
 
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, cfg.pass_data if self.verifiable else "")
@@ -192,7 +180,7 @@ class DPO:
         return self.load_examples(self.cfg.data)
 
     def load_examples(self, path: str) -> list[dict]:
-        return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length)
+        return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length, held_out=path != self.cfg.data)
 
     @torch.no_grad()
     def logps_of(self, model, examples: list[dict], batch_size: int = 32) -> torch.Tensor:
@@ -304,7 +292,7 @@ class KTO(DPO):
 
     def load_examples(self, path: str) -> list[dict]:
         cfg = self.cfg
-        rows = D.load_rows(path, ("unpaired", "preference"), cfg.columns)  # read once, after --columns
+        rows = D.load_rows(path, ("unpaired", "preference"), cfg.columns, held_out=path != cfg.data)  # read once
         paired = "label" not in rows[0]
         examples = D.unpaired_examples(self.tok, rows, cfg.max_length, source=str(path))
         n_good = sum(e["label"] for e in examples)

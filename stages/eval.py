@@ -7,10 +7,9 @@ from dataclasses import dataclass
 
 from align import data as D
 from align.artifacts import describe_inputs
-from align.config import SamplingConfig, StageConfig, opt
+from align.config import SamplingConfig, StageConfig, opt, positive_ints
 from align.console import info
 from align.engine.run import StageRun, seed_all
-from align.errors import UserError
 from align.evaluation import evaluate_policy
 from align.generation import Sampling
 from align.models import load_causal_lm, load_tokenizer, resolve
@@ -22,25 +21,20 @@ from align.rewards import REWARDS, verifier_fn
 class EvalConfig(SamplingConfig, StageConfig):
     out: str = opt("runs/eval", "Output directory (metrics and samples).", path=True)
     data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data: {prompt, answer}.", path=True)
-    columns: str = opt("", "Rename columns: old=new,old2=new2.")
+    columns: str = opt("", "Rename columns: old=new,old2=new2 (each old name must be a column of --data).")
     k: str = opt("1,4,8", "pass@k values, comma-separated; samples per problem = max k.")
-    limit: int = opt(200, "Evaluate the first N problems (0: all).")
+    limit: int = opt(200, "Evaluate the first N problems (0: all).", ge=0)
     verifier: str = opt("auto", f"How answers are checked: a reward of {', '.join(REWARDS)}, rg:TASK or "
                                 "file.py:FUNCTION that must return 1, or auto (the rows' reasoning-gym task, math when the answers are "
                                 "numbers, else exact).")
-    batch_size: int = opt(64, "Generation batch per process.")
+    batch_size: int = opt(64, "Generation batch per process.", ge=1)
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus, less memory).")
 
     def ks(self) -> list[int]:
-        try:
-            ks = sorted({int(x) for x in self.k.split(",") if x.strip()})
-        except ValueError:
-            raise UserError(f"--k must be comma-separated integers like 1,4,8, not {self.k!r}.") from None
-        if not ks or ks[0] < 1:
-            raise UserError("--k values must be >= 1.")
-        return ks
+        return positive_ints(self.k, "--k")
 
     def validate(self):
+        super().validate()
         self.ks()
         if self.verifier != "auto":
             verifier_fn(self.verifier)

@@ -24,7 +24,7 @@ import torch
 from align import data as D
 from align import rl, runtime
 from align.artifacts import describe_inputs
-from align.config import RLConfig, defaults, opt
+from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
 from align.engine.build import Optim, rows_within
 from align.engine.run import Output, train
@@ -49,69 +49,56 @@ class GRPOConfig(RLConfig):
     reward_model_weight: float = opt(1.0, "Weight of the --reward-model score.")
     on_reward_error: str = opt("fail", "A reward that raises, returns NaN / a non-number or runs past "
                                        "--reward-timeout: fail, skip (the sample leaves its group's statistics and "
-                                       "the loss) or zero. Failures are counted in rewards/errors.")
-    reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (0: no limit).")
-    num_generations: int = opt(8, "G: completions per prompt.")
+                                       "the loss) or zero. rewards/errors logs the fraction of a step's samples "
+                                       "whose reward failed.", choices=("fail", "skip", "zero"))
+    reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (0: no limit).", ge=0)
+    num_generations: int = opt(8, "G: completions per prompt (advantages are relative to the group).", ge=2)
     advantage: str = opt("zscore", "zscore ((r-mean)/std, GRPO), mean (r-mean, Dr. GRPO), batch (group-centred / batch "
                                    "std), rloo (leave-one-out baseline) or reinforce++ (rewards whitened over the "
-                                   "global batch, no group baseline).")
+                                   "global batch, no group baseline).", choices=rl.ADVANTAGES)
     loss: str = opt("clip", "Policy loss: clip (PPO's clipped surrogate) or cispo (clipped, detached IS weight x A x "
-                            "log π: every token keeps a gradient; MiniMax-M1).")
+                            "log π: every token keeps a gradient; MiniMax-M1).", choices=rl.POLICY_LOSSES)
     ratio: str = opt("token", "Importance ratio: token, or sequence (GSPO: the length-normalised sequence ratio, "
                               "clipped per sequence; pair with tiny --epsilon / --epsilon-high, e.g. 3e-4 / 4e-4, and "
-                              "--loss-agg seq-mean-token-mean).")
-    loss_agg: str = opt("token-mean", "seq-mean-token-mean (GRPO), token-mean (DAPO) or seq-sum (Dr. GRPO).")
-    epsilon: float = opt(0.2, "Clip range below 1 (and above, unless --epsilon-high).")
-    epsilon_high: float = opt(0.28, "Clip range above 1 (DAPO clip-higher).")
-    num_iterations: int = opt(1, "Updates per rollout batch (π_old ≠ π_θ after the first).")
-    beta: float = opt(0.0, "KL(π_θ‖π_ref) weight, k3 estimator; 0 loads no reference model.")
+                              "--loss-agg seq-mean-token-mean).", choices=("token", "sequence"))
+    loss_agg: str = opt("token-mean", "seq-mean-token-mean (GRPO), token-mean (DAPO) or seq-sum (Dr. GRPO).",
+                         choices=rl.LOSS_AGGREGATIONS)
+    epsilon: float = opt(0.2, "Clip range below 1 (and above, unless --epsilon-high).", gt=0)
+    epsilon_high: float = opt(0.28, "Clip range above 1 (DAPO clip-higher).", gt=0)
+    num_iterations: int = opt(1, "Updates per rollout batch (π_old ≠ π_θ after the first).", ge=1)
+    beta: float = opt(0.0, "KL(π_θ‖π_ref) weight, k3 estimator; 0 loads no reference model.", ge=0)
     teacher: str = opt("", "On-policy distillation: a teacher model (same tokenizer) whose per-token reverse KL on the "
                            "policy's own samples is added to the loss, times --distill-coef ('' : none).", path=True)
-    distill_coef: float = opt(1.0, "Weight of the --teacher's reverse-KL term.")
+    distill_coef: float = opt(1.0, "Weight of the --teacher's reverse-KL term.", gt=0)
     reinforce: bool = opt(False, "nanochat's on-policy REINFORCE: −A·log π with the group-mean baseline; "
                                  "no ratio, clip or KL.")
     drop_zero_std_groups: bool = opt(True, "Drop groups without signal (every advantage 0: all rewards equal, except "
                                      "under reinforce++) from the loss; their tokens still count in its "
                                      "normaliser.")
     mask_truncated: bool = opt(False, "Drop completions that hit --max-new-tokens without EOS from the loss.")
-    overlong_cache: int = opt(0, "Soft overlong penalty over the last N tokens of the budget (DAPO); 0: off.")
+    overlong_cache: int = opt(0, "Soft overlong penalty over the last N tokens of the budget (DAPO); 0: off.", ge=0)
     micro_batch_tokens: int = opt(16384, "With --micro-batch-size 0: the most tokens one micro-batch of the update "
                                          "and log-prob passes may hold, counting every row as long as the longest "
-                                         "prompt + --max-new-tokens.")
+                                         "prompt + --max-new-tokens.", ge=1)
     eval_k: str = opt("1,4,8", "pass@k values (samples per problem = max k).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward (less memory, more compute).")
 
     def validate(self):
         super().validate()
-        if self.advantage not in rl.ADVANTAGES:
-            raise UserError(f"--advantage must be one of {', '.join(rl.ADVANTAGES)}, not {self.advantage!r}.")
-        if self.loss_agg not in rl.LOSS_AGGREGATIONS:
-            raise UserError(f"--loss-agg must be one of {', '.join(rl.LOSS_AGGREGATIONS)}, not {self.loss_agg!r}.")
-        if self.loss not in rl.POLICY_LOSSES:
-            raise UserError(f"--loss must be one of {', '.join(rl.POLICY_LOSSES)}, not {self.loss!r}.")
-        if self.ratio not in ("token", "sequence"):
-            raise UserError(f"--ratio must be token or sequence, not {self.ratio!r}.")
         if self.ratio == "sequence" and self.loss != "clip":
             raise UserError("--ratio sequence (GSPO) clips the sequence ratio: use it with --loss clip.")
         if self.reinforce and (self.loss != "clip" or self.ratio != "token"):
             raise UserError("--reinforce has no importance ratio: leave --loss and --ratio at their defaults.")
-        if self.on_reward_error not in ("fail", "skip", "zero"):
-            raise UserError(f"--on-reward-error must be fail, skip or zero, not {self.on_reward_error!r}.")
-        if self.micro_batch_tokens <= 0:
-            raise UserError(f"--micro-batch-tokens must be positive, not {self.micro_batch_tokens}.")
-        if self.num_generations < 2:
-            raise UserError("--num-generations must be >= 2: advantages are relative to the group.")
-        if self.teacher and self.distill_coef <= 0:
-            raise UserError(f"--distill-coef must be positive with --teacher, not {self.distill_coef}.")
+        if self.overlong_cache > self.max_new_tokens:
+            raise UserError(f"--overlong-cache {self.overlong_cache} must be at most --max-new-tokens "
+                            f"{self.max_new_tokens}: the penalty covers the last N tokens of the budget.")
         if self.reinforce and (self.num_iterations != 1 or self.beta):
             raise UserError("--reinforce is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
         self.ks()
+        parse_rewards(self.reward)  # an unknown reward or a bad weight fails here, before --out is touched
 
     def ks(self) -> list[int]:
-        try:
-            return sorted({int(k) for k in self.eval_k.split(",") if k.strip()})
-        except ValueError:
-            raise UserError(f"--eval-k must be comma-separated integers, not {self.eval_k!r}.") from None
+        return positive_ints(self.eval_k, "--eval-k")
 
 
 class GRPO:
@@ -123,7 +110,7 @@ class GRPO:
         source = resolve(cfg.model)
         self.reward_fns = parse_rewards(cfg.reward)
         self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)
-        self.eval_rows = (D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples)
+        self.eval_rows = (D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples, held_out=True)
                           if cfg.eval_data and cfg.eval_samples else [])
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None

@@ -6,24 +6,21 @@ from dataclasses import dataclass
 
 import torch
 
-from align.config import opt
+from align.config import SEED_MAX, Options, opt
 from align.engine.run import StageRun
-from align.errors import UserError
 from align.models import PRESETS, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import TOKENIZER_DIR
 from align.runtime import quiet_libraries
 
 
 @dataclass
-class ModelInitConfig:
-    preset: str = opt("tiny", "Model preset: tiny (~0.5M params, CPU) or small (~63M, GPU).")
+class ModelInitConfig(Options):
+    preset: str = opt("tiny", "Model preset: tiny (~0.5M params, CPU) or small (~63M, GPU).", choices=PRESETS)
     out: str = opt("runs/base", "Output artifact directory.", path=True)
-    seed: int = opt(0, "Initialisation seed.")
+    seed: int = opt(0, "Initialisation seed.", ge=0, le=SEED_MAX)
 
 
 def run(cfg: ModelInitConfig) -> dict:
-    if cfg.preset not in PRESETS:
-        raise UserError(f"unknown preset {cfg.preset!r}; choose one of: {', '.join(PRESETS)}.")
     quiet_libraries()
     source = resolve(cfg.preset)
     tok = load_tokenizer(source)

@@ -63,43 +63,40 @@ class PPOConfig(RLConfig):
                                    "--reward spec; '' : off).")
     ptx_data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "ptx data: pretraining text {text} (loss on every "
                         "token) or SFT data {prompt, completion} (loss on the completion).", path=True)
-    ptx_coef: float = opt(0.1, "γ: weight of the pretraining LM loss (PPO-ptx); 0: plain PPO.")
-    ptx_batch_size: int = opt(8, "Pretraining texts per optimiser step (all processes).")
-    ptx_max_length: int = opt(128, "Max tokens per pretraining text (cut on the right).")
-    minibatch_size: int = opt(32, "Episodes per optimiser step (all processes).")
-    ppo_epochs: int = opt(4, "Passes over each rollout batch.")
-    max_prompt_length: int = opt(128, "Prompts longer than this many tokens are dropped (all of them: exit 2).")
-    vf_lr: float = opt(3e-4, "Value network learning rate (its own AdamW).")
-    cliprange: float = opt(0.2, "ε of the clipped surrogate.")
-    cliprange_value: float = opt(0.2, "ε_v of the clipped value loss.")
-    vf_coef: float = opt(0.1, "Value loss coefficient.")
-    ent_coef: float = opt(0.0, "Entropy bonus coefficient (0: off).")
-    gamma: float = opt(1.0, "GAE discount γ.")
-    lam: float = opt(0.95, "GAE λ.")
-    kl_estimator: str = opt("k1", "Per-token KL penalty: k1 (log π − log π_ref) or k3 (clamped log-ratio).")
-    init_kl_coef: float = opt(0.1, "Initial β of the KL penalty.")
-    target_kl: float = opt(2.0, "Adaptive controller target: mean KL per episode (nats, summed over tokens).")
-    kl_horizon: float = opt(200.0, "Adaptive controller horizon (episodes).")
+    ptx_coef: float = opt(0.1, "γ: weight of the pretraining LM loss (PPO-ptx); 0: plain PPO.", ge=0)
+    ptx_batch_size: int = opt(8, "Pretraining texts per optimiser step (all processes).", ge=1)
+    ptx_max_length: int = opt(128, "Max tokens per pretraining text (cut on the right).", ge=1)
+    minibatch_size: int = opt(32, "Episodes per optimiser step (all processes).", ge=1)
+    ppo_epochs: int = opt(4, "Passes over each rollout batch.", ge=1)
+    max_prompt_length: int = opt(128, "Prompts longer than this many tokens are dropped (all of them: exit 2).",
+                                   ge=1)
+    vf_lr: float = opt(3e-4, "Value network learning rate (its own AdamW).", gt=0)
+    cliprange: float = opt(0.2, "ε of the clipped surrogate.", gt=0)
+    cliprange_value: float = opt(0.2, "ε_v of the clipped value loss.", gt=0)
+    vf_coef: float = opt(0.1, "Value loss coefficient.", ge=0)
+    ent_coef: float = opt(0.0, "Entropy bonus coefficient (0: off).", ge=0)
+    gamma: float = opt(1.0, "GAE discount γ.", ge=0, le=1)
+    lam: float = opt(0.95, "GAE λ.", ge=0, le=1)
+    kl_estimator: str = opt("k1", "Per-token KL penalty: k1 (log π − log π_ref) or k3 (clamped log-ratio).",
+                            choices=rl.KL_ESTIMATORS)
+    init_kl_coef: float = opt(0.1, "Initial β of the KL penalty.", ge=0)
+    target_kl: float = opt(2.0, "Adaptive controller target: mean KL per episode (nats, summed over tokens).",
+                            gt=0)
+    kl_horizon: float = opt(200.0, "Adaptive controller horizon (episodes).", gt=0)
     fixed_kl: bool = opt(False, "Keep β fixed at --init-kl-coef (no adaptive controller).")
     max_approx_kl: float = opt(0.0, "Stop a step's epoch loop once an epoch's approx-KL(π_old‖π_θ) exceeds this "
-                                     "(0: off).")
-    missing_eos_penalty: float = opt(0.0, "Subtracted from the score of responses that never emit EOS.")
-    reward_clip: float = opt(0.0, "Clip the score to [−c, c] (0: off).")
+                                     "(0: off).", ge=0)
+    missing_eos_penalty: float = opt(0.0, "Subtracted from the score of responses that never emit EOS.", ge=0)
+    reward_clip: float = opt(0.0, "Clip the score to [−c, c] (0: off).", ge=0)
     offload_frozen: bool = opt(False, "ZeRO-3: keep the frozen reference and reward model parameters on the CPU.")
 
     def validate(self):
         super().validate()
-        if self.kl_estimator not in rl.KL_ESTIMATORS:
-            raise UserError(f"--kl-estimator must be k1 or k3, not {self.kl_estimator!r}.")
-        if self.ppo_epochs <= 0:
-            raise UserError("--ppo-epochs must be positive.")
-        if self.minibatch_size <= 0 or self.prompts_per_step % self.minibatch_size:
+        if self.prompts_per_step % self.minibatch_size:
             raise UserError(f"--minibatch-size {self.minibatch_size} must divide --prompts-per-step "
                             f"{self.prompts_per_step}.")
-        if self.ptx_coef < 0 or self.init_kl_coef < 0 or self.target_kl <= 0 or self.kl_horizon <= 0:
-            raise UserError("--ptx-coef and --init-kl-coef must be >= 0, --target-kl and --kl-horizon > 0.")
-        if self.ptx_coef and self.ptx_batch_size <= 0:
-            raise UserError("--ptx-batch-size must be positive when --ptx-coef > 0.")
+        if self.gold_reward:
+            parse_rewards([self.gold_reward], "--gold-reward")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -132,7 +129,8 @@ def ptx_examples(tok, path: str, max_length: int) -> list[dict]:
     if "text" not in cols and ("prompt" in cols or "messages" in cols):
         out = D.sft_examples(tok, D.load_rows(path, "sft"), max_length)
     else:
-        ids = tok([str(r["text"]) for r in D.load_rows(path, "text")], add_special_tokens=False)["input_ids"]
+        texts = [str(r["text"]) for r in D.load_rows(path, "text")]
+        ids = tok(texts, add_special_tokens=False, verbose=False)["input_ids"]  # cut below: no length warning
         bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
         out = [{"input_ids": s, "labels": s} for x in ids if x for s in [(bos + x + [tok.eos_token_id])[:max_length]]]
     if not out:
@@ -232,8 +230,8 @@ class PPO:
         self.dropped = len(rows) - len(keep)
         self.rows, self.prompt_ids = fitting([rows[i] for i in keep], [prompt_ids[i] for i in keep],
                                              context_length(policy), cfg.max_new_tokens)
-        self.gold_fn = parse_rewards([cfg.gold_reward])[0] if cfg.gold_reward and "answer" in self.rows[0] else None
-        self.eval_rows = (D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples)
+        self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in self.rows[0] else None
+        self.eval_rows = (D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples, held_out=True)
                           if cfg.eval_data and cfg.eval_samples else [])
         self.ptx = ptx_examples(self.tok, cfg.ptx_data, cfg.ptx_max_length) if cfg.ptx_coef else []
         return sources

@@ -50,22 +50,15 @@ class RMConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected[, margin]}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for pairwise accuracy ('' : none).", path=True)
     head: str = opt("scalar", f"Reward head: {' | '.join(HEADS)} (scalar: a value head at the last token; "
-                               "likelihood: β · mean response log-prob under the model's own LM head).")
-    likelihood_beta: float = opt(5.0, "β of the likelihood head (the Bradley–Terry temperature of its score).")
-    center_coef: float = opt(0.0, "Reward-centring regulariser coefficient c · (r_w + r_l)² (0: off).")
-    normalize_samples: int = opt(512, "Reference responses for the normalisation (first N training pairs' chosen).")
+                               "likelihood: β · mean response log-prob under the model's own LM head).",
+                       choices=HEADS)
+    likelihood_beta: float = opt(5.0, "β of the likelihood head (the Bradley–Terry temperature of its score).", gt=0)
+    center_coef: float = opt(0.0, "Reward-centring regulariser coefficient c · (r_w + r_l)² (0: off).", ge=0)
+    normalize_samples: int = opt(512, "Reference responses for the normalisation (first N training pairs' chosen).",
+                                 ge=1)
     normalize_on_policy: str = opt("", "Normalise on samples of this policy (artifact/dir) instead of chosen responses.", path=True)
     normalize_scale: bool = opt(False, "Also scale rewards to std 1 on the reference set.")
-    max_new_tokens: int = opt(48, "Generation budget for --normalize-on-policy samples.")
-
-    def validate(self):
-        super().validate()
-        if self.normalize_samples <= 0:
-            raise UserError("--normalize-samples must be positive.")
-        if self.head not in HEADS:
-            raise UserError(f"--head {self.head!r}: choose one of {', '.join(HEADS)}.")
-        if not self.likelihood_beta > 0:
-            raise UserError("--likelihood-beta must be positive.")
+    max_new_tokens: int = opt(48, "Generation budget for --normalize-on-policy samples.", ge=1)
 
 
 @dataclass
@@ -73,17 +66,20 @@ class RMEvalConfig(StageConfig):
     model: str = opt("runs/rm", "Reward model: an `align rm train` artifact or a sequence-classifier dir.", path=True)
     out: str = opt("runs/rm-eval", "Output artifact directory (metrics, per-pair scores).", path=True)
     data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out preference pairs.", path=True)
-    columns: str = opt("", "Rename columns: old=new,old2=new2.")
-    max_length: int = opt(256, "Max tokens of prompt + the longer response; the prompt is cut from the left.")
-    batch_size: int = opt(64, "Pairs per forward per process.")
+    columns: str = opt("", "Rename columns: old=new,old2=new2 (each old name must be a column of --data).")
+    max_length: int = opt(256, "Max tokens of prompt + the longer response; the prompt is cut from the left.", ge=1)
+    batch_size: int = opt(64, "Pairs per forward per process.", ge=1)
 
 
 @dataclass
 class RMScoreConfig(RMEvalConfig):
     out: str = opt("runs/rm-score", "Output directory; scores go to OUT/scores.jsonl.", path=True)
     data: str = opt("", "Rows to score: {prompt, response} (JSONL/JSON/Parquet/save_to_disk).", path=True)
+    max_length: int = opt(256, "Max tokens of prompt + response; the prompt is cut from the left.", ge=1)
+    batch_size: int = opt(64, "Rows scored per forward per process.", ge=1)
 
     def validate(self):
+        super().validate()
         if not self.data:
             raise UserError("--data is required: a file of {prompt, response} rows to score.")
 
@@ -91,9 +87,9 @@ class RMScoreConfig(RMEvalConfig):
 # ---------------------------------------------------------------------------------------------- scoring
 
 
-def load_pairs(path: str, columns: str, tok, max_length: int) -> list[dict]:
+def load_pairs(path: str, columns: str, tok, max_length: int, held_out: bool = False) -> list[dict]:
     """Preference pairs tokenised once (data.preference_examples), with a line saying what was dropped."""
-    rows = D.load_rows(path, "preference", columns)
+    rows = D.load_rows(path, "preference", columns, held_out=held_out)
     examples, report = D.preference_examples(tok, rows, max_length, source=str(path))
     info(f"{path}: {D.pair_report_text(report)}")
     return examples
@@ -149,7 +145,8 @@ class RewardModel:
         self.policy_source = resolve(cfg.normalize_on_policy, expect="policy") if cfg.normalize_on_policy else None
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)
-        self.eval_examples = load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length) if cfg.eval_data else []
+        self.eval_examples = (load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length, held_out=True)
+                              if cfg.eval_data else [])
 
         extra = (cfg.normalize_on_policy,) if cfg.normalize_on_policy and Path(cfg.normalize_on_policy).is_file() else ()
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, *extra)

@@ -35,9 +35,9 @@ class SFTConfig(SupervisedConfig):
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has 'answer'.", path=True)
     packing: bool = opt(False, "Pack examples into rows of --max-length (block-diagonal attention); "
                                "--batch-size then counts packed rows.")
-    eval_samples: int = opt(200, "Held-out problems for pass@1.")
+    eval_samples: int = opt(200, "Held-out problems for pass@1 (0: skip).", ge=0)
     verifier: str = verifier_opt()
-    max_new_tokens: int = opt(48, "Generation budget for pass@1.")
+    max_new_tokens: int = opt(48, "Generation budget for pass@1.", ge=1)
 
 
 class SFT:
@@ -48,7 +48,7 @@ class SFT:
         source = resolve(cfg.model)
         check_length(source, cfg.max_length)
         rows = D.load_rows(cfg.data, "sft", cfg.columns)
-        eval_rows = D.load_rows(cfg.eval_data, "sft", cfg.columns) if cfg.eval_data else []
+        eval_rows = D.load_rows(cfg.eval_data, "sft", cfg.columns, held_out=True) if cfg.eval_data else []
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         examples = D.sft_examples(self.tok, rows, cfg.max_length)
         if not examples:

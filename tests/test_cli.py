@@ -110,12 +110,12 @@ def test_out_not_writable(data_dir, tmp_path):
 
 def test_bad_schedule(data_dir, tmp_path):
     proc = run_align(*sft_args(data_dir, tmp_path / "o"), "--schedule", "cosnie")
-    assert_user_error(proc, "--schedule", "'cosnie'", "cosine, linear or constant")
+    assert_user_error(proc, "--schedule must be one of cosine, linear, constant, got 'cosnie'.")
 
 
 def test_bad_precision_is_refused_before_out_is_written(data_dir, tmp_path):
     proc = run_align(*sft_args(data_dir, tmp_path / "o"), "--precision", "fp8")
-    assert_user_error(proc, "--precision", "'fp8'", "auto, bf16, bf16-mixed, bf16-pure, fp32")
+    assert_user_error(proc, "--precision must be one of auto, bf16, bf16-mixed, bf16-pure, fp32, got 'fp8'.")
     assert not (tmp_path / "o").exists()
 
 

@@ -93,15 +93,19 @@ def raises(match, fn, *a, **kw):
     return str(e.value)
 
 
-def test_columns_leave_a_file_that_already_has_the_new_name(tmp_path):
+def test_columns_leave_held_out_data_that_already_has_the_new_name(tmp_path):
     """--columns question=prompt renames your training data; the shipped held-out data (already `prompt`) is read
-    as it is instead of failing, and a mapping neither side of which exists is still an error."""
+    as it is instead of failing. The main data must have every old name: a mapping that renames nothing there is
+    refused, as is one neither side of which exists in held-out data."""
     from align.paths import DATA_DIR
 
-    rows = D.load_rows(DATA_DIR / "arithmetic/test.jsonl", "verifiable", "question=prompt", limit=2)
+    test = DATA_DIR / "arithmetic/test.jsonl"
+    rows = D.load_rows(test, "verifiable", "question=prompt", limit=2, held_out=True)
     assert "prompt" in rows[0] and "question" not in rows[0]
+    with pytest.raises(UserError, match="--columns maps 'question', but the data has no such column"):
+        D.load_rows(test, "verifiable", "question=prompt")
     with pytest.raises(UserError, match="--columns maps 'quest'"):
-        D.load_rows(DATA_DIR / "arithmetic/test.jsonl", "verifiable", "quest=promptt")
+        D.load_rows(test, "verifiable", "quest=promptt", held_out=True)
 
 
 def test_a_hub_dataset_id_says_align_reads_local_files():

@@ -146,8 +146,8 @@ def test_bad_grpo_flags_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize("flags, needle", [({"loss": "ppo2"}, "--loss must be"), ({"ratio": "sequence", "loss": "cispo"}, "GSPO"),
-                                           ({"micro_batch_tokens": 0}, "positive"),
-                                           ({"teacher": "tiny", "distill_coef": 0.0}, "--distill-coef must be positive"),
+                                           ({"micro_batch_tokens": 0}, "--micro-batch-tokens must be >= 1, got 0"),
+                                           ({"teacher": "tiny", "distill_coef": 0.0}, "--distill-coef must be > 0, got 0.0"),
                                            ({"reinforce": True, "loss": "cispo"}, "--reinforce has no importance ratio")])
 def test_bad_combinations_of_the_policy_objective_are_refused(flags, needle):
     """Checked by the config (every entry point: flags, --config, pipeline validate) before anything runs."""

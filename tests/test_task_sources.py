@@ -117,8 +117,8 @@ def test_prefs_from_model_refuses_what_cannot_pair(tmp_path, tiny_model_dir):
     with pytest.raises(UserError, match="--data"):
         run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), out=str(tmp_path / "x.jsonl")))
     with pytest.raises(UserError, match="--samples must be >= 2"):
-        run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), data="x.jsonl", samples=1,
-                           out=str(tmp_path / "x.jsonl")))
+        DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), data="x.jsonl", samples=1,
+                       out=str(tmp_path / "x.jsonl")).validate()
 
 
 def test_hub_id_from_the_local_cache_or_a_clear_offline_error(tmp_path, monkeypatch, tiny_model_dir):

@@ -8,20 +8,16 @@ nowhere else. `frozen(...)` makes an inference-only engine (reference policy, re
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from align.config import PRECISIONS
+from align.engine import ds_file
 from align.engine.lora import is_peft
 from align.errors import UserError
-
-# align sets the batch layout itself; these keys of a --deepspeed file are ignored (with a warning)
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def resolve_precision(device: torch.device, precision: str = "auto", offload: bool = False) -> str:
@@ -51,7 +47,7 @@ def engine_stage(zero_stage: int, world_size: int, device: torch.device, keep: b
     process runs stage 0. `keep` (an offload was asked for: it needs ZeRO) and CPU runs (where the tests exercise
     ZeRO-3 on one process) keep the stage asked for; a --deepspeed file's zero_optimization.stage wins."""
     if user_config:
-        stage = _read_user_config(Path(user_config)).get("zero_optimization", {}).get("stage")
+        stage = ds_file.read(user_config).get("zero_optimization", {}).get("stage")
         if stage is not None:
             return int(stage), ""
     if zero_stage == 0 or keep or world_size > 1 or device.type != "cuda":
@@ -63,7 +59,8 @@ def engine_stage(zero_stage: int, world_size: int, device: torch.device, keep: b
 def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size: int, dtype: torch.dtype,
               grad_clip: float = 1.0, user_config: str | None = None, precision: str = "auto",
               offload_optimizer: bool = False) -> dict:
-    """The DeepSpeed config for one engine. A user's --deepspeed JSON wins key by key (batch keys excepted).
+    """The DeepSpeed config for one engine. A user's --deepspeed JSON (`ds_file.read`: keys align sets itself,
+    such as the optimizer, the batch layout and precision, are refused) is merged over it key by key.
 
     --precision bf16-pure: ZeRO's master weights, gradients and Adam moments in bf16 (DeepSpeed's
     bf16_master_weights_and_grads + bf16_optimizer_states): 2 + 2 + 2 + 4 = 10 bytes per trained parameter
@@ -113,29 +110,9 @@ def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size:
     if offload_optimizer:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         cfg["zero_force_ds_cpu_optimizer"] = False  # torch AdamW where DeepSpeedCPUAdam cannot be built (CPU-only)
-    if user_config:
-        cfg = _deep_merge(cfg, _user_config(Path(user_config)))
+    if user_config:  # every key of it applies (ds_file refuses those align sets itself)
+        cfg = _deep_merge(cfg, ds_file.read(user_config, offload_optimizer))
     return cfg
-
-
-def _read_user_config(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: DeepSpeed config not found (--deepspeed).") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
-
-
-def _user_config(path: Path) -> dict:
-    """The --deepspeed file's keys that ds_config merges: all but the batch layout, which align sets (and says so)."""
-    user = _read_user_config(path)
-    ignored = [k for k in BATCH_KEYS if k in user]
-    if ignored:
-        from align.console import warn
-
-        warn(f"{path}: {', '.join(ignored)} ignored: align sets the batch layout from the stage's flags.")
-    return {k: v for k, v in user.items() if k not in BATCH_KEYS}
 
 
 def _deep_merge(base: dict, over: dict) -> dict:
