@@ -153,6 +153,10 @@ class StageConfig(Options):
 
     def validate(self):
         super().validate()
+        if getattr(self, "columns", ""):  # old=new pairs; that each old name is a column is checked on the data
+            from align.data import parse_columns
+
+            parse_columns(self.columns)
         if self.deepspeed:
             from align.engine import ds_file
 

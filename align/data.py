@@ -35,9 +35,9 @@ def parse_columns(spec: str | dict | None) -> dict[str, str]:
         return dict(spec)
     out = {}
     for part in spec.split(","):
-        if "=" not in part:
+        old, eq, new = (s.strip() for s in part.partition("="))
+        if not (old and eq and new):
             raise UserError(f"--columns: {part!r} is not of the form old=new (e.g. --columns question=prompt).")
-        old, new = (s.strip() for s in part.split("=", 1))
         out[old] = new
     return out
 

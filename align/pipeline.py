@@ -388,7 +388,8 @@ def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict,
     stage = Stage(name, kind, values, refs, ref_files)
     # the stage's own checks (e.g. --schedule cosine|linear|constant), on the config it will run with
     try:
-        cfg = cls(**_base_values(stage, defaults))
+        cfg = cls(**{k: str(_resolve_path(root, v)) if k in paths and k not in refs and v and not _is_preset(k, v) else v
+                     for k, v in _base_values(stage, defaults).items()})  # paths as the stage will read them
         check = getattr(cfg, "validate", None)
         if check:
             check()
