@@ -286,5 +286,5 @@ def test_likelihood_head_end_to_end(rm, tmp_path, tiny_model_dir):
 
 def test_unknown_head_is_refused(tmp_path, tiny_model_dir):
     assert_user_error(run_align("rm", "train", "--model", tiny_model_dir, "--out", tmp_path / "o", "--head", "mean"),
-                      "--head 'mean'", "scalar, likelihood")
+                      "--head must be one of scalar, likelihood, got 'mean'.")
     assert not (tmp_path / "o").exists()
