@@ -1,7 +1,9 @@
 """Stage configs: one dataclass per stage, filled from defaults < `--config FILE.toml` < command-line flags.
 
 A field's `help` metadata is its --help text; the CLI options are generated from the dataclass, so a stage's
-flags, TOML keys and artifact config are always the same names.
+flags, TOML keys and artifact config are always the same names. A field also declares what it allows (`opt(...,
+choices=..., ge=..., gt=...)`), checked here for every entry point: `check_value` as a flag or a TOML key is read,
+`Options.validate` on the assembled config.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None,
     """An option: its default, its --help text and what it allows: `choices` (a value outside them is refused),
     bounds `ge` (>=), `gt` (>), `le` (<=), `lt` (<). Flags, --config files and pipeline stage tables are all
     checked against them (`check_value`, `Options.validate`), and --help shows the range."""
-    allowed = {k: v for k, v in (("choices", tuple(choices) if choices else None), ("ge", ge), ("gt", gt), ("le", le),
-                                 ("lt", lt)) if v is not None}
-    meta = {"help": help, **allowed, **meta}
+    limits = {k: v for k, v in (("choices", tuple(choices) if choices else None), ("ge", ge), ("gt", gt), ("le", le),
+                                ("lt", lt)) if v is not None}
+    meta = {"help": help, **limits, **meta}
     if isinstance(default, list):  # repeatable flag (--reward a --reward b) / TOML array
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
