@@ -386,24 +386,28 @@ def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict,
     if bad_stage or cls is None:
         return None
     stage = Stage(name, kind, values, refs, ref_files)
-    # the stage's own checks (e.g. --schedule cosine|linear|constant), on the config it will run with
+    return stage if _validate_stage(stage, table, root, defaults, problem) else None
+
+
+def _validate_stage(stage: Stage, table: dict, root: Path, defaults: dict, problem) -> bool:
+    """The stage's own checks (ranges, choices, --schedule with --warmup-steps, its --deepspeed file, ...) on the
+    config it will run with (relative paths read from `root`); a problem points at the key the message names."""
+    cls, at = stage.config, ("stages", stage.name)
+    paths = _path_fields(cls)
     try:
-        cfg = cls(**{k: str(_resolve_path(root, v)) if k in paths and k not in refs and v and not _is_preset(k, v) else v
-                     for k, v in _base_values(stage, defaults).items()})  # paths as the stage will read them
-        check = getattr(cfg, "validate", None)
-        if check:
-            check()
+        cls(**{k: str(_resolve_path(root, v)) if k in paths and k not in stage.refs and v and not _is_preset(k, v)
+               else v for k, v in _base_values(stage, defaults).items()}).validate()
     except UserError as e:
-        # point at the key the message names (--schedule -> stages.NAME.schedule) when it is in the table
+        # the option at fault (e.option), or the first flag the message names (--schedule -> stages.NAME.schedule)
         raw = {k.replace("-", "_"): k for k in table}
         flags = [e.option] if e.option else [f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", str(e))]
         named = [raw[f] for f in flags if f in raw]
         problem(at + tuple(named[:1]), str(e).rstrip("."))
-        return None
+        return False
     except (TypeError, ValueError) as e:
         problem(at, f"invalid config ({e})")
-        return None
-    return stage
+        return False
+    return True
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> Pipeline:
