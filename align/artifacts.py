@@ -184,14 +184,18 @@ class ArtifactWriter:
         write_json_atomic(self.out / ARTIFACT_FILE, self.record)
         self._close()
 
-    def complete(self, metrics: dict, health: dict | None = None, extra: dict | None = None) -> None:
-        if not self.is_main:
-            return
-        if self.model_tmp.exists():
+    def land_model(self) -> None:
+        """Move a finished model.tmp/ to model/ (rank 0)."""
+        if self.is_main and self.model_tmp.exists():
             _readable(self.model_tmp)
             final = self.out / MODEL_DIR
             shutil.rmtree(final, ignore_errors=True)
             os.replace(self.model_tmp, final)
+
+    def complete(self, metrics: dict, health: dict | None = None, extra: dict | None = None) -> None:
+        if not self.is_main:
+            return
+        self.land_model()
         files = {}
         for name in (MODEL_DIR,):
             if (self.out / name).is_dir():

@@ -189,7 +189,17 @@ class TrainConfig(StageConfig):
                            ge=0)
     eval_every: int = opt(100, "Evaluate on the held-out data every N steps (and always at the end; 0: only then).",
                           ge=0)
-    save_every: int = opt(0, "Checkpoint every N steps (always one at the end; 0: end only).", ge=0)
+    save_every: int = opt(0, "Checkpoint every N steps (and one at the end unless --no-final-checkpoint; 0: none "
+                             "before the end). A checkpoint holds the optimiser state: several times the model's "
+                             "size on disk.", ge=0)
+    keep_checkpoints: int = opt(1, "Keep the newest N checkpoints (the older ones are deleted once a new one is "
+                                   "complete, so a save needs room for one more).", ge=1)
+    final_checkpoint: bool = opt(True, "Checkpoint the end of the run, for a later --resume with a larger "
+                                       "--max-steps (the model in model/ needs none: --no-final-checkpoint saves "
+                                       "its disk space).")
+    max_shard_size: str = opt("5GB", "The largest safetensors file of the saved model (transformers' "
+                                     "max_shard_size, e.g. 5GB, 500MB); a larger model is written in shards with "
+                                     "an index.")
     resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).")
     monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
     lora_r: int = opt(0, "LoRA rank (0: train every weight). The base stays frozen (a score head trains in full); "
@@ -216,6 +226,15 @@ class TrainConfig(StageConfig):
 
     def validate(self):
         super().validate()
+        from transformers.utils.hub import convert_file_size_to_int
+
+        try:
+            shard = convert_file_size_to_int(self.max_shard_size)
+        except ValueError:
+            shard = 0
+        if shard <= 0:
+            raise UserError(f"--max-shard-size must be a size such as 5GB or 500MB, got {self.max_shard_size!r}.",
+                            option="max_shard_size")
         if getattr(self, "verifier", "auto") != "auto":
             from align.rewards import verifier_fn
 

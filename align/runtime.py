@@ -177,9 +177,10 @@ def gathered_for_generation(eng, gather: bool = True):
 
 
 def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | None = None,
-               merge: bool = True) -> None:
-    """Write a plain `save_pretrained` directory (safetensors + tokenizer) on rank 0; a LoRA model: its adapter
-    in adapter/ and, with `merge`, the merged model (engine.lora.save).
+               merge: bool = True, max_shard_size: int | str = "5GB") -> None:
+    """Write a plain `save_pretrained` directory (safetensors + tokenizer, weights in files of at most
+    `max_shard_size` with an index when there are several) on rank 0; a LoRA model: its adapter in adapter/ and,
+    with `merge`, the merged model (engine.lora.save).
 
     Under ZeRO-3, `module.save_pretrained()` alone would write empty shards; the consolidated state dict
     must be gathered on every rank first.
@@ -196,9 +197,9 @@ def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | N
             for k, v in extra_config.items():
                 setattr(module.config, k, v)
         if lora.is_peft(module):
-            lora.save(module, state, Path(out_dir), merge)
+            lora.save(module, state, Path(out_dir), merge, max_shard_size)
         else:
-            module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            module.save_pretrained(out_dir, state_dict=state, safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(out_dir)
     barrier()
 

@@ -6,6 +6,10 @@ the run's own state (step, the stage's state such as PPO's β, RLMonitor's windo
     checkpoints/step40/state.json, rng-rank0.json, rng-rank1.json
     checkpoints/latest           "step40", written last (atomic rename): a checkpoint is complete or ignored
 
+A checkpoint is written into step40.tmp/ and renamed step40/ once every rank has written its part; a write that
+fails (a full disk) removes the temporary directory. `latest` then names it, and the newest --keep-checkpoints
+complete checkpoints are kept (the older ones are deleted only after the new one is complete).
+
 Written by align and read back only from the run's own --out with --resume (DeepSpeed's files are torch pickles).
 """
 
@@ -14,17 +18,20 @@ from __future__ import annotations
 import base64
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
 from align.artifacts import write_json_atomic
+from align.engine import disk
 from align.errors import UserError
 
 DIR = "checkpoints"
+TMP = ".tmp"  # a checkpoint being written: checkpoints/step40.tmp/
 APPLIED = {"lr", "vf_lr"}  # may change on --resume: the new value is applied from the resume point on
 RESUMABLE = {"resume", "max_steps", "save_every", "eval_every", "eval_data", "eval_samples", "eval_k", "eval_pairs",
              "pass_data", "monitor", "out", "nproc", "gather", "nnodes", "node_rank", "master_addr", "master_port",
-             "compile"}
+             "compile", "keep_checkpoints", "final_checkpoint", "max_shard_size"}
 # (RESUMABLE: they may change; they do not alter the path to the checkpoint: the launch, the evaluation, the length)
 
 
@@ -76,27 +83,75 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(tensor(state["cuda"]))
 
 
-def save(out: Path, step: int, engines: dict, state: dict, dist) -> None:
-    """Write checkpoint `step` (every rank calls this), then point `latest` at it and delete older ones."""
+def steps(out: Path) -> list[int]:
+    """The steps of the complete checkpoints in `out`, oldest first."""
+    root = Path(out) / DIR
+    found = [int(m[1]) for d in (root.iterdir() if root.is_dir() else ()) if (m := re.fullmatch(r"step(\d+)", d.name))
+             and (d / "state.json").is_file()]
+    return sorted(found)
+
+
+def remove_partial(out: Path) -> None:
+    """Delete what a killed or failed save left behind (checkpoints/*.tmp, *.old): never resumed from."""
+    root = Path(out) / DIR
+    for d in root.glob("step*") if root.is_dir() else ():
+        if d.name.endswith((TMP, ".old")):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def save(out: Path, step: int, engines: dict, state: dict, dist, keep: int = 1) -> None:
+    """Write checkpoint `step` (every rank calls this) into stepN.tmp/, rename it stepN/, point `latest` at it
+    and delete all but the newest `keep` checkpoints. A write that fails for want of space removes stepN.tmp/
+    and raises disk.DiskFull; the checkpoints already there stay."""
     from align import runtime
 
     root = Path(out) / DIR
     tag = f"step{step}"
-    for name, eng in engines.items():
-        eng.save_checkpoint(str(root / tag), tag=name, save_latest=False)
-    (root / tag).mkdir(parents=True, exist_ok=True)
-    write_json_atomic(root / tag / f"rng-rank{dist.rank}.json", _rng_state())
+    tmp = root / (tag + TMP)
     if dist.is_main:
-        write_json_atomic(root / tag / "state.json", {"step": step, "world_size": dist.world_size, **state})
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed save's leftovers
+    runtime.barrier()
+    try:
+        for name, eng in engines.items():
+            eng.save_checkpoint(str(tmp), tag=name, save_latest=False)
+        tmp.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(tmp / f"rng-rank{dist.rank}.json", _rng_state())
+        if dist.is_main:
+            write_json_atomic(tmp / "state.json", {"step": step, "world_size": dist.world_size, **state})
+    except Exception as e:
+        if not disk.is_disk_full(e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise disk.DiskFull(f"{root}: the disk filled up while the checkpoint at step {step} was written "
+                            f"({str(e).strip()[:200]}); its partial files were removed. {_kept(out)} Make room "
+                            f"({disk.fmt(disk.free_bytes(root))} free now), then rerun with --resume.") from None
     runtime.barrier()
     if dist.is_main:
-        tmp = root / "latest.tmp"
-        tmp.write_text(tag + "\n")
-        tmp.replace(root / "latest")
-        for old in root.iterdir():
-            if old.is_dir() and old.name != tag:
-                shutil.rmtree(old, ignore_errors=True)
+        _publish(root, tag, keep)
     runtime.barrier()
+
+
+def _kept(out: Path) -> str:
+    tag = latest(out)
+    return f"The last complete checkpoint ({tag}) is kept." if tag else "No earlier checkpoint exists."
+
+
+def _publish(root: Path, tag: str, keep: int) -> None:
+    """stepN.tmp/ -> stepN/ (a checkpoint of the same step already there is replaced), `latest` -> stepN, then
+    every other directory deleted but the newest keep - 1 complete checkpoints before it."""
+    final, old = root / tag, root / (tag + ".old")
+    if final.exists():  # the same step saved again (a resumed run that ends where it resumed)
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    (root / (tag + TMP)).rename(final)
+    pointer = root / "latest.tmp"
+    pointer.write_text(tag + "\n")
+    pointer.replace(root / "latest")
+    step = int(tag.removeprefix("step"))
+    kept = {f"step{s}" for s in [s for s in steps(root.parent) if s < step][-(keep - 1):]} if keep > 1 else set()
+    for d in root.iterdir():
+        if d.is_dir() and d.name != tag and d.name not in kept:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def read_state(out: Path) -> dict:

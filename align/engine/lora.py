@@ -244,13 +244,14 @@ def merged_state_dict(state: dict, scaling: float, adapter: str = "default") -> 
     return out
 
 
-def save(module, state: dict, out_dir: Path, merge: bool = True) -> None:
+def save(module, state: dict, out_dir: Path, merge: bool = True, max_shard_size: int | str = "5GB") -> None:
     """Write a peft `module` (its full state dict `state`) as the adapter alone in `out_dir/adapter` and, with
-    `merge`, the merged plain model in `out_dir`; without, `out_dir` gets only the model's config (rank 0)."""
+    `merge`, the merged plain model in `out_dir` (safetensors files of at most `max_shard_size`); without,
+    `out_dir` gets only the model's config (rank 0)."""
     cfg, base = module.peft_config["default"], module.get_base_model()
     if merge:
         base.save_pretrained(out_dir, state_dict=merged_state_dict(state, cfg.lora_alpha / cfg.r),
-                             safe_serialization=True)
+                             safe_serialization=True, max_shard_size=max_shard_size)
     else:
         base.config.save_pretrained(out_dir)
     module.save_pretrained(out_dir / ADAPTER_DIR, state_dict=state, safe_serialization=True)

@@ -5,7 +5,7 @@
                                   # builds its engines with run.train(...) / run.frozen(...)
         run.fit(algo)             # the step loop: algo.step(step) -> Stats, reduced in one all-reduce; eval,
                                   # metrics.jsonl, RLMonitor, progress, checkpoints, --resume
-        return run.finish(algo)   # final checkpoint, the model saved atomically, artifact "complete"
+        return run.finish(algo)   # final checkpoint, report, artifact "complete" (fit saved model/ first)
 
 An algorithm (stages/*.py) provides `step(step) -> Stats`, `output() -> Output`, `final_metrics(last, start)`, and
 optionally `evaluate(step) -> dict` (`eval/...` metrics; with `eval_at_start` also at step 0), `progress` (the
@@ -14,11 +14,17 @@ keys on the progress bar), `report_xy`, and `state_dict()` / `load_state_dict()`
 Exact resume: a checkpoint holds every trained engine (model, optimiser, scheduler), every rank's RNG, the step,
 the algorithm's state and RLMonitor's; each step re-seeds the RNGs from (seed, step, rank) and draws its data
 from a pure function of (seed, step), so a resumed run takes the same path as an uninterrupted one.
+
+Disk: before training, the run checks that its filesystem has room for what it will save (the model, the
+checkpoints it keeps and the one it writes beside them) and refuses with exit 2, --out left as it was, if not;
+each save is checked again before it is written. The model is saved first at the end of training, before the
+last evaluation, the final checkpoint and the report.
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -29,8 +35,8 @@ import torch
 from align import runtime
 from align.artifacts import ArtifactWriter
 from align.config import as_dict, load_toml
-from align.console import TrainProgress, info, summary_table
-from align.engine import checkpoint, outdir
+from align.console import TrainProgress, info, summary_table, warn
+from align.engine import checkpoint, disk, outdir
 from align.engine.build import (Optim, Trained, adamw, compiles, compute_dtype, ds_config, engine_stage, frozen_config,
                                 load_partitioned, lr_lambda, own_clipping, resolve_precision, wrap)
 from align.engine.lora import AdaptersOff, is_peft, with_lora
@@ -94,6 +100,9 @@ class StageRun:
         self.sigterm = False  # a SIGTERM has been received (any later one is the same request)
         self.in_loop = False
         self._handlers: dict = {}  # the signal handlers open() replaced, restored at the end
+        self._untouched: disk.Untouched | None = None  # --out before open() wrote to it (rank 0)
+        self.output: Output | None = None  # the saved model's Output, once model/ is written
+        self.evaluated_at: int | None = None  # the step of a final evaluation a resumed checkpoint holds
         self.monitor = None
         if getattr(cfg, "monitor", None) is not None:
             from align.monitor import RLMonitor
@@ -139,6 +148,7 @@ class StageRun:
             self._check_resumable(checkpoint.read_state(self.out)["config"])
         main = runtime.rank() == 0
         if main:
+            self._untouched = disk.Untouched(self.out)
             self.lock = outdir.lock(self.out)
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if distributed:
@@ -226,6 +236,7 @@ class StageRun:
 
     def fit(self, algo) -> None:
         cfg = self.cfg
+        self._check_disk(checkpoint.read_state(self.out)["step"] if cfg.resume else 0)
         start = self._resume(algo) if cfg.resume else 0
         if start == 0 and getattr(algo, "eval_at_start", False):
             self.start_eval = self._evaluate(algo, 0)
@@ -236,12 +247,25 @@ class StageRun:
             for step in range(start, cfg.max_steps):
                 metrics, stop = self._step(algo, step)
                 done = step + 1
-                if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.max_steps:
+                if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
                     metrics.update(self._evaluate(algo, done))
                 self._end_step(done, metrics, bar, algo)
                 if stop:
                     self._stop(done, algo, bar)
             self.in_loop = False
+            self._end_training(algo, bar)
+
+    def _end_training(self, algo, bar) -> None:
+        """The model first, into model/ (nothing that could still fail can lose it), then the last evaluation,
+        which is logged and seen by RLMonitor as the step's own metrics were."""
+        step = self.cfg.max_steps
+        self.output = self._save_model(algo)
+        if self.evaluated_at == step:  # resumed from this very run's final checkpoint: evaluated already
+            return
+        m = self._evaluate(algo, step)
+        if m:
+            self.last = {**self.last, **m}
+            self._watch(step, m, bar, algo)
 
     def _step(self, algo, step: int) -> tuple[dict, bool]:
         """One step of the algorithm and its reduced metrics; and whether any rank was asked to stop."""
@@ -290,16 +314,22 @@ class StageRun:
         every --save-every steps."""
         self.last = metrics
         self.writer.log(step, {k: v for k, v in metrics.items() if not k.startswith("eval/")})
+        self._watch(step, metrics, bar, algo, shown={**self.last_eval, **metrics})
+        if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.max_steps:
+            self.checkpoint(step, algo)
+
+    def _watch(self, step: int, metrics: dict, bar, algo, shown: dict | None = None) -> None:
+        """RLMonitor sees `metrics`: its events are logged and printed, the progress bar shows `shown`, and a
+        `stop` event ends the run."""
         events = self.monitor.update(step, metrics)
         self.writer.log_events(events)
         for e in events:
             bar.print(f"[{'red' if e.severity == 'stop' else 'yellow'}]health {e.severity}: {e.rule} at step "
                       f"{step}: {e.message}[/]")
-        bar.update(step, {**self.last_eval, **metrics})
+        if shown is not None:
+            bar.update(step, shown)
         if self.monitor.should_stop(events):
             self._monitor_stop(step, next(e for e in events if e.severity == "stop"), algo, bar)
-        if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.max_steps:
-            self.checkpoint(step, algo)
 
     def _monitor_stop(self, step: int, event, algo, bar) -> None:
         """An RLMonitor `stop`: mark the artifact failed and exit 1. Weights that went non-finite are not saved:
@@ -318,11 +348,76 @@ class StageRun:
 
     # ---- checkpoints
 
-    def checkpoint(self, step: int, algo) -> None:
+    def checkpoint(self, step: int, algo, final: bool = False) -> None:
+        """Checkpoint `step` (every rank), after a check that it fits on the disk. disk.DiskFull (saying what to do
+        unless `final`) when it does not, or when the disk fills up while it is written: nothing partial is left
+        and the checkpoints already there are kept."""
         state = {"config": as_dict(self.cfg), "monitor": self.monitor.state_dict(), "start_eval": self.start_eval,
-                 "last_eval": self.last_eval, "last": self.last,
+                 "last_eval": self.last_eval, "last": self.last, "final": final,
                  "algorithm": algo.state_dict() if hasattr(algo, "state_dict") else {}}
-        checkpoint.save(self.out, step, {n: e.eng for n, e in self.engines.items()}, state, self.dist)
+        try:
+            short = disk.shortage(self._shares(), checkpoints=1)
+            if short is not None:
+                raise disk.NoRoom(f"{self.out / checkpoint.DIR}: not enough free disk space for the checkpoint at "
+                                  f"step {step}: it needs {disk.fmt(short.need)} ({short.what()}) and "
+                                  f"{disk.fmt(short.free)} are free; nothing was written.")
+            checkpoint.save(self.out, step, {n: e.eng for n, e in self.engines.items()}, state, self.dist,
+                            self.cfg.keep_checkpoints)
+        except disk.DiskFull as e:
+            if final:
+                raise
+            hints = self._hints(writes=1, final=False)
+            raise type(e)(f"{e} {self._after_disk_full()}{f'; or save less: {hints}' if hints else ''}.") from None
+
+    def _shares(self, ckpt: bool = True, model: int = 0) -> list[disk.Share]:
+        """Every rank's bytes of one checkpoint (all its trained engines) and rank 0's of the model (collective)."""
+        c = sum(disk.checkpoint_bytes(e.eng) for e in self.engines.values()) if ckpt else 0
+        return disk.gather(self.out / checkpoint.DIR, c, self.out, model if self.dist.is_main else 0)
+
+    def _check_disk(self, start: int) -> None:
+        """Before training (every rank): room on the disk for everything the run will save, at its peak — the
+        model, the checkpoints kept and the one written beside them — measured from the built engines. If not,
+        disk.NoRoom (exit 2) with what is needed, what is free and the flags that save less; --out is put back as
+        it was before the run (a directory the run made is removed)."""
+        cfg = self.cfg
+        if self.dist.is_main:
+            checkpoint.remove_partial(self.out)
+        runtime.barrier()
+        present = len(checkpoint.steps(self.out))
+        every = cfg.save_every
+        writes = max(0, (cfg.max_steps - 1) // every - start // every) if every else 0
+        peak, at_end = disk.run_peak(present, writes, cfg.final_checkpoint, cfg.keep_checkpoints)
+        model = max(disk.model_bytes(e.module, getattr(cfg, "merge", True)) for e in self.engines.values())
+        short = disk.shortage(self._shares(model=model), checkpoints=at_end, model=True, present=present,
+                              mid_peak=peak)
+        if short is None:
+            return
+        hints = self._hints(writes, cfg.final_checkpoint)
+        msg = (f"{self.out}: not enough free disk space for what this run saves: {short.what()} need "
+               f"{disk.fmt(short.need)} more and {disk.fmt(short.free)} are free; nothing was written. Make room, "
+               f"{f'or save less: {hints}, ' if hints else ''}or choose an --out on a larger disk.")
+        if self.dist.is_main:
+            self.writer = None  # its files closed, put back as they were: the run did not happen
+            self._untouched.restore()
+        raise disk.NoRoom(msg)
+
+    def _hints(self, writes: int, final: bool) -> str:
+        """The flags that make the saves of this run smaller (for a message)."""
+        cfg, hints = self.cfg, []
+        if final:
+            hints.append("--no-final-checkpoint (model/ needs no checkpoint: it only serves a --resume to more steps)")
+        if writes:
+            hints.append("a larger --save-every (or 0: no checkpoint before the end)")
+        if cfg.keep_checkpoints > 1:
+            hints.append("--keep-checkpoints 1")
+        if not cfg.lora_r:
+            hints.append("--lora-r 16 (LoRA: the optimiser state of the adapters alone)")
+        return ", ".join(hints)
+
+    def _after_disk_full(self) -> str:
+        tag = checkpoint.latest(self.out)
+        return (f"The last complete checkpoint ({tag}) is kept: make room, then rerun with --resume" if tag else
+                "No checkpoint of this run exists: make room, then rerun")
 
     def _check_resumable(self, saved: dict) -> None:
         """A --resume continues the checkpoint's run: settings that change its path are refused, not ignored (a
@@ -346,20 +441,52 @@ class StageRun:
         if hasattr(algo, "load_state_dict"):
             algo.load_state_dict(state["algorithm"])
         self.writer.rewind(state["step"])
+        self.evaluated_at = state["step"] if state.get("final") else None
         info(f"resumed from the checkpoint at step {state['step']}")
         return state["step"]
 
     # ---- the end
 
+    def _save_model(self, algo) -> Output:
+        """`algo.output()` saved to model/ through model.tmp/ (safetensors in files of at most --max-shard-size),
+        after a check that it fits on the disk; disk.DiskFull if it does not, or if the disk fills up while it is
+        written (model.tmp/ removed)."""
+        cfg, dist = self.cfg, self.dist
+        out = algo.output()
+        merge = getattr(cfg, "merge", True)
+        short = disk.shortage(self._shares(ckpt=False, model=disk.model_bytes(out.engine.module, merge)), model=True)
+        if short is not None:
+            raise disk.NoRoom(f"{self.out}: not enough free disk space for the model: it needs {disk.fmt(short.need)} "
+                              f"and {disk.fmt(short.free)} are free; nothing was written. {self._after_disk_full()}.")
+        try:
+            runtime.save_model(out.engine, out.tokenizer, self.writer.begin_model(), dist, extra_config=out.config,
+                               merge=merge, max_shard_size=cfg.max_shard_size)
+        except Exception as e:
+            if not disk.is_disk_full(e):
+                raise
+            if dist.is_main:
+                shutil.rmtree(self.writer.model_tmp, ignore_errors=True)
+            raise disk.DiskFull(f"{self.out}: the disk filled up while the model was written ({str(e).strip()[:200]}); "
+                                f"its partial files were removed. {self._after_disk_full()}.") from None
+        self.writer.land_model()
+        return out
+
     def finish(self, algo) -> dict:
-        """Final checkpoint (a later --resume with a larger --max-steps continues from here), the model saved
-        to model/ through model.tmp/, the report, and artifact.json "complete"."""
+        """The final checkpoint (a later --resume with a larger --max-steps continues from here; skipped with a
+        warning if the disk has no room left for it: model/ is saved already), the report, and artifact.json
+        "complete"."""
         cfg, dist = self.cfg, self.dist
         wall = time.time() - self.t_fit
-        self.checkpoint(cfg.max_steps, algo)
-        out = algo.output()
-        runtime.save_model(out.engine, out.tokenizer, self.writer.begin_model(), dist, extra_config=out.config,
-                           merge=getattr(cfg, "merge", True))
+        out, extra = self.output, {}
+        if cfg.final_checkpoint:
+            try:
+                self.checkpoint(cfg.max_steps, algo, final=True)
+            except disk.DiskFull as e:
+                if dist.world_size > 1 and not isinstance(e, disk.NoRoom):
+                    raise  # a write failed on some ranks only: the others cannot carry on with this one
+                warn(f"{e} The end-of-run checkpoint is skipped: the model is saved in model/ (the checkpoint "
+                     "only serves a --resume to more steps).")
+                extra["final_checkpoint"] = f"skipped: {e}"
         rates = {f"{k}_per_s": round(v / max(self.train_seconds, 1e-9), 1) for k, v in self.counted.items()}
         final = {**algo.final_metrics(self.last, self.start_eval), **rates, "steps": cfg.max_steps,
                  "wall_seconds": round(wall, 1), "train_seconds": round(self.train_seconds, 1),
@@ -370,7 +497,7 @@ class StageRun:
             plot_report(self.out / "metrics.jsonl", self.out / "report.png", f"{self.stage} — {cfg.model}",
                         xy=getattr(algo, "report_xy", None))
         self.writer.complete(final, self.monitor.summary(),
-                             extra={"model_kind": out.kind, "world_size": dist.world_size, **out.extra})
+                             extra={"model_kind": out.kind, "world_size": dist.world_size, **out.extra, **extra})
         summary_table(f"{self.stage} complete → {self.out}", final)
         return final
 
