@@ -247,7 +247,7 @@ def test_run_peak_and_shortage_arithmetic():
     short = disk.shortage(shares, checkpoints=2, model=True)
     assert short is not None and short.free == 12 * gib and short.writers == 2 and short.ckpt == 6 * gib
     assert short.need == int(14 * gib * (1 + disk.SLACK_FRACTION)) + disk.SLACK_BYTES
-    assert "the model 2.00 GiB + 2 checkpoints of 6.00 GiB (2 processes write a shard of each)" == short.what()
+    assert "the model 2.00 GiB + 2 checkpoints of 6.00 GiB (2 processes write ~3.00 GiB of each)" == short.what()
     assert disk.shortage(shares, checkpoints=1) is None  # one checkpoint: 6 GiB on a, 3 GiB on b
     # a checkpoint already on disk counts as used: only the new one and the model need room
     assert disk.shortage([share("a", gib, model=gib, free=3 * gib)], checkpoints=2, model=True, present=1) is None

@@ -171,13 +171,13 @@ class Shortage:
     writers: int
 
     def what(self) -> str:
-        """'the model 15.23 GB + 2 checkpoints of 45.68 GB (1 already on disk; 8 processes write a shard of
+        """'the model 14.19 GiB + 2 checkpoints of 42.57 GiB (1 already on disk; 8 processes write ~5.32 GiB of
         each)'."""
         parts = [f"the model {fmt(self.model)}"] if self.model else []
         if self.checkpoints and self.ckpt:
             notes = [f"{self.present} already on disk"] if self.present else []
             if self.writers > 1:
-                notes.append(f"{self.writers} processes write a shard of each")
+                notes.append(f"{self.writers} processes write ~{fmt(self.ckpt / self.writers)} of each")
             note = f" ({'; '.join(notes)})" if notes else ""
             parts.append(f"{self.checkpoints} checkpoint{'s' * (self.checkpoints > 1)} of {fmt(self.ckpt)}{note}")
         return " + ".join(parts)
