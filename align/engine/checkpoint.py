@@ -123,17 +123,11 @@ def save(out: Path, step: int, engines: dict, state: dict, dist, keep: int = 1) 
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         raise disk.DiskFull(f"{root}: the disk filled up while the checkpoint at step {step} was written "
-                            f"({str(e).strip()[:200]}); its partial files were removed. {_kept(out)} Make room "
-                            f"({disk.fmt(disk.free_bytes(root))} free now), then rerun with --resume.") from None
+                            f"({str(e).strip()[:200]}); its partial files were removed.") from None
     runtime.barrier()
     if dist.is_main:
         _publish(root, tag, keep)
     runtime.barrier()
-
-
-def _kept(out: Path) -> str:
-    tag = latest(out)
-    return f"The last complete checkpoint ({tag}) is kept." if tag else "No earlier checkpoint exists."
 
 
 def _publish(root: Path, tag: str, keep: int) -> None:
