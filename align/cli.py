@@ -161,6 +161,9 @@ def literal_help(cmd: click.Command) -> None:
 
 
 def main() -> None:
+    from align.compile_cache import use_persistent_cache
+
+    use_persistent_cache()  # before anything imports torch's compiler (runtime.init sets it too, for library use)
     # The deepspeed launcher passes --local_rank=N; torchrun sets LOCAL_RANK. Accept both.
     for a in list(sys.argv[1:]):
         if a.startswith("--local_rank") or a.startswith("--local-rank"):

@@ -33,9 +33,13 @@ def use_persistent_cache() -> str:
     Returns the directory in use."""
     if os.environ.get(INDUCTOR_ENV):
         return os.environ[INDUCTOR_ENV]
-    import torch
+    from importlib.metadata import PackageNotFoundError, version
 
-    path = cache_root() / "torch-compile" / f"torch-{torch.__version__}"
+    try:
+        torch_version = version("torch")  # without importing torch: the CLI calls this first thing
+    except PackageNotFoundError:
+        torch_version = "unknown"
+    path = cache_root() / "torch-compile" / f"torch-{torch_version}"
     os.environ[INDUCTOR_ENV] = str(path)
     return str(path)
 

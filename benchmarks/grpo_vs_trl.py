@@ -99,10 +99,8 @@ def trl_worker(a) -> None:
                                 "gen_tokens_per_step": None})
 
 
-def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling: str = "strong") -> dict | None:
-    """`align grpo` on `nproc` processes. Weak scaling: `nproc` × --prompts per step, so every GPU keeps the
-    1-GPU batch; strong: the same global batch split over the GPUs."""
-    prompts = a.prompts * nproc if scaling == "weak" else a.prompts
+def ours_command(model: Path, a, nproc: int, out: Path, prompts: int) -> list[str]:
+    """The harness' `align grpo` command on `nproc` processes (`a`: the harness' options)."""
     cmd = [*V.torchrun(nproc), "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--eval-data", "",
            *(["--data", a.data_file] if a.data_file else []),
            "--max-steps", str(a.steps), "--prompts-per-step", str(prompts), "--num-generations", str(a.generations),
@@ -113,7 +111,14 @@ def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling
         cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, prompts * a.generations // nproc))
     if a.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
-    cmd += a.ours_extra.split() + (a.multi_extra.split() if nproc > 1 else [])
+    return cmd + a.ours_extra.split() + (a.multi_extra.split() if nproc > 1 else [])
+
+
+def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling: str = "strong") -> dict | None:
+    """`align grpo` on `nproc` processes. Weak scaling: `nproc` × --prompts per step, so every GPU keeps the
+    1-GPU batch; strong: the same global batch split over the GPUs."""
+    prompts = a.prompts * nproc if scaling == "weak" else a.prompts
+    cmd = ours_command(model, a, nproc, out, prompts)
     if not V.run(cmd, out.parent / (out.name + ".log"), env=env, gpus=nproc):
         return None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

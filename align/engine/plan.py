@@ -162,6 +162,12 @@ class Setup:
     checkpointing: bool = False
     device: str = "cuda"
     fast_decoder: bool = True  # ALIGN_FAST_GENERATION
+    gather: bool = True  # RL stages' --gather: ZeRO-3 weights gathered for the rollout (else synced_gpus, sharded)
+
+    @property
+    def sharded_rollout(self) -> bool:
+        """ZeRO-3 on several processes decoding with --no-gather: sharded weights, transformers' generate."""
+        return self.zero_stage == 3 and self.world > 1 and not self.gather
 
     @property
     def r(self) -> int:
@@ -277,6 +283,10 @@ class Plan:
         if nbytes > 0:
             self.rows.append((name, {p: float(nbytes) for p in (phases or self.phases)}))
 
+    def subtract(self, name: str, phase: str, nbytes: float) -> None:
+        """Take `nbytes` off term `name` in `phase` (what leaves the device for that phase)."""
+        self.rows = [(n, {**by, phase: by[phase] - nbytes} if n == name else by) for n, by in self.rows]
+
     def add_state(self, m: Model, s: Setup, grads_in: str = "update") -> None:
         """A model's weights (every phase), gradients (`grads_in`) and optimizer state (every phase)."""
         st = model_state(m, s)
@@ -325,7 +335,7 @@ def setup(cfg, device: Device) -> Setup:
                  offload_optimizer=bool(getattr(cfg, "offload_optimizer", False)),
                  offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
                  checkpointing=bool(getattr(cfg, "gradient_checkpointing", False)), device=device.kind,
-                 fast_decoder=device.fast_decoder and device.kind == "cuda")
+                 fast_decoder=device.fast_decoder and device.kind == "cuda", gather=getattr(cfg, "gather", True))
 
 
 def _trained(cfg, role: str, a: Arch, head: str = "lm") -> Model:
@@ -343,18 +353,16 @@ def _reference(cfg, models: dict, plan: Plan) -> Model | None:
 
 def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup) -> None:
     """The rollout phase's own terms (the decoder's copy, its KV cache, prefill and sampling buffers)."""
-    a, fast = policy.arch, s.fast_decoder and policy.arch.fast_decoder
+    a, fast = policy.arch, s.fast_decoder and policy.arch.fast_decoder and not s.sharded_rollout
     if fast:
         plan.add("rollout: decoder's bf16 copy", n_params(a) * s.e, "rollout")
     else:
         plan.notes.append(f"rollout: transformers' generate ({'CPU' if s.device != 'cuda' else a.model_type}: "
                           "no fast decoder), a KV cache and no inference copy")
     if fast and policy.lora_r and s.zero_stage != 3:  # the frozen base is parked in host memory while decoding
-        base = (policy.params - (a.hidden if policy.head == "score" else 0)) * s.r
-        plan.rows = [(n, {**by, "rollout": by["rollout"] - base} if n == f"{policy.role}: weights" else by)
-                     for n, by in plan.rows]
+        plan.subtract(f"{policy.role}: weights", "rollout", (policy.params - a.hidden * (policy.head == "score")) * s.r)
         plan.notes.append("LoRA: the frozen base waits in host memory during the rollout")
-    if s.zero_stage == 3 and s.world > 1:
+    if s.zero_stage == 3 and s.world > 1 and s.gather:
         plan.add("rollout: policy gathered (ZeRO-3)", n_params(a) * s.r * (1 - 1 / s.world), "rollout")
     cap = -(-(prompt + new) // 128) * 128 if fast else prompt + new
     plan.add(f"rollout: KV cache ({decode_rows(rows, fast)} rows x {cap} slots)",
@@ -399,8 +407,8 @@ def longest_row(examples: list[dict]) -> int | None:
 
 
 def micro_rows(stage: str, cfg, world: int, longest: int = 0) -> tuple[int, int]:
-    """(the update's micro-batch rows per process, the rows per process and step it must divide), as the stage
-    computes them (pairs count 2 rows in rm and dpo)."""
+    """(the update's micro-batch per process, the batch per process and step it must divide), as the stage
+    computes them: rows, or pairs in rm and dpo (2 rows each)."""
     from align.engine.build import rows_within
 
     if stage == "grpo":
@@ -464,6 +472,8 @@ def _frozen(plan: Plan, models: dict, roles: tuple[str, ...], s: Setup) -> list[
 
 def _scoring(plan: Plan, models: list[Model], rows: int, length: int, s: Setup) -> None:
     """The score phase: the largest no-grad pass (log-probs, values, reward scores) over a micro-batch."""
+    if not models:
+        return
     passes = {m.role: inference_bytes(m.arch, rows, length, s) + (
         chunked_logit_bytes() if m.role in ("policy", "reference", "teacher") else
         full_logit_bytes(rows, length, m.arch.vocab, s, grad=False) if m.head == "lm" else 0) for m in models}
@@ -482,7 +492,7 @@ def _grpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
     if ref:
         plan.add("reference: weights", model_state(ref, s)["weights"])
     _rollout(plan, policy, n, prompt, cfg.max_new_tokens, s)
-    _scoring(plan, [policy, *frozen], micro, longest, s)
+    _scoring(plan, ([policy] if cfg.num_iterations > 1 else []) + frozen, micro, longest, s)
     _zero3_blocks(plan, [policy, *frozen], s)
     _update(plan, a, micro, longest, s)
 
@@ -590,21 +600,23 @@ def _try(stage: str, cfg, models: dict, change: dict, device: Device, data: Data
 
 def smallest_change(stage: str, cfg, models: dict, device: Device, data: Data = Data()) -> tuple[str, Plan] | None:
     """(flags, plan) of the first candidate change (in `_changes`' order, each family from its least drastic
-    value) whose plan fits; failing every single change, the families' last values added up in the same order
-    until the plan fits; None when nothing tried fits."""
+    value) whose plan fits; failing every single change, the families' most drastic values added up in the same
+    order, each kept only if it lowers the peak, until the plan fits; None when nothing tried fits."""
     families = [f for f in _changes(stage, cfg, device, data) if f]
     for family in families:
         for change, d in family:
             p = _try(stage, cfg, models, change, d, data)
             if p is not None and p.fits:
                 return flags(change), p
-    together, dev = {}, device
+    together, dev, best = {}, device, estimate(stage, cfg, models, device, data)
     for family in families:
-        together.update(family[-1][0])
-        dev = family[-1][1] if family[-1][1] is not device else dev
-        p = _try(stage, cfg, models, together, dev, data)
-        if p is not None and p.fits:
-            return flags(together), p
+        change, d = family[-1]
+        d = d if d is not device else dev
+        p = _try(stage, cfg, models, {**together, **change}, d, data)
+        if p is not None and p.peak < best.peak:
+            together, dev, best = {**together, **change}, d, p
+            if p.fits:
+                return flags(together), p
     return None
 
 
@@ -736,8 +748,9 @@ def _does_not_fit(cfg, stage: str, models: dict, device: Device, plan: Plan, dat
     from align.console import info, warn
 
     found = smallest_change(stage, cfg, models, device, data)
+    # one process only: ranks see different free memory, and their micro-batches must agree
     auto = (found is not None and found[0].startswith("--micro-batch-size") and cfg.micro_batch_size == 0
-            and stage in AUTO_MICRO and not getattr(cfg, "online", False))
+            and stage in AUTO_MICRO and not getattr(cfg, "online", False) and device.world == 1)
     if auto:  # the stage's own choice of micro-batch, made smaller: the same update, in more passes
         was = micro_rows(stage, cfg, device.world, data.prompt(cfg) + getattr(cfg, "max_new_tokens", 0))[0]
         cfg.micro_batch_size = int(found[0].split()[-1])
@@ -757,4 +770,9 @@ def _does_not_fit(cfg, stage: str, models: dict, device: Device, plan: Plan, dat
     if not cfg.plan_check or os.environ.get(ENV_CHECK, "1").lower() in ("0", "false", "no", "off"):
         warn(f"memory plan: {stage} {need}; {fix}. Running anyway (plan check off).")
         return
-    raise UserError(f"memory plan: {stage} {need} ({device.source}); {fix}. {skip}.")
+    message = f"memory plan: {stage} {need} ({device.source}); {fix}. {skip}."
+    if os.environ.get("RANK", "0") != "0":  # the CLI prints rank 0's errors; this rank's plan may differ
+        from align.console import console
+
+        console.print(f"error (rank {os.environ['RANK']}): {message}", markup=False, soft_wrap=True)
+    raise UserError(message)
