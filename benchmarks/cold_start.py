@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks import vs_trl as V
-from benchmarks.grpo_vs_trl import ours_command
+from benchmarks.grpo_vs_trl import long_prompts, ours_command, shape_args
 
 KEYS = ("time/step", "time/generate", "time/update", "time/compile")
 
@@ -42,14 +42,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     V.harness_args(ap, models="135m", steps=3)
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--generations", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=512)
-    ap.add_argument("--micro-batch-size", type=int, default=16)
-    ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    shape_args(ap)
     a = ap.parse_args()
     a.multi_extra = ""
     root = V.out_root(a.out, "align-cold-start-")
+    long_prompts(a, root)
     lines = ["| model | run | process wall (s) | step 1 (s) | generate | update | compile | later steps (s) |",
              "|---|---|---|---|---|---|---|---|"]
     for name in a.models.split(","):

@@ -157,12 +157,20 @@ def test_dpo_reference_live_precomputed_none():
 
 
 def test_smallest_change_in_order():
-    cfg = build(SFTConfig, None, {"model": "x", "micro_batch_size": 8})
+    cfg = build(SFTConfig, None, {"model": "x", "micro_batch_size": 8, "eval_data": ""})
     policy = {"policy": P.Model("policy", A)}
     at = lambda c, d=GPU: P.estimate("sft", c, policy, d).peak  # noqa: E731
-    between = P.Device("cuda", (at(cfg) + at(build(SFTConfig, None, {"model": "x", "micro_batch_size": 4}))) / 2)
+    smaller = build(SFTConfig, None, {"model": "x", "micro_batch_size": 4, "eval_data": ""})
+    between = P.Device("cuda", (at(cfg) + at(smaller)) / 2)
     change, plan = P.smallest_change("sft", cfg, policy, between)
     assert change == "--micro-batch-size 4" and plan.fits  # the largest micro-batch that fits
+    # SFT's held-out loss forwards 64 rows with their full logits: a phase of its own, which --eval-data '' drops
+    evals = build(SFTConfig, None, {"model": "x", "micro_batch_size": 1, "precision": "bf16-mixed"})
+    plan = P.estimate("sft", evals, policy, GPU, P.Data(sequence_tokens=10))
+    assert plan.phases == ("update", "eval") and plan.peak_phase == "eval"
+    assert rows(plan)["eval: logits (64 x 10 x 32, fp32 loss)"] == {"eval": 64 * 10 * 32 * 12}
+    tight = P.Device("cuda", plan.total("update") + 1)
+    assert P.smallest_change("sft", evals, policy, tight, P.Data(sequence_tokens=10))[0] == "--eval-data ''"
     one = build(GRPOConfig, None, {"model": "x", "micro_batch_size": 1})
     g = lambda c: P.estimate("grpo", c, policy, GPU, P.Data(20)).peak  # noqa: E731
     tight = P.Device("cuda", (g(one) + g(build(GRPOConfig, None, {"model": "x", "micro_batch_size": 1,

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -439,6 +440,11 @@ def _supervised(stage: str, cfg, models: dict, s: Setup, plan: Plan, data: Data)
     plan.add_state(_trained(cfg, "policy" if stage == "sft" else "reward model", a, head), s)
     rows = micro * (2 if stage == "rm" else 1)
     _update(plan, a, rows, data.sequence(cfg), s, "full" if head == "lm" else "none")
+    if "eval" in plan.phases:  # SFT's held-out loss: 64 rows a forward, their full logits (stages.sft.evaluate)
+        length = data.sequence(cfg)
+        plan.add(f"eval: forward ({EVAL_ROWS} rows x {length} tokens)", inference_bytes(a, EVAL_ROWS, length, s), "eval")
+        plan.add(f"eval: logits ({EVAL_ROWS} x {length} x {a.vocab}, fp32 loss)",
+                 full_logit_bytes(EVAL_ROWS, length, a.vocab, s), "eval")
 
 
 def _dpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
@@ -525,6 +531,7 @@ def _ppo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
              "update")
 
 
+EVAL_ROWS = 64  # SFT's held-out loss runs 64 rows a forward
 PHASES = {"sft": ("update",), "rm": ("update",), "dpo": ("update",), "grpo": ("rollout", "score", "update"),
           "ppo": ("rollout", "score", "update")}
 
@@ -536,6 +543,8 @@ def estimate(stage: str, cfg, models: dict[str, Model], device: Device, data: Da
     phases = PHASES[stage]
     if stage == "dpo":
         phases = (("rollout",) if cfg.online else ()) + (("reference pass",) if cfg.precompute_ref else ()) + phases
+    if stage == "sft" and cfg.eval_data:
+        phases += ("eval",)
     plan = Plan(f"memory plan: {stage}, {s.precision}, ZeRO-{s.zero_stage}, {device.world} process(es)"
                 f"{', LoRA r ' + str(cfg.lora_r) if getattr(cfg, 'lora_r', 0) else ''}", phases,
                 free=device.free, enforced=device.enforced)
@@ -558,19 +567,21 @@ def flags(change: dict) -> str:
     out = []
     for k, v in change.items():
         flag = "--" + k.replace("_", "-")
-        out.append(flag if v is True else f"--no-{flag[2:]}" if v is False else f"{flag} {v}")
+        out.append(flag if v is True else f"--no-{flag[2:]}" if v is False else f"{flag} {shlex.quote(str(v))}")
     return " ".join(out)
 
 
 def _changes(stage: str, cfg, device: Device, data: Data):
-    """Candidate changes in the order to try them, each a list of (flags, cfg, device) from the least drastic:
-    a smaller micro-batch, gradient checkpointing, LoRA, optimizer offload, fewer rollout rows or new tokens, more
-    processes."""
+    """Candidate changes in the order to try them, families of (change, device), each from its least drastic
+    value: a smaller micro-batch (sft: no held-out loss), gradient checkpointing, LoRA, optimizer offload, fewer
+    rollout rows or new tokens, more processes."""
     def variant(**change):
         return change, device
 
     micro, n = micro_rows(stage, cfg, device.world, data.prompt(cfg) + getattr(cfg, "max_new_tokens", 0))
     yield [variant(micro_batch_size=d) for d in range(micro - 1, 0, -1) if n % d == 0]
+    if stage == "sft" and cfg.eval_data:
+        yield [variant(eval_data="")]  # its 64-row held-out forwards
     if hasattr(cfg, "gradient_checkpointing") and not cfg.gradient_checkpointing:
         yield [variant(gradient_checkpointing=True)]
     if not cfg.lora_r:
