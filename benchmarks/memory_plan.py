@@ -1,8 +1,9 @@
-"""The memory plan (align.engine.plan) of GRPO on real model shapes, from hand-written configs (nothing is
-downloaded or built): a sanity check of the estimate against what a GPU run reports.
+"""The memory plan (align.engine.plan) of GRPO on real model shapes, from the harness' configs
+(benchmarks.vs_trl.MODELS: nothing is downloaded or built): a sanity check of the estimate against what a GPU run
+reports.
 
     python -m benchmarks.memory_plan [--free-gib 141] [--prompts 8] [--generations 8] [--prompt-tokens 256]
-                                     [--new-tokens 3840] [--models qwen2.5-1.5b,qwen3-4b,llama-3.1-8b] [-- FLAGS]
+                                     [--new-tokens 3840] [--models qwen2.5-1.5b,qwen3-4b,llama3.1-8b] [-- FLAGS]
 
 FLAGS are `align grpo` flags (e.g. -- --gradient-checkpointing --lora-r 16). For each model: the plan table, and
 when it does not fit, the smallest change that does.
@@ -13,21 +14,18 @@ from __future__ import annotations
 import argparse
 import shlex
 
-CONFIGS = {
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
-                         max_position_embeddings=32768, use_sliding_window=False, hidden_act="silu"),
-    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
-                     tie_word_embeddings=True, max_position_embeddings=40960, hidden_act="silu"),
-    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
-                         max_position_embeddings=131072, hidden_act="silu",
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-}
+NAMES = ("qwen2.5-1.5b", "qwen3-4b", "llama3.1-8b")  # real configs, benchmarks.vs_trl.MODELS
 
 
-def print_plans(names=tuple(CONFIGS), free_gib: float = 141.0, prompts: int = 8, generations: int = 8,
+def config(name: str) -> dict:
+    """The config.json dict of a harness model (benchmarks.vs_trl.MODELS)."""
+    from benchmarks.vs_trl import MODELS
+
+    model_type, kw = MODELS[name]
+    return {"model_type": model_type, **kw}
+
+
+def print_plans(names=NAMES, free_gib: float = 141.0, prompts: int = 8, generations: int = 8,
                 prompt_tokens: int = 256, new_tokens: int = 3840, extra: tuple[str, ...] = ()) -> dict:
     """Print the GRPO plan of each named config on one GPU with `free_gib` free; returns {name: Plan}."""
     from align import config as C
@@ -41,13 +39,13 @@ def print_plans(names=tuple(CONFIGS), free_gib: float = 141.0, prompts: int = 8,
     device = P.Device("cuda", free_gib * 2**30, 1, True, True, f"{free_gib:g} GiB free, one GPU")
     plans = {}
     for name in names:
-        model = P.Model("policy", P.arch(CONFIGS[name]))
-        plans[name] = p = P.estimate("grpo", cfg, {"policy": model}, device, prompt_tokens)
+        model = P.Model("policy", P.arch(config(name)))
+        plans[name] = p = P.estimate("grpo", cfg, {"policy": model}, device, P.Data(prompt_tokens))
         console.print(f"\n[bold]{name}[/]: {model.params / 1e9:.2f}B parameters, {prompts} prompts x G "
                       f"{generations} x ({prompt_tokens} + {new_tokens} tokens)")
         P.show(p, device.source)
         if not p.fits:
-            found = P.smallest_change("grpo", cfg, {"policy": model}, device, prompt_tokens)
+            found = P.smallest_change("grpo", cfg, {"policy": model}, device, P.Data(prompt_tokens))
             console.print(f"smallest change that fits: {found[0]} (peak {P.gib(found[1].peak)})" if found else
                           "no change tried fits")
     return plans
@@ -71,7 +69,7 @@ def _parse(cls, extra: tuple[str, ...]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(CONFIGS))
+    ap.add_argument("--models", default=",".join(NAMES), help="names in benchmarks.vs_trl.MODELS")
     ap.add_argument("--free-gib", type=float, default=141.0)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=8)

@@ -74,7 +74,18 @@ class Arch:
     mlp_bias: bool = False
     qk_norm: bool = False
     model_type: str = "llama"
-    fast_decoder: bool = True  # align.fast_generate decodes it (else transformers' generate)
+    config: dict | None = field(default=None, compare=False, repr=False)  # for align.fast_generate's rules
+
+
+def decoder_reason(a: Arch, length: int) -> str | None:
+    """Why align.fast_generate would not decode this model's rollouts of `length` tokens (None: it would)."""
+    if a.config is None:
+        return None
+    from types import SimpleNamespace
+
+    from align.fast_generate import unsupported_config
+
+    return unsupported_config(SimpleNamespace(**a.config), length)
 
 
 def arch(config: dict) -> Arch:
@@ -88,16 +99,12 @@ def arch(config: dict) -> Arch:
         raise UserError("config.json has no hidden_size / num_hidden_layers / num_attention_heads / vocab_size: "
                         "the memory plan cannot size this model.")
     kind = get("model_type") or ""
-    from types import SimpleNamespace
-
-    from align.fast_generate import unsupported_config
-
     return Arch(hidden=hidden, layers=layers, heads=heads, kv_heads=get("num_key_value_heads") or heads,
                 head_dim=get("head_dim") or hidden // heads,
                 intermediate=get("intermediate_size") or get("n_inner") or 4 * hidden, vocab=get("vocab_size"),
                 tied=bool(get("tie_word_embeddings", False)), qkv_bias=bool(get("attention_bias") or kind == "qwen2"),
                 o_bias=bool(get("attention_bias")), mlp_bias=bool(get("mlp_bias")), qk_norm=kind.startswith("qwen3"),
-                model_type=kind, fast_decoder=unsupported_config(SimpleNamespace(**config)) is None)
+                model_type=kind, config=config)
 
 
 def linear_shapes(a: Arch) -> dict[str, tuple[int, int]]:
@@ -251,10 +258,14 @@ def decode_rows(rows: int, fast: bool) -> int:
     return max(8, 1 << (rows - 1).bit_length()) if fast else rows
 
 
+def cache_slots(length: int, fast: bool) -> int:
+    """The decoder's cache slots for rollouts of `length` tokens: rounded up to 128, plus one spare slot."""
+    return -(-length // 128) * 128 + 1 if fast else length
+
+
 def kv_cache_bytes(a: Arch, rows: int, length: int, s: Setup, fast: bool) -> float:
-    """2 (k, v) · layers · B · kv_heads · cap · head_dim · element bytes (FastDecoder.kv_cache_bytes)."""
-    cap = -(-length // 128) * 128 if fast else length
-    return 2 * a.layers * decode_rows(rows, fast) * a.kv_heads * cap * a.head_dim * s.e
+    """2 (k, v) · layers · B · kv_heads · slots · head_dim · element bytes (FastDecoder._alloc)."""
+    return 2 * a.layers * decode_rows(rows, fast) * a.kv_heads * cache_slots(length, fast) * a.head_dim * s.e
 
 
 def prefill_bytes(a: Arch, rows: int, prompt: int, s: Setup, fast: bool) -> float:
@@ -354,19 +365,20 @@ def _reference(cfg, models: dict, plan: Plan) -> Model | None:
 
 def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup) -> None:
     """The rollout phase's own terms (the decoder's copy, its KV cache, prefill and sampling buffers)."""
-    a, fast = policy.arch, s.fast_decoder and policy.arch.fast_decoder and not s.sharded_rollout
+    a = policy.arch
+    why = ("a CPU" if s.device != "cuda" else "--no-gather" if s.sharded_rollout else
+           "ALIGN_FAST_GENERATION=0" if not s.fast_decoder else decoder_reason(a, prompt + new))
+    fast = why is None
     if fast:
         plan.add("rollout: decoder's bf16 copy", n_params(a) * s.e, "rollout")
     else:
-        plan.notes.append(f"rollout: transformers' generate ({'CPU' if s.device != 'cuda' else a.model_type}: "
-                          "no fast decoder), a KV cache and no inference copy")
+        plan.notes.append(f"rollout: transformers' generate ({why}): a KV cache, no inference copy")
     if fast and policy.lora_r and s.zero_stage != 3:  # the frozen base is parked in host memory while decoding
         plan.subtract(f"{policy.role}: weights", "rollout", (policy.params - a.hidden * (policy.head == "score")) * s.r)
         plan.notes.append("LoRA: the frozen base waits in host memory during the rollout")
     if s.zero_stage == 3 and s.world > 1 and s.gather:
         plan.add("rollout: policy gathered (ZeRO-3)", n_params(a) * s.r * (1 - 1 / s.world), "rollout")
-    cap = -(-(prompt + new) // 128) * 128 if fast else prompt + new
-    plan.add(f"rollout: KV cache ({decode_rows(rows, fast)} rows x {cap} slots)",
+    plan.add(f"rollout: KV cache ({decode_rows(rows, fast)} rows x {cache_slots(prompt + new, fast)} slots)",
              kv_cache_bytes(a, rows, prompt + new, s, fast), "rollout")
     plan.add("rollout: prefill and sampling buffers", prefill_bytes(a, rows, prompt, s, fast), "rollout")
 
