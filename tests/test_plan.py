@@ -96,6 +96,9 @@ def test_activations_logits_and_kv_cache_by_hand():
     fp32 = P.Setup("fp32", 0)  # norms 32 + 64 = 96; 2·96 + 4·96 = 576 per layer; + 96 + 64
     assert P.activation_bytes(A, 2, 3, fp32) == (2 * 576 + 160) * 6
     assert P.full_logit_bytes(2, 3, 32, bf16) == 2 * 3 * 32 * (2 + 2 + 4 + 4)
+    # the fused head: 3 fp32 copies of one chunk, 2^25 elements at most (220 rows of a 152k vocabulary)
+    assert P.chunked_logit_bytes(6, 32) == 3 * 6 * 32 * 4
+    assert P.chunked_logit_bytes(10_000, 151_936) == 3 * 220 * 151_936 * 4
     # 5 rows decode as 8 (a power of two), 100 tokens in 128 + 1 cache slots: 2 · 2 layers · 8 · 1 · 129 · 4 · 2
     assert P.kv_cache_bytes(A, 5, 100, bf16, fast=True) == 2 * 2 * 8 * 1 * 129 * 4 * 2
     assert P.kv_cache_bytes(A, 5, 100, bf16, fast=False) == 2 * 2 * 5 * 1 * 100 * 4 * 2

@@ -20,13 +20,13 @@ fp32):
   Linear trained in fp32 (`per_param("fp32", z)`); a score head trains in full. The reference of a LoRA policy is
   the policy with its adapters off: no second copy.
 * rollout (grpo, ppo, online dpo): align.fast_generate's inference copy of the policy (every parameter, bf16),
-  its KV cache 2 · layers · B · kv_heads · cap · head_dim · 2 bytes (B: the rows rounded up to a power of two,
-  at least 8; cap: prompt + new tokens rounded up to 128), the sampling buffers (4 · B · vocab fp32) and the
+  its KV cache 2 · layers · B · kv_heads · slots · head_dim · 2 bytes (B: the rows rounded up to a power of two,
+  at least 8; slots: prompt + new tokens rounded up to 128, + 1), the sampling buffers (4 · B · vocab fp32) and the
   prefill's attention scores (B · heads · P² · (8 + e) + B · P² · 4 bytes, one layer at a time). The copy and
   the cache are freed before the update (`FastDecoder.release`), so the peak is the larger phase, not the sum.
-  Under LoRA the frozen base waits in host memory during the rollout (`lora.parked_base`). Other model types
-  decode with transformers' generate: its KV cache, no copy. ZeRO-3 on several processes gathers the policy's
-  whole weights for the rollout.
+  Under LoRA the frozen base waits in host memory during the rollout (`lora.parked_base`). What the fast decoder
+  does not take (fast_generate.unsupported_config, a CPU, --no-gather) decodes with transformers' generate: its KV
+  cache, no copy. ZeRO-3 on several processes gathers the policy's whole weights for the rollout.
 * activations of a training forward (`activation_bytes`): per token and layer 2 · (4h + 2rh) (two RMSNorms:
   their fp32 input and normalised output) + e · (3·nq + 2·nk + 4·i) (q, k, v and the attention output kept by
   SDPA and o_proj; gate, up, silu(gate) and their product kept by the MLP); with gradient checkpointing each
@@ -34,7 +34,10 @@ fp32):
   (its partitioner recomputes pointwise ops), so this is an upper bound there.
 * logits: the RL and preference stages take log-probs through align.logprobs' fused head — at most
   CHUNK_ELEMENTS fp32 logits at once (`chunked_logit_bytes`); SFT and PPO's ptx loss (and an entropy bonus, a
-  likelihood reward head) build the full B × T × V logits (`full_logit_bytes`).
+  likelihood reward head) build the full B × T × V logits (`full_logit_bytes`), as does SFT's held-out loss (64
+  rows a forward: its own phase).
+* where a step's no-gradient passes (π_old, π_ref, values, reward scores) run, the score phase holds the largest
+  one: a layer's widest tensors for its rows (`inference_bytes`) and its logits.
 """
 
 from __future__ import annotations
@@ -246,11 +249,12 @@ def full_logit_bytes(rows: int, length: int, vocab: int, s: Setup, grad: bool = 
     return rows * length * vocab * ((2 * s.e + 8) if grad else s.e)
 
 
-def chunked_logit_bytes() -> float:
-    """align.logprobs' fused head: CHUNK_ELEMENTS fp32 logits, their exp and one more temporary at a time."""
-    from align.logprobs import CHUNK_ELEMENTS
+def chunked_logit_bytes(tokens: int, vocab: int) -> float:
+    """align.logprobs' fused head over `tokens` positions: one chunk of fp32 logits (`rows_per_chunk` rows, or
+    fewer positions; the backward slices the vocabulary to the same size), their exp and one more temporary."""
+    from align.logprobs import rows_per_chunk
 
-    return 3 * CHUNK_ELEMENTS * 4
+    return 3 * min(tokens, rows_per_chunk(vocab)) * vocab * 4
 
 
 def decode_rows(rows: int, fast: bool) -> int:
@@ -441,7 +445,7 @@ def _update(plan: Plan, a: Arch, rows: int, length: int, s: Setup, logits: str =
         plan.add(f"logits ({rows} x {length} x {a.vocab}, fp32 loss)", full_logit_bytes(rows, length, a.vocab, s),
                  "update")
     elif logits == "chunked":
-        plan.add("logits (fused log-probs, chunked)", chunked_logit_bytes(), "update")
+        plan.add("logits (fused log-probs, chunked)", chunked_logit_bytes(rows * length, a.vocab), "update")
 
 
 def _supervised(stage: str, cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
@@ -454,7 +458,8 @@ def _supervised(stage: str, cfg, models: dict, s: Setup, plan: Plan, data: Data)
     _update(plan, a, rows, data.sequence(cfg), s, "full" if head == "lm" else "none")
     if "eval" in plan.phases:  # SFT's held-out loss: 64 rows a forward, their full logits (stages.sft.evaluate)
         length = data.sequence(cfg)
-        plan.add(f"eval: forward ({EVAL_ROWS} rows x {length} tokens)", inference_bytes(a, EVAL_ROWS, length, s), "eval")
+        plan.add(f"eval: forward ({EVAL_ROWS} rows x {length} tokens)", inference_bytes(a, EVAL_ROWS, length, s),
+                 "eval")
         plan.add(f"eval: logits ({EVAL_ROWS} x {length} x {a.vocab}, fp32 loss)",
                  full_logit_bytes(EVAL_ROWS, length, a.vocab, s), "eval")
 
@@ -470,7 +475,7 @@ def _dpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
         plan.add("reference: weights", model_state(ref, s)["weights"], *phases)
         if cfg.precompute_ref:  # 32 pairs at a time, then the reference is freed
             plan.add("reference pass: forward", inference_bytes(ref.arch, 64, length, s) +
-                     chunked_logit_bytes(), "reference pass")
+                     chunked_logit_bytes(64 * length, ref.arch.vocab), "reference pass")
         else:
             plan.add("reference: forward beside the policy's graph", inference_bytes(ref.arch, rows, length, s),
                      "update")
@@ -493,7 +498,7 @@ def _scoring(plan: Plan, models: list[Model], rows: int, length: int, s: Setup) 
     if not models:
         return
     passes = {m.role: inference_bytes(m.arch, rows, length, s) + (
-        chunked_logit_bytes() if m.role in ("policy", "reference", "teacher") else
+        chunked_logit_bytes(rows * length, m.arch.vocab) if m.role in ("policy", "reference", "teacher") else
         full_logit_bytes(rows, length, m.arch.vocab, s, grad=False) if m.head == "lm" else 0) for m in models}
     role = max(passes, key=passes.get)
     plan.add(f"score: largest forward ({role}, {rows} rows)", passes[role], "score")
@@ -530,10 +535,11 @@ def _ppo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
     _rollout(plan, policy, cfg.prompts_per_step // s.world, prompt, cfg.max_new_tokens, s)
     _scoring(plan, [policy, value, *frozen], micro, longest, s)
     _zero3_blocks(plan, [policy, value, *frozen], s)
-    logits = "full" if cfg.ent_coef else "chunked"
-    passes = {"policy": activation_bytes(a, micro, longest, s) + (
-        full_logit_bytes(micro, longest, a.vocab, s) if cfg.ent_coef else chunked_logit_bytes()),
-        "value": activation_bytes(value.arch, micro, longest, s)}
+    logits = "full" if cfg.ent_coef else "chunked"  # an entropy bonus takes the plain path (full logits)
+    head = (full_logit_bytes(micro, longest, a.vocab, s) if cfg.ent_coef else
+            chunked_logit_bytes(micro * longest, a.vocab))
+    passes = {"policy": activation_bytes(a, micro, longest, s) + head,
+              "value": activation_bytes(value.arch, micro, longest, s)}
     if cfg.ptx_coef:
         rows = max(1, cfg.ptx_batch_size // s.world)
         passes["ptx"] = (activation_bytes(a, rows, cfg.ptx_max_length, s) +
