@@ -30,8 +30,8 @@ def relaunch(cfg) -> None:
     torchrun dies with this process (SIGTERM to it, even when this one is SIGKILLed) and stops its workers; a
     SIGTERM to this process is passed on."""
     nproc, nnodes = getattr(cfg, "nproc", 1), getattr(cfg, "nnodes", 1)
-    if (nproc <= 1 and nnodes <= 1) or "LOCAL_RANK" in os.environ:
-        return
+    if (nproc <= 1 and nnodes <= 1) or "LOCAL_RANK" in os.environ or getattr(cfg, "plan", False):
+        return  # --plan: one process prints the plan of nproc x nnodes
     import signal
     from pathlib import Path
 
@@ -161,6 +161,9 @@ def literal_help(cmd: click.Command) -> None:
 
 
 def main() -> None:
+    from align.compile_cache import use_persistent_cache
+
+    use_persistent_cache()  # before anything imports torch's compiler (runtime.init sets it too, for library use)
     # The deepspeed launcher passes --local_rank=N; torchrun sets LOCAL_RANK. Accept both.
     for a in list(sys.argv[1:]):
         if a.startswith("--local_rank") or a.startswith("--local-rank"):

@@ -22,6 +22,9 @@ from align.paths import DATA_DIR
 
 PRECISIONS = ("auto", "bf16", "bf16-mixed", "bf16-pure", "fp32")
 SEED_MAX = 2**32 - 1  # the seeds are scaled and offset (seed * 1_000_003 + step ...): kept far below 2**63
+# options that change what a command checks or prints before it runs, never what it trains: left out of a
+# pipeline stage's fingerprint and free to change on --resume
+PREFLIGHT = ("plan", "plan_check")
 
 
 def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None, **meta):
@@ -211,6 +214,13 @@ class TrainConfig(StageConfig):
     merge: bool = opt(True, "With --lora-r: model/ also holds the merged model (plain transformers loads it). "
                             "--no-merge: the adapter alone (a fraction of the size); later stages merge it into its "
                             "base, this run's --model, when they load it.")
+    plan: bool = opt(False, "Print the memory plan (per device: weights, gradients, optimizer state, the rollout's "
+                            "decoder copy and KV cache, activations, logits; the peak against the free memory) and "
+                            "exit, building and writing nothing.")
+    plan_check: bool = opt(True, "Stop (exit 2) before building anything when the memory plan's peak exceeds the "
+                                 "device's free memory, naming the smallest change that fits (a micro-batch left "
+                                 "at 0 is made smaller instead); --no-plan-check runs anyway (or "
+                                 "ALIGN_PLAN_CHECK=0).")
 
     def __post_init__(self):
         super().__post_init__()

@@ -114,3 +114,25 @@ def summary_table(title: str, rows: dict) -> None:
     for k, v in rows.items():
         table.add_row(k, fmt(v))
     console.print(table)
+
+
+def table(title: str, header: list[str], rows: list[list[str]], footer: list[str] = ()) -> None:
+    """Columns of text (the first left-aligned, the others right): a rich table on a terminal, plain aligned lines
+    elsewhere (a log file, a pipe); `footer` lines below it."""
+    if not is_main():
+        return
+    if console.is_terminal:
+        t = Table(title=title, header_style="bold")
+        for i, h in enumerate(header):
+            t.add_column(h, justify="left" if i == 0 else "right")
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+    else:
+        widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+        console.print(title, markup=False, soft_wrap=True)
+        for r in [header, *rows]:
+            cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+            console.print("  " + "  ".join(cells).rstrip(), markup=False, soft_wrap=True)
+    for line in footer:
+        console.print(line, markup=False, soft_wrap=True)

@@ -72,6 +72,19 @@ def unsupported_reason(module, length: int | None = None) -> str | None:
     """None when `module` can use the fast path for sequences of up to `length` tokens (prompt + new), else why
     not (one short phrase, logged)."""
     cfg = getattr(module, "config", None)
+    why = unsupported_config(cfg, length)
+    if why is not None:
+        return why
+    if not hasattr(module, "lm_head") or not hasattr(getattr(module, "model", None), "layers"):
+        return "unexpected module layout"
+    if not hasattr(getattr(module.model, "rotary_emb", None), "original_inv_freq"):
+        return "no rotary embedding module"
+    return None
+
+
+def unsupported_config(cfg, length: int | None = None) -> str | None:
+    """`unsupported_reason` from a model's config alone (its attributes, as a transformers config's): the family,
+    RoPE, activation and attention window; the memory plan asks it before any model is built."""
     if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED:
         return f"model type {getattr(cfg, 'model_type', None)!r} (fast path: {', '.join(SUPPORTED)})"
     rt = rope_type(cfg)
@@ -79,10 +92,6 @@ def unsupported_reason(module, length: int | None = None) -> str | None:
         return f"RoPE type {rt!r} (fast path: {', '.join(ROPE_TYPES)})"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act}"
-    if not hasattr(module, "lm_head") or not hasattr(getattr(module, "model", None), "layers"):
-        return "unexpected module layout"
-    if not hasattr(getattr(module.model, "rotary_emb", None), "original_inv_freq"):
-        return "no rotary embedding module"
     window = sliding_window(cfg)
     if window is not None and length is not None and length > window:
         return f"sliding-window attention ({window} tokens) shorter than the rollout ({length} tokens)"

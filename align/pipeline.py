@@ -475,6 +475,7 @@ def fingerprint(p: Pipeline, stage: Stage, cfg: dict | None = None) -> str:
     """sha256 of json(kind, resolved config, digest of every input: upstream artifact.json / data file / tree)."""
     cfg = cfg if cfg is not None else resolve(p, stage)
     inputs = {k: _input_digest(p, stage, k, cfg[k]) for k in sorted(_path_fields(stage.config)) if k != "out"}
+    cfg = {k: v for k, v in cfg.items() if k not in C.PREFLIGHT}
     blob = json.dumps({"kind": stage.kind, "config": cfg, "inputs": inputs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -656,6 +657,7 @@ class Result:
     metrics: dict = field(default_factory=dict)
     exit_code: int = 0
     out: Path | None = None
+    compile_seconds: float | None = None  # torch.compile's time in the stage's process (a training stage that ran)
 
 
 class StageFailed(UserError):
@@ -739,7 +741,9 @@ def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, 
             results.append(Result(stage.name, stage.kind, "failed", f"no complete artifact: {e}", seconds, {}, 1, out))
             return results
         _write_atomic(out / FINGERPRINT_FILE, fp + "\n")  # what it was run on
-        results.append(Result(stage.name, stage.kind, "ran", reason, seconds, headline_metrics(out), out=out))
+        compiled = (read_artifact(out) or {}).get("metrics", {}).get("time/compile")
+        results.append(Result(stage.name, stage.kind, "ran", reason, seconds, headline_metrics(out), out=out,
+                              compile_seconds=compiled))
     return results
 
 

@@ -83,13 +83,14 @@ def run(
     overrides = [*set_, *([f"pipeline.seed={seed}"] if seed is not None else [])]
     results = P.run(file, from_stage=from_, dry_run=dry_run, echo=console.print, overrides=overrides)
     table = Table(title=f"pipeline {escape(file)}" + (" (dry run)" if dry_run else ""), header_style="bold")
-    for col in ("stage", "status", "wall", "metrics"):
+    for col in ("stage", "status", "wall", "compile", "metrics"):
         table.add_column(col)
     for r in results:
         style = STATUS_STYLE.get(r.status, "")
         status = r.status + (f" ({r.reason})" if r.status == "would run" else "")
         if r.status == "failed":
             status += f" (exit {r.exit_code})"
-        table.add_row(escape(r.name), f"[{style}]{escape(status)}[/]", _seconds(r.seconds), escape(_metrics(r.metrics)))
+        table.add_row(escape(r.name), f"[{style}]{escape(status)}[/]", _seconds(r.seconds), _seconds(r.compile_seconds),
+                      escape(_metrics(r.metrics)))
     console.print(table)
     P.raise_for_failure(results)

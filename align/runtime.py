@@ -96,6 +96,9 @@ def init(timeout_s: int | None = None) -> Dist:
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from align.compile_cache import use_persistent_cache
+
+    use_persistent_cache()  # before anything compiles: compiled code outlives the process
     quiet_libraries()
     import deepspeed
     import deepspeed.ops

@@ -99,10 +99,8 @@ def trl_worker(a) -> None:
                                 "gen_tokens_per_step": None})
 
 
-def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling: str = "strong") -> dict | None:
-    """`align grpo` on `nproc` processes. Weak scaling: `nproc` × --prompts per step, so every GPU keeps the
-    1-GPU batch; strong: the same global batch split over the GPUs."""
-    prompts = a.prompts * nproc if scaling == "weak" else a.prompts
+def ours_command(model: Path, a, nproc: int, out: Path, prompts: int) -> list[str]:
+    """The harness' `align grpo` command on `nproc` processes (`a`: the harness' options)."""
     cmd = [*V.torchrun(nproc), "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--eval-data", "",
            *(["--data", a.data_file] if a.data_file else []),
            "--max-steps", str(a.steps), "--prompts-per-step", str(prompts), "--num-generations", str(a.generations),
@@ -113,7 +111,14 @@ def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling
         cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, prompts * a.generations // nproc))
     if a.gradient_checkpointing:
         cmd.append("--gradient-checkpointing")
-    cmd += a.ours_extra.split() + (a.multi_extra.split() if nproc > 1 else [])
+    return cmd + a.ours_extra.split() + (a.multi_extra.split() if nproc > 1 else [])
+
+
+def ours(model: Path, a, nproc: int, out: Path, env: dict | None = None, scaling: str = "strong") -> dict | None:
+    """`align grpo` on `nproc` processes. Weak scaling: `nproc` × --prompts per step, so every GPU keeps the
+    1-GPU batch; strong: the same global batch split over the GPUs."""
+    prompts = a.prompts * nproc if scaling == "weak" else a.prompts
+    cmd = ours_command(model, a, nproc, out, prompts)
     if not V.run(cmd, out.parent / (out.name + ".log"), env=env, gpus=nproc):
         return None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -173,6 +178,27 @@ def table(name: str, a, o: dict | None, t: dict | None, bw: float | None, prompt
     return lines
 
 
+def shape_args(ap) -> None:
+    """The GRPO batch shape of the harness (8 prompts x G 8, 512 new tokens, micro 16, gradient checkpointing;
+    --prompt-tokens: longer prompts)."""
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--generations", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts padded with filler words to about this "
+                    "many tokens (0: the arithmetic prompts as they are, ~50 tokens)")
+    ap.add_argument("--data-file", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+
+
+def long_prompts(a, root: Path) -> None:
+    """With --prompt-tokens: ours reads the same long prompts TRL gets from a file (a.data_file)."""
+    if a.prompt_tokens:
+        a.data_file = str(root / f"prompts-{a.prompt_tokens}.jsonl")
+        Path(a.data_file).write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n"
+                                             for p in raw_prompts(a.prompts * a.steps, a.prompt_tokens)))
+
+
 def scaling_row(n: int, d: dict, base: dict) -> str:
     """One row of the scaling table: run `d` on `n` GPUs against the 1-GPU run `base`."""
     thr = d["tokens"] / d["time/step"]
@@ -184,14 +210,7 @@ def scaling_row(n: int, d: dict, base: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     V.harness_args(ap, models="135m", steps=4)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--generations", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=512)
-    ap.add_argument("--micro-batch-size", type=int, default=16)
-    ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts padded with filler words to about this "
-                    "many tokens (0: the arithmetic prompts as they are, ~50 tokens)")
-    ap.add_argument("--data-file", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    shape_args(ap)
     ap.add_argument("--nproc", default="1", help="ours: process counts, e.g. 1,2 (TRL: 1 GPU)")
     ap.add_argument("--multi-extra", default="", help="extra flags for our N>1-process runs only, e.g. "
                     "'--zero-stage 0' (replicas, all-reduced gradients) against the ZeRO-3 default")
@@ -213,10 +232,7 @@ def main() -> None:
 
     tok = load_tokenizer(resolve("tiny"))
     prompt_len = statistics.mean(len(x) for x in tok(prompts_text(64, a.prompt_tokens), add_special_tokens=False)["input_ids"])
-    if a.prompt_tokens:  # ours reads the same long prompts from a file
-        a.data_file = str(root / f"prompts-{a.prompt_tokens}.jsonl")
-        Path(a.data_file).write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n"
-                                             for p in raw_prompts(a.prompts * a.steps, a.prompt_tokens)))
+    long_prompts(a, root)
     report, results = [], {}
     for name in a.models.split(","):
         model = V.make_model(name, root)

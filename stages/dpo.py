@@ -42,6 +42,7 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
+from align.engine.plan import longest_row
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -130,6 +131,7 @@ class DPO:
     progress = ("loss", "rewards/accuracies", "eval/rewards/accuracies")
     train_keys = KEYS
     eval_at_start = True  # greedy pass@1 of the input model, measured exactly as the policy's at the end
+    prompt_ids: tuple = ()  # --online: the prompts' tokens (their longest sizes the memory plan's rollout)
 
     def __init__(self, cfg: DPOConfig, run):
         self.cfg, self.run = cfg, run
@@ -150,7 +152,8 @@ class DPO:
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
-        dist = run.open(inputs)
+        dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=None),
+                        sequence_tokens=longest_row(self.examples))
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
 
         def load(src):

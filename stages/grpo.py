@@ -130,7 +130,7 @@ class GRPO:
             inputs["teacher"] = describe_inputs(teacher_source)["model"]
         if cfg.prompts_per_step % runtime.world_size():
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
-        dist = run.open(inputs)
+        dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=0))
         n_local = cfg.prompts_per_step // dist.world_size * cfg.num_generations
         longest = max(map(len, self.prompt_ids), default=0) + cfg.max_new_tokens
         self.micro = min(cfg.micro_batch_size or rows_within(n_local, longest, cfg.micro_batch_tokens), n_local)

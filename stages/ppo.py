@@ -175,7 +175,7 @@ class PPO:
     def __init__(self, cfg: PPOConfig, run):
         self.cfg, self.run = cfg, run
         sources = self.read_inputs()
-        dist = run.open(self.describe(sources))
+        dist = run.open(self.describe(sources), prompt_tokens=max(map(len, self.prompt_ids), default=0))
         world = dist.world_size
         for flag, n in (("--prompts-per-step", cfg.prompts_per_step), ("--minibatch-size", cfg.minibatch_size),
                         ("--ptx-batch-size", cfg.ptx_batch_size if self.ptx else world)):

@@ -18,6 +18,7 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
+from align.engine.plan import longest_row
 from align.engine.run import Output, chunks, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -57,7 +58,7 @@ class SFT:
         self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length)
         self.verifiable = [r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples]
 
-        dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data))
+        dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), sequence_tokens=longest_row(self.examples))
         if len(examples) < len(rows):
             info(f"[yellow]dropped {len(rows) - len(examples)} examples whose completion exceeds --max-length[/]")
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)

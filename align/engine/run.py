@@ -23,6 +23,7 @@ last evaluation, the final checkpoint and the report.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -34,9 +35,10 @@ import torch
 
 from align import runtime
 from align.artifacts import ArtifactWriter
+from align.compile_cache import compile_seconds
 from align.config import as_dict, load_toml
 from align.console import TrainProgress, info, summary_table, warn
-from align.engine import checkpoint, disk, outdir
+from align.engine import checkpoint, disk, outdir, plan
 from align.engine.build import (Optim, Trained, adamw, compiles, compute_dtype, ds_config, engine_stage, frozen_config,
                                 load_partitioned, lr_lambda, own_clipping, resolve_precision, wrap)
 from align.engine.lora import AdaptersOff, is_peft, with_lora
@@ -140,9 +142,14 @@ class StageRun:
                 reason = f"{type(exc).__name__}: {exc}"
             self.writer.fail(reason, self.last, self.monitor.summary() if self.monitor else None)
 
-    def open(self, inputs: dict, distributed: bool = True) -> runtime.Dist | None:
-        """Every input is checked: take --out (refused if it holds foreign files, is an input, or another run holds
-        it), start the process group and write artifact.json ("running")."""
+    def open(self, inputs: dict, distributed: bool = True, prompt_tokens: int | None = None,
+             sequence_tokens: int | None = None) -> runtime.Dist | None:
+        """Every input is checked: the memory plan (sized by the data's longest prompt / example) may stop the run
+        here, before anything is built or written (align.engine.plan); then take --out (refused if it holds
+        foreign files, is an input, or another run holds it), start the process group and write artifact.json
+        ("running")."""
+        if distributed:
+            plan.preflight(self.cfg, self.stage, plan.Data(prompt_tokens, sequence_tokens))
         outdir.check(self.cfg)
         if getattr(self.cfg, "resume", False):
             self._check_resumable(checkpoint.read_state(self.out)["config"])
@@ -163,7 +170,8 @@ class StageRun:
             self.compile = compiles(getattr(self.cfg, "compile", False), self.dist.device, self.zero_stage,
                                     self.dist.world_size)
             if self.compile:
-                info("torch.compile: every engine's transformer blocks are compiled (the first steps compile; "
+                info("torch.compile: every engine's transformer blocks are compiled (the first steps compile, a "
+                     f"later run reuses the code cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}; "
                      "--no-compile runs eagerly)")
             seed_all(self.cfg.seed)
         self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, main)
@@ -269,7 +277,7 @@ class StageRun:
 
     def _step(self, algo, step: int) -> tuple[dict, bool]:
         """One step of the algorithm and its reduced metrics; and whether any rank was asked to stop."""
-        t = time.time()
+        t, compiled = time.time(), compile_seconds()
         seed_all(self.cfg.seed * 1_000_003 + step * 101 + self.dist.rank)
         stats = algo.step(step)
         stats.sum("_stop", float(self.stop_signal is not None))  # in the one all-reduce: every rank learns of it
@@ -277,6 +285,7 @@ class StageRun:
         for eng in self.engines.values():
             metrics.update(eng.metrics())
         metrics["time/step"] = time.time() - t
+        metrics["time/compile"] = max(0.0, compile_seconds() - compiled)  # of time/step: torch.compile's share
         self.train_seconds += metrics["time/step"]
         for k in RATES:
             if k in metrics:
@@ -490,6 +499,7 @@ class StageRun:
         rates = {f"{k}_per_s": round(v / max(self.train_seconds, 1e-9), 1) for k, v in self.counted.items()}
         final = {**algo.final_metrics(self.last, self.start_eval), **rates, "steps": cfg.max_steps,
                  "wall_seconds": round(wall, 1), "train_seconds": round(self.train_seconds, 1),
+                 "time/compile": round(compile_seconds(), 1),  # this process's, the evaluations' included
                  "peak_memory_gib_per_rank": [round(m, 3) for m in runtime.all_gather_objects(runtime.peak_memory_gib(dist))]}
         if dist.is_main:
             from align.report import plot_report

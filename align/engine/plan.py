@@ -1,0 +1,807 @@
+"""The memory plan: what a training stage will hold on each device, estimated before anything is built.
+
+Inputs: each model's config.json (no weights are read), the stage's flags, and the device (free memory from
+torch.cuda.mem_get_info on a GPU; total RAM on a CPU, where the plan is informational). Output: a table of terms
+per phase of a step and its peak; the run stops (exit 2) before it builds a model or writes --out when the peak
+does not fit, naming the smallest change that would (each candidate re-estimated).
+
+What a step holds, per device (ZeRO stage z, w processes; `e` = bytes of an activation element: 2 under every
+bf16 precision, 4 under fp32; `r` = bytes of the module's own dtype: 2 for bf16 / bf16-pure, 4 for bf16-mixed /
+fp32):
+
+* weights, gradients and optimizer state of a trained model (`per_param`): bytes per trained parameter, then
+  ZeRO's sharding: z >= 1 divides the optimizer state by w, z >= 2 also the gradients, z = 3 also the weights.
+  Gradients exist from the first backward to the optimiser step only (DeepSpeed sets them to None after it), so
+  they count in the update phase, the optimizer state in every phase. --offload-optimizer moves the optimizer
+  state and the gradients to the CPU (a `BUCKET`-element gradient bucket stays on the device).
+* a frozen model (reference, reward model, teacher): its weights in the module's dtype (r bytes), sharded by w
+  under ZeRO-3; on the CPU with PPO's --offload-frozen under ZeRO-3.
+* LoRA (--lora-r): the base weights frozen (r bytes), the adapters A [r, in] and B [out, r] on each targeted
+  Linear trained in fp32 (`per_param("fp32", z)`); a score head trains in full. The reference of a LoRA policy is
+  the policy with its adapters off: no second copy.
+* rollout (grpo, ppo, online dpo): align.fast_generate's inference copy of the policy (every parameter, bf16),
+  its KV cache 2 · layers · B · kv_heads · slots · head_dim · 2 bytes (B: the rows rounded up to a power of two,
+  at least 8; slots: prompt + new tokens rounded up to 128, + 1), the sampling buffers (4 · B · vocab fp32) and the
+  prefill's attention scores (B · heads · P² · (8 + e) + B · P² · 4 bytes, one layer at a time). The copy and
+  the cache are freed before the update (`FastDecoder.release`), so the peak is the larger phase, not the sum.
+  Under LoRA the frozen base waits in host memory during the rollout (`lora.parked_base`). What the fast decoder
+  does not take (fast_generate.unsupported_config, a CPU, --no-gather) decodes with transformers' generate: its KV
+  cache, no copy. ZeRO-3 on several processes gathers the policy's whole weights for the rollout.
+* activations of a training forward (`activation_bytes`): per token and layer 2 · (4h + 2rh) (two RMSNorms:
+  their fp32 input and normalised output) + e · (3·nq + 2·nk + 4·i) (q, k, v and the attention output kept by
+  SDPA and o_proj; gate, up, silu(gate) and their product kept by the MLP); with gradient checkpointing each
+  layer keeps only its input (r·h per token) and one layer is recomputed at a time. torch.compile saves less
+  (its partitioner recomputes pointwise ops), so this is an upper bound there.
+* logits: the RL and preference stages take log-probs through align.logprobs' fused head — at most
+  CHUNK_ELEMENTS fp32 logits at once (`chunked_logit_bytes`); SFT and PPO's ptx loss (and an entropy bonus, a
+  likelihood reward head) build the full B × T × V logits (`full_logit_bytes`), as does SFT's held-out loss (64
+  rows a forward: its own phase).
+* where a step's no-gradient passes (π_old, π_ref, values, reward scores) run, the score phase holds the largest
+  one: a layer's widest tensors for its rows (`inference_bytes`) and its logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from align.errors import UserError
+
+GiB = 1 << 30
+BUCKET = 50_000_000  # elements: ds_config's reduce_bucket_size, the gradient bucket an offload keeps on the device
+ENV_BUDGET = "ALIGN_DEVICE_MEMORY_BYTES"  # a fake device budget (tests, "what if"): the ONE place it is read
+ENV_CHECK = "ALIGN_PLAN_CHECK"  # 0: report only, never stop (as --no-plan-check)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---------------------------------------------------------------------------------------------- a model's shape
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the estimate needs of a decoder-only transformer's config (Llama / Qwen / Mistral layout)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    model_type: str = "llama"
+    config: dict | None = field(default=None, compare=False, repr=False)  # for align.fast_generate's rules
+
+
+def decoder_reason(a: Arch, length: int) -> str | None:
+    """Why align.fast_generate would not decode this model's rollouts of `length` tokens (None: it would)."""
+    if a.config is None:
+        return None
+    from types import SimpleNamespace
+
+    from align.fast_generate import unsupported_config
+
+    return unsupported_config(SimpleNamespace(**a.config), length)
+
+
+def arch(config: dict) -> Arch:
+    """The Arch of a config.json dict (a multimodal config's `text_config`; GPT-2's n_embd / n_layer / n_head)."""
+    if "hidden_size" not in config and "n_embd" not in config and isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], "model_type": config["text_config"].get("model_type", "")}
+    get = config.get
+    hidden = get("hidden_size") or get("n_embd")
+    layers, heads = get("num_hidden_layers") or get("n_layer"), get("num_attention_heads") or get("n_head")
+    if not (hidden and layers and heads and get("vocab_size")):
+        raise UserError("config.json has no hidden_size / num_hidden_layers / num_attention_heads / vocab_size: "
+                        "the memory plan cannot size this model.")
+    kind = get("model_type") or ""
+    return Arch(hidden=hidden, layers=layers, heads=heads, kv_heads=get("num_key_value_heads") or heads,
+                head_dim=get("head_dim") or hidden // heads,
+                intermediate=get("intermediate_size") or get("n_inner") or 4 * hidden, vocab=get("vocab_size"),
+                tied=bool(get("tie_word_embeddings", False)), qkv_bias=bool(get("attention_bias") or kind == "qwen2"),
+                o_bias=bool(get("attention_bias")), mlp_bias=bool(get("mlp_bias")), qk_norm=kind.startswith("qwen3"),
+                model_type=kind, config=config)
+
+
+def linear_shapes(a: Arch) -> dict[str, tuple[int, int]]:
+    """(in, out) of each Linear of one layer, by its module name."""
+    nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    return {"q_proj": (a.hidden, nq), "k_proj": (a.hidden, nk), "v_proj": (a.hidden, nk), "o_proj": (nq, a.hidden),
+            "gate_proj": (a.hidden, a.intermediate), "up_proj": (a.hidden, a.intermediate),
+            "down_proj": (a.intermediate, a.hidden)}
+
+
+def layer_params(a: Arch) -> int:
+    """One block: its Linears (+ biases), two RMSNorm gains, Qwen3's q/k norms."""
+    nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    n = sum(i * o for i, o in linear_shapes(a).values()) + 2 * a.hidden
+    n += (nq + 2 * nk) * a.qkv_bias + a.hidden * a.o_bias + (2 * a.intermediate + a.hidden) * a.mlp_bias
+    return n + 2 * a.head_dim * a.qk_norm
+
+
+def n_params(a: Arch, head: str = "lm") -> int:
+    """Every parameter: embedding V·h, the blocks, the final norm h, and the head: `lm` (V·h unless tied to
+    the embedding) or `score` (a sequence classifier's h × 1)."""
+    n = a.vocab * a.hidden + a.layers * layer_params(a) + a.hidden
+    if head == "lm":
+        return n + (0 if a.tied else a.vocab * a.hidden)
+    return n + a.hidden
+
+
+def lora_params(a: Arch, r: int, targets: str = "all-linear") -> int:
+    """Adapter parameters: r · (in + out) for every targeted Linear of every layer (all-linear: all but the head)."""
+    names = LORA_MODULES if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    return a.layers * sum(r * (i + o) for n, (i, o) in linear_shapes(a).items() if n in names)
+
+
+# ---------------------------------------------------------------------------------------------- bytes per term
+
+
+def per_param(precision: str, zero_stage: int) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer state) bytes per trained parameter before sharding (build.ds_config):
+
+    bf16-pure  2 + 2 + 4   (bf16 moments; AdamW steps the bf16 module) and, under ZeRO-1/2, + 2 (a bf16 master
+               partition; ZeRO-3 steps its own bf16 partition in place)
+    bf16       2 + 4 + 12  (bf16 module, fp32 gradients, fp32 master + moments)
+    bf16-mixed / fp32: 4 + 4 + 8, and + 4 under ZeRO-1/2 (their fp32 master partition is a copy; ZeRO-3's is the
+               fp32 partition itself)."""
+    master = zero_stage in (1, 2)
+    if precision == "bf16-pure":
+        return 2, 2, 4 + 2 * master
+    if precision == "bf16":
+        return 2, 4, 12
+    return 4, 4, 8 + 4 * master
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the run holds its models: the precision and ZeRO stage it runs with (as resolved by align.engine.build),
+    the processes, offloads, gradient checkpointing, the device kind."""
+
+    precision: str = "bf16-pure"
+    zero_stage: int = 0
+    world: int = 1
+    offload_optimizer: bool = False
+    offload_frozen: bool = False
+    checkpointing: bool = False
+    device: str = "cuda"
+    fast_decoder: bool = True  # ALIGN_FAST_GENERATION
+    gather: bool = True  # RL stages' --gather: ZeRO-3 weights gathered for the rollout (else synced_gpus, sharded)
+
+    @property
+    def sharded_rollout(self) -> bool:
+        """ZeRO-3 on several processes decoding with --no-gather: sharded weights, transformers' generate."""
+        return self.zero_stage == 3 and self.world > 1 and not self.gather
+
+    @property
+    def r(self) -> int:
+        """Bytes of a module element (weights, residual stream)."""
+        return 2 if self.precision in ("bf16", "bf16-pure") else 4
+
+    @property
+    def e(self) -> int:
+        """Bytes of a matmul's output (autocast under bf16-mixed)."""
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class Model:
+    """One model of a stage: its shape, head (lm | score), whether it is trained, LoRA rank and targets."""
+
+    role: str
+    arch: Arch
+    head: str = "lm"
+    trained: bool = False
+    lora_r: int = 0
+    lora_targets: str = "all-linear"
+
+    @property
+    def params(self) -> int:
+        return n_params(self.arch, self.head)
+
+
+def model_state(m: Model, s: Setup) -> dict[str, float]:
+    """Bytes on one device: {"weights", "gradients", "optimizer"} (the last two 0 for a frozen model)."""
+    shard = lambda n, stage: n / s.world if s.zero_stage >= stage else n  # noqa: E731
+    if not m.trained:
+        gone = s.offload_frozen and s.zero_stage == 3
+        return {"weights": 0.0 if gone else shard(m.params * s.r, 3), "gradients": 0.0, "optimizer": 0.0}
+    if m.lora_r:  # a frozen base + fp32 adapters (and a score head) trained in full
+        trained = lora_params(m.arch, m.lora_r, m.lora_targets) + (m.arch.hidden if m.head == "score" else 0)
+        w, g, o = per_param("fp32", s.zero_stage)
+        frozen = (m.params - (m.arch.hidden if m.head == "score" else 0)) * s.r
+    else:
+        trained, frozen = m.params, 0
+        w, g, o = per_param(s.precision, s.zero_stage)
+    grads = shard(trained * g, 2)
+    if s.offload_optimizer:
+        grads = min(grads, BUCKET * g)
+    return {"weights": shard(frozen + trained * w, 3), "gradients": grads,
+            "optimizer": 0.0 if s.offload_optimizer else shard(trained * o, 1)}
+
+
+def activation_bytes(a: Arch, rows: int, length: int, s: Setup) -> float:
+    """Saved activations of one training forward of `rows` × `length` tokens (see the module docstring)."""
+    h, nq, nk = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
+    norm = 4 * h + 2 * s.r * h
+    per_layer = 2 * norm + s.e * (3 * nq + 2 * nk + 4 * a.intermediate)
+    tokens = rows * length
+    kept = a.layers * s.r * h + per_layer if s.checkpointing else a.layers * per_layer
+    return tokens * (kept + norm + 2 * s.e * h)  # + the final norm and the hidden states the head reads
+
+
+def inference_bytes(a: Arch, rows: int, length: int, s: Setup) -> float:
+    """The transient of a forward without gradients (log-probs of π_old / π_ref, values, reward scores): the
+    widest tensors of one layer at a time, gate, up and their product plus the residual stream."""
+    return rows * length * (s.e * 3 * a.intermediate + 2 * s.r * a.hidden)
+
+
+def full_logit_bytes(rows: int, length: int, vocab: int, s: Setup, grad: bool = True) -> float:
+    """The B × T × V logits of a plain forward: the logits (e), their shifted copy (e), the fp32 upcast (4) and
+    cross-entropy's saved fp32 log-softmax (4); without gradients the logits alone."""
+    return rows * length * vocab * ((2 * s.e + 8) if grad else s.e)
+
+
+def chunked_logit_bytes(tokens: int, vocab: int) -> float:
+    """align.logprobs' fused head over `tokens` positions: one chunk of fp32 logits (`rows_per_chunk` rows, or
+    fewer positions; the backward slices the vocabulary to the same size), their exp and one more temporary."""
+    from align.logprobs import rows_per_chunk
+
+    return 3 * min(tokens, rows_per_chunk(vocab)) * vocab * 4
+
+
+def decode_rows(rows: int, fast: bool) -> int:
+    """The decoder's batch: a power of two, at least 8 (CUDA-graph shapes), or the rows themselves."""
+    return max(8, 1 << (rows - 1).bit_length()) if fast else rows
+
+
+def cache_slots(length: int, fast: bool) -> int:
+    """The decoder's cache slots for rollouts of `length` tokens: rounded up to 128, plus one spare slot."""
+    return -(-length // 128) * 128 + 1 if fast else length
+
+
+def kv_cache_bytes(a: Arch, rows: int, length: int, s: Setup, fast: bool) -> float:
+    """2 (k, v) · layers · B · kv_heads · slots · head_dim · element bytes (FastDecoder._alloc)."""
+    return 2 * a.layers * decode_rows(rows, fast) * a.kv_heads * cache_slots(length, fast) * a.head_dim * s.e
+
+
+def prefill_bytes(a: Arch, rows: int, prompt: int, s: Setup, fast: bool) -> float:
+    """The decoder's prefill of one layer: fp32 scores and softmax, their cast and the fp32 bias [B, P, P]; and
+    the sampling buffers (noise and three [B, V] fp32 copies of the logits)."""
+    b = decode_rows(rows, fast)
+    scores = b * a.heads * prompt * prompt * (8 + s.e) + b * prompt * prompt * 4 if fast else 0
+    return scores + 4 * b * a.vocab * 4
+
+
+# ---------------------------------------------------------------------------------------------- a stage's plan
+
+
+@dataclass
+class Plan:
+    """Terms (bytes per device) in each phase of a step; the peak is the largest phase's sum."""
+
+    title: str
+    phases: tuple[str, ...]
+    rows: list[tuple[str, dict[str, float]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    free: float = 0.0  # bytes the run may use on each device
+    enforced: bool = False  # a peak above `free` stops the run
+
+    def add(self, name: str, nbytes: float, *phases: str) -> None:
+        """`nbytes` in each of `phases` (all of them when none is named); zero terms are left out."""
+        if nbytes > 0:
+            self.rows.append((name, {p: float(nbytes) for p in (phases or self.phases)}))
+
+    def subtract(self, name: str, phase: str, nbytes: float) -> None:
+        """Take `nbytes` off term `name` in `phase` (what leaves the device for that phase)."""
+        self.rows = [(n, {**by, phase: by[phase] - nbytes} if n == name else by) for n, by in self.rows]
+
+    def add_state(self, m: Model, s: Setup, grads_in: str = "update") -> None:
+        """A model's weights (every phase), gradients (`grads_in`) and optimizer state (every phase)."""
+        st = model_state(m, s)
+        self.add(f"{m.role}: weights", st["weights"])
+        self.add(f"{m.role}: gradients", st["gradients"], grads_in)
+        self.add(f"{m.role}: optimizer state", st["optimizer"])
+
+    def total(self, phase: str) -> float:
+        return sum(by.get(phase, 0.0) for _, by in self.rows)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> float:
+        return self.total(self.peak_phase)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.free
+
+
+@dataclass(frozen=True)
+class Device:
+    """The device a run's process computes on: kind, the bytes it may use, processes, whether the check stops."""
+
+    kind: str = "cuda"
+    free: float = 0.0
+    world: int = 1
+    enforced: bool = True
+    fast_decoder: bool = True
+    source: str = ""  # where `free` came from, for the table
+
+
+def setup(cfg, device: Device) -> Setup:
+    """The precision and ZeRO stage the run will use (align.engine.build's own rules) and its other switches."""
+    from types import SimpleNamespace
+
+    from align.engine.build import engine_stage, resolve_precision
+
+    dev = SimpleNamespace(type=device.kind)
+    keep = bool(getattr(cfg, "offload_optimizer", False) or getattr(cfg, "offload_frozen", False))
+    stage, _ = engine_stage(cfg.zero_stage, device.world, dev, keep, cfg.deepspeed)
+    return Setup(precision=resolve_precision(dev, cfg.precision, offload=keep), zero_stage=stage, world=device.world,
+                 offload_optimizer=bool(getattr(cfg, "offload_optimizer", False)),
+                 offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
+                 checkpointing=bool(getattr(cfg, "gradient_checkpointing", False)), device=device.kind,
+                 fast_decoder=device.fast_decoder and device.kind == "cuda", gather=getattr(cfg, "gather", True))
+
+
+def _trained(cfg, role: str, a: Arch, head: str = "lm") -> Model:
+    return Model(role, a, head, True, getattr(cfg, "lora_r", 0), getattr(cfg, "lora_targets", "all-linear"))
+
+
+def _reference(cfg, models: dict, plan: Plan) -> Model | None:
+    """The frozen reference (--ref-model, else the input model), or None where the LoRA policy with its adapters
+    off is the reference."""
+    if getattr(cfg, "lora_r", 0) and not getattr(cfg, "ref_model", ""):
+        plan.notes.append("reference = the LoRA policy with its adapters off (no second copy)")
+        return None
+    return Model("reference", models.get("reference", models["policy"]).arch)
+
+
+def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup) -> None:
+    """The rollout phase's own terms (the decoder's copy, its KV cache, prefill and sampling buffers)."""
+    a = policy.arch
+    why = ("a CPU" if s.device != "cuda" else "--no-gather" if s.sharded_rollout else
+           "ALIGN_FAST_GENERATION=0" if not s.fast_decoder else decoder_reason(a, prompt + new))
+    fast = why is None
+    if fast:
+        plan.add("rollout: decoder's bf16 copy", n_params(a) * s.e, "rollout")
+    else:
+        plan.notes.append(f"rollout: transformers' generate ({why}): a KV cache, no inference copy")
+    if fast and policy.lora_r and s.zero_stage != 3:  # the frozen base is parked in host memory while decoding
+        plan.subtract(f"{policy.role}: weights", "rollout", (policy.params - a.hidden * (policy.head == "score")) * s.r)
+        plan.notes.append("LoRA: the frozen base waits in host memory during the rollout")
+    if s.zero_stage == 3 and s.world > 1 and s.gather:
+        plan.add("rollout: policy gathered (ZeRO-3)", n_params(a) * s.r * (1 - 1 / s.world), "rollout")
+    plan.add(f"rollout: KV cache ({decode_rows(rows, fast)} rows x {cache_slots(prompt + new, fast)} slots)",
+             kv_cache_bytes(a, rows, prompt + new, s, fast), "rollout")
+    plan.add("rollout: prefill and sampling buffers", prefill_bytes(a, rows, prompt, s, fast), "rollout")
+
+
+def _zero3_blocks(plan: Plan, models: list[Model], s: Setup) -> None:
+    """ZeRO-3 on several processes gathers a block's weights for its forward / backward: ~2 blocks in flight."""
+    if s.zero_stage == 3 and s.world > 1 and models:
+        plan.add("ZeRO-3: gathered blocks", 2 * max(layer_params(m.arch) for m in models) * s.r)
+
+
+@dataclass(frozen=True)
+class Data:
+    """What the stage's data says about lengths: its longest prompt (RL stages, online DPO) and its longest
+    example (sft, rm, dpo: a batch is padded to its longest row); None where unknown."""
+
+    prompt_tokens: int | None = None
+    sequence_tokens: int | None = None
+
+    def prompt(self, cfg) -> int:
+        """The longest prompt; unknown: PPO's --max-prompt-length, else 256."""
+        return self.prompt_tokens if self.prompt_tokens is not None else getattr(cfg, "max_prompt_length", 256)
+
+    def sequence(self, cfg) -> int:
+        """The longest training row: --max-length, or the data's longest example below it (not when packing)."""
+        if self.sequence_tokens and not getattr(cfg, "packing", False):
+            return min(self.sequence_tokens, cfg.max_length)
+        return cfg.max_length
+
+
+def longest_row(examples: list[dict]) -> int | None:
+    """Tokens of the longest row the tokenised examples make: an SFT row, a pair's prompt + its longer response,
+    a KTO row's prompt + completion (None: no examples)."""
+    def tokens(e: dict) -> int:
+        if "input_ids" in e:
+            return len(e["input_ids"])
+        return len(e["prompt_ids"]) + max(len(e.get(k, ())) for k in ("chosen_ids", "rejected_ids", "completion_ids"))
+
+    return max(map(tokens, examples), default=None)
+
+
+def micro_rows(stage: str, cfg, world: int, longest: int = 0) -> tuple[int, int]:
+    """(the update's micro-batch per process, the batch per process and step it must divide), as the stage
+    computes them: rows, or pairs in rm and dpo (2 rows each)."""
+    from align.engine.build import rows_within
+
+    if stage == "grpo":
+        n = cfg.prompts_per_step // world * cfg.num_generations
+        return min(cfg.micro_batch_size or rows_within(n, longest, cfg.micro_batch_tokens), n), n
+    if stage == "ppo":
+        n = cfg.minibatch_size // world
+        return min(cfg.micro_batch_size or n, n), n
+    n = cfg.batch_size // world
+    return cfg.micro_batch_size or n, n
+
+
+def _update(plan: Plan, a: Arch, rows: int, length: int, s: Setup, logits: str = "chunked") -> None:
+    plan.add(f"activations ({rows} rows x {length} tokens{', checkpointed' if s.checkpointing else ''})",
+             activation_bytes(a, rows, length, s), "update")
+    if logits == "full":
+        plan.add(f"logits ({rows} x {length} x {a.vocab}, fp32 loss)", full_logit_bytes(rows, length, a.vocab, s),
+                 "update")
+    elif logits == "chunked":
+        plan.add("logits (fused log-probs, chunked)", chunked_logit_bytes(rows * length, a.vocab), "update")
+
+
+def _supervised(stage: str, cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
+    """sft (full logits), rm (2 rows per pair; a score head, or a likelihood head's full logits)."""
+    a = models["policy"].arch
+    micro, _ = micro_rows(stage, cfg, s.world)
+    head = "lm" if stage == "sft" or getattr(cfg, "head", "scalar") == "likelihood" else "score"
+    plan.add_state(_trained(cfg, "policy" if stage == "sft" else "reward model", a, head), s)
+    rows = micro * (2 if stage == "rm" else 1)
+    _update(plan, a, rows, data.sequence(cfg), s, "full" if head == "lm" else "none")
+    if "eval" in plan.phases:  # SFT's held-out loss: 64 rows a forward, their full logits (stages.sft.evaluate)
+        length = data.sequence(cfg)
+        plan.add(f"eval: forward ({EVAL_ROWS} rows x {length} tokens)", inference_bytes(a, EVAL_ROWS, length, s),
+                 "eval")
+        plan.add(f"eval: logits ({EVAL_ROWS} x {length} x {a.vocab}, fp32 loss)",
+                 full_logit_bytes(EVAL_ROWS, length, a.vocab, s), "eval")
+
+
+def _dpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
+    a, length = models["policy"].arch, data.sequence(cfg)
+    policy = _trained(cfg, "policy", a)
+    plan.add_state(policy, s)
+    ref = None if cfg.reference_free else _reference(cfg, models, plan)
+    rows = 2 * micro_rows("dpo", cfg, s.world)[0]
+    if ref is not None:
+        phases = ("reference pass",) if cfg.precompute_ref else plan.phases
+        plan.add("reference: weights", model_state(ref, s)["weights"], *phases)
+        if cfg.precompute_ref:  # 32 pairs at a time, then the reference is freed
+            plan.add("reference pass: forward", inference_bytes(ref.arch, 64, length, s) +
+                     chunked_logit_bytes(64 * length, ref.arch.vocab), "reference pass")
+        else:
+            plan.add("reference: forward beside the policy's graph", inference_bytes(ref.arch, rows, length, s),
+                     "update")
+    if "reward model" in models:
+        plan.add("reward model: weights", model_state(models["reward model"], s)["weights"])
+    if cfg.online:
+        _rollout(plan, policy, 64, data.prompt(cfg), cfg.max_new_tokens, s)
+    _update(plan, a, rows, length, s)
+
+
+def _frozen(plan: Plan, models: dict, roles: tuple[str, ...], s: Setup) -> list[Model]:
+    found = [models[r] for r in roles if r in models]
+    for m in found:
+        plan.add(f"{m.role}: weights", model_state(m, s)["weights"])
+    return found
+
+
+def _scoring(plan: Plan, models: list[Model], rows: int, length: int, s: Setup) -> None:
+    """The score phase: the largest no-grad pass (log-probs, values, reward scores) over a micro-batch."""
+    if not models:
+        return
+    passes = {m.role: inference_bytes(m.arch, rows, length, s) + (
+        chunked_logit_bytes(rows * length, m.arch.vocab) if m.role in ("policy", "reference", "teacher") else
+        full_logit_bytes(rows, length, m.arch.vocab, s, grad=False) if m.head == "lm" else 0) for m in models}
+    role = max(passes, key=passes.get)
+    plan.add(f"score: largest forward ({role}, {rows} rows)", passes[role], "score")
+
+
+def _grpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
+    a, prompt = models["policy"].arch, data.prompt(cfg)
+    longest = prompt + cfg.max_new_tokens
+    micro, n = micro_rows("grpo", cfg, s.world, longest)
+    policy = _trained(cfg, "policy", a)
+    plan.add_state(policy, s)
+    ref = _reference(cfg, models, plan) if cfg.beta else None
+    frozen = ([ref] if ref else []) + _frozen(plan, models, ("teacher", "reward model"), s)
+    if ref:
+        plan.add("reference: weights", model_state(ref, s)["weights"])
+    _rollout(plan, policy, n, prompt, cfg.max_new_tokens, s)
+    _scoring(plan, ([policy] if cfg.num_iterations > 1 else []) + frozen, micro, longest, s)
+    _zero3_blocks(plan, [policy, *frozen], s)
+    _update(plan, a, micro, longest, s)
+
+
+def _ppo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
+    a, prompt = models["policy"].arch, data.prompt(cfg)
+    longest = prompt + cfg.max_new_tokens
+    micro, _ = micro_rows("ppo", cfg, s.world)
+    policy = _trained(cfg, "policy", a)
+    value = _trained(cfg, "value", models["value"].arch, "score")
+    plan.add_state(policy, s)
+    plan.add_state(value, s)
+    ref = _reference(cfg, models, plan)
+    if ref:
+        plan.add("reference: weights", model_state(ref, s)["weights"])
+    frozen = ([ref] if ref else []) + _frozen(plan, models, ("reward model",), s)
+    _rollout(plan, policy, cfg.prompts_per_step // s.world, prompt, cfg.max_new_tokens, s)
+    _scoring(plan, [policy, value, *frozen], micro, longest, s)
+    _zero3_blocks(plan, [policy, value, *frozen], s)
+    logits = "full" if cfg.ent_coef else "chunked"  # an entropy bonus takes the plain path (full logits)
+    head = (full_logit_bytes(micro, longest, a.vocab, s) if cfg.ent_coef else
+            chunked_logit_bytes(micro * longest, a.vocab))
+    passes = {"policy": activation_bytes(a, micro, longest, s) + head,
+              "value": activation_bytes(value.arch, micro, longest, s)}
+    if cfg.ptx_coef:
+        rows = max(1, cfg.ptx_batch_size // s.world)
+        passes["ptx"] = (activation_bytes(a, rows, cfg.ptx_max_length, s) +
+                         full_logit_bytes(rows, cfg.ptx_max_length, a.vocab, s))
+    role = max(passes, key=passes.get)
+    plan.add(f"activations + logits ({role} pass, {micro} rows x {longest} tokens, {logits} logits)", passes[role],
+             "update")
+
+
+EVAL_ROWS = 64  # SFT's held-out loss runs 64 rows a forward
+PHASES = {"sft": ("update",), "rm": ("update",), "dpo": ("update",), "grpo": ("rollout", "score", "update"),
+          "ppo": ("rollout", "score", "update")}
+
+
+def estimate(stage: str, cfg, models: dict[str, Model], device: Device, data: Data = Data()) -> Plan:
+    """The plan of `stage` run with `cfg` on `device`: `models` maps a role (policy, reference, reward model,
+    value, teacher) to its Model (frozen; the stage decides what it trains); `data`, the lengths of the data."""
+    s = setup(cfg, device)
+    phases = PHASES[stage]
+    if stage == "dpo":
+        phases = (("rollout",) if cfg.online else ()) + (("reference pass",) if cfg.precompute_ref else ()) + phases
+    if stage == "sft" and cfg.eval_data:
+        phases += ("eval",)
+    plan = Plan(f"memory plan: {stage}, {s.precision}, ZeRO-{s.zero_stage}, {device.world} process(es)"
+                f"{', LoRA r ' + str(cfg.lora_r) if getattr(cfg, 'lora_r', 0) else ''}", phases,
+                free=device.free, enforced=device.enforced)
+    if stage in ("sft", "rm"):
+        _supervised(stage, cfg, models, s, plan, data)
+    else:
+        {"dpo": _dpo, "grpo": _grpo, "ppo": _ppo}[stage](cfg, models, s, plan, data)
+    if s.precision == "bf16-pure" and s.zero_stage == 0:
+        from align.optim import CHUNK
+
+        plan.add("optimizer step scratch (fp32 chunks)", 36 * CHUNK, "update")
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- what to change
+
+
+def flags(change: dict) -> str:
+    """--flag value for every changed setting ("--nproc 2 --zero-stage 3")."""
+    out = []
+    for k, v in change.items():
+        flag = "--" + k.replace("_", "-")
+        out.append(flag if v is True else f"--no-{flag[2:]}" if v is False else f"{flag} {shlex.quote(str(v))}")
+    return " ".join(out)
+
+
+def _changes(stage: str, cfg, device: Device, data: Data):
+    """Candidate changes in the order to try them, families of (change, device), each from its least drastic
+    value: a smaller micro-batch (sft: no held-out loss), gradient checkpointing, LoRA, optimizer offload, fewer
+    rollout rows or new tokens, more processes."""
+    def variant(**change):
+        return change, device
+
+    micro, n = micro_rows(stage, cfg, device.world, data.prompt(cfg) + getattr(cfg, "max_new_tokens", 0))
+    yield [variant(micro_batch_size=d) for d in range(micro - 1, 0, -1) if n % d == 0]
+    if stage == "sft" and cfg.eval_data:
+        yield [variant(eval_data="")]  # its 64-row held-out forwards
+    if hasattr(cfg, "gradient_checkpointing") and not cfg.gradient_checkpointing:
+        yield [variant(gradient_checkpointing=True)]
+    if not cfg.lora_r:
+        yield [variant(lora_r=16)]
+    if not cfg.offload_optimizer:
+        change = {"offload_optimizer": True, **({"zero_stage": 3} if cfg.zero_stage == 0 else {}),
+                  **({"precision": "bf16-mixed"} if cfg.precision == "bf16-pure" else {})}
+        yield [(change, device)]
+    if stage in ("grpo", "ppo"):
+        fewer = [cfg.prompts_per_step >> k for k in range(1, 8) if (cfg.prompts_per_step >> k) >= device.world
+                 and (cfg.prompts_per_step >> k) % device.world == 0]
+        yield [variant(prompts_per_step=p, **({"minibatch_size": min(cfg.minibatch_size, p)} if stage == "ppo" else {}))
+               for p in fewer]
+        yield [variant(max_new_tokens=t) for t in (cfg.max_new_tokens >> k for k in range(1, 6)) if t >= 16]
+    more = {"zero_stage": 3} if cfg.zero_stage == 0 else {}
+    yield [({"nproc": device.world * k, **more}, replace(device, world=device.world * k)) for k in (2, 4, 8)]
+
+
+def _try(stage: str, cfg, models: dict, change: dict, device: Device, data: Data) -> Plan | None:
+    """The plan with `change` applied to `cfg` (None: not a valid combination of flags)."""
+    try:
+        return estimate(stage, replace(cfg, **{k: v for k, v in change.items() if k != "nproc"}), models, device,
+                        data)
+    except UserError:
+        return None
+
+
+def smallest_change(stage: str, cfg, models: dict, device: Device, data: Data = Data()) -> tuple[str, Plan] | None:
+    """(flags, plan) of the first candidate change (in `_changes`' order, each family from its least drastic
+    value) whose plan fits; failing every single change, the families' most drastic values added up in the same
+    order, each kept only if it lowers the peak, until the plan fits; None when nothing tried fits."""
+    families = [f for f in _changes(stage, cfg, device, data) if f]
+    for family in families:
+        for change, d in family:
+            p = _try(stage, cfg, models, change, d, data)
+            if p is not None and p.fits:
+                return flags(change), p
+    together, dev, best = {}, device, estimate(stage, cfg, models, device, data)
+    for family in families:
+        change, d = family[-1]
+        d = d if d is not device else dev
+        p = _try(stage, cfg, models, {**together, **change}, d, data)
+        if p is not None and p.peak < best.peak:
+            together, dev, best = {**together, **change}, d, p
+            if p.fits:
+                return flags(together), p
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- the run's inputs
+
+
+def read_config(spec: str) -> dict:
+    """A --model value's config.json (nothing else is read): a preset's fields, an artifact's model/, a directory,
+    or a hub id's cached snapshot."""
+    from align.models import HUB_ID, PRESETS, hub_snapshot
+
+    if spec in PRESETS and not Path(spec).exists():
+        from align.models import load_tokenizer, resolve
+
+        return {**PRESETS[spec], "vocab_size": len(load_tokenizer(resolve(spec))), "tie_word_embeddings": True,
+                "model_type": "llama"}
+    path = Path(spec)
+    if not path.exists() and HUB_ID.fullmatch(spec):
+        path = hub_snapshot(spec)
+    if (path / "artifact.json").is_file():
+        path = path / "model"
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path / 'config.json'}: cannot read it for the memory plan ({e}).") from None
+
+
+def model_of(role: str, spec: str) -> Model:
+    """The frozen Model of `spec` in `role`: a reward model has the head its config names (scalar: a score head,
+    as align.reward_model loads it), the value network a score head, the others their LM head."""
+    from align.reward_model import head_of
+
+    config = read_config(spec)
+    score = role == "value" or (role == "reward model" and head_of(config)[0] == "scalar")
+    return Model(role, arch(config), "score" if score else "lm")
+
+
+def stage_models(stage: str, cfg) -> dict[str, Model]:
+    """The models a stage builds, by role, from its flags (the stage has checked every path already)."""
+    specs = {"policy": cfg.model}
+    if getattr(cfg, "ref_model", ""):
+        specs["reference"] = cfg.ref_model
+    if stage == "grpo" and cfg.teacher:
+        specs["teacher"] = cfg.teacher
+    if getattr(cfg, "reward_model", "") and (stage != "dpo" or cfg.online):
+        specs["reward model"] = cfg.reward_model
+    if stage == "ppo":
+        specs["value"] = cfg.value_model or cfg.reward_model
+    return {role: model_of(role, spec) for role, spec in specs.items()}
+
+
+def device_for(cfg) -> Device:
+    """This process's device: ALIGN_DEVICE_MEMORY_BYTES when set (a budget the check enforces, on any device),
+    else the free memory of its GPU (torch.cuda.mem_get_info), else total RAM (informational)."""
+    import torch
+
+    from align.fast_generate import enabled_by_env
+
+    world = int(os.environ.get("WORLD_SIZE") or cfg.nproc * cfg.nnodes)
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    fake = os.environ.get(ENV_BUDGET)
+    if fake:
+        try:
+            free = int(float(fake))
+        except ValueError:
+            raise UserError(f"{ENV_BUDGET}={fake!r}: give the device's memory in bytes (e.g. 80e9).") from None
+        return Device(kind, free, world, True, enabled_by_env(), ENV_BUDGET)
+    if kind == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        free, total = torch.cuda.mem_get_info(index)
+        return Device(kind, free, world, True, enabled_by_env(),
+                      f"free on {torch.cuda.get_device_name(index)}, {total / GiB:.0f} GiB")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Device(kind, ram, world, False, enabled_by_env(), "RAM, informational on a CPU")
+
+
+# ---------------------------------------------------------------------------------------------- the check
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def show(plan: Plan, source: str = "") -> None:
+    """The plan as one table: a row per term, a column per phase (GiB per device, MiB for a small model), the
+    totals, the verdict."""
+    from align.console import table
+
+    unit, scale = ("GiB", GiB) if plan.peak >= GiB else ("MiB", 1 << 20)
+    cell = lambda by, p: f"{by[p] / scale:.2f}" if p in by else "-"  # noqa: E731
+    rows = [[name, *(cell(by, p) for p in plan.phases)] for name, by in plan.rows]
+    rows.append(["total", *(f"{plan.total(p) / scale:.2f}" for p in plan.phases)])
+    verdict = "fits" if plan.fits else "does NOT fit" if plan.enforced else "above it (informational)"
+    footer = [f"peak {gib(plan.peak)} ({plan.peak_phase} phase) of {gib(plan.free)}{f' ({source})' if source else ''}"
+              f": {verdict}", *(f"  note: {n}" for n in plan.notes)]
+    table(f"{plan.title} ({unit} per device)", ["term", *plan.phases], rows, footer)
+
+
+AUTO_MICRO = ("sft", "rm", "dpo", "grpo")  # --micro-batch-size 0 is the stage's own choice there
+
+
+def preflight(cfg, stage: str, data: Data = Data()) -> None:
+    """The memory plan of a training stage, before it builds a model or writes --out: printed on a GPU (and with
+    --plan, which then exits 0); when the peak does not fit, a micro-batch left to the stage
+    (--micro-batch-size 0) is made smaller to fit, else the run stops with exit 2 naming the smallest change that
+    would fit (--no-plan-check / ALIGN_PLAN_CHECK=0 runs anyway)."""
+    if not hasattr(cfg, "plan_check") or stage not in PHASES:
+        return
+    try:
+        models, device = stage_models(stage, cfg), device_for(cfg)
+        plan = estimate(stage, cfg, models, device, data)
+    except UserError as e:
+        if cfg.plan:
+            raise
+        from align.console import warn
+
+        warn(f"memory plan skipped: {e}")
+        return
+    if plan.fits or not device.enforced:
+        if cfg.plan or device.kind == "cuda":
+            show(plan, device.source)
+        if cfg.plan:
+            raise SystemExit(0)
+        return
+    _does_not_fit(cfg, stage, models, device, plan, data)
+
+
+def _does_not_fit(cfg, stage: str, models: dict, device: Device, plan: Plan, data: Data) -> None:
+    from align.console import info, warn
+
+    found = smallest_change(stage, cfg, models, device, data)
+    # one process only: ranks see different free memory, and their micro-batches must agree
+    auto = (found is not None and found[0].startswith("--micro-batch-size") and cfg.micro_batch_size == 0
+            and stage in AUTO_MICRO and not getattr(cfg, "online", False) and device.world == 1)
+    if auto:  # the stage's own choice of micro-batch, made smaller: the same update, in more passes
+        was = micro_rows(stage, cfg, device.world, data.prompt(cfg) + getattr(cfg, "max_new_tokens", 0))[0]
+        cfg.micro_batch_size = int(found[0].split()[-1])
+        show(found[1], device.source)
+        info(f"memory plan: micro-batches of {cfg.micro_batch_size} rows (--micro-batch-size 0 chose {was}, "
+             "which does not fit)")
+        if cfg.plan:
+            raise SystemExit(0)
+        return
+    show(plan, device.source)
+    if cfg.plan:
+        raise SystemExit(0)
+    need = f"needs ~{gib(plan.peak)} per device ({plan.peak_phase} phase), {gib(plan.free)} available"
+    fix = (f"the smallest change that fits: {found[0]} (peak ~{gib(found[1].peak)})" if found else
+           "no change tried fits (micro-batch, checkpointing, LoRA, offload, rollout size, up to 8x the processes)")
+    skip = "--no-plan-check (or ALIGN_PLAN_CHECK=0) runs it anyway, if the estimate is wrong"
+    if not cfg.plan_check or os.environ.get(ENV_CHECK, "1").lower() in ("0", "false", "no", "off"):
+        warn(f"memory plan: {stage} {need}; {fix}. Running anyway (plan check off).")
+        return
+    message = f"memory plan: {stage} {need} ({device.source}); {fix}. {skip}."
+    if os.environ.get("RANK", "0") != "0":  # the CLI prints rank 0's errors; this rank's plan may differ
+        from align.console import console
+
+        console.print(f"error (rank {os.environ['RANK']}): {message}", markup=False, soft_wrap=True)
+    raise UserError(message)

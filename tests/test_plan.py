@@ -1,0 +1,341 @@
+"""The memory plan (align.engine.plan): hand-computed terms of a tiny config, parameter counts against
+transformers and peft, phases and the peak, the smallest change that fits, and the check in a real run (exit 2
+before anything is written, --plan, --no-plan-check, an automatic micro-batch). The compile cache and the
+time/compile metric (align.compile_cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.config import build
+from align.engine import plan as P
+from align.errors import UserError
+from stages.dpo import DPOConfig
+from stages.grpo import GRPOConfig
+from stages.ppo import PPOConfig
+from stages.sft import SFTConfig
+from tests.conftest import output, run_align, small_data
+
+# h 8, 2 layers, 2 heads of 4 (1 KV head), MLP 16, vocabulary 32, tied embeddings. By hand, per layer: q 8·8 = 64,
+# k 8·4 = 32, v 32, o 64, gate 8·16 = 128, up 128, down 128, two norms 2·8: 592; the model 32·8 + 2·592 + 8 = 1448
+# (an LM head tied to the embedding), 1448 + 8 = 1456 with a score head.
+TINY = dict(model_type="llama", hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=4, intermediate_size=16, vocab_size=32, tie_word_embeddings=True)
+A = P.arch(TINY)
+N, N_SCORE = 1448, 1456
+LORA_2 = 2 * 2 * ((8 + 8) + (8 + 4) + (8 + 4) + (8 + 8) + 3 * (8 + 16))  # r (in + out) per Linear, 2 layers: 512
+GPU = P.Device("cuda", 1e12, 1, True, True, "test")
+
+
+def test_parameter_counts_by_hand_and_against_transformers():
+    assert P.n_params(A) == N and P.n_params(A, "score") == N_SCORE
+    assert P.n_params(P.arch({**TINY, "tie_word_embeddings": False})) == N + 32 * 8
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    shapes = [TINY, {**TINY, "tie_word_embeddings": False}, {**TINY, "model_type": "qwen2"},
+              {**TINY, "model_type": "qwen3", "head_dim": 6}, {**TINY, "attention_bias": True, "mlp_bias": True}]
+    for config in shapes:
+        hf = AutoConfig.for_model(**config)
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(hf)
+            hf.num_labels = 1
+            clf = AutoModelForSequenceClassification.from_config(hf)
+        assert P.n_params(P.arch(config)) == sum(p.numel() for p in lm.parameters()), config
+        assert P.n_params(P.arch(config), "score") == sum(p.numel() for p in clf.parameters()), config
+
+
+def test_lora_adapter_count_against_peft():
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert P.lora_params(A, 2) == LORA_2 == 512
+    for targets in ("all-linear", "q_proj,v_proj"):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**TINY))
+        names = targets if targets == "all-linear" else targets.split(",")
+        peft = get_peft_model(model, LoraConfig(r=2, target_modules=names))
+        trained = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+        assert P.lora_params(A, 2, targets) == trained
+
+
+def test_bytes_per_term_by_hand():
+    policy = P.Model("policy", A, trained=True)
+    pure = P.Setup("bf16-pure", 0)
+    assert P.model_state(policy, pure) == {"weights": N * 2, "gradients": N * 2, "optimizer": N * 4}
+    # ZeRO-2 on 2 processes: bf16 master partition (+2) and moments sharded, gradients sharded, weights whole
+    assert P.model_state(policy, P.Setup("bf16-pure", 2, world=2)) == {
+        "weights": N * 2, "gradients": N * 2 / 2, "optimizer": N * 6 / 2}
+    # ZeRO-3 on 4: everything sharded; fp32 moments, no master copy (the fp32 partition is the master)
+    assert P.model_state(policy, P.Setup("fp32", 3, world=4)) == {
+        "weights": N * 4 / 4, "gradients": N * 4 / 4, "optimizer": N * 8 / 4}
+    assert P.model_state(policy, P.Setup("bf16-mixed", 3, offload_optimizer=True)) == {
+        "weights": N * 4, "gradients": N * 4, "optimizer": 0}  # the bucket is larger than this model's gradients
+    assert P.model_state(P.Model("reference", A), pure) == {"weights": N * 2, "gradients": 0, "optimizer": 0}
+    assert P.model_state(P.Model("reference", A), P.Setup("bf16-pure", 3, offload_frozen=True))["weights"] == 0
+    lora = P.Model("policy", A, trained=True, lora_r=2)  # frozen bf16 base + fp32 adapters (4 + 4 + 8 bytes)
+    assert P.model_state(lora, pure) == {"weights": N * 2 + 512 * 4, "gradients": 512 * 4, "optimizer": 512 * 8}
+    value = P.Model("value", A, "score", trained=True, lora_r=2)  # + the score head (8), trained in full
+    assert P.model_state(value, pure) == {"weights": N * 2 + 520 * 4, "gradients": 520 * 4, "optimizer": 520 * 8}
+
+
+def test_activations_logits_and_kv_cache_by_hand():
+    # per token and layer: 2 norms · (4·8 + 2·2·8) = 128, + 2 · (3·8 + 2·4 + 4·16) = 192: 320; + the final norm
+    # (64) and the head's hidden states (2·2·8 = 32): (2·320 + 96) · 6 tokens
+    bf16 = P.Setup("bf16-pure", 0)
+    assert P.activation_bytes(A, 2, 3, bf16) == (2 * 320 + 96) * 6 == 4416
+    checkpointed = P.Setup("bf16-pure", 0, checkpointing=True)  # each layer keeps its input (2·8), one recomputes
+    assert P.activation_bytes(A, 2, 3, checkpointed) == (2 * 16 + 320 + 96) * 6
+    fp32 = P.Setup("fp32", 0)  # norms 32 + 64 = 96; 2·96 + 4·96 = 576 per layer; + 96 + 64
+    assert P.activation_bytes(A, 2, 3, fp32) == (2 * 576 + 160) * 6
+    assert P.full_logit_bytes(2, 3, 32, bf16) == 2 * 3 * 32 * (2 + 2 + 4 + 4)
+    # the fused head: 3 fp32 copies of one chunk, 2^25 elements at most (220 rows of a 152k vocabulary)
+    assert P.chunked_logit_bytes(6, 32) == 3 * 6 * 32 * 4
+    assert P.chunked_logit_bytes(10_000, 151_936) == 3 * 220 * 151_936 * 4
+    # 5 rows decode as 8 (a power of two), 100 tokens in 128 + 1 cache slots: 2 · 2 layers · 8 · 1 · 129 · 4 · 2
+    assert P.kv_cache_bytes(A, 5, 100, bf16, fast=True) == 2 * 2 * 8 * 1 * 129 * 4 * 2
+    assert P.kv_cache_bytes(A, 5, 100, bf16, fast=False) == 2 * 2 * 5 * 1 * 100 * 4 * 2
+
+
+def rows(plan: P.Plan) -> dict[str, dict[str, float]]:
+    return dict(plan.rows)
+
+
+def test_ppo_holds_four_models():
+    cfg = build(PPOConfig, None, {"model": "x"})
+    models = {"policy": P.Model("policy", A), "value": P.Model("value", A, "score"),
+              "reward model": P.Model("reward model", A, "score")}
+    r = rows(P.estimate("ppo", cfg, models, GPU, P.Data(prompt_tokens=10)))
+    assert r["policy: weights"]["update"] == N * 2 and r["policy: optimizer state"]["rollout"] == N * 4
+    assert r["policy: gradients"] == {"update": N * 2}  # none outside the update
+    assert r["value: weights"]["update"] == N_SCORE * 2 and r["value: gradients"] == {"update": N_SCORE * 2}
+    assert r["value: optimizer state"]["score"] == N_SCORE * 4
+    assert r["reference: weights"]["update"] == N * 2 and r["reward model: weights"]["rollout"] == N_SCORE * 2
+    lora = P.estimate("ppo", build(PPOConfig, None, {"model": "x", "lora_r": 2}), models, GPU, P.Data(10))
+    assert "reference: weights" not in rows(lora) and any("adapters off" in n for n in lora.notes)
+    assert rows(lora)["value: optimizer state"]["update"] == (LORA_2 + 8) * 8
+
+
+def test_grpo_peak_is_the_larger_phase_not_the_sum():
+    cfg = build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2, "max_new_tokens": 50})
+    plan = P.estimate("grpo", cfg, {"policy": P.Model("policy", A)}, GPU, P.Data(prompt_tokens=20))
+    r = rows(plan)
+    assert r["rollout: decoder's bf16 copy"] == {"rollout": N * 2}  # freed before the update (release)
+    assert r["rollout: KV cache (8 rows x 129 slots)"] == {"rollout": 2 * 2 * 8 * 129 * 4 * 2}
+    assert "update" not in r["rollout: prefill and sampling buffers"]
+    totals = {p: plan.total(p) for p in plan.phases}
+    assert plan.peak == max(totals.values()) < sum(totals.values())
+    assert "reference: weights" not in r  # β 0 loads none
+    with_ref = rows(P.estimate("grpo", build(GRPOConfig, None, {"model": "x", "beta": 0.1}),
+                               {"policy": P.Model("policy", A)}, GPU, P.Data(20)))
+    assert with_ref["reference: weights"]["update"] == N * 2
+    lora = rows(P.estimate("grpo", build(GRPOConfig, None, {"model": "x", "beta": 0.1, "lora_r": 2}),
+                           {"policy": P.Model("policy", A)}, GPU, P.Data(20)))
+    assert "reference: weights" not in lora
+    assert lora["policy: weights"]["rollout"] == LORA_2 * 4  # the base waits in host memory while decoding
+    assert lora["policy: weights"]["update"] == N * 2 + LORA_2 * 4
+    hf = P.estimate("grpo", cfg, {"policy": P.Model("policy", P.arch({**TINY, "model_type": "gpt_neox"}))}, GPU,
+                    P.Data(20))
+    assert not any(n.startswith("rollout: decoder") for n, _ in hf.rows)  # transformers' generate: no copy
+    assert any("model type 'gpt_neox'" in n for n in hf.notes)
+    window = P.arch({**TINY, "model_type": "mistral", "sliding_window": 64})  # shorter than the rollout's 70
+    assert any("sliding-window" in n for n in P.estimate("grpo", cfg, {"policy": P.Model("policy", window)}, GPU,
+                                                         P.Data(20)).notes)
+
+
+def test_dpo_reference_live_precomputed_none():
+    policy = {"policy": P.Model("policy", A)}
+    live = P.estimate("dpo", build(DPOConfig, None, {"model": "x"}), policy, GPU)
+    assert rows(live)["reference: weights"] == {"update": N * 2}
+    pre = P.estimate("dpo", build(DPOConfig, None, {"model": "x", "precompute_ref": True}), policy, GPU)
+    assert pre.phases == ("reference pass", "update") and rows(pre)["reference: weights"] == {"reference pass": N * 2}
+    for flags in ({"loss": "simpo"}, {"lora_r": 2}):
+        assert "reference: weights" not in rows(P.estimate("dpo", build(DPOConfig, None, {"model": "x", **flags}),
+                                                           policy, GPU))
+    short = P.estimate("dpo", build(DPOConfig, None, {"model": "x"}), policy, GPU, P.Data(sequence_tokens=40))
+    assert any("x 40 tokens" in n for n, _ in short.rows)  # padded to the data's longest pair, not --max-length
+
+
+def test_smallest_change_in_order():
+    cfg = build(SFTConfig, None, {"model": "x", "micro_batch_size": 8, "eval_data": ""})
+    policy = {"policy": P.Model("policy", A)}
+    at = lambda c, d=GPU: P.estimate("sft", c, policy, d).peak  # noqa: E731
+    smaller = build(SFTConfig, None, {"model": "x", "micro_batch_size": 4, "eval_data": ""})
+    between = P.Device("cuda", (at(cfg) + at(smaller)) / 2)
+    change, plan = P.smallest_change("sft", cfg, policy, between)
+    assert change == "--micro-batch-size 4" and plan.fits  # the largest micro-batch that fits
+    # SFT's held-out loss forwards 64 rows with their full logits: a phase of its own, which --eval-data '' drops
+    evals = build(SFTConfig, None, {"model": "x", "micro_batch_size": 1, "precision": "bf16-mixed"})
+    plan = P.estimate("sft", evals, policy, GPU, P.Data(sequence_tokens=10))
+    assert plan.phases == ("update", "eval") and plan.peak_phase == "eval"
+    assert rows(plan)["eval: logits (64 x 10 x 32, fp32 loss)"] == {"eval": 64 * 10 * 32 * 12}
+    tight = P.Device("cuda", plan.total("update") + 1)
+    assert P.smallest_change("sft", evals, policy, tight, P.Data(sequence_tokens=10))[0] == "--eval-data ''"
+    one = build(GRPOConfig, None, {"model": "x", "micro_batch_size": 1})
+    g = lambda c: P.estimate("grpo", c, policy, GPU, P.Data(20)).peak  # noqa: E731
+    tight = P.Device("cuda", (g(one) + g(build(GRPOConfig, None, {"model": "x", "micro_batch_size": 1,
+                                                                  "gradient_checkpointing": True}))) / 2)
+    assert P.smallest_change("grpo", one, policy, tight, P.Data(20))[0] == "--gradient-checkpointing"
+    labels = [P.flags(family[0][0]) for family in P._changes("grpo", build(GRPOConfig, None, {"model": "x"}),
+                                                                GPU, P.Data(20)) if family]
+    assert labels == ["--micro-batch-size 64", "--gradient-checkpointing", "--lora-r 16", "--offload-optimizer",
+                      "--prompts-per-step 8", "--max-new-tokens 24", "--nproc 2"]
+    # a 1.2B model, GRPO's defaults (16 prompts x G 8): at 8 GiB only 8 processes fit; at 4 GiB no single change
+    # does, several together do; at 1 GiB nothing does
+    big = {"policy": P.Model("policy", P.arch(dict(
+        model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+        intermediate_size=8192, vocab_size=32000)))}
+    cfg = build(GRPOConfig, None, {"model": "x"})
+    assert P.smallest_change("grpo", cfg, big, P.Device("cuda", 8 * P.GiB), P.Data(100))[0] == "--nproc 8"
+    change, plan = P.smallest_change("grpo", cfg, big, P.Device("cuda", 4 * P.GiB), P.Data(100))
+    assert change.startswith("--micro-batch-size 1 ") and "--lora-r 16" in change and plan.fits
+    assert P.smallest_change("grpo", cfg, big, P.Device("cuda", 1 * P.GiB), P.Data(100)) is None
+
+
+def test_real_8b_grpo_against_its_measured_peaks():
+    """benchmarks/RESULTS.md, "GRPO at Llama-3.1-8B, 4K-token sequences" (one H200): 8 prompts x G 8, ~250-380
+    prompt tokens + 3,840 new, micro-batch 4, gradient checkpointing: steady steps peaked at 95.4 GiB in the
+    rollout and 67.4 GiB in the update."""
+    from benchmarks.memory_plan import print_plans
+
+    plan = print_plans(["llama3.1-8b"], prompt_tokens=380, extra=("--micro-batch-size", "4",
+                                                                  "--gradient-checkpointing"))["llama3.1-8b"]
+    assert abs(plan.total("rollout") / P.GiB - 95.4) < 0.05 * 95.4
+    assert abs(plan.total("update") / P.GiB - 67.4) < 0.05 * 67.4
+
+
+def test_model_configs_and_device(tiny_model_dir, tiny_reward_model_dir, monkeypatch):
+    m = P.model_of("policy", str(tiny_model_dir))
+    assert (m.arch.hidden, m.arch.layers, m.head) == (128, 2, "lm")
+    assert P.model_of("reward model", str(tiny_reward_model_dir)).head == "score"
+    assert P.read_config("tiny")["hidden_size"] == 128
+    cfg = build(SFTConfig, None, {"model": "tiny", "nproc": 2})
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv(P.ENV_BUDGET, "3e9")
+    dev = P.device_for(cfg)
+    assert (dev.free, dev.world, dev.enforced) == (3e9, 2, True)
+    monkeypatch.setenv(P.ENV_BUDGET, "lots")
+    with pytest.raises(UserError, match=P.ENV_BUDGET):
+        P.device_for(cfg)
+
+
+# ------------------------------------------------------------------------------------------ in a real run
+
+
+def sft_peak(**flags) -> float:
+    """The peak the tiny SFT run below plans (the same data, so the same longest row)."""
+    from align import data as D
+    from align.models import load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve("tiny"))
+    longest = P.longest_row(D.sft_examples(tok, D.load_rows(str(small_data()["arith"]), "sft"), 256))
+    cfg = build(SFTConfig, None, {"model": "tiny", **flags})
+    device = P.device_for(cfg)
+    return P.estimate("sft", cfg, {"policy": P.model_of("policy", "tiny")}, device, P.Data(None, longest)).peak
+
+
+SFT = ["sft", "--model", "tiny", "--data", small_data()["arith"], "--eval-data", "", "--max-steps", "2"]
+
+
+def test_a_plan_that_does_not_fit_stops_before_anything_is_written(tmp_path):
+    budget = str(int((sft_peak(micro_batch_size=16) + sft_peak(micro_batch_size=32)) / 2))
+    out = tmp_path / "out"
+    proc = run_align(*SFT, "--out", out, "--micro-batch-size", "32", env={P.ENV_BUDGET: budget})
+    text = output(proc)
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text and not out.exists()
+    assert "memory plan: sft" in text and "does NOT fit" in text and "activations (32 rows" in text
+    assert "the smallest change that fits: --micro-batch-size 16" in text and "--no-plan-check" in text
+    proc = run_align(*SFT, "--out", out, "--micro-batch-size", "32", "--plan", env={P.ENV_BUDGET: budget})
+    assert proc.returncode == 0 and "does NOT fit" in output(proc) and not out.exists()
+    proc = run_align(*SFT, "--out", out, "--plan")  # no budget: informational on a CPU, exits 0
+    assert proc.returncode == 0 and "RAM, informational" in output(proc) and not out.exists()
+
+
+def test_a_micro_batch_left_to_the_stage_is_made_to_fit(tmp_path):
+    budget = str(int((sft_peak(micro_batch_size=16) + sft_peak(micro_batch_size=32)) / 2))
+    proc = run_align(*SFT, "--out", tmp_path / "auto", env={P.ENV_BUDGET: budget})
+    assert proc.returncode == 0, output(proc)
+    assert "memory plan: micro-batches of 16 rows (--micro-batch-size 0 chose 32" in output(proc)
+    art = json.loads((tmp_path / "auto" / "artifact.json").read_text())
+    assert art["config"]["micro_batch_size"] == 16 and art["status"] == "complete"
+    # the check off: the plan is only reported, the run keeps what it was given; the compile phase is logged
+    proc = run_align(*SFT, "--out", tmp_path / "off", "--micro-batch-size", "32", "--no-plan-check",
+                     env={P.ENV_BUDGET: budget})
+    assert proc.returncode == 0 and "Running anyway (plan check off)" in output(proc), output(proc)
+    lines = [json.loads(x) for x in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "time/step" in x]
+    assert len(steps) == 2 and all(x["time/compile"] == 0.0 for x in steps)  # nothing compiles on a CPU
+    art = json.loads((tmp_path / "off" / "artifact.json").read_text())
+    assert art["metrics"]["time/compile"] == 0.0 and art["config"]["micro_batch_size"] == 32
+
+
+# ------------------------------------------------------------------------------------------ compile cache
+
+
+def test_compile_cache_directory(monkeypatch, tmp_path):
+    import torch
+
+    from align.compile_cache import INDUCTOR_ENV, cache_root, use_persistent_cache
+
+    for k in ("ALIGN_CACHE_DIR", "XDG_CACHE_HOME", INDUCTOR_ENV):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "align"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "align"
+    monkeypatch.setenv("ALIGN_CACHE_DIR", str(tmp_path / "mine"))
+    want = str(tmp_path / "mine" / "torch-compile" / f"torch-{torch.__version__}")
+    assert use_persistent_cache() == want and os.environ[INDUCTOR_ENV] == want
+    monkeypatch.setenv(INDUCTOR_ENV, str(tmp_path / "users"))  # a directory the user chose is kept
+    assert use_persistent_cache() == str(tmp_path / "users") and os.environ[INDUCTOR_ENV] == str(tmp_path / "users")
+
+
+def test_runtime_init_sets_the_cache_before_anything_compiles(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "ALIGN_CACHE_DIR", "RANK",
+                                                             "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    code = "import os; from align import runtime; runtime.init(); print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip().splitlines()[-1]).parent == tmp_path / "align" / "torch-compile"
+
+
+def test_compile_seconds_counts_torch_compile():
+    import torch
+
+    from align.compile_cache import compile_seconds
+
+    before = compile_seconds()
+    f = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="eager")
+    f(torch.ones(3))
+    assert compile_seconds() > before
+
+
+def test_pipeline_summary_reports_each_stage_compile_time(tmp_path, capsys):
+    from align import pipeline as P_
+    from align import pipeline_cli
+
+    f = tmp_path / "p.toml"
+    f.write_text(f'[pipeline]\nout = "{tmp_path / "runs"}"\n\n[stages.sft]\nmodel = "tiny"\n'
+                 f'data = "{small_data()["arith"]}"\neval_data = ""\nmax_steps = 1\nbatch_size = 8\n')
+    pipeline_cli.run(file=str(f), from_=None, dry_run=False, set_=[], seed=None)
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if "stage" in line and "wall" in line)
+    row = next(line for line in table.splitlines() if line.strip("│┃ ").startswith("sft"))
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert "compile" in header and cells[3] == "0.0s"  # stage, status, wall, compile, metrics
+    (result,) = P_.run(f)  # up to date now: skipped, no compile time of its own
+    assert result.status == "skipped (up to date)" and result.compile_seconds is None
+    art = json.loads((tmp_path / "runs" / "sft" / "artifact.json").read_text())
+    assert art["metrics"]["time/compile"] == 0.0
+    # --plan / --plan-check change nothing the stage trains: the fingerprint (up to date) ignores them
+    plan = P_.load(f, ["stages.sft.plan_check=false"])
+    assert P_.fingerprint(plan, plan.stages[0]) == P_.fingerprint(P_.load(f), P_.load(f).stages[0])
