@@ -154,7 +154,7 @@ def test_a_save_that_no_longer_fits_is_refused_and_the_last_checkpoint_kept(proc
     assert code == 2 and "Traceback" not in said, said
     reason = json.loads((out / "artifact.json").read_text())["reason"]
     assert "not enough free disk space for the checkpoint at step 2" in reason and "(step1) is kept" in reason
-    assert "--resume" in reason and " ".join(reason.split()) in said
+    assert "--resume" in reason and "".join(reason.split()) in "".join(said.split())  # a long path may fold anywhere
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step1"]
     assert not (out / "model").exists() and not (out / "model.tmp").exists()
 
