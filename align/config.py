@@ -24,7 +24,7 @@ PRECISIONS = ("auto", "bf16", "bf16-mixed", "bf16-pure", "fp32")
 SEED_MAX = 2**32 - 1  # the seeds are scaled and offset (seed * 1_000_003 + step ...): kept far below 2**63
 # options that change what a command checks or prints before it runs, never what it trains: left out of a
 # pipeline stage's fingerprint and free to change on --resume
-PREFLIGHT = ("plan", "plan_check")
+PREFLIGHT = ("plan", "plan_check", "overwrite")
 
 
 def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None, **meta):
@@ -126,6 +126,8 @@ class StageConfig(Options):
 
     model: str = opt("tiny", "Preset name (tiny, small), a stage's --out artifact, or a save_pretrained dir.", path=True)
     out: str = opt("runs/out", "Output artifact directory.", path=True)
+    overwrite: bool = opt(False, "Replace the complete artifact already in --out (without it, such a run is refused "
+                                 "before anything is written).")
     seed: int = opt(0, "Random seed (data order, init, sampling).", ge=0, le=SEED_MAX)
     zero_stage: int = opt(3, "DeepSpeed ZeRO stage 0..3.", ge=0, le=3)
     nproc: int = opt(1, "Processes to launch on this machine (relaunches itself with torchrun).", ge=1)

@@ -42,10 +42,23 @@ def parse_columns(spec: str | dict | None) -> dict[str, str]:
     return out
 
 
+TEXT_COLUMNS = ("completion", "chosen", "rejected", "response", "text")  # a string in every row
+
+
+def _not_utf8(path: Path, data: bytes, e: UnicodeDecodeError, lineno: int = 0) -> UserError:
+    """The error for a file that is not UTF-8 text, naming the line and the first bad byte."""
+    lineno = lineno or data[: e.start].count(b"\n") + 1
+    return UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.object[e.start]:#04x}); save the file as UTF-8.")
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, raw, e, lineno) from None
             if not line.strip():
                 continue
             try:
@@ -82,8 +95,11 @@ def read_rows(path: str | Path) -> list[dict]:
     if suffix in (".jsonl", ".ndjson"):
         return _read_jsonl(path)
     if suffix == ".json":
+        data = path.read_bytes()
         try:
-            obj = json.loads(path.read_text(encoding="utf-8"))
+            obj = json.loads(data.decode("utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, data, e) from None
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg}).") from None
         if isinstance(obj, dict) and "data" in obj:
@@ -152,7 +168,32 @@ def load_rows(path: str | Path, fmt: str | tuple[str, ...], columns: str | dict 
         for c in required:
             if row.get(c) is None:
                 raise UserError(f"{path}: row {i} has no value in column {c!r}.")
+        _check_types(path, i, row, required)
     return rows
+
+
+def _check_types(path, i: int, row: dict, columns) -> None:
+    """Text columns hold strings, a prompt a string or a list of chat messages: a wrong type is refused when
+    the data is read (before --out is touched), naming the row, not when it is tokenised."""
+    chat = "a list of {role, content} messages"
+    for c in columns:
+        value = row[c]
+        if c in TEXT_COLUMNS:
+            ok, want = isinstance(value, str), "a string"
+        elif c == "prompt":
+            ok, want = isinstance(value, str) or _is_chat(value), f"a string or {chat}"
+        elif c == "messages":
+            ok, want = _is_chat(value), chat
+        else:
+            continue
+        if not ok:
+            raise UserError(f"{path}: row {i}: column {c!r} must be {want}, not {type(value).__name__} "
+                            f"{value!r:.40}.")
+
+
+def _is_chat(value) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                           and isinstance(m.get("content"), str) for m in value)
 
 
 def _cols(names: list[str]) -> str:

@@ -57,16 +57,16 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
     return metrics, records
 
 
-def fitting(rows: list[dict], prompt_ids: list[list[int]], context: int | None, new_tokens: int):
+def fitting(rows: list[dict], prompt_ids: list[list[int]], context: int | None, new_tokens: int, where: str = ""):
     """(rows, prompt ids) whose prompt plus `new_tokens` fits the model's `context` positions; the others are
-    dropped with a warning that counts them, and none fitting is an error."""
+    dropped with a warning that counts them, and none fitting is an error (`where`: the data file it names)."""
     if context is None:
         return rows, prompt_ids
     keep = [i for i, p in enumerate(prompt_ids) if len(p) + new_tokens <= context]
     if not keep:
-        raise UserError(f"no prompt fits the model's context: {context} positions, the shortest prompt has "
-                        f"{min(map(len, prompt_ids))} tokens plus {new_tokens} new ones; shorten the prompts or "
-                        "lower --max-new-tokens.")
+        raise UserError(f"{where + ': ' if where else ''}no prompt fits the model's context: {context} positions, "
+                        f"the shortest prompt has {min(map(len, prompt_ids))} tokens plus {new_tokens} new ones; "
+                        "shorten the prompts or lower --max-new-tokens.")
     if len(keep) < len(rows):
         warn(f"{len(rows) - len(keep)} of {len(rows)} prompts leave no room for {new_tokens} new tokens in the "
              f"model's {context} positions: left out", once=True)  # once, not at every evaluation
@@ -85,3 +85,12 @@ class _NoBar:
 
     def update(self, step, metrics) -> None:
         pass
+
+
+def fitting_rows(rows: list[dict], tokenizer, source, new_tokens: int, where: str = "") -> list[dict]:
+    """The held-out rows evaluate_policy will keep (`fitting` on `source`'s context), found before --out is
+    touched: data none of whose prompts fit is refused at the start, not at the first evaluation."""
+    if not rows:
+        return rows
+    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows])
+    return fitting(rows, prompt_ids, context_length(source), new_tokens, where)[0]

@@ -57,7 +57,14 @@ class ModelSource:
             return {}
         import json
 
-        return json.loads((self.model_dir / "config.json").read_text())
+        path = self.model_dir / "config.json"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: not a JSON model config ({e}); copy or save the model again.") from None
+        if not isinstance(config, dict):
+            raise UserError(f"{path}: not a JSON model config (an object); copy or save the model again.")
+        return config
 
     @property
     def kind(self) -> str:
@@ -105,7 +112,23 @@ def resolve(spec: str, expect: str | None = "policy") -> ModelSource:
         raise UserError(f"{spec}: this is a {source.kind} model, but {want} is expected here.")
     if source.model_dir is not None and source.base is None and not any(source.model_dir.glob("*.safetensors")):
         raise UserError(f"{source.model_dir}: no .safetensors weights (align loads safetensors only, never pickles).")
+    if source.model_dir is not None:
+        check_weights(source.model_dir)
     return source
+
+
+def check_weights(model_dir: Path) -> None:
+    """Every safetensors file below `model_dir` has a readable header that covers the file (a truncated or
+    foreign file is refused here, before any --out is touched, not while the model loads)."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(model_dir.rglob("*.safetensors")):
+        try:
+            with safe_open(f, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0]}); it is truncated or "
+                            "damaged: copy or save the model again.") from None
 
 
 def adapter_base(path: Path, art: dict) -> ModelSource:
@@ -128,6 +151,8 @@ def adapter_base(path: Path, art: dict) -> ModelSource:
     return resolve(where, expect=None)
 
 
+LOAD_ERRORS = (ValueError, OSError)  # from_pretrained on a directory it cannot read (the weights' headers are
+# checked earlier, in resolve)
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
@@ -149,9 +174,10 @@ def hub_snapshot(repo_id: str) -> Path:
     except Exception as e:  # offline, unknown repo, gated: all say the same useful thing
         reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"{repo_id}: not in the local Hugging Face cache and not downloadable here ({reason}). Download it "
-            f"where the hub is reachable (`hf download {repo_id}`, then copy ~/.cache/huggingface), or pass a "
-            "save_pretrained directory: --model DIR (in a pipeline: --set stages.NAME.model=DIR)."
+            f"{repo_id}: no such local directory, and not in the local Hugging Face cache nor downloadable from "
+            f"here ({reason}). Pass --model DIR, a save_pretrained directory or a stage's --out (or a preset: "
+            f"{', '.join(PRESETS)}; in a pipeline: --set stages.NAME.model=DIR); to use the hub model, run `hf "
+            f"download {repo_id}` where the hub is reachable and copy ~/.cache/huggingface here."
         ) from None
 
 
@@ -166,7 +192,16 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
         tok.pad_token = tok.eos_token
     if tok.eos_token is None:
         raise UserError(f"{source.tokenizer_dir}: tokenizer has no EOS token; set eos_token in tokenizer_config.json.")
+    vocab = source.config.get("vocab_size")
+    if isinstance(vocab, int) and len(tok) > vocab:
+        raise vocabulary_error(source.model_dir, len(tok), vocab)
     return tok
+
+
+def vocabulary_error(model_dir, tokens: int, vocab: int) -> UserError:
+    return UserError(f"{model_dir}: the tokenizer has {tokens} tokens but the model's vocabulary is {vocab}; token "
+                     "ids past it would index outside the embedding. Use the tokenizer the model was trained with "
+                     "(tokenizer_class in tokenizer_config.json).")
 
 
 def preset_config(name: str, tokenizer):
@@ -185,6 +220,21 @@ def preset_config(name: str, tokenizer):
     )
 
 
+def skeleton(source: ModelSource, trust_remote_code: bool = False):
+    """`source`'s causal LM without weights (on the meta device: no memory, no file read but config.json), for
+    checks of its modules before anything is loaded or written."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    try:
+        config = (LlamaConfig(**PRESETS[source.preset]) if source.preset else
+                  AutoConfig.from_pretrained(source.model_dir, trust_remote_code=trust_remote_code))
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except LOAD_ERRORS as e:
+        raise UserError(f"{source.model_dir}: cannot load as a causal LM ({str(e).splitlines()[0]}).") from None
+
+
 def load_causal_lm(source: ModelSource, tokenizer, dtype, seed: int = 0, trust_remote_code: bool = False):
     """Build or load the policy (under a live ZeRO-3 link, see engine.build.load_partitioned, straight into
     shards)."""
@@ -201,14 +251,10 @@ def load_causal_lm(source: ModelSource, tokenizer, dtype, seed: int = 0, trust_r
         model = AutoModelForCausalLM.from_pretrained(
             source.model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
         )
-    except ValueError as e:
+    except LOAD_ERRORS as e:
         raise UserError(f"{source.model_dir}: cannot load as a causal LM ({str(e).splitlines()[0]}).") from None
     if len(tokenizer) > model.config.vocab_size:
-        raise UserError(
-            f"{source.model_dir}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
-            f"{model.config.vocab_size}; token ids past it would index outside the embedding. Use the tokenizer "
-            "the model was trained with (tokenizer_class in tokenizer_config.json)."
-        )
+        raise vocabulary_error(source.model_dir, len(tokenizer), model.config.vocab_size)
     return model
 
 

@@ -520,6 +520,24 @@ def state(out: Path, fp: str) -> State:
     return State("complete", "up to date")
 
 
+def check_outs(p: Pipeline) -> None:
+    """A stage's out holds its own kind's artifact or none: a stage rerun replaces its own stale artifact
+    (`pipeline run` passes --overwrite), never another stage's (refused before any stage runs)."""
+    problems = []
+    for stage in p.stages:
+        out = stage_out(p.root, p.out, stage)
+        try:
+            art = read_artifact(out)
+        except UserError:
+            continue  # a damaged artifact.json: the stage's own rerun replaces it
+        if art is not None and art.get("stage") != stage.kind:
+            problems.append(f"stage {stage.name!r} ({stage.kind}): its out {out} holds a {art.get('status')} "
+                            f"{art.get('stage')} artifact")
+    if problems:
+        raise UserError("; ".join(problems) + ". Give the stage another `out` (or move that artifact away): a "
+                        "pipeline never replaces another stage's artifact.")
+
+
 def from_index(p: Pipeline, from_stage: str | None) -> int | None:
     """Index of the `--from` stage (None: no --from); a UserError listing the stages for an unknown name."""
     if from_stage is None:
@@ -693,6 +711,7 @@ def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, 
         overrides: list[str] = ()) -> list[Result]:
     """Run the pipeline; returns one Result per stage reached. A failing stage ends the list (status 'failed')."""
     p = load(path, overrides)
+    check_outs(p)
     results: list[Result] = []
     if dry_run:
         for pl in plan(p, from_stage):
@@ -715,9 +734,9 @@ def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, 
                                   out=out))
             continue
         reason = f"forced by --from {from_stage}" if forced else st.describe()
-        run_cfg = cfg
+        run_cfg = {**cfg, "overwrite": True}  # the stage's own artifact, stale (check_outs: no other stage's)
         if st.status == "incomplete" and not forced and "resume" in cfg and checkpoint.resumable(out, cfg):
-            run_cfg = {**cfg, "resume": True}  # an interrupted stage continues from its checkpoint
+            run_cfg = {**run_cfg, "resume": True}  # an interrupted stage continues from its checkpoint
             reason += f", resuming from its {checkpoint.latest(out)} checkpoint"
         out.mkdir(parents=True, exist_ok=True)
         (out / FINGERPRINT_FILE).unlink(missing_ok=True)  # a half-done rerun must never look up to date

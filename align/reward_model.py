@@ -17,7 +17,7 @@ import torch
 
 from align.errors import UserError
 from align.losses import likelihood_reward
-from align.models import REWARD_HEAD_KEY
+from align.models import LOAD_ERRORS, REWARD_HEAD_KEY
 
 OFFSET_KEY = "align_reward_offset"
 SCALE_KEY = "align_reward_scale"
@@ -98,7 +98,7 @@ def load_sequence_classifier(source, tokenizer, dtype, seed: int = 0, trust_remo
         setattr(cfg, HEAD_KEY, "scalar")  # a body taken from a likelihood reward model gets a scalar head
         model = AutoModelForSequenceClassification.from_pretrained(
             source.model_dir, config=cfg, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
-    except ValueError as e:
+    except LOAD_ERRORS as e:
         raise UserError(f"{source.model_dir}: cannot load as a sequence classifier ({str(e).splitlines()[0]}).") from None
     return model
 

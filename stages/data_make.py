@@ -29,6 +29,7 @@ class DataMakeConfig(Options):
     seed: int = opt(0, "Random seed.", ge=0, le=SEED_MAX)
     out: str = opt("data.jsonl", "Output JSONL file, or a directory: an artifact with data.jsonl and test.jsonl.",
                    path=True)
+    overwrite: bool = opt(False, "Replace the files (or the complete artifact) already at --out / --test-out.")
     test_n: int = opt(0, "Also write a held-out split of N rows, disjoint from the main one (no shared prompt).",
                      ge=0)
     test_out: str = opt("", "Held-out output file (default: OUT with .test.jsonl).", path=True)
@@ -46,6 +47,7 @@ class DataMakeConfig(Options):
 
 
 def run(cfg: DataMakeConfig) -> dict:
+    check_out(cfg)
     if cfg.from_model:
         return _model_pairs(cfg)
     if cfg.task.startswith("rg:"):
@@ -69,6 +71,28 @@ def is_artifact(out: str) -> bool:
     return Path(out).suffix.lower() not in (".jsonl", ".json")
 
 
+def held_out_path(cfg: DataMakeConfig) -> str:
+    """Where a file --out's held-out split goes."""
+    return cfg.test_out or str(Path(cfg.out).with_suffix("")) + ".test.jsonl"
+
+
+def check_out(cfg: DataMakeConfig) -> None:
+    """Before anything is generated: an existing file is replaced only with --overwrite (an artifact --out: the
+    rules of every stage's --out)."""
+    if is_artifact(cfg.out):
+        from align.engine import outdir
+
+        outdir.check(cfg, "data")
+        return
+    for flag, path in (("--out", cfg.out), ("--test-out", held_out_path(cfg)))[: 1 + bool(cfg.test_n)]:
+        if Path(path).is_dir():
+            raise UserError(f"{flag} {path}: is a directory; give a .jsonl file (an --out without .jsonl or .json "
+                            "is written as an artifact directory).")
+        if Path(path).exists() and not cfg.overwrite:
+            raise UserError(f"{flag} {path}: the file exists; pass --overwrite to replace it, or choose another "
+                            f"{flag}.")
+
+
 def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, inputs: dict | None = None,
            **extra) -> dict:
     if is_artifact(cfg.out):
@@ -76,9 +100,8 @@ def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, input
     tasks.write_jsonl(rows, Path(cfg.out))
     summary = {"task": cfg.task, "rows": len(rows), "out": cfg.out, **extra}
     if test is not None:
-        test_out = cfg.test_out or str(Path(cfg.out).with_suffix("")) + ".test.jsonl"
-        tasks.write_jsonl(test, Path(test_out))
-        summary.update(test_rows=len(test), test_out=test_out)
+        tasks.write_jsonl(test, Path(held_out_path(cfg)))
+        summary.update(test_rows=len(test), test_out=held_out_path(cfg))
     summary_table("data make", summary)
     return summary
 

@@ -42,11 +42,12 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
+from align.engine.lora import check_targets
 from align.engine.plan import longest_row
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting
+from align.evaluation import evaluate_policy, fitting, fitting_rows
 from align.generation import Sampling, generate_on_rank
 from align.logprobs import logprobs
 from align.losses import (DPO_LOSSES, IGNORE, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, dpo_loss, kto_loss, orpo_loss,
@@ -143,8 +144,9 @@ class DPO:
         self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else []
         if cfg.eval_pairs:
             self.eval_examples = self.eval_examples[: cfg.eval_pairs]
-        self.verifiable = (D.load_rows(cfg.pass_data, "verifiable", cfg.columns, limit=cfg.eval_samples, held_out=True)
-                           if cfg.pass_data and cfg.eval_samples else [])
+        self.verifiable = fitting_rows(D.load_rows(cfg.pass_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
+                                                   held_out=True) if cfg.pass_data and cfg.eval_samples else [],
+                                       self.tok, source, cfg.max_new_tokens, cfg.pass_data)
 
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, cfg.pass_data if self.verifiable else "")
         if cfg.ref_model:
@@ -152,9 +154,10 @@ class DPO:
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
+        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
+        check_targets(cfg, source)
         dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=None),
                         sequence_tokens=longest_row(self.examples))
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
 
         def load(src):
             return lambda dtype: disable_dropout(load_causal_lm(src, self.tok, dtype, cfg.seed, cfg.trust_remote_code))
@@ -379,7 +382,7 @@ class OnlineDPO(DPO):
                             "(or pass --reward-model RM_ARTIFACT, or --verifier file.py:FUNCTION).")
         # a pair is prompt + one sample: it fits --max-length (already checked against the model's context)
         self.rows, self.prompt_ids = fitting(rows, D.encode_prompts(self.tok, [r["prompt"] for r in rows]),
-                                             cfg.max_length, cfg.max_new_tokens)
+                                             cfg.max_length, cfg.max_new_tokens, cfg.data)
         self.judge = None if cfg.reward_model else verifier_fn(
             guess_verifier(self.rows) if cfg.verifier == "auto" else cfg.verifier)
         self.buffer: dict[int, tuple[list[dict], torch.Tensor, float]] = {}  # step -> (pairs, weights, mean score)

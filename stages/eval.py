@@ -10,7 +10,7 @@ from align.artifacts import describe_inputs
 from align.config import SamplingConfig, StageConfig, opt, positive_ints
 from align.console import info
 from align.engine.run import StageRun, seed_all
-from align.evaluation import evaluate_policy
+from align.evaluation import evaluate_policy, fitting_rows
 from align.generation import Sampling
 from align.models import load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
@@ -45,6 +45,7 @@ def run(cfg: EvalConfig) -> dict:
     source = resolve(cfg.model)
     rows = D.load_rows(cfg.data, "verifiable", cfg.columns, limit=cfg.limit)
     tok = load_tokenizer(source, cfg.trust_remote_code)
+    rows = fitting_rows(rows, tok, source, cfg.max_new_tokens, cfg.data)
     with StageRun(cfg, "eval") as run:
         dist = run.open(describe_inputs(source, cfg.data))
         seed_all(cfg.seed * 1000 + dist.rank)

@@ -27,10 +27,11 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
 from align.engine.build import Optim, rows_within
+from align.engine.lora import check_targets
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting
+from align.evaluation import evaluate_policy, fitting, fitting_rows
 from align.generation import Sampling
 from align.logprobs import batched_logprobs, logprobs
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
@@ -110,13 +111,14 @@ class GRPO:
         source = resolve(cfg.model)
         self.reward_fns = parse_rewards(cfg.reward)
         self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)
-        self.eval_rows = (D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples, held_out=True)
-                          if cfg.eval_data and cfg.eval_samples else [])
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
+        self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
+                                                  held_out=True) if cfg.eval_data and cfg.eval_samples else [],
+                                      self.tok, source, cfg.max_new_tokens, cfg.eval_data)
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
         self.rows, self.prompt_ids = fitting(self.rows, D.encode_prompts(self.tok, [r["prompt"] for r in self.rows]),
-                                             context_length(source), cfg.max_new_tokens)
+                                             context_length(source), cfg.max_new_tokens, cfg.data)
 
         teacher_source = resolve(cfg.teacher, expect="policy") if cfg.teacher else None
         if teacher_source and load_tokenizer(teacher_source, cfg.trust_remote_code).get_vocab() != self.tok.get_vocab():
@@ -130,12 +132,13 @@ class GRPO:
             inputs["teacher"] = describe_inputs(teacher_source)["model"]
         if cfg.prompts_per_step % runtime.world_size():
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
-        dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=0))
-        n_local = cfg.prompts_per_step // dist.world_size * cfg.num_generations
+        n_local = cfg.prompts_per_step // runtime.world_size() * cfg.num_generations
         longest = max(map(len, self.prompt_ids), default=0) + cfg.max_new_tokens
         self.micro = min(cfg.micro_batch_size or rows_within(n_local, longest, cfg.micro_batch_tokens), n_local)
         if n_local % self.micro:
             raise UserError(f"--micro-batch-size {self.micro} must divide the {n_local} sequences per process and step.")
+        check_targets(cfg, source)
+        dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=0))
         self.policy = run.train("policy", self.load_policy(source),
                                 # β2 = 0.999 (not SFT's 0.95): policy gradients are noisy, a longer memory keeps steps small
                                 Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay, (0.9, 0.999)),

@@ -17,6 +17,7 @@ from align.runtime import quiet_libraries
 class ModelInitConfig(Options):
     preset: str = opt("tiny", "Model preset: tiny (~0.5M params, CPU) or small (~63M, GPU).", choices=PRESETS)
     out: str = opt("runs/base", "Output artifact directory.", path=True)
+    overwrite: bool = opt(False, "Replace the complete artifact already in --out.")
     seed: int = opt(0, "Initialisation seed.", ge=0, le=SEED_MAX)
 
 

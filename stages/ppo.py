@@ -33,10 +33,11 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info, warn
 from align.engine.build import Optim
+from align.engine.lora import check_targets
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting
+from align.evaluation import evaluate_policy, fitting, fitting_rows
 from align.generation import Sampling
 from align.logprobs import batched_logprobs, logprobs
 from align.losses import completion_nll
@@ -175,8 +176,7 @@ class PPO:
     def __init__(self, cfg: PPOConfig, run):
         self.cfg, self.run = cfg, run
         sources = self.read_inputs()
-        dist = run.open(self.describe(sources), prompt_tokens=max(map(len, self.prompt_ids), default=0))
-        world = dist.world_size
+        world = runtime.world_size()
         for flag, n in (("--prompts-per-step", cfg.prompts_per_step), ("--minibatch-size", cfg.minibatch_size),
                         ("--ptx-batch-size", cfg.ptx_batch_size if self.ptx else world)):
             if n % world:
@@ -187,6 +187,8 @@ class PPO:
             raise UserError(f"--micro-batch-size {self.micro} must divide the {self.mb_local} episodes per process and "
                             "minibatch.")
         accum = self.mb_local // self.micro
+        check_targets(cfg, sources["policy"], sources["value"])
+        run.open(self.describe(sources), prompt_tokens=max(map(len, self.prompt_ids), default=0))
         self.updates_per_step = cfg.ppo_epochs * (self.n_local // self.mb_local)
         optim = Optim(cfg.lr, cfg.max_steps * self.updates_per_step, cfg.warmup_steps, cfg.schedule, cfg.weight_decay,
                       (0.9, 0.999))
@@ -229,10 +231,11 @@ class PPO:
                             f"(shortest {min(map(len, prompt_ids))}); raise --max-prompt-length or shorten the prompts.")
         self.dropped = len(rows) - len(keep)
         self.rows, self.prompt_ids = fitting([rows[i] for i in keep], [prompt_ids[i] for i in keep],
-                                             context_length(policy), cfg.max_new_tokens)
+                                             context_length(policy), cfg.max_new_tokens, cfg.data)
         self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in self.rows[0] else None
-        self.eval_rows = (D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples, held_out=True)
-                          if cfg.eval_data and cfg.eval_samples else [])
+        self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
+                                                  held_out=True) if cfg.eval_data and cfg.eval_samples else [],
+                                      self.tok, policy, cfg.max_new_tokens, cfg.eval_data)
         self.ptx = ptx_examples(self.tok, cfg.ptx_data, cfg.ptx_max_length) if cfg.ptx_coef else []
         return sources
 

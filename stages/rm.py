@@ -29,6 +29,7 @@ from align.artifacts import describe_inputs
 from align.config import StageConfig, SupervisedConfig, defaults, opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
+from align.engine.lora import check_targets
 from align.engine.plan import longest_row
 from align.engine.run import Output, StageRun, chunks, train
 from align.engine.stats import Stats
@@ -153,8 +154,9 @@ class RewardModel:
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, *extra)
         if self.policy_source is not None:
             inputs["normalize_on_policy"] = describe_inputs(self.policy_source)["model"]
+        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
+        check_targets(cfg, source)
         dist = run.open(inputs, sequence_tokens=longest_row(self.examples))
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
         self.rm = run.train("rm", lambda dtype: load_reward_model(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code,
                                                                   cfg.head, cfg.likelihood_beta),
                             Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay),

@@ -18,11 +18,12 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
+from align.engine.lora import check_targets
 from align.engine.plan import longest_row
 from align.engine.run import Output, chunks, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy
+from align.evaluation import evaluate_policy, fitting_rows
 from align.generation import Sampling
 from align.losses import completion_nll
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
@@ -56,12 +57,14 @@ class SFT:
             raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}; raise it.")
         self.examples = D.pack_examples(examples, cfg.max_length) if cfg.packing else examples
         self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length)
-        self.verifiable = [r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples]
+        self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
+                                       self.tok, source, cfg.max_new_tokens, cfg.eval_data)
+        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
+        check_targets(cfg, source)
 
         dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), sequence_tokens=longest_row(self.examples))
         if len(examples) < len(rows):
             info(f"[yellow]dropped {len(rows) - len(examples)} examples whose completion exceeds --max-length[/]")
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, dist.world_size)
         self.policy = run.train("policy", lambda dtype: load_causal_lm(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code),
                                 Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay),
                                 micro=self.micro, accum=accum)

@@ -168,7 +168,7 @@ def assert_intact(out, before):
 
 def test_rerun_with_bad_jsonl_line_keeps_existing_artifact(complete_artifact, data_dir):
     out, before = complete_artifact
-    proc = run_align(*sft_args(data_dir, out, "bad_line.jsonl"))
+    proc = run_align(*sft_args(data_dir, out, "bad_line.jsonl"), "--overwrite")  # bad input: nothing is replaced
     assert_user_error(proc, "bad_line.jsonl:3:", "not valid JSON")
     assert_intact(out, before)
 
@@ -184,7 +184,7 @@ def test_rerun_with_unknown_toml_key_keeps_existing_artifact(complete_artifact, 
 
 def test_rerun_with_no_example_fitting_keeps_existing_artifact(complete_artifact, data_dir):
     out, before = complete_artifact
-    proc = run_align(*sft_args(data_dir, out), "--max-length", 2)
+    proc = run_align(*sft_args(data_dir, out), "--max-length", 2, "--overwrite")
     assert_user_error(proc, "no example fits --max-length 2")
     assert_intact(out, before)
 

@@ -27,10 +27,49 @@ def lora_config(cfg, head: str | None = None):
     """The peft LoraConfig of a stage's flags (`head`: a new scalar head, trained in full beside the adapters)."""
     from peft import LoraConfig
 
-    targets = cfg.lora_targets
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
-                      target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-                      modules_to_save=[head] if head else None)
+                      target_modules=target_names(cfg), modules_to_save=[head] if head else None)
+
+
+def target_names(cfg) -> list[str] | str:
+    targets = cfg.lora_targets
+    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+
+
+def check_targets(cfg, *sources) -> None:
+    """With --lora-r: every name of --lora-targets names Linear layers of each model of `sources`, checked on
+    weightless copies before --out is touched (peft would only fail while the engines are built)."""
+    targets = target_names(cfg) if getattr(cfg, "lora_r", 0) else "all-linear"
+    if targets == "all-linear":
+        return
+    if not targets:
+        raise UserError("--lora-targets names no module: give all-linear or module names (q_proj,v_proj).")
+    from transformers.pytorch_utils import Conv1D
+
+    from align.models import skeleton
+
+    for source in sources:
+        modules = dict(skeleton(source, cfg.trust_remote_code).named_modules())
+        linear = {n for n, m in modules.items() if isinstance(m, (torch.nn.Linear, Conv1D))}
+        for t in targets:
+            what = _not_a_target(t, modules, linear)
+            if what:
+                names = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linear} - {"lm_head", "score"}))
+                raise UserError(f"--lora-targets {cfg.lora_targets}: {t!r}: {what} in {source.spec}; its Linear "
+                                f"layers: {names} (or use all-linear).")
+
+
+def _not_a_target(name: str, modules: dict, linear: set) -> str:
+    """'' when `name` matches Linear layers only (peft's rule: the module's name or a dotted suffix of it),
+    else what it matches."""
+    hits = [n for n in modules if n == name or n.endswith("." + name)]
+    if not hits:
+        return "no module of that name"
+    if set(hits) <= linear:
+        return ""
+    if any(isinstance(modules[n], torch.nn.Embedding) for n in hits):
+        return "an embedding (LoRA goes on Linear layers here, not on embeddings)"
+    return f"not a Linear layer ({', '.join(sorted({type(modules[n]).__name__ for n in hits} - {'Linear'}))})"
 
 
 def with_lora(load, cfg):

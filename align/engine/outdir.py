@@ -1,5 +1,6 @@
 """--out: a run writes only into a directory that is new, empty or an align artifact, never into one of its own
-inputs, and one run at a time (a lock file naming the holder's PID)."""
+inputs, and one run at a time (a lock file naming the holder's PID). A finished artifact is never replaced by
+accident: a complete one needs --overwrite (or --resume to continue it), and another stage's needs --overwrite."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import dataclasses
 import os
 from pathlib import Path
 
-from align.artifacts import ARTIFACT_FILE
+from align.artifacts import ARTIFACT_FILE, read_artifact
 from align.errors import UserError
 
 LOCK = ".lock"
 
 
-def check(cfg) -> None:
-    """Refuse, before anything is written, an --out that holds someone else's files or is one of the inputs."""
+def check(cfg, stage: str) -> None:
+    """Refuse, before anything is written, an --out that holds someone else's files, is one of the inputs, or
+    holds an artifact this run of `stage` must not replace."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: --out is a file; give a directory (new, empty, or an earlier run's).")
@@ -30,6 +32,32 @@ def check(cfg) -> None:
             shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
             raise UserError(f"{out}: --out holds files that are not an align artifact ({shown}); they would be "
                             "overwritten. Choose a new or empty directory.")
+    if out.is_dir() and (out / ARTIFACT_FILE).exists():
+        _check_artifact(cfg, stage, out)
+
+
+def _check_artifact(cfg, stage: str, out: Path) -> None:
+    """--out holds an artifact: a run continues it (--resume, same stage), replaces it (--overwrite), or reruns
+    a failed run of its own stage; a complete artifact, or another stage's, is refused otherwise."""
+    resume = getattr(cfg, "resume", False)
+    try:
+        art = read_artifact(out) or {}
+    except UserError:
+        art = {"stage": "damaged", "status": "unreadable"}  # artifact.json is not JSON
+    have, status = art.get("stage"), art.get("status")
+    what = f"a {'complete' if status == 'complete' else status} {have} artifact"
+    if resume and have != stage:
+        raise UserError(f"{out}: holds {what}; --resume continues a {stage} run in its own --out.")
+    if resume or getattr(cfg, "overwrite", False):
+        return
+    if have != stage:
+        raise UserError(f"{out}: holds {what}, which this {stage} run would replace. Choose another --out, or pass "
+                        "--overwrite to replace it.")
+    if status == "complete":
+        finished = f" (finished {art['finished']})" if art.get("finished") else ""
+        cont = ", --resume with a larger --max-steps to continue it" if hasattr(cfg, "resume") else ""
+        raise UserError(f"{out}: holds a complete {stage} artifact{finished}. Pass --overwrite to replace it{cont}, "
+                        "or choose another --out.")
 
 
 def holder(out: Path) -> int | None:

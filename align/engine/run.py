@@ -87,6 +87,7 @@ class Output:
 class StageRun:
     def __init__(self, cfg, stage: str):
         self.cfg, self.stage, self.out = cfg, stage, Path(cfg.out)
+        outdir.check(cfg, stage)  # at once: a refused --out is said before the inputs are read
         self.dist: runtime.Dist | None = None
         self.writer: ArtifactWriter | None = None
         self.engines: dict[str, Trained] = {}  # the trained engines, checkpointed by name
@@ -150,7 +151,7 @@ class StageRun:
         ("running")."""
         if distributed:
             plan.preflight(self.cfg, self.stage, plan.Data(prompt_tokens, sequence_tokens))
-        outdir.check(self.cfg)
+        outdir.check(self.cfg, self.stage)
         if getattr(self.cfg, "resume", False):
             self._check_resumable(checkpoint.read_state(self.out)["config"])
         main = runtime.rank() == 0
