@@ -67,8 +67,8 @@ def main() -> None:
         o = t = None
         if a.only in ("both", "ours"):
             out = root / f"ours-dpo-{name}"
-            cmd = [sys.executable, "-m", "align", "dpo", "--model", str(model), "--out", str(out), "--eval-data", "",
-                   "--eval-samples", "0", "--max-steps", str(a.steps), "--batch-size", str(a.batch_size),
+            cmd = [sys.executable, "-m", "align", "dpo", "--model", str(model), "--out", str(out), "--overwrite",
+                   "--eval-data", "", "--eval-samples", "0", "--max-steps", str(a.steps), "--batch-size", str(a.batch_size),
                    "--micro-batch-size", str(a.micro_batch_size), "--beta", "0.1", "--loss", "sigmoid",
                    "--max-length", "256", "--lr", "5e-7", *a.ours_extra.split()]
             if V.run(cmd, out.parent / (out.name + ".log")):

@@ -46,9 +46,9 @@ def main() -> None:
     root = Path(a.out or tempfile.mkdtemp(prefix="align-grpo-bench-"))
     model = make_model(root / "smollm2-135m-shape")
     out = root / "grpo"
-    cmd = [sys.executable, "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--eval-data", "",
-           "--max-steps", str(a.steps), "--prompts-per-step", str(a.prompts), "--num-generations", str(a.generations),
-           "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", "16", "--nproc", str(a.nproc)]
+    cmd = [sys.executable, "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--overwrite",
+           "--eval-data", "", "--max-steps", str(a.steps), "--prompts-per-step", str(a.prompts),
+           "--num-generations", str(a.generations), "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", "16", "--nproc", str(a.nproc)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stdout[-3000:], proc.stderr[-3000:])

@@ -101,8 +101,8 @@ def trl_worker(a) -> None:
 
 def ours_command(model: Path, a, nproc: int, out: Path, prompts: int) -> list[str]:
     """The harness' `align grpo` command on `nproc` processes (`a`: the harness' options)."""
-    cmd = [*V.torchrun(nproc), "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--eval-data", "",
-           *(["--data", a.data_file] if a.data_file else []),
+    cmd = [*V.torchrun(nproc), "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--overwrite",
+           "--eval-data", "", *(["--data", a.data_file] if a.data_file else []),
            "--max-steps", str(a.steps), "--prompts-per-step", str(prompts), "--num-generations", str(a.generations),
            "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", str(a.micro_batch_size * 1),
            "--reward", "benchmarks/bench_reward.py:noise", "--temperature", "1.0", "--beta", "0",

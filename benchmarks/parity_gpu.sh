@@ -12,7 +12,7 @@ M=/root/smollm2 R=/root/parity
 mkdir -p $R
 python -m align data make rg:basic_arithmetic --n 2000 --test-n 200 --seed 0 --param min_terms=2 --param max_terms=2 \
   --param max_digits=2 --param "operators=['+','-']" --param allow_parentheses=false --param allow_negation=false \
-  --out $R/train.jsonl --test-out $R/test.jsonl > $R/log-data 2>&1
+  --out $R/train.jsonl --test-out $R/test.jsonl --overwrite > $R/log-data 2>&1
 A=(--model $M --data $R/train.jsonl --eval-data $R/test.jsonl --out $R --steps 50)
 if [ -n "${BEFORE:-}" ]; then echo "{\"before\": $BEFORE}" > $R/eval_base.json; fi
 python -m benchmarks.grpo_parity "${A[@]}" --sides "" > $R/log-base 2>&1

@@ -21,7 +21,8 @@ from pathlib import Path
 
 
 def align(*args) -> None:
-    cmd = [sys.executable, "-m", "align", *map(str, args)]
+    """`align ARGS`, replacing what a previous run of the benchmark left in its --out (--overwrite)."""
+    cmd = [sys.executable, "-m", "align", *map(str, args), "--overwrite"]
     print("$ align " + " ".join(map(str, args)), flush=True)
     subprocess.run(cmd, check=True)
 

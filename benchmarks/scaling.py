@@ -65,7 +65,7 @@ def run_align(cmd: list[str], out: Path) -> dict:
 def run_stage(stage: str, preset: str, steps: int, batch: int, nproc: int, out: Path, extra: list[str]) -> dict:
     words, defaults = STAGE_ARGS[stage]
     cmd = [sys.executable, "-m", "align", *words, "--model", preset, "--max-steps", str(steps),
-           "--batch-size", str(batch), *defaults, "--nproc", str(nproc), "--out", str(out), *extra]
+           "--batch-size", str(batch), *defaults, "--nproc", str(nproc), "--out", str(out), "--overwrite", *extra]
     t = time.time()
     art = run_align(cmd, out)
     m = art["metrics"]
@@ -83,7 +83,8 @@ def run_rl(stage: str, preset: str, steps: int, batch: int, nproc: int, out: Pat
 
     words, defaults = RL_ARGS[stage]
     cmd = [sys.executable, "-m", "align", *words, "--model", preset, "--max-steps", str(steps),
-           "--prompts-per-step", str(batch), *defaults, "--nproc", str(nproc), "--out", str(out), *extra]
+           "--prompts-per-step", str(batch), *defaults, "--nproc", str(nproc), "--out", str(out), "--overwrite",
+           *extra]
     if stage == "ppo" and "--reward-model" not in extra:
         rm = out.parent / f"rm-{preset}"
         if not (rm / "artifact.json").exists():

@@ -159,13 +159,18 @@ def read_state(out: Path) -> dict:
     return json.loads(state_file.read_text())
 
 
+def check_world_size(out: Path, state: dict, world_size: int) -> None:
+    """A checkpoint is resumed by as many processes as wrote it."""
+    if state["world_size"] != world_size:
+        raise UserError(f"{Path(out) / DIR / latest(out)}: written by {state['world_size']} processes, resumed "
+                        f"with {world_size}; resume with --nproc {state['world_size']}.")
+
+
 def load(out: Path, engines: dict, dist) -> dict:
     """Restore every engine and this rank's RNG from the latest checkpoint; returns the run state."""
     root, tag = Path(out) / DIR, latest(out)
     state = read_state(out)
-    if state["world_size"] != dist.world_size:
-        raise UserError(f"{root / tag}: written by {state['world_size']} processes, resumed with "
-                        f"{dist.world_size}; resume with --nproc {state['world_size']}.")
+    check_world_size(out, state, dist.world_size)
     for name, eng in engines.items():
         path, _ = eng.load_checkpoint(str(root / tag), tag=name)
         if path is None:

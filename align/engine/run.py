@@ -153,7 +153,9 @@ class StageRun:
             plan.preflight(self.cfg, self.stage, plan.Data(prompt_tokens, sequence_tokens))
         outdir.check(self.cfg, self.stage)
         if getattr(self.cfg, "resume", False):
-            self._check_resumable(checkpoint.read_state(self.out)["config"])
+            state = checkpoint.read_state(self.out)
+            self._check_resumable(state["config"])
+            checkpoint.check_world_size(self.out, state, runtime.world_size())
         main = runtime.rank() == 0
         if main:
             self._untouched = disk.Untouched(self.out)
