@@ -24,7 +24,7 @@ TYPER = dict(no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_en
              context_settings={"help_option_names": ["-h", "--help"]})
 
 
-def relaunch(cfg, stage: str = "") -> None:
+def relaunch(cfg, stage: str) -> None:
     """`--nproc N` / `--nnodes M`: re-run this very command under torchrun (N processes here; with M > 1 this
     machine is node --node-rank of M, meeting the others at --master-addr:--master-port), then exit with its code.
     torchrun dies with this process (SIGTERM to it, even when this one is SIGKILLed) and stops its workers; a
@@ -39,8 +39,7 @@ def relaunch(cfg, stage: str = "") -> None:
     from align.runtime import die_with_parent, free_port, launch_env
 
     if getattr(cfg, "out", None) and cfg.node_rank == 0:  # the run's lock is node 0's: the others find it taken
-        if stage:  # exit 2 here rather than a worker's failure through torchrun
-            outdir.check(cfg, stage)
+        outdir.check(cfg, stage)  # exit 2 here rather than a worker's failure through torchrun
         outdir.refuse_if_locked(Path(cfg.out))
 
     own = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port")

@@ -73,6 +73,15 @@ def fitting(rows: list[dict], prompt_ids: list[list[int]], context: int | None, 
     return [rows[i] for i in keep], [prompt_ids[i] for i in keep]
 
 
+def fitting_rows(rows: list[dict], tokenizer, source, new_tokens: int, where: str = "") -> list[dict]:
+    """The held-out rows evaluate_policy will keep (`fitting` on `source`'s context), found before --out is
+    touched: data none of whose prompts fit is refused at the start, not at the first evaluation."""
+    if not rows:
+        return rows
+    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows])
+    return fitting(rows, prompt_ids, context_length(source), new_tokens, where)[0]
+
+
 class _NoBar:
     def __enter__(self):
         return self
@@ -86,11 +95,3 @@ class _NoBar:
     def update(self, step, metrics) -> None:
         pass
 
-
-def fitting_rows(rows: list[dict], tokenizer, source, new_tokens: int, where: str = "") -> list[dict]:
-    """The held-out rows evaluate_policy will keep (`fitting` on `source`'s context), found before --out is
-    touched: data none of whose prompts fit is refused at the start, not at the first evaluation."""
-    if not rows:
-        return rows
-    prompt_ids = encode_prompts(tokenizer, [r["prompt"] for r in rows])
-    return fitting(rows, prompt_ids, context_length(source), new_tokens, where)[0]

@@ -42,10 +42,10 @@ def _check_artifact(cfg, stage: str, out: Path) -> None:
     resume = getattr(cfg, "resume", False)
     try:
         art = read_artifact(out) or {}
+        have, status = art.get("stage"), art.get("status")
+        what = f"a {status} {have} artifact"
     except UserError:
-        art = {"stage": "damaged", "status": "unreadable"}  # artifact.json is not JSON
-    have, status = art.get("stage"), art.get("status")
-    what = f"a {'complete' if status == 'complete' else status} {have} artifact"
+        art, have, status, what = {}, None, None, "a damaged artifact (its artifact.json is not JSON)"
     if resume and have != stage:
         raise UserError(f"{out}: holds {what}; --resume continues a {stage} run in its own --out.")
     if resume or getattr(cfg, "overwrite", False):
