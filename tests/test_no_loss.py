@@ -202,3 +202,17 @@ def test_a_pipeline_reruns_its_own_stale_stage_but_never_replaces_another_stages
     cfg = P.resolve(p, p.stages[0])
     assert P.fingerprint(p, p.stages[0], {**cfg, "overwrite": True}) == P.fingerprint(p, p.stages[0], cfg)
 
+
+
+def test_a_models_files_are_checked_when_it_is_resolved(tmp_path, tiny_model_dir):
+    """config.json and the tokenizer's fit to the embedding, before any stage opens its --out."""
+    from align.models import load_tokenizer, resolve
+
+    small = shutil.copytree(tiny_model_dir, tmp_path / "small_vocab")
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 100}))
+    with pytest.raises(UserError, match="the tokenizer has 512 tokens but the model's vocabulary is 100"):
+        load_tokenizer(resolve(str(small)))
+    (small / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="config.json: not a JSON model config"):
+        resolve(str(small))

@@ -126,9 +126,11 @@ def test_bad_input_is_refused_before_anything_is_written(files, tmp_path, shippe
     other = tmp_path / "rm-other-tok"
     from transformers import AutoModelForSequenceClassification
 
-    AutoModelForSequenceClassification.from_pretrained(files["rm"]).save_pretrained(other)
     tok = type(shipped_tokenizer).from_pretrained(files["rm"])
     tok.add_tokens(["<new>"])
+    rm = AutoModelForSequenceClassification.from_pretrained(files["rm"])
+    rm.resize_token_embeddings(len(tok))  # a consistent model: only its tokenizer differs from the policy's
+    rm.save_pretrained(other)
     tok.save_pretrained(other)
     refused(r"rm-other-tok: its tokenizer differs.*vocabularies differ.*value network.*--value-model", reward_model=str(other))
     refused(r"every prompt is longer than --max-prompt-length 4", max_prompt_length=4)
