@@ -42,7 +42,6 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
-from align.engine.lora import check_targets
 from align.engine.plan import longest_row
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
@@ -155,7 +154,7 @@ class DPO:
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
-        check_targets(cfg, source)
+        run.check_lora(source)
         dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=None),
                         sequence_tokens=longest_row(self.examples))
 

@@ -27,7 +27,6 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
 from align.engine.build import Optim, rows_within
-from align.engine.lora import check_targets
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -137,7 +136,7 @@ class GRPO:
         self.micro = min(cfg.micro_batch_size or rows_within(n_local, longest, cfg.micro_batch_tokens), n_local)
         if n_local % self.micro:
             raise UserError(f"--micro-batch-size {self.micro} must divide the {n_local} sequences per process and step.")
-        check_targets(cfg, source)
+        run.check_lora(source)
         dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=0))
         self.policy = run.train("policy", self.load_policy(source),
                                 # β2 = 0.999 (not SFT's 0.95): policy gradients are noisy, a longer memory keeps steps small

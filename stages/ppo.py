@@ -33,7 +33,6 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info, warn
 from align.engine.build import Optim
-from align.engine.lora import check_targets
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -187,7 +186,7 @@ class PPO:
             raise UserError(f"--micro-batch-size {self.micro} must divide the {self.mb_local} episodes per process and "
                             "minibatch.")
         accum = self.mb_local // self.micro
-        check_targets(cfg, sources["policy"], sources["value"])
+        run.check_lora(sources["policy"], sources["value"])
         run.open(self.describe(sources), prompt_tokens=max(map(len, self.prompt_ids), default=0))
         self.updates_per_step = cfg.ppo_epochs * (self.n_local // self.mb_local)
         optim = Optim(cfg.lr, cfg.max_steps * self.updates_per_step, cfg.warmup_steps, cfg.schedule, cfg.weight_decay,

@@ -29,7 +29,6 @@ from align.artifacts import describe_inputs
 from align.config import StageConfig, SupervisedConfig, defaults, opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
-from align.engine.lora import check_targets
 from align.engine.plan import longest_row
 from align.engine.run import Output, StageRun, chunks, train
 from align.engine.stats import Stats
@@ -155,7 +154,7 @@ class RewardModel:
         if self.policy_source is not None:
             inputs["normalize_on_policy"] = describe_inputs(self.policy_source)["model"]
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
-        check_targets(cfg, source)
+        run.check_lora(source)
         dist = run.open(inputs, sequence_tokens=longest_row(self.examples))
         self.rm = run.train("rm", lambda dtype: load_reward_model(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code,
                                                                   cfg.head, cfg.likelihood_beta),

@@ -18,7 +18,6 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
-from align.engine.lora import check_targets
 from align.engine.plan import longest_row
 from align.engine.run import Output, chunks, train
 from align.engine.stats import Stats
@@ -60,7 +59,7 @@ class SFT:
         self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
                                        self.tok, source, cfg.max_new_tokens, cfg.eval_data)
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
-        check_targets(cfg, source)
+        run.check_lora(source)
 
         dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), sequence_tokens=longest_row(self.examples))
         if len(examples) < len(rows):

@@ -36,27 +36,24 @@ def target_names(cfg) -> list[str] | str:
     return targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
 
 
-def check_targets(cfg, *sources) -> None:
-    """With --lora-r: every name of --lora-targets names Linear layers of each model of `sources`, checked on
-    weightless copies before --out is touched (peft would only fail while the engines are built)."""
-    targets = target_names(cfg) if getattr(cfg, "lora_r", 0) else "all-linear"
+def check_targets(cfg, model, name: str) -> None:
+    """Every name of --lora-targets names Linear layers of `model` (the module tree of the model `name` that gets
+    adapters; a weightless copy does): refused before --out is touched, not by peft while the engines are built."""
+    targets = target_names(cfg)
     if targets == "all-linear":
         return
     if not targets:
         raise UserError("--lora-targets names no module: give all-linear or module names (q_proj,v_proj).")
     from transformers.pytorch_utils import Conv1D
 
-    from align.models import skeleton
-
-    for source in sources:
-        modules = dict(skeleton(source, cfg.trust_remote_code).named_modules())
-        linear = {n for n, m in modules.items() if isinstance(m, (torch.nn.Linear, Conv1D))}
-        for t in targets:
-            what = _not_a_target(t, modules, linear)
-            if what:
-                names = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linear} - {"lm_head", "score"}))
-                raise UserError(f"--lora-targets {cfg.lora_targets}: {t!r}: {what} in {source.spec}; its Linear "
-                                f"layers: {names} (or use all-linear).")
+    modules = dict(model.named_modules())
+    linear = {n for n, m in modules.items() if isinstance(m, (torch.nn.Linear, Conv1D))}
+    for t in targets:
+        what = _not_a_target(t, modules, linear)
+        if what:
+            names = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linear} - {"lm_head", "score"}))
+            raise UserError(f"--lora-targets {cfg.lora_targets}: {t!r}: {what} in {name}; its Linear layers: "
+                            f"{names} (or use all-linear).")
 
 
 def _not_a_target(name: str, modules: dict, linear: set) -> str:

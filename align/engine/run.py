@@ -41,8 +41,9 @@ from align.console import TrainProgress, info, summary_table, warn
 from align.engine import checkpoint, disk, outdir, plan
 from align.engine.build import (Optim, Trained, adamw, compiles, compute_dtype, ds_config, engine_stage, frozen_config,
                                 load_partitioned, lr_lambda, own_clipping, resolve_precision, wrap)
-from align.engine.lora import AdaptersOff, is_peft, with_lora
+from align.engine.lora import AdaptersOff, check_targets, is_peft, with_lora
 from align.errors import Terminated, UserError
+from align.models import skeleton
 from align.optim import AdamWSR
 
 RATES = ("tokens", "pairs")  # Stats.sum counts a stage may log: the run adds <name>_per_s per step and overall
@@ -197,6 +198,13 @@ class StageRun:
              f"{again} to stop at once[/]")
 
     # ---- engines
+
+    def check_lora(self, *sources) -> None:
+        """With --lora-r, before open(): --lora-targets names Linear layers of each model that gets adapters
+        (`sources`: models.ModelSource), checked on weightless copies."""
+        if getattr(self.cfg, "lora_r", 0):
+            for source in sources:
+                check_targets(self.cfg, skeleton(source, self.cfg.trust_remote_code), source.spec)
 
     def train(self, name: str, load, optim: Optim, *, micro: int = 1, accum: int = 1, prefix: str = "") -> Trained:
         """A trained engine of the model `load(dtype)` returns (loaded straight into ZeRO-3 shards), with AdamW
