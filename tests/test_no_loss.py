@@ -76,10 +76,10 @@ LATE = {
                                     "1", "--batch-size", "4", "--pass-data", "@long_prompts.jsonl"],
                                    ["long_prompts.jsonl: no prompt fits the model's context"]),
     "eval batch size 0": (["eval", "@model", "--data", str(small_data()["arith_test"]), "--batch-size", "0"],
-                          ["--batch-size must be >= 1, not 0"]),
-    "grpo max-new-tokens 0": ([*GRPO, "--max-new-tokens", "0"], ["--max-new-tokens must be >= 1, not 0"]),
-    "grpo max-new-tokens -5": ([*GRPO, "--max-new-tokens", "-5"], ["--max-new-tokens must be >= 1, not -5"]),
-    "seed out of range": ([*SFT, "--seed", "99999999999999999999"], ["--seed must be in 0..4294967295"]),
+                          ["--batch-size must be >= 1, got 0"]),
+    "grpo max-new-tokens 0": ([*GRPO, "--max-new-tokens", "0"], ["--max-new-tokens must be >= 1, got 0"]),
+    "grpo max-new-tokens -5": ([*GRPO, "--max-new-tokens", "-5"], ["--max-new-tokens must be >= 1, got -5"]),
+    "seed out of range": ([*SFT, "--seed", "99999999999999999999"], ["--seed must be >= 0 and <= 4294967295"]),
 }
 
 
