@@ -138,7 +138,7 @@ def test_a_run_that_cannot_save_stops_before_training_and_leaves_out_as_it_was(p
 
     shutil.copytree(kept[0], out)
     before = files(out)
-    for again in ([], ["--resume", "--max-steps", "5"]):
+    for again in (["--overwrite"], ["--resume", "--max-steps", "5"]):  # a rerun that would replace it, a resume
         code, said = align_patched(processes, tmp_path / "log", *args, *again, "--out", out, free=(5 * MiB, None))
         assert code == 2 and "not enough free disk space for what this run saves" in said, said
         assert files(out) == before and {p.name for p in out.iterdir()} == {Path(k).parts[0] for k in before}
