@@ -297,6 +297,10 @@ class GRPO:
             stats.value("kept_token_frac", n_kept / max(n_tokens, 1.0))
         with timed(times, "time/update"):
             self.update(batch, adv.flatten().to(dist.device), old_logp, ref_logp, n_tokens, n_seqs, stats)
+        # the samples that teach the policy something (RLMonitor's no_signal rule): a non-zero advantage in the
+        # loss, or, with a teacher, the distillation term every counted sample carries
+        signal = counted.bool() & ((adv != 0) | (self.teacher is not None))
+        stats.mean("signal_frac", signal.sum(), signal.numel())
         self.record(r, zero_std, stats, times)
         return stats
 

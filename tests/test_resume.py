@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from align.runtime import free_port
-from tests.conftest import _DIST_ENV, ROOT, processes_mentioning
+from tests.conftest import _DIST_ENV, ROOT, parity_reward, processes_mentioning
 
 STEPS = 10
 ARITH = ROOT / "data/arithmetic/train.jsonl"
@@ -119,7 +119,7 @@ def inputs(tiny_model_dir, tiny_reward_model_dir, tmp_path_factory):
     return {"sft": [*model, "--data", arith, "--eval-data", test],
             "rm": [*model, "--data", prefs, "--eval-data", ptest],
             "dpo": [*model, "--data", prefs, "--eval-data", ptest, "--pass-data", test],
-            "grpo": [*model, "--data", arith, "--eval-data", test],
+            "grpo": [*model, "--data", arith, "--eval-data", test, "--reward", parity_reward()],  # a training signal
             "ppo": ["--reward-model", str(tiny_reward_model_dir), "--data", arith, "--eval-data", test,
                     "--ptx-data", arith]}
 

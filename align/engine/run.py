@@ -268,12 +268,12 @@ class StageRun:
         which is logged and seen by RLMonitor as the step's own metrics were."""
         step = self.cfg.max_steps
         self.output = self._save_model(algo)
-        if self.evaluated_at == step:  # resumed from this very run's final checkpoint: evaluated already
-            return
-        m = self._evaluate(algo, step)
+        # (resumed from this very run's final checkpoint: evaluated already)
+        m = {} if self.evaluated_at == step else self._evaluate(algo, step)
         if m:
             self.last = {**self.last, **m}
             self._watch(step, m, bar, algo)
+        self._report(step, self.monitor.end(step), bar, algo)  # the rules judged over the whole run
 
     def _step(self, algo, step: int) -> tuple[dict, bool]:
         """One step of the algorithm and its reduced metrics; and whether any rank was asked to stop."""
@@ -331,12 +331,16 @@ class StageRun:
         """RLMonitor sees `metrics`: its events are logged and printed, the progress bar shows `shown`, and a
         `stop` event ends the run."""
         events = self.monitor.update(step, metrics)
+        if shown is not None:
+            bar.update(step, shown)
+        self._report(step, events, bar, algo)
+
+    def _report(self, step: int, events: list, bar, algo) -> None:
+        """RLMonitor's new events: to health.jsonl and the console; a `stop` event ends the run."""
         self.writer.log_events(events)
         for e in events:
             bar.print(f"[{'red' if e.severity == 'stop' else 'yellow'}]health {e.severity}: {e.rule} at step "
-                      f"{step}: {e.message}[/]")
-        if shown is not None:
-            bar.update(step, shown)
+                      f"{step}: {e.detail}. {e.message}[/]")
         if self.monitor.should_stop(events):
             self._monitor_stop(step, next(e for e in events if e.severity == "stop"), algo, bar)
 
@@ -349,8 +353,9 @@ class StageRun:
                      "no checkpoint was saved before it (--save-every N keeps one): rerun with a lower --lr")
         else:
             self.checkpoint(step, algo)
-            where = f"checkpoint saved at step {step}: fix the cause, then --resume or rerun"
-        reason = f"RLMonitor stop at step {step}: {event.rule}: {event.message} ({where})"
+            where = (f"checkpoint saved at step {step}: fix the cause, then --resume or rerun" if step < self.cfg.max_steps
+                     else "fix the cause and rerun")
+        reason = f"RLMonitor stop at step {step}: {event.rule} ({event.detail}): {event.message} ({where})"
         self.writer.fail(reason, self.last, self.monitor.summary())
         bar.print(f"[bold red]{reason}[/]")
         raise SystemExit(1)
