@@ -106,6 +106,7 @@ class StageRun:
         self.output: Output | None = None  # the saved model's Output, once model/ is written
         self.evaluated_at: int | None = None  # the step of a final evaluation a resumed checkpoint holds
         self.monitor = None
+        self.resumed: list[dict] = []  # the resumes of this run: {step, max_steps of the checkpoint}
         if getattr(cfg, "monitor", None) is not None:
             from align.monitor import RLMonitor
 
@@ -152,7 +153,7 @@ class StageRun:
             plan.preflight(self.cfg, self.stage, plan.Data(prompt_tokens, sequence_tokens))
         outdir.check(self.cfg)
         if getattr(self.cfg, "resume", False):
-            self._check_resumable(checkpoint.read_state(self.out)["config"])
+            self._check_resumable(checkpoint.read_state(self.out))
         main = runtime.rank() == 0
         if main:
             self._untouched = disk.Untouched(self.out)
@@ -367,7 +368,7 @@ class StageRun:
         unless `final`) when it does not, or when the disk fills up while it is written: nothing partial is left
         and the checkpoints already there are kept."""
         state = {"config": as_dict(self.cfg), "monitor": self.monitor.state_dict(), "start_eval": self.start_eval,
-                 "last_eval": self.last_eval, "last": self.last, "final": final,
+                 "last_eval": self.last_eval, "last": self.last, "final": final, "resumed": self.resumed,
                  "algorithm": algo.state_dict() if hasattr(algo, "state_dict") else {}}
         try:
             short = disk.shortage(self._shares(), checkpoints=1)
@@ -433,15 +434,21 @@ class StageRun:
         return (f"The last complete checkpoint ({tag}) is kept: make room, then rerun with --resume" if tag else
                 "No checkpoint of this run exists: make room, then rerun")
 
-    def _check_resumable(self, saved: dict) -> None:
+    def _check_resumable(self, state: dict) -> None:
         """A --resume continues the checkpoint's run: settings that change its path are refused, not ignored (a
-        new --lr / --vf-lr is applied from the resume point on)."""
-        now = as_dict(self.cfg)
+        new --lr / --vf-lr is applied from the resume point on); a new --max-steps only where the learning rate
+        does not depend on it (checkpoint.budget_conflict)."""
+        saved, now = state["config"], as_dict(self.cfg)
         changed = checkpoint.conflicts(saved, now)
         if changed:
             diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} -> {now.get(k)!r}" for k in changed)
             raise UserError(f"{self.out}: the checkpoint was trained with other settings ({diff}); resume with "
                             "the checkpoint's values, or start a new run in another --out.")
+        why = checkpoint.budget_conflict(saved, now, state["step"])
+        if why:
+            old, new = saved["max_steps"], now["max_steps"]
+            raise UserError(f"{self.out}: --max-steps {old} -> {new}: {why}. Resume with --max-steps {old}, or start "
+                            f"over with --max-steps {new} (without --resume).")
 
     def _resume(self, algo) -> int:
         state = checkpoint.load(self.out, {n: e.eng for n, e in self.engines.items()}, self.dist)
@@ -452,6 +459,13 @@ class StageRun:
             eng.apply_lr()  # the checkpoint's schedule carried the old base learning rate
         self.monitor.load_state_dict(state["monitor"])
         self.start_eval, self.last_eval, self.last = state["start_eval"], state["last_eval"], state["last"]
+        # every resume, with the budget its checkpoint was written under, goes into artifact.json
+        self.resumed = [*state.get("resumed", []), {"step": state["step"], "max_steps": state["config"]["max_steps"]}]
+        if self.writer.is_main:
+            self.writer.record["resumed"] = self.resumed
+        if state["config"]["max_steps"] != self.cfg.max_steps:
+            info(f"--max-steps {state['config']['max_steps']} -> {self.cfg.max_steps}: the learning rate is constant, "
+                 f"so the run continues to step {self.cfg.max_steps} as a {self.cfg.max_steps}-step run would")
         if hasattr(algo, "load_state_dict"):
             algo.load_state_dict(state["algorithm"])
         self.writer.rewind(state["step"])
