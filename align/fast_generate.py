@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from align.engine.lora import effective_weight, is_peft
+from align.sampling import choose
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # computed by the model's own rotary module
@@ -275,7 +276,7 @@ class FastDecoder:
         self.widx = torch.zeros(1, dtype=torch.long, device=d)  # cache slot the next token is written to
         self.sidx = torch.zeros(1, dtype=torch.long, device=d)  # column of `out` the next token goes to
         self.finished = torch.zeros(B, dtype=torch.bool, device=d)
-        self.noise = torch.empty(B, self.vocab, device=d, dtype=torch.float32)
+        self.keys = torch.zeros(B, dtype=torch.long, device=d)  # each row's sampling key (align.sampling)
         self.out = None
         self._out_len = 0
         if d.type == "cuda":
@@ -286,10 +287,10 @@ class FastDecoder:
         self._released = False
 
     def _big(self) -> list[torch.Tensor]:
-        return self.k_cache + self.v_cache + [self.noise]
+        return self.k_cache + self.v_cache
 
     def release(self) -> None:
-        """Free the inference weights, the KV cache and the sampling buffer between rollouts (the training step
+        """Free the inference weights and the KV cache between rollouts (the training step
         needs the memory: at 0.5B the weights alone are 0.9 GiB): the tensors stay (no recompile), their storage
         goes. `load_weights` and the next `generate` take it back (the cache zeroed) and re-capture the graphs
         only if the allocator placed a buffer elsewhere."""
@@ -409,7 +410,7 @@ class FastDecoder:
     def _step_out(self, x: torch.Tensor, sampling, eos: int, pad: int) -> None:
         """Final norm, LM head, the next token chosen; EOS tracking and the cache / position bookkeeping."""
         logits = F.linear(_rms(x, self.norm, self.eps), self.head).float()
-        nxt = self._choose(logits, self.noise, sampling)
+        nxt = self._choose(logits, self.sidx, sampling)
         nxt = torch.where(self.finished, torch.full_like(nxt, pad), nxt)
         self.out.index_copy_(1, self.sidx, nxt[:, None])
         self.finished.logical_or_(nxt == eos)
@@ -418,12 +419,13 @@ class FastDecoder:
         self.widx.add_(1)
         self.sidx.add_(1)
 
-    def _choose(self, logits: torch.Tensor, noise: torch.Tensor, sampling) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, position, sampling) -> torch.Tensor:
+        """The token at `position` of each row: argmax, or the exponential race with the row's keyed noise
+        (align.sampling: computed here, inside the compiled step, from the keys and the position alone)."""
         if sampling.greedy:
             return logits.argmax(-1)
         z = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
-        # Exponential race: argmax(p / E), E ~ Exp(1), samples from softmax(z) (same law as multinomial).
-        return (z.softmax(-1) / noise).argmax(-1)
+        return choose(z, self.keys, position)
 
     def _step(self, sampling, eos: int, pad: int, bias: torch.Tensor, fns=None) -> None:
         """Everything one generated token needs, on the device (this is what the CUDA graph holds); `fns`: the
@@ -452,16 +454,13 @@ class FastDecoder:
                                for f in (self._step_in, self._layer_step, self._step_out))
 
     def _run_step(self, sampling, eos: int, pad: int, bias: torch.Tensor) -> None:
-        if not sampling.greedy:
-            self.noise.exponential_()
         if self._compiled is None:
             return self._step(sampling, eos, pad, bias)
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):  # only the attention length is dynamic
             self._step(sampling, eos, pad, bias, self._compiled)
 
     def _runner(self, sampling, eos: int, pad: int, n: int):
-        """A callable doing one `_step` over n cache slots (+ fresh noise): a CUDA-graph replay on CUDA, eager
-        elsewhere."""
+        """A callable doing one `_step` over n cache slots: a CUDA-graph replay on CUDA, eager elsewhere."""
         key = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, eos, pad, n)
         bias = self._bias(n)
         body = lambda: self._run_step(sampling, eos, pad, bias)  # noqa: E731
@@ -495,8 +494,9 @@ class FastDecoder:
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling, eos: int, pad: int) -> list[list[int]]:
-        """Tokens generated for each prompt (rows padded after EOS with `pad`, length <= max_new_tokens)."""
+    def generate(self, prompts: list[list[int]], sampling, eos: int, pad: int, keys=None) -> list[list[int]]:
+        """Tokens generated for each prompt (rows padded after EOS with `pad`, length <= max_new_tokens); `keys`:
+        each prompt's sampling key (align.sampling; default: drawn from torch's RNG)."""
         n = len(prompts)
         B = n if not self.use_graphs else max(8, 1 << (n - 1).bit_length())  # graph shapes: powers of two
         P = max(len(p) for p in prompts)
@@ -534,10 +534,11 @@ class FastDecoder:
         # the attention mask AFTER the captures: their warm-up opens slots 0-1 (`_step_in`) for every row
         self.attn_bias.fill_(torch.finfo(torch.float32).min)
         self.attn_bias[:, :P].masked_fill_(mask.bool(), 0.0)
-        logits = self._prefill(ids, mask)
         if not sampling.greedy:
-            self.noise.exponential_()
-        first = self._choose(logits, self.noise, sampling)
+            keys = torch.randint(0, 1 << 32, (n,)).tolist() if keys is None else list(keys)
+            self.keys.copy_(torch.tensor(keys + keys[-1:] * (B - n)))
+        logits = self._prefill(ids, mask)
+        first = self._choose(logits, 0, sampling)
         self.out.fill_(pad)
         self.out[:, 0] = first
         self.finished.copy_(first == eos)

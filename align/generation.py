@@ -3,6 +3,10 @@
 Batched sampling with a KV cache, left padding, stop at EOS, temperature / top-k / top-p. Under ZeRO-3
 the weights are gathered once per generation phase (see runtime.gathered_for_generation); with
 `gather=False` they stay sharded and every rank joins every forward (`synced_gpus`).
+
+Sampling draws each prompt's random numbers from a key of its own (align.sampling): with `Sampling.seed` set,
+prompt i's samples depend on (seed, i) alone — i its index in the list given to `generate` (over every rank) —
+not on the batch size, the number of processes or the other prompts.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class Sampling:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
+    seed: int | None = None  # prompt i's samples depend on (seed, i) alone; None: a seed drawn from torch's RNG
 
     @property
     def greedy(self) -> bool:
@@ -36,18 +41,41 @@ class Completion:
 
 
 def _generation_config(tokenizer, s: Sampling):
+    """HF's greedy search: sampling is the keyed race of `_keyed_sampler`, whose scores make the sampled token the
+    argmax."""
     from transformers import GenerationConfig
 
-    kw = dict(
-        max_new_tokens=s.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        use_cache=True,
-    )
+    return GenerationConfig(do_sample=False, max_new_tokens=s.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, use_cache=True)
+
+
+def sampling_keys(s: Sampling, indices) -> list[int] | None:
+    """The sampling key of each prompt index (None for greedy decoding): from `s.seed`, else from a seed drawn from
+    torch's RNG (this process's)."""
     if s.greedy:
-        return GenerationConfig(do_sample=False, **kw)
-    return GenerationConfig(do_sample=True, temperature=s.temperature, top_k=s.top_k or None, top_p=s.top_p, **kw)
+        return None
+    from align.sampling import prompt_keys
+
+    return prompt_keys(s.seed if s.seed is not None else int(torch.randint(0, 2**62, ())), indices)
+
+
+def _keyed_sampler(s: Sampling, keys: list[int], prompt_len: int, device):
+    """A logits processor for HF's greedy search that samples: temperature, top-k / top-p, then the race of
+    align.sampling with each row's key; the sampled token is given score 0, every other one -inf."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from align.fast_generate import filter_logits
+    from align.sampling import choose
+
+    key_t = torch.tensor(keys, device=device)
+
+    class KeyedSampler(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            z = filter_logits(scores.float() / s.temperature, s.top_k, s.top_p)
+            tok = choose(z, key_t, input_ids.shape[1] - prompt_len)
+            return torch.full_like(scores, float("-inf")).scatter_(1, tok[:, None], 0.0)
+
+    return LogitsProcessorList([KeyedSampler()])
 
 
 def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bool]:
@@ -89,14 +117,17 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
 
 @torch.no_grad()
 def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, batch_size: int,
-                   device, synced_gpus: bool = False, fast: bool | None = None, on_batch=None) -> list[Completion]:
-    """Generate for this rank's prompts with a plain (already gathered or unsharded) module."""
+                   device, synced_gpus: bool = False, fast: bool | None = None, on_batch=None,
+                   indices=None) -> list[Completion]:
+    """Generate for this rank's prompts with a plain (already gathered or unsharded) module. `indices`: each
+    prompt's index for its sampling key (default 0, 1, ...)."""
+    keys = sampling_keys(s, range(len(prompts)) if indices is None else indices)
     length = max((len(p) for p in prompts), default=0) + s.max_new_tokens
     if use_fast_path(module, device, synced_gpus, fast, length):
         if fast:  # forced (tests): errors surface
-            return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch)
+            return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch, keys)
         try:
-            return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch)
+            return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch, keys)
         except Exception as e:  # never lose a run to the fast path: say so once, then use HF generate
             import os
             import traceback
@@ -117,8 +148,10 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
         chunk = prompts[i : i + batch_size]
         ids = torch.tensor(pad(chunk, tokenizer.pad_token_id, side="left"), device=device)
         mask = torch.tensor(pad([[1] * len(p) for p in chunk], 0, side="left"), device=device)
+        sampler = None if keys is None else _keyed_sampler(s, keys[i : i + batch_size], ids.shape[1], device)
         with torch.autocast(torch.device(device).type, dtype=amp or torch.bfloat16, enabled=amp is not None), eager():
-            gen = module.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, synced_gpus=synced_gpus)
+            gen = module.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, synced_gpus=synced_gpus,
+                                  logits_processor=sampler)
         for p, row in zip(chunk, gen[:, ids.shape[1] :].tolist()):
             resp, finished = trim_at_eos(row, tokenizer.eos_token_id, tokenizer.pad_token_id)
             if not finished:
@@ -130,7 +163,8 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
     return out
 
 
-def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None) -> list[Completion]:
+def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None,
+                   keys=None) -> list[Completion]:
     from align.engine.lora import parked_base
     from align.fast_generate import bare, decoder_for
 
@@ -139,21 +173,24 @@ def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, dev
     if parked:
         parked.park()
     try:
-        return _decode_chunks(dec, tokenizer, prompts, s, batch_size, on_batch)
+        return _decode_chunks(dec, tokenizer, prompts, s, batch_size, on_batch, keys)
     finally:
         dec.release()  # the KV cache is not needed until the next rollout
         if parked:
             parked.restore()
 
 
-def _decode_chunks(dec, tokenizer, prompts, s: Sampling, batch_size: int, on_batch=None) -> list[Completion]:
+def _decode_chunks(dec, tokenizer, prompts, s: Sampling, batch_size: int, on_batch=None,
+                   keys=None) -> list[Completion]:
     eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     out: list[Completion] = []
     # CUDA graphs: every chunk as wide as the first (a short last chunk would compile and capture a new shape)
     width = min(batch_size, len(prompts)) if dec.use_graphs else 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        rows = dec.generate(chunk + [chunk[-1]] * (width - len(chunk)), s, eos, pad_id)
+        fill = width - len(chunk)  # rows repeating the last prompt (and its key): dropped below
+        ck = None if keys is None else keys[i : i + batch_size]
+        rows = dec.generate(chunk + [chunk[-1]] * fill, s, eos, pad_id, None if ck is None else ck + ck[-1:] * fill)
         for p, row in zip(chunk, rows):
             resp, finished = trim_at_eos(row, eos, pad_id)
             out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
@@ -163,14 +200,17 @@ def _decode_chunks(dec, tokenizer, prompts, s: Sampling, batch_size: int, on_bat
 
 
 def generate_on_rank(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,
-                     batch_size: int = 64, gather: bool = True, on_batch=None) -> list[Completion]:
+                     batch_size: int = 64, gather: bool = True, on_batch=None, indices=None) -> list[Completion]:
     """Generate for THIS rank's `prompts` with a DeepSpeed engine: under ZeRO-3 its weights are gathered once for
     the whole phase (`gather=False`: they stay sharded and every rank joins every forward, so every rank must
-    pass as many prompts)."""
+    pass as many prompts). `indices`: the prompts' places in the global list, for their sampling keys; by default
+    this rank's prompts are its contiguous share of equal shares (runtime.shard): rank · len(prompts) + i."""
     synced = runtime.is_zero3(eng) and not gather and dist.world_size > 1
+    if indices is None:
+        indices = range(dist.rank * len(prompts), (dist.rank + 1) * len(prompts))
     with runtime.gathered_for_generation(eng, gather) as module:
         return generate_local(module, tokenizer, prompts, s, batch_size, dist.device, synced_gpus=synced,
-                              on_batch=on_batch)
+                              on_batch=on_batch, indices=indices)
 
 
 def generate(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,

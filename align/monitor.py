@@ -52,6 +52,7 @@ class Rule:
     extra: tuple = ()  # further metric keys the check reads, after `metric`
     aligned: bool = False  # check sees only steps where all keys were logged in the same update
     enabled: bool = True
+    at_end: bool = False  # also judged once at the end over the whole run, when the run was shorter than `window`
 
     def __post_init__(self):
         if self.severity not in SEVERITIES:
@@ -177,6 +178,24 @@ def check_below(xs: list, window: int, min_value: float) -> Check:
     if m < min_value:
         return Check(True, m, min_value, f"mean of last {min(window, len(xs))} values {m:.4g} < {min_value:.4g}")
     return QUIET
+
+
+def _held(xs: list, window: int, holds, bound: float, what: str) -> Check:
+    """Fires when `holds(x)` is true of each of the last `window` values."""
+    last = xs[-window:]
+    if len(last) < window or not all(holds(x) for x in last):
+        return QUIET
+    return Check(True, _mean(last), bound, f"{what} at each of the last {window} steps")
+
+
+def check_held_at_least(xs: list, window: int, min_value: float) -> Check:
+    """Each of the last `window` values >= min_value: a condition that held `window` steps in a row."""
+    return _held(xs, window, lambda x: x >= min_value, min_value, f">= {min_value:g}")
+
+
+def check_held_at_most(xs: list, window: int, max_value: float) -> Check:
+    """Each of the last `window` values <= max_value: a condition that held `window` steps in a row."""
+    return _held(xs, window, lambda x: x <= max_value, max_value, f"<= {max_value:g}")
 
 
 def check_below_start(xs: list, window: int, min_ratio: float, min_value: float) -> Check:
@@ -307,6 +326,20 @@ def default_rules() -> list:
              params={"min_drop": 0.0, "min_z": 3.5},
              message="Mean reward is falling: LR too high, reward hacking or over-optimisation. "
                      "Lower the LR, raise the KL coefficient, stop early (keep the best checkpoint)."),
+        # a run that cannot learn: stopped after `window` steps in a row, and judged over the whole run at its end
+        # when it was shorter (a 3-step run whose reward failed on every row is not "complete")
+        Rule("reward_errors", "rewards/errors", check_held_at_least, "stop", 5, params={"min_value": 1.0},
+             at_end=True,
+             message="The reward failed on every sample (it raised, returned NaN / a non-number or ran past "
+                     "--reward-timeout): nothing is learned. Call the function by hand on one data row, "
+                     "fn(prompt, completion, **row), fix it and rerun (--on-reward-error fail stops at the first "
+                     "failure and shows the completion)."),
+        # window 50: with 16 groups a step, 50 steps without signal are 800 groups without one success (or failure)
+        Rule("no_signal", "signal_frac", check_held_at_most, "stop", 50, params={"max_value": 0.0}, at_end=True,
+             message="No sample carried a training signal: within every group the rewards were equal (all wrong, "
+                     "all right, or a constant reward), so every advantage is 0 and the policy does not change. "
+                     "Check the start model's pass@k on the task (align eval): start from a stronger (SFT) model "
+                     "or use an easier task, more --num-generations, or a reward that gives partial credit."),
         Rule("entropy_collapse", "entropy", check_below, "warn", 10, params={"min_value": 0.1},
              message="Policy entropy collapsed: the model is becoming deterministic and stops exploring. "
                      "Raise the sampling temperature, add an entropy bonus, lower the LR, train fewer steps."),
@@ -442,6 +475,21 @@ class RLMonitor:
                 new.append(Event(step, rule.name, rule.severity, res.metric or rule.metric,
                                  res.value, res.threshold, rule.message, res.detail))
             self._firing.add(rule.name)
+        self.events.extend(new)
+        return new
+
+    def end(self, step: int) -> list:
+        """At the end of a run: the `at_end` rules judged once over the whole run when it was shorter than their
+        window (a longer run's last window was judged at every step). Returns the new events."""
+        new = []
+        for rule in self.rules:
+            series = [self.history.get(k, []) for k in rule.keys]
+            if not (rule.enabled and rule.at_end and 0 < len(series[0]) < rule.window):
+                continue
+            res = rule.check(*series, window=len(series[0]), **rule.params)
+            if res.fired:
+                new.append(Event(step, rule.name, rule.severity, res.metric or rule.metric, res.value,
+                                 res.threshold, rule.message, res.detail + " (the whole run)"))
         self.events.extend(new)
         return new
 

@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,7 @@ PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int, "seed": int}
 STAGE_DEFAULTS = ("nproc", "seed")  # [pipeline] keys that are defaults of every stage's option of that name
 TOP_LEVEL = ("pipeline", "stages")
 FINGERPRINT_FILE = ".pipeline-fingerprint"
+RESUME_KEY_FILE = ".pipeline-resume-key"  # the stage's fingerprint without what a resumed run may change
 STAGE_TOML = ".pipeline-stage.toml"
 
 
@@ -474,10 +476,18 @@ def _input_digest(p: Pipeline, stage: Stage, key: str, value: str):
 def fingerprint(p: Pipeline, stage: Stage, cfg: dict | None = None) -> str:
     """sha256 of json(kind, resolved config, digest of every input: upstream artifact.json / data file / tree)."""
     cfg = cfg if cfg is not None else resolve(p, stage)
-    inputs = {k: _input_digest(p, stage, k, cfg[k]) for k in sorted(_path_fields(stage.config)) if k != "out"}
+    inputs = {k: _input_digest(p, stage, k, cfg[k]) for k in sorted(_path_fields(stage.config))
+              if k != "out" and k in cfg}
     cfg = {k: v for k, v in cfg.items() if k not in C.PREFLIGHT}
     blob = json.dumps({"kind": stage.kind, "config": cfg, "inputs": inputs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def resume_key(p: Pipeline, stage: Stage, cfg: dict) -> str:
+    """The fingerprint of what a checkpoint's run is made of: the config without the settings a --resume may change
+    (checkpoint.RESUMABLE, APPLIED), and every input's digest."""
+    fixed = checkpoint.RESUMABLE | checkpoint.APPLIED
+    return fingerprint(p, stage, {k: v for k, v in cfg.items() if k not in fixed})
 
 
 # ---------------------------------------------------------------------------------------------- status
@@ -650,19 +660,53 @@ def _stage_main(argv: list[str]) -> None:
 def run_stage(cmd: list[str], processes) -> int:
     """Run one stage's `align` command in a process of its own and return its exit code: forked from
     `stage_processes`' server when there is one (the same process boundary: its own distributed group, memory
-    and signals, without paying the imports again), else a new interpreter running `cmd`."""
-    if processes is None:
-        return subprocess.call(cmd)
+    and signals, without paying the imports again), else a new interpreter running `cmd`. Ctrl-C reaches the stage
+    too (one process group): it is left to take its own way out (finish the step, checkpoint, mark its artifact),
+    however often Ctrl-C comes, and KeyboardInterrupt is raised once it has."""
     sys.stdout.flush()
     sys.stderr.flush()
-    proc = processes.Process(target=_stage_main, args=(cmd[3:],), name=" ".join(cmd[3:5]))
-    proc.start()
+    if processes is None:
+        proc = subprocess.Popen(cmd)
+        wait = proc.wait
+    else:
+        proc = processes.Process(target=_stage_main, args=(cmd[3:],), name=" ".join(cmd[3:5]))
+        proc.start()
+        wait = lambda: proc.join() or proc.exitcode  # noqa: E731
+    interrupted = False
+    while True:
+        try:
+            rc = wait()
+            break
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        raise KeyboardInterrupt
+    return rc
+
+
+def continuation(p: Pipeline, stage: Stage, out: Path, cfg: dict, st: State) -> str | None:
+    """The checkpoint ("stepN") a stage continues from, the rule of `--resume`: an interrupted stage made of the same
+    config and inputs (its resume key), and a complete one whose max_steps alone changed (with its lr); None where
+    it starts over. A max_steps change the checkpoint cannot continue (checkpoint.budget_conflict) is a UserError
+    naming the two ways on."""
+    if "resume" not in cfg or st.status not in ("incomplete", "stale"):
+        return None
     try:
-        proc.join()
-    except KeyboardInterrupt:  # Ctrl-C reached the stage too: let it take its own way out, then stop
-        proc.join()
-        raise
-    return proc.exitcode
+        key = (out / RESUME_KEY_FILE).read_text().strip()
+        saved = checkpoint.read_state(out)
+    except (OSError, UserError, json.JSONDecodeError):
+        return None
+    old, new = saved["config"].get("max_steps"), cfg.get("max_steps")
+    changed = {k for k in (checkpoint.RESUMABLE | checkpoint.APPLIED) - {"out", "resume"}
+               if saved["config"].get(k) != cfg.get(k)}
+    if key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"}):
+        return None
+    why = checkpoint.budget_conflict(saved["config"], cfg, saved["step"])
+    if why:
+        raise UserError(f"stage {stage.name!r}: max_steps {old} -> {new}: {why}. Set stages.{stage.name}.max_steps back "
+                        f"to {old} to continue from its checkpoint, or rerun with --from {stage.name} to start it over "
+                        f"with {new} steps.")
+    return checkpoint.latest(out)
 
 
 @dataclass
@@ -709,65 +753,105 @@ def headline_metrics(out: Path, n: int = 3) -> dict:
 
 def run(path: str | Path, from_stage: str | None = None, dry_run: bool = False, echo=console.print,
         overrides: list[str] = ()) -> list[Result]:
-    """Run the pipeline; returns one Result per stage reached. A failing stage ends the list (status 'failed')."""
+    """Run the pipeline; returns one Result per stage. The first stage that does not end up to date (failed,
+    refused, interrupted by Ctrl-C) stops it: the stages after it are 'not run'."""
     p = load(path, overrides)
     check_outs(p)
-    results: list[Result] = []
     if dry_run:
-        for pl in plan(p, from_stage):
-            results.append(Result(pl.stage.name, pl.stage.kind, "would run" if pl.run else "skipped (up to date)",
-                                  pl.reason, out=pl.out))
-        return results
-
+        return [Result(pl.stage.name, pl.stage.kind, "would run" if pl.run else "skipped (up to date)", pl.reason,
+                       out=pl.out) for pl in plan(p, from_stage)]
     start = from_index(p, from_stage)
-    processes = False  # decided when the first stage runs: an up-to-date pipeline imports nothing
+    spawn = _Spawner(p)
+    results: list[Result] = []
     for i, stage in enumerate(p.stages):
-        # fingerprints are computed only now, after the stages above have (re)run
-        cfg = resolve(p, stage)
-        out = Path(cfg["out"])
-        fp = fingerprint(p, stage, cfg)
-        st = state(out, fp)
         forced = start is not None and i >= start
-        if st.up_to_date and not forced:
-            echo(f"[dim]= {escape(stage.name)} ({stage.kind}): up to date, skipped[/]")
-            results.append(Result(stage.name, stage.kind, "skipped (up to date)", "", None, headline_metrics(out),
-                                  out=out))
-            continue
-        reason = f"forced by --from {from_stage}" if forced else st.describe()
-        run_cfg = {**cfg, "overwrite": True}  # the stage's own artifact, stale (check_outs: no other stage's)
-        if st.status == "incomplete" and not forced and "resume" in cfg and checkpoint.resumable(out, cfg):
-            run_cfg = {**run_cfg, "resume": True}  # an interrupted stage continues from its checkpoint
-            reason += f", resuming from its {checkpoint.latest(out)} checkpoint"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / FINGERPRINT_FILE).unlink(missing_ok=True)  # a half-done rerun must never look up to date
-        stage_toml = out / STAGE_TOML
-        write_stage_toml(stage_toml, run_cfg, f"written by `align pipeline run {path}` for stage {stage.name!r}")
-        cmd = command(stage, stage_toml)
-        echo(f"[bold]> {escape(stage.name)}[/] ({stage.kind}, {reason}): align {' '.join(stage.command.words)} "
-             f"--config {escape(str(stage_toml))}")
-        if processes is False:
-            processes = stage_processes(p.stages[i:])
-        t0 = time.time()
-        rc = run_stage(cmd, processes)
-        seconds = time.time() - t0
-        if rc != 0:
-            results.append(Result(stage.name, stage.kind, "failed", reason, seconds, {}, rc, out))
-            return results
-        # the stage must have left a complete artifact; only then is it recorded as up to date
         try:
-            verify_artifact(out)
-        except UserError as e:
-            results.append(Result(stage.name, stage.kind, "failed", f"no complete artifact: {e}", seconds, {}, 1, out))
-            return results
-        _write_atomic(out / FINGERPRINT_FILE, fp + "\n")  # what it was run on
-        compiled = (read_artifact(out) or {}).get("metrics", {}).get("time/compile")
-        results.append(Result(stage.name, stage.kind, "ran", reason, seconds, headline_metrics(out), out=out,
-                              compile_seconds=compiled))
+            r = _run_one(p, stage, f"forced by --from {from_stage}" if forced else None, str(path), echo, spawn)
+        except KeyboardInterrupt:
+            r = _interrupted(stage, stage_out(p.root, p.out, stage))
+        results.append(r)
+        if r.status not in ("ran", "skipped (up to date)"):
+            results += [Result(s.name, s.kind, "not run") for s in p.stages[i + 1 :]]
+            break
     return results
+
+
+class _Spawner:
+    """Where stage processes come from, decided when the first stage runs (an up-to-date pipeline imports nothing)."""
+
+    def __init__(self, p: Pipeline):
+        self.p, self.processes, self.decided = p, None, False
+
+    def run(self, cmd: list[str], stage: Stage) -> int:
+        if not self.decided:
+            self.processes, self.decided = stage_processes(self.p.stages[self.p.stages.index(stage) :]), True
+        return run_stage(cmd, self.processes)
+
+
+def _run_one(p: Pipeline, stage: Stage, forced: str | None, path: str, echo, spawn: _Spawner) -> Result:
+    """Skip, continue or (re)run one stage; its Result. Fingerprints are computed only now, after the stages above
+    have (re)run."""
+    cfg = resolve(p, stage)
+    out = Path(cfg["out"])
+    fp = fingerprint(p, stage, cfg)
+    st = state(out, fp)
+    if st.up_to_date and not forced:
+        echo(f"[dim]= {escape(stage.name)} ({stage.kind}): up to date, skipped[/]")
+        return Result(stage.name, stage.kind, "skipped (up to date)", "", None, headline_metrics(out), out=out)
+    reason = forced or st.describe()
+    try:
+        tag = None if forced else continuation(p, stage, out, cfg, st)
+    except UserError as e:
+        return Result(stage.name, stage.kind, "refused", str(e), exit_code=2, out=out)
+    run_cfg = {**cfg, "overwrite": True}  # the stage's own artifact, stale (check_outs: no other stage's)
+    if tag:  # a stage that continues resumes from its checkpoint
+        run_cfg["resume"] = True
+    reason += f", resuming from its {tag} checkpoint" if tag else ""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / FINGERPRINT_FILE).unlink(missing_ok=True)  # a half-done rerun must never look up to date
+    _write_atomic(out / RESUME_KEY_FILE, resume_key(p, stage, cfg) + "\n")  # what its checkpoints are made of
+    stage_toml = out / STAGE_TOML
+    write_stage_toml(stage_toml, run_cfg, f"written by `align pipeline run {path}` for stage {stage.name!r}")
+    echo(f"[bold]> {escape(stage.name)}[/] ({stage.kind}, {reason}): align {' '.join(stage.command.words)} "
+         f"--config {escape(str(stage_toml))}")
+    t0 = time.time()
+    rc = spawn.run(command(stage, stage_toml), stage)
+    seconds = time.time() - t0
+    if rc in (130, -signal.SIGINT):  # the stage alone was interrupted (SIGINT sent to it, not to the pipeline)
+        return _interrupted(stage, out, seconds)
+    if rc != 0:
+        return Result(stage.name, stage.kind, "failed", reason, seconds, {}, rc, out)
+    # the stage must have left a complete artifact; only then is it recorded as up to date
+    try:
+        verify_artifact(out)
+    except UserError as e:
+        return Result(stage.name, stage.kind, "failed", f"no complete artifact: {e}", seconds, {}, 1, out)
+    _write_atomic(out / FINGERPRINT_FILE, fp + "\n")  # what it was run on
+    compiled = (read_artifact(out) or {}).get("metrics", {}).get("time/compile")
+    return Result(stage.name, stage.kind, "ran", reason, seconds, headline_metrics(out), out=out,
+                  compile_seconds=compiled)
+
+
+def _interrupted(stage: Stage, out: Path, seconds: float | None = None) -> Result:
+    """The Result of a stage Ctrl-C stopped: what its artifact says, and what a rerun does with it."""
+    try:
+        art = read_artifact(out) or {}
+    except UserError:
+        art = {}
+    tag = checkpoint.latest(out)
+    if art.get("status") == "complete":  # done before the interrupt reached the pipeline
+        why = "complete, not yet recorded as up to date: the rerun runs it again"
+    elif tag:
+        why = f"{art.get('status', 'no')} artifact, checkpoint {tag}: the rerun continues from it"
+    else:
+        why = f"{art.get('status', 'no')} artifact, no checkpoint: the rerun starts it over"
+    return Result(stage.name, stage.kind, "interrupted", why, seconds, {}, 130, out)
 
 
 def raise_for_failure(results: list[Result]) -> None:
     for r in results:
+        if r.status == "refused":
+            raise StageFailed(r.reason, r.exit_code)
         if r.status == "failed":
             code = r.exit_code if r.exit_code > 0 else (128 - r.exit_code if r.exit_code < 0 else 1)
             raise StageFailed(f"pipeline stopped: stage {r.name!r} ({r.kind}) failed with exit code {r.exit_code}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Optional
 
@@ -39,7 +40,8 @@ def _metrics(m: dict) -> str:
 
 
 STATUS_STYLE = {"ran": "green", "skipped (up to date)": "dim", "would run": "yellow", "failed": "bold red",
-                "complete": "green", "stale": "yellow", "incomplete": "red", "missing": "dim"}
+                "refused": "bold red", "interrupted": "yellow", "not run": "dim", "complete": "green",
+                "stale": "yellow", "incomplete": "red", "missing": "dim"}
 
 
 @app.command("validate")
@@ -87,10 +89,21 @@ def run(
         table.add_column(col)
     for r in results:
         style = STATUS_STYLE.get(r.status, "")
-        status = r.status + (f" ({r.reason})" if r.status == "would run" else "")
+        status = r.status + (f" ({r.reason})" if r.status in ("would run", "interrupted") else "")
         if r.status == "failed":
             status += f" (exit {r.exit_code})"
         table.add_row(escape(r.name), f"[{style}]{escape(status)}[/]", _seconds(r.seconds), _seconds(r.compile_seconds),
                       escape(_metrics(r.metrics)))
     console.print(table)
+    names = [r.name for r in results]
+    if "interrupted" in (r.status for r in results):
+        stopped = next(i for i, r in enumerate(results) if r.status == "interrupted")
+        # --from is kept only while the stage it forces has not been reached: from there on it would start the
+        # interrupted stage over instead of continuing it
+        keep_from = from_ is not None and names.index(from_) > stopped
+        rerun = ["align", "pipeline", "run", file, *(["--from", from_] if keep_from else []),
+                 *[a for o in set_ for a in ("--set", o)], *(["--seed", str(seed)] if seed is not None else [])]
+        console.print(f"[yellow]interrupted: the stages that finished are kept; to continue, run[/]\n"
+                      f"  {escape(shlex.join(rerun))}", soft_wrap=True)
+        raise SystemExit(130)
     P.raise_for_failure(results)

@@ -48,7 +48,9 @@ def main() -> None:
     out = root / "grpo"
     cmd = [sys.executable, "-m", "align", "grpo", "--model", str(model), "--out", str(out), "--overwrite",
            "--eval-data", "", "--max-steps", str(a.steps), "--prompts-per-step", str(a.prompts),
-           "--num-generations", str(a.generations), "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size", "16", "--nproc", str(a.nproc)]
+           "--num-generations", str(a.generations), "--max-new-tokens", str(a.max_new_tokens), "--micro-batch-size",
+           "16", "--nproc", str(a.nproc),
+           "--reward", "benchmarks/bench_reward.py:noise"]  # a random model solves nothing: without signal RLMonitor stops
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stdout[-3000:], proc.stderr[-3000:])

@@ -168,8 +168,8 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
     info(f"data make prefs: {len(rows)} prompts x {cfg.samples} samples from {cfg.from_model}")
     todo = [p for p in prompts for _ in range(cfg.samples)]
     with TrainProgress("sample", len(todo)) as bar:
-        outs = generate_local(model, tok, todo, Sampling(cfg.max_new_tokens, cfg.temperature), cfg.batch_size,
-                              device, on_batch=bar.advance)
+        outs = generate_local(model, tok, todo, Sampling(cfg.max_new_tokens, cfg.temperature, seed=cfg.seed),
+                              cfg.batch_size, device, on_batch=bar.advance)
     rng, pairs, n_correct = random.Random(cfg.seed), [], 0
     for i, row in enumerate(rows):
         texts = [o.text for o in outs[i * cfg.samples:(i + 1) * cfg.samples]]

@@ -405,9 +405,14 @@ class OnlineDPO(DPO):
         idx = [i for s in steps for i in self.run.indices(len(self.rows), cfg.batch_size, s)]
         K = cfg.online_samples
         prompts = [self.prompt_ids[i] for i in idx for _ in range(K)]
+        # each sample's place in (step, slot of the step's global batch, sample), for its sampling key: the same
+        # samples for any number of processes and any grouping of the steps into windows
+        share = cfg.batch_size // dist.world_size  # this rank's slots of each step (runtime.shard)
+        places = [(s * cfg.batch_size + dist.rank * share + j) * K + k for s in steps for j in range(share)
+                  for k in range(K)]
         done = generate_on_rank(self.policy.eng, self.tok, prompts,
-                                Sampling(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature), dist,
-                                batch_size=64)
+                                Sampling(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed),
+                                dist, batch_size=64, indices=places)
         rows = [self.rows[i] for i in idx for _ in range(K)]
         scores = self.rank(rows, done).view(len(idx), K)
         best, worst, weights = best_worst(scores)

@@ -52,7 +52,8 @@ def run(cfg: EvalConfig) -> dict:
         eng = run.frozen(lambda dtype: load_causal_lm(source, tok, dtype, cfg.seed, cfg.trust_remote_code))
         info(f"eval: {len(rows)} problems, {max(ks)} samples each, k = {ks}")
         metrics, records = evaluate_policy(eng, tok, rows, dist, ks=ks, samples=max(ks),
-                                           sampling=Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p),
+                                           sampling=Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                                                             seed=cfg.seed),
                                            verifier=cfg.verifier, batch_size=cfg.batch_size, gather=cfg.gather,
                                            use_evaluate=True, progress="eval")
         if dist.is_main:

@@ -17,7 +17,7 @@ Log-probs are taken at the sampling temperature, as sampled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.evaluation import evaluate_policy, fitting, fitting_rows
 from align.generation import Sampling
+from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_reward_model, require_trained, score
@@ -280,7 +281,7 @@ class GRPO:
         with timed(times, "time/generate"):
             idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
             r = sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
-                       cfg.num_generations, self.sampling, dist, cfg.gather)
+                       cfg.num_generations, replace(self.sampling, seed=derive(cfg.seed, step)), dist, cfg.gather)
         with timed(times, "time/reward"):
             self.score(r)
             adv, keep, counted, zero_std = self.advantages(r)
@@ -299,6 +300,10 @@ class GRPO:
             stats.value("kept_token_frac", n_kept / max(n_tokens, 1.0))
         with timed(times, "time/update"):
             self.update(batch, adv.flatten().to(dist.device), old_logp, ref_logp, n_tokens, n_seqs, stats)
+        # the samples that teach the policy something (RLMonitor's no_signal rule): a non-zero advantage in the
+        # loss, or, with a teacher, the distillation term every counted sample carries
+        signal = counted.bool() & ((adv != 0) | (self.teacher is not None))
+        stats.mean("signal_frac", signal.sum(), signal.numel())
         self.record(r, zero_std, stats, times)
         return stats
 
@@ -326,7 +331,8 @@ class GRPO:
             return {}
         ks = self.cfg.ks()
         m, _ = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
-                               sampling=self.sampling, gather=self.cfg.gather, verifier=self.cfg.verifier)
+                               sampling=replace(self.sampling, seed=self.cfg.seed), gather=self.cfg.gather,
+                               verifier=self.cfg.verifier)
         return {f"eval/{k}": v for k, v in m.items()}
 
     def final_metrics(self, last: dict, start: dict) -> dict:

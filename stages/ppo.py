@@ -38,6 +38,7 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.evaluation import evaluate_policy, fitting, fitting_rows
 from align.generation import Sampling
+from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
 from align.losses import completion_nll
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
@@ -364,7 +365,7 @@ class PPO:
         with timed(times, "time/generate"):
             idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
             r = sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx], 1,
-                       self.sampling, dist, cfg.gather)
+                       replace(self.sampling, seed=derive(cfg.seed, step)), dist, cfg.gather)
         with timed(times, "time/reward"):
             proxy, s, gold = self.scores(r)
         with timed(times, "time/score"):

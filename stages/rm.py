@@ -201,7 +201,7 @@ class RewardModel:
                                                                   cfg.trust_remote_code))
             torch.manual_seed(cfg.seed * 1000 + dist.rank)
             outs = generate(policy, self.tok, [e["prompt_ids"] for e in ref],
-                            Sampling(max_new_tokens=cfg.max_new_tokens, temperature=1.0), dist)
+                            Sampling(max_new_tokens=cfg.max_new_tokens, temperature=1.0, seed=cfg.seed), dist)
             seqs = [(e["prompt_ids"], o.ids + ([] if o.finished else [self.tok.eos_token_id])) for e, o in zip(ref, outs)]
             del policy
             fitted_on = f"{len(seqs)} samples (T=1) of {cfg.normalize_on_policy} on the first training prompts"

@@ -42,6 +42,16 @@ def small_sft() -> list[str]:
     return ["--data", str(small_data()["arith"]), "--eval-data", str(small_data()["arith_test"])]
 
 
+@functools.lru_cache(maxsize=None)
+def parity_reward() -> str:
+    """A `--reward` for GRPO runs of a tiny random model: 1 for a completion of odd length in characters, else 0.
+    Such a model never solves a math problem (every group's rewards equal, no training signal: RLMonitor stops
+    the run); the parity of its random completions differs within most groups."""
+    f = Path(tempfile.mkdtemp(prefix="align-reward-")) / "parity.py"
+    f.write_text("def parity(prompt, completion, **row):\n    return float(len(completion) % 2)\n")
+    return f"{f}:parity"
+
+
 def processes_mentioning(text: str) -> list[int]:
     """PIDs (other than this one) whose command line contains `text`."""
     pids = []

@@ -76,16 +76,25 @@ def test_each_rank_holds_only_its_shard(runs):
     assert part["resident_per_rank"] == [0, 0]  # nothing kept whole outside forward/backward
 
 
-def test_two_process_generation_equals_one_process(runs, tmp_path):
+def test_generation_does_not_depend_on_the_number_of_processes_or_the_batch_size(runs, tmp_path):
+    """`align eval` with one seed: the same greedy answers, the same samples and so the same sampled pass@k for
+    any --nproc and --batch-size, ZeRO-3 weights gathered for generation or not (each prompt's sampling noise
+    comes from the seed and its index: align/sampling.py)."""
     _, _, two = runs
     outs = {}
-    for name, nproc, extra in (("one", 1, []), ("two", 2, []), ("two_nogather", 2, ["--no-gather"])):
+    for name, nproc, extra in (("one", 1, []), ("one_bs5", 1, ["--batch-size", "5"]),
+                               ("two", 2, ["--batch-size", "5"]), ("two_nogather", 2, ["--no-gather"])):
         out = tmp_path / name
-        run(align_cmd("eval", str(two), "--out", str(out), "--k", "1", "--limit", "24", "--max-new-tokens", "12",
-                      "--batch-size", "5", *extra, nproc=nproc))
-        outs[name] = [json.loads(line)["greedy"] for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(outs["one"]) == 24
-    assert outs["one"] == outs["two"] == outs["two_nogather"]
+        run(align_cmd("eval", str(two), "--out", str(out), "--k", "1,4", "--limit", "24", "--max-new-tokens", "12",
+                      "--temperature", "1.0", *extra, nproc=nproc))
+        rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        metrics = json.loads((out / "artifact.json").read_text())["metrics"]
+        outs[name] = ([r["greedy"] for r in rows], [r["samples"] for r in rows],
+                      {k: v for k, v in metrics.items() if k.startswith("pass@")})
+    greedy, samples, passk = outs["one"]
+    assert len(greedy) == 24 and all(len(s) == 4 for s in samples) and {"pass@1", "pass@4"} <= set(passk)
+    assert len({x for s in samples for x in s}) > 24  # really sampling: a problem's samples differ
+    assert outs["one"] == outs["one_bs5"] == outs["two"] == outs["two_nogather"]
 
 
 def test_launch_env_gives_each_process_its_share_of_cores(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 
 from align.fast_generate import FastDecoder, filter_logits, unsupported_reason
 from align.generation import Sampling, generate_local, use_fast_path
+from align.sampling import prompt_keys
 
 EOS, PAD = 2, 0
 
@@ -159,9 +160,9 @@ def test_sampling_rules():
     m = make("llama", True)
     dec = FastDecoder(m, "cpu")
     dec.load_weights(m)
-    torch.manual_seed(0)
-    noise = torch.empty(20000, 5).exponential_()
-    draws = dec._choose(logits.expand(20000, 5), noise, Sampling(temperature=1.0))
+    dec._alloc(20000, 8)
+    dec.keys.copy_(torch.tensor(prompt_keys(0, range(20000))))
+    draws = dec._choose(logits.expand(20000, 5), 0, Sampling(temperature=1.0))
     freq = torch.bincount(draws, minlength=5).float() / 20000
     assert (freq - p).abs().max() < 0.02
     # top_k=1 sampling is greedy

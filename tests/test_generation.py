@@ -127,7 +127,7 @@ def test_trim_at_eos(ids, expected):
     assert trim_at_eos(ids, eos_id=2, pad_id=0) == expected
 
 
-def test_sampling_is_reproducible_with_a_seed(setup):
+def test_sampling_without_a_seed_follows_torchs_rng(setup):
     s = Sampling(max_new_tokens=8, temperature=1.5)
     torch.manual_seed(5)
     a = [c.ids for c in gen(setup, s=s)]
@@ -144,3 +144,62 @@ def test_top_k_1_sampling_equals_greedy(setup):
     torch.manual_seed(7)
     sampled = gen(setup, s=Sampling(max_new_tokens=8, temperature=1.0, top_k=1))
     assert [c.ids for c in sampled] == [c.ids for c in gen(setup)]
+
+
+SAMPLED = Sampling(max_new_tokens=8, temperature=1.5, seed=11)
+
+
+def test_a_prompts_samples_do_not_depend_on_the_batch_layout(setup):
+    """With a sampling seed, prompt i's samples depend on (seed, i) alone: the same for any batch size, gather mode
+    and company of other prompts (the prompt keeps its index), and on the fast decoder too (the same keyed race on
+    the same logits)."""
+    prompts = [p for p in setup["prompts"] for _ in range(4)]  # 4 samples of each prompt, as pass@k draws them
+    ref = [c.ids for c in gen(setup, prompts, SAMPLED, batch_size=64)]
+    assert len({tuple(x) for x in ref[:4]}) > 1  # really sampling: a prompt's 4 samples differ
+    for bs in (1, 5):
+        assert [c.ids for c in gen(setup, prompts, SAMPLED, batch_size=bs)] == ref, bs
+    assert [c.ids for c in gen(setup, prompts, SAMPLED, batch_size=5, gather=False)] == ref
+    from align.generation import generate_local
+
+    with runtime.gathered_for_generation(setup["eng"], True) as module:
+        alone = generate_local(module, setup["tok"], prompts[5:7], SAMPLED, 64, "cpu", indices=[5, 6])
+        fast = generate_local(module, setup["tok"], prompts, SAMPLED, 3, "cpu", fast=True)
+    assert [c.ids for c in alone] == ref[5:7]
+    assert [c.ids for c in fast] == ref
+    assert [c.ids for c in gen(setup, prompts, Sampling(max_new_tokens=8, temperature=1.5, seed=12))] != ref
+
+
+def test_keyed_sampling_follows_the_distribution():
+    """The race with keyed noise samples softmax(z): over 20,000 keys at one position, and over 20,000 positions
+    of one key; after top-k / top-p filtering only kept tokens are drawn."""
+    from align.fast_generate import filter_logits
+    from align.sampling import choose, prompt_keys
+
+    z = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    p = z.softmax(-1)[0]
+    keys = torch.tensor(prompt_keys(3, range(20000)))
+    for draws in (choose(z.expand(20000, 5), keys, 7),
+                  torch.stack([choose(z, keys[:1], t) for t in range(20000)]).flatten()):
+        freq = torch.bincount(draws, minlength=5).float() / 20000
+        assert (freq - p).abs().max() < 0.015, freq
+    kept = choose(filter_logits(z.expand(20000, 5).clone(), top_k=2, top_p=1.0), keys, 0)
+    assert set(kept.tolist()) == {0, 1}
+
+
+def test_sampling_draws_from_the_whole_distribution(setup):
+    """Temperature 1, no top-k / top-p: the log-probability of the sampled tokens averages minus the entropy of
+    the distributions they were drawn from. (HF `generate` given top_k=None keeps its default top 50: -5.8 against
+    -6.2 on this model, which is what the HF path sampled before.)"""
+    from align.generation import generate_local
+
+    model, tok, p = setup["plain"], setup["tok"], setup["prompts"][2]
+    out = generate_local(model, tok, [p] * 300, Sampling(max_new_tokens=4, temperature=1.0, seed=3), 300, "cpu",
+                         fast=False)
+    logp_chosen, neg_entropy = [], []
+    with torch.no_grad():
+        for c in out:
+            logp = model(torch.tensor([p + c.ids])).logits[0, len(p) - 1 : -1].float().log_softmax(-1)
+            logp_chosen += logp.gather(1, torch.tensor(c.ids)[:, None]).flatten().tolist()
+            neg_entropy += (logp.exp() * logp).sum(-1).tolist()
+    n = len(logp_chosen)
+    assert abs(sum(logp_chosen) / n - sum(neg_entropy) / n) < 0.15, (sum(logp_chosen) / n, sum(neg_entropy) / n)

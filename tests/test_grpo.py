@@ -12,7 +12,7 @@ import time
 import pytest
 
 from align.runtime import free_port
-from tests.conftest import small_sft
+from tests.conftest import parity_reward, small_sft
 
 SHORT = ["--max-steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
          "--eval-samples", "4", "--eval-k", "1,2", "--micro-batch-size", "8"]
@@ -37,14 +37,15 @@ def metric_rows(out):
 
 def test_two_process_zero3_grpo_run(tmp_path):
     out = tmp_path / "grpo2"
-    proc = run(align("grpo", "--out", str(out), *SHORT, *SMALL, nproc=2))
+    proc = run(align("grpo", "--out", str(out), "--reward", "math", "--reward", parity_reward(), *SHORT, *SMALL,
+                     nproc=2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     art = json.loads((out / "artifact.json").read_text())
     assert art["status"] == "complete" and art["world_size"] == 2 and art["model_kind"] == "policy"
     steps = [r for r in metric_rows(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for key in ("reward", "reward_std", "frac_reward_zero_std", "clip_ratio/low", "clip_ratio/high", "entropy",
-                "completions/mean_length", "completions/clipped_ratio", "rewards/math", "distinct_1"):
+                "completions/mean_length", "completions/clipped_ratio", "rewards/math", "distinct_1", "signal_frac"):
         assert key in steps[0], key
     assert "kl" not in steps[0]  # beta 0: no reference model, no KL
     evals = [r for r in metric_rows(out) if "eval/pass@1/greedy" in r]
@@ -115,15 +116,41 @@ def test_a_reward_function_that_never_returns_times_out(tmp_path, reward_file):
     assert time.time() - t < 120
 
 
-def test_entropy_is_measured_when_no_group_has_signal(tmp_path, reward_file):
-    """A constant reward: every group has zero spread and leaves the loss, yet the policy's entropy on its own
-    samples is measured (it was logged as 0.0, and RLMonitor's entropy_collapse fired at step 1)."""
+def health(out):
+    return [json.loads(line) for line in (out / "health.jsonl").read_text().splitlines()]
+
+
+def test_a_run_without_training_signal_is_not_complete(tmp_path, reward_file):
+    """A constant reward: every group has zero spread, every advantage is 0, nothing is learned. RLMonitor's
+    no_signal rule judges the whole 2-step run at its end: a stop event, the artifact failed with the reason, exit 1,
+    no model. The policy's entropy on its own samples is still measured (it was logged as 0.0, and
+    entropy_collapse fired at step 1)."""
     out = tmp_path / "flat"
     proc = run(align("grpo", "--out", str(out), "--reward", f"{reward_file}:one", *SHORT, *SMALL))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [r for r in metric_rows(out) if "reward" in r]
-    assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] > 1.0 for r in steps)
-    assert "entropy_collapse" not in (out / "health.jsonl").read_text()
+    assert all(r["frac_reward_zero_std"] == 1.0 and r["signal_frac"] == 0.0 and r["entropy"] > 1.0 for r in steps)
+    assert [(e["rule"], e["severity"], e["step"]) for e in health(out)] == [("no_signal", "stop", 2)]
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "failed" and "no_signal" in art["reason"] and "every advantage is 0" in art["reason"]
+    assert art["health"]["stop"]
+
+
+def test_a_reward_that_fails_on_every_row_stops_the_run(tmp_path, reward_file):
+    """--on-reward-error skip with a function that always raises: every sample skipped, reward 0.0 logged. Not a
+    "complete" run: reward_errors stops it after 5 steps in a row, or at the end of a shorter run."""
+    for steps, at in (("6", 5), ("2", 2)):
+        out = tmp_path / f"boom{steps}"
+        proc = run(align("grpo", "--out", str(out), "--reward", f"{reward_file}:boom", "--on-reward-error", "skip",
+                         *SHORT, "--max-steps", steps, "--eval-samples", "0", *SMALL))
+        said = " ".join((proc.stdout + proc.stderr).split())
+        assert proc.returncode == 1 and "Traceback" not in said, said[-3000:]
+        assert f"health stop: reward_errors at step {at}" in said
+        assert all(r["rewards/errors"] == 1.0 for r in metric_rows(out) if "reward" in r)
+        assert health(out)[0]["rule"] == "reward_errors" and health(out)[0]["step"] == at
+        art = json.loads((out / "artifact.json").read_text())
+        assert art["status"] == "failed" and f"RLMonitor stop at step {at}: reward_errors" in art["reason"]
+        assert "fn(prompt, completion, **row)" in art["reason"]
 
 
 def test_sort_task_with_a_user_reward_file(tmp_path, reward_file):
@@ -132,7 +159,7 @@ def test_sort_task_with_a_user_reward_file(tmp_path, reward_file):
     out = tmp_path / "sort"
     proc = run(align("grpo", "--out", str(out), *SHORT, "--data", str(DATA_DIR / "sort/train.jsonl"),
                      "--eval-data", str(DATA_DIR / "sort/test.jsonl"), "--reward", f"{reward_file}:sorted_ok",
-                     "--reward", "sort_inclusion:0.5"))
+                     "--reward", "sort_inclusion:0.5", "--reward", parity_reward()))  # the tiny model sorts nothing
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [r for r in metric_rows(out) if "reward" in r]
     assert "rewards/rewards.sorted_ok" in steps[0] and "rewards/sort_inclusion" in steps[0]

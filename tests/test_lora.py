@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from align.engine.lora import merged_state_dict
-from tests.conftest import _DIST_ENV, assert_user_error, run_align, small_data
+from tests.conftest import _DIST_ENV, assert_user_error, parity_reward, run_align, small_data
 
 ARITH = small_data()["arith"]
 SFT = ["sft", "--data", ARITH, "--max-steps", "6", "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "1",
@@ -79,8 +79,8 @@ def test_grpo_with_lora_and_a_reference(tmp_path):
     out = tmp_path / "grpo"
     said = ok(run_align("grpo", "--model", "tiny", "--lora-r", "4", "--beta", "0.1", "--max-steps", "2",
                         "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
-                        "--eval-samples", "4", "--eval-k", "1", "--lr", "1e-3", "--data", ARITH,
-                        "--eval-data", small_data()["arith_test"], "--out", out)).stdout
+                        "--eval-samples", "4", "--eval-k", "1", "--lr", "1e-3", "--reward", parity_reward(),
+                        "--data", ARITH, "--eval-data", small_data()["arith_test"], "--out", out)).stdout
     assert "the policy with its LoRA adapters off" in said
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"kl"' in x]
     assert rows and all(math.isfinite(r["kl"]) and r["kl"] >= 0 for r in rows)

@@ -42,6 +42,8 @@ def healthy_stream(n=300, seed=0):
             "distinct_1": 0.45 + rng.gauss(0, 0.03),
             "distinct_2": 0.75 + rng.gauss(0, 0.03),
             "logps/chosen": -250 + 5 * t + rng.gauss(0, 8),
+            "rewards/errors": float(rng.random() < 0.02),  # a reward failing now and then
+            "signal_frac": 0.0 if rng.random() < 0.2 else rng.uniform(0.1, 0.6),  # steps without signal happen
             "learning_rate": 1e-6,
         })
     return rows
@@ -60,7 +62,7 @@ def test_healthy_run_is_silent(seed):
 
 def test_every_default_rule_is_covered():
     names = [r.name for r in default_rules()]
-    assert names == ["nan", "grad_explode", "kl_high", "kl_spike", "reward_falling", "entropy_collapse", "clip_high",
+    assert names == ["nan", "grad_explode", "kl_high", "kl_spike", "reward_falling", "reward_errors", "no_signal", "entropy_collapse", "clip_high",
                      "length_drift", "low_distinct_1", "low_distinct_2", "chosen_logp_falling", "reward_hacking",
                      "reward_hacking_heldout"]
 
@@ -255,6 +257,33 @@ def test_heldout_hacking_stays_silent_on_the_healthy_chain_ppo(run):
     for step, gold, proxy, kl in HEALTHY_CHAIN_PPO_EVALS[run]:
         m.update(step, {"eval/pass@1/greedy": gold, "eval/reward": proxy, "eval/problems": 200.0, "eval/kl": kl})
     assert fired(m, "reward_hacking_heldout") == []
+
+
+def test_a_reward_failing_on_every_row_stops_after_five_steps_in_a_row():
+    errors = [1.0] * 4 + [0.9] + [1.0] * 5  # one step with a single good row restarts the count
+    m = feed([{"rewards/errors": e} for e in errors])
+    assert fired(m, "reward_errors") == [(9, "stop")] and m.should_stop()
+    assert fired(feed([{"rewards/errors": 0.99}] * 100), "reward_errors") == []  # most rows failing: not a stop
+
+
+def test_no_signal_stops_after_fifty_steps_in_a_row():
+    m = feed([{"signal_frac": 0.0}] * 49 + [{"signal_frac": 0.01}] + [{"signal_frac": 0.0}] * 50)
+    assert fired(m, "no_signal") == [(99, "stop")]
+    assert "every advantage is 0" in m.events[0].message and "align eval" in m.events[0].message
+
+
+def test_a_run_shorter_than_the_window_is_judged_as_a_whole_at_its_end():
+    m = feed([{"signal_frac": 0.0, "rewards/errors": 1.0}] * 3)
+    assert m.events == []  # three steps: neither window is full
+    events = m.end(3)
+    assert [(e.rule, e.severity, e.step) for e in events] == [("reward_errors", "stop", 3), ("no_signal", "stop", 3)]
+    assert "each of the last 3 steps" in events[0].detail and "the whole run" in events[0].detail
+    assert m.events == events and m.should_stop()
+    assert feed([{"signal_frac": 0.0}] * 2 + [{"signal_frac": 0.25}]).end(3) == []  # one step taught something
+    assert feed([{"loss": 1.0}] * 3).end(3) == []  # rules whose metric was never logged (SFT) stay silent
+    assert feed([{"signal_frac": 0.0}], RLMonitor(overrides={"no_signal": {"enabled": False}})).end(1) == []
+    warned = feed([{"signal_frac": 0.0}], RLMonitor(overrides={"no_signal": {"severity": "warn"}})).end(1)
+    assert [e.severity for e in warned] == ["warn"]
 
 
 # --- behaviour ----------------------------------------------------------------------------------

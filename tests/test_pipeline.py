@@ -1,6 +1,8 @@
 """`align pipeline`: validation reports every problem with key path and line; skip/rerun with real stages."""
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import tomllib
@@ -339,3 +341,80 @@ def test_set_overrides_keys_from_the_command_line(tmp_path, monkeypatch):
     assert "--set stages.sft.max_steps=many: stages.sft.max_steps: 'max_steps' must be int" in str(e.value)
     assert "--set nokey: write KEY.PATH=VALUE" in str(e.value)
     assert f"{f}:6:" not in str(e.value)  # not blamed on the file's line
+
+
+# ------------------------------------------------------------------ Ctrl-C, and changed budgets on resume
+
+
+def sft_pipeline(tmp_path: Path, max_steps: int, schedule: str) -> tuple[Path, Path]:
+    from tests.conftest import small_data
+
+    f = write(tmp_path, f'[pipeline]\nout = "{tmp_path / "runs"}"\n\n[stages.sft]\nmodel = "tiny"\n'
+                        f'max_steps = {max_steps}\nschedule = "{schedule}"\nwarmup_steps = 1\nbatch_size = 8\n'
+                        'eval_every = 0\neval_samples = 0\n'
+                        f'data = "{small_data()["arith"]}"\n')
+    return f, tmp_path / "runs" / "sft"
+
+
+def one_line(proc) -> str:
+    return " ".join((proc.stdout + proc.stderr).split())
+
+
+def test_ctrl_c_prints_the_summary_and_the_rerun_command_and_a_changed_budget_is_one_rule(tmp_path):
+    """Ctrl-C (SIGINT to the foreground process group, as a terminal sends it) during a stage: the stage finishes
+    its step, checkpoints and marks its artifact failed; the pipeline prints its table (the interrupted stage and
+    the stages not run) and the exact command that continues it, and exits 130. Rerun with another max_steps of
+    its cosine schedule, the stage is refused (exit 2) with the two ways on, as `--resume` refuses it by hand; the
+    printed command continues it from its checkpoint."""
+    from tests.test_reliability import popen, wait_for_steps
+
+    f, out = sft_pipeline(tmp_path, 100, "cosine")
+    f.write_text(f.read_text() + '\n[stages.again]\nstage = "eval"\nmodel = "@sft"\nlimit = 2\nk = "1"\n')
+    proc = popen("pipeline", "run", f, "--set", "stages.sft.lr=1e-3", start_new_session=True, cwd=tmp_path)
+    wait_for_steps(proc, out, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    said = " ".join(proc.communicate(timeout=120)[0].split())
+    assert proc.returncode == 130 and "Traceback" not in said, said[-3000:]
+    art = json.loads((out / "artifact.json").read_text())
+    step = int(art["reason"].split(" at step ")[1].split(";")[0])
+    assert art["status"] == "failed" and art["reason"].startswith("interrupted (SIGINT) at step ")
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step{step}"
+    assert f"interrupted (failed artifact, checkpoint step{step}: the rerun continues from it)" in said
+    assert "again │ not run" in said
+    rerun = f"align pipeline run {f} --set stages.sft.lr=1e-3"
+    assert rerun in said
+
+    refused = align_cli("pipeline", "run", f, "--set", "stages.sft.lr=1e-3", "--set", "stages.sft.max_steps=300",
+                        cwd=tmp_path)
+    msg = one_line(refused)
+    assert refused.returncode == 2 and "Traceback" not in msg, msg[-3000:]
+    assert "stage 'sft': max_steps 100 -> 300: the checkpoint is at step" in msg and "cosine" in msg
+    assert "Set stages.sft.max_steps back to 100 to continue" in msg and "--from sft to start it over" in msg
+    assert json.loads((out / "artifact.json").read_text()) == art  # nothing touched
+
+    again = align_cli(*rerun.split()[1:], cwd=tmp_path)
+    said = one_line(again)
+    assert again.returncode == 0 and f"resuming from its step{step} checkpoint" in said, said[-3000:]
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "complete" and art["resumed"] == [{"step": step, "max_steps": 100}]
+
+
+def test_a_larger_budget_continues_a_complete_constant_schedule_stage(tmp_path):
+    """A complete stage whose max_steps alone grew continues from its final checkpoint when its learning rate does
+    not depend on the budget (a constant schedule): the run a 4-step budget gives, recorded in artifact.json. A
+    smaller budget than the checkpoint's step is refused, as by hand."""
+    f, out = sft_pipeline(tmp_path, 2, "constant")
+    assert statuses(P.run(f)) == {"sft": "ran"}
+    results = P.run(f, overrides=["stages.sft.max_steps=4"])
+    assert statuses(results) == {"sft": "ran"} and "resuming from its step2 checkpoint" in results[0].reason
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "complete" and art["metrics"]["steps"] == 4
+    assert art["resumed"] == [{"step": 2, "max_steps": 2}]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert statuses(P.run(f, overrides=["stages.sft.max_steps=4"])) == {"sft": "skipped (up to date)"}
+    (refused,) = P.run(f, overrides=["stages.sft.max_steps=3"])
+    assert refused.status == "refused" and "the checkpoint is at step 4, past the new end" in refused.reason
+    with pytest.raises(UserError) as e:
+        P.raise_for_failure([refused])
+    assert e.value.exit_code == 2

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from align.runtime import free_port
-from tests.conftest import _DIST_ENV, ROOT, processes_mentioning
+from tests.conftest import _DIST_ENV, ROOT, parity_reward, processes_mentioning
 
 STEPS = 10
 ARITH = ROOT / "data/arithmetic/train.jsonl"
@@ -119,7 +119,7 @@ def inputs(tiny_model_dir, tiny_reward_model_dir, tmp_path_factory):
     return {"sft": [*model, "--data", arith, "--eval-data", test],
             "rm": [*model, "--data", prefs, "--eval-data", ptest],
             "dpo": [*model, "--data", prefs, "--eval-data", ptest, "--pass-data", test],
-            "grpo": [*model, "--data", arith, "--eval-data", test],
+            "grpo": [*model, "--data", arith, "--eval-data", test, "--reward", parity_reward()],  # a training signal
             "ppo": ["--reward-model", str(tiny_reward_model_dir), "--data", arith, "--eval-data", test,
                     "--ptx-data", arith]}
 
@@ -205,3 +205,34 @@ def test_checkpoint_holds_rng_algorithm_and_monitor_state(inputs, tmp_path):
     rng = json.loads((step / "rng-rank0.json").read_text())
     assert {"python", "torch", "numpy"} <= set(rng) and len(rng["torch"]) > 1000
     assert (step / "policy").is_dir() and not (out / "checkpoints" / "step1").exists()
+
+
+def test_a_new_max_steps_on_resume_continues_a_constant_schedule_and_is_refused_otherwise(inputs, tmp_path):
+    """One rule for a changed budget (by hand here, the same in a pipeline: tests/test_pipeline.py): a checkpoint
+    continues to a new --max-steps only when no step's learning rate depends on it (a constant schedule, the
+    checkpoint not past the new end), and then the run is the one the new budget gives from the start, recorded in
+    artifact.json; otherwise exit 2 names the two ways on, with nothing touched."""
+    base = [*STAGES["sft"], *inputs["sft"], "--eval-every", "0", "--warmup-steps", "1"]
+    constant, short, full = [*base, "--schedule", "constant"], tmp_path / "short", tmp_path / "full"
+    finish(start([*constant, "--max-steps", "2", "--out", str(short)]))
+    said = finish(start([*constant, "--max-steps", "4", "--out", str(short), "--resume"]))
+    assert "--max-steps 2 -> 4: the learning rate is constant" in " ".join(said.split())
+    finish(start([*constant, "--max-steps", "4", "--out", str(full)]))
+    art = json.loads((short / "artifact.json").read_text())
+    assert art["status"] == "complete" and art["metrics"]["steps"] == 4
+    assert art["resumed"] == [{"step": 2, "max_steps": 2}]
+    a, b = weights(short), weights(full)
+    assert max((a[k].float() - b[k].float()).abs().max().item() for k in a) <= 1e-6
+
+    def refused(args, out, *needles):
+        before = (out / "artifact.json").read_text()
+        said = " ".join(finish(start([*args, "--out", str(out), "--resume"]), code=2).split())
+        assert "Traceback" not in said and all(n in said for n in needles), said
+        assert (out / "artifact.json").read_text() == before
+
+    refused([*constant, "--max-steps", "3"], short, "--max-steps 4 -> 3: the checkpoint is at step 4, past the new "
+            "end", "Resume with --max-steps 4, or start over with --max-steps 3 (without --resume)")
+    cosine = tmp_path / "cosine"
+    finish(start([*base, "--max-steps", "2", "--out", str(cosine)]))
+    refused([*base, "--max-steps", "4"], cosine, "--max-steps 2 -> 4: the checkpoint is at step 2 of a cosine "
+            "learning-rate schedule over 2 steps", "Resume with --max-steps 2, or start over with --max-steps 4")

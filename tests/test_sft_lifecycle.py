@@ -43,7 +43,7 @@ def test_a_stopped_run_checkpoints_says_so_and_resumes(tmp_path, sig, code, reas
     """SIGTERM and SIGINT end a run at the end of its step: that step is checkpointed and the artifact is marked
     failed with the reason and how to go on (never left "running"); --resume continues from it."""
     out = tmp_path / "sft"
-    args = ["sft", "--out", str(out), *ARGS[2:]]
+    args = ["sft", "--out", str(out), *ARGS[2:], "--schedule", "constant"]  # constant: --max-steps may change
     proc = subprocess.Popen(align(*args, "--max-steps", "100000"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.time() + 240

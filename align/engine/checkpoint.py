@@ -46,12 +46,19 @@ def conflicts(saved: dict, now: dict) -> list[str]:
     return sorted(k for k, v in saved.items() if k not in RESUMABLE | APPLIED and now.get(k) != v)
 
 
-def resumable(out: Path, now: dict) -> bool:
-    """A checkpoint is there and `now` may continue it."""
-    try:
-        return not conflicts(read_state(out)["config"], now)
-    except (UserError, KeyError, json.JSONDecodeError):
-        return False
+def budget_conflict(saved: dict, now: dict, step: int) -> str | None:
+    """Why a run with `now`'s max_steps cannot continue the checkpoint at `step` of a run with `saved`'s; None when it
+    can: the same budget, or a constant learning rate (the rate of no step depends on the budget) and a checkpoint
+    not past the new end. Continued, the run is then the one the new budget gives from the start."""
+    old, new = saved.get("max_steps"), now.get("max_steps")
+    if old == new:
+        return None
+    if step > new:
+        return f"the checkpoint is at step {step}, past the new end"
+    if saved.get("schedule") != "constant":
+        return (f"the checkpoint is at step {step} of a {saved.get('schedule')} learning-rate schedule over {old} steps, "
+                f"and a {new}-step run has another learning rate at every step after the warmup")
+    return None
 
 
 def _rng_state() -> dict:

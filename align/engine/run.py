@@ -108,6 +108,7 @@ class StageRun:
         self.output: Output | None = None  # the saved model's Output, once model/ is written
         self.evaluated_at: int | None = None  # the step of a final evaluation a resumed checkpoint holds
         self.monitor = None
+        self.resumed: list[dict] = []  # the resumes of this run: {step, max_steps of the checkpoint}
         if getattr(cfg, "monitor", None) is not None:
             from align.monitor import RLMonitor
 
@@ -155,7 +156,7 @@ class StageRun:
         outdir.check(self.cfg, self.stage)
         if getattr(self.cfg, "resume", False):
             state = checkpoint.read_state(self.out)
-            self._check_resumable(state["config"])
+            self._check_resumable(state)
             checkpoint.check_world_size(self.out, state, runtime.world_size())
         main = runtime.rank() == 0
         if main:
@@ -279,12 +280,12 @@ class StageRun:
         which is logged and seen by RLMonitor as the step's own metrics were."""
         step = self.cfg.max_steps
         self.output = self._save_model(algo)
-        if self.evaluated_at == step:  # resumed from this very run's final checkpoint: evaluated already
-            return
-        m = self._evaluate(algo, step)
+        # (resumed from this very run's final checkpoint: evaluated already)
+        m = {} if self.evaluated_at == step else self._evaluate(algo, step)
         if m:
             self.last = {**self.last, **m}
             self._watch(step, m, bar, algo)
+        self._report(step, self.monitor.end(step), bar, algo)  # the rules judged over the whole run
 
     def _step(self, algo, step: int) -> tuple[dict, bool]:
         """One step of the algorithm and its reduced metrics; and whether any rank was asked to stop."""
@@ -342,12 +343,16 @@ class StageRun:
         """RLMonitor sees `metrics`: its events are logged and printed, the progress bar shows `shown`, and a
         `stop` event ends the run."""
         events = self.monitor.update(step, metrics)
+        if shown is not None:
+            bar.update(step, shown)
+        self._report(step, events, bar, algo)
+
+    def _report(self, step: int, events: list, bar, algo) -> None:
+        """RLMonitor's new events: to health.jsonl and the console; a `stop` event ends the run."""
         self.writer.log_events(events)
         for e in events:
             bar.print(f"[{'red' if e.severity == 'stop' else 'yellow'}]health {e.severity}: {e.rule} at step "
-                      f"{step}: {e.message}[/]")
-        if shown is not None:
-            bar.update(step, shown)
+                      f"{step}: {e.detail}. {e.message}[/]")
         if self.monitor.should_stop(events):
             self._monitor_stop(step, next(e for e in events if e.severity == "stop"), algo, bar)
 
@@ -360,8 +365,9 @@ class StageRun:
                      "no checkpoint was saved before it (--save-every N keeps one): rerun with a lower --lr")
         else:
             self.checkpoint(step, algo)
-            where = f"checkpoint saved at step {step}: fix the cause, then --resume or rerun"
-        reason = f"RLMonitor stop at step {step}: {event.rule}: {event.message} ({where})"
+            where = (f"checkpoint saved at step {step}: fix the cause, then --resume or rerun" if step < self.cfg.max_steps
+                     else "fix the cause and rerun")
+        reason = f"RLMonitor stop at step {step}: {event.rule} ({event.detail}): {event.message} ({where})"
         self.writer.fail(reason, self.last, self.monitor.summary())
         bar.print(f"[bold red]{reason}[/]")
         raise SystemExit(1)
@@ -373,7 +379,7 @@ class StageRun:
         unless `final`) when it does not, or when the disk fills up while it is written: nothing partial is left
         and the checkpoints already there are kept."""
         state = {"config": as_dict(self.cfg), "monitor": self.monitor.state_dict(), "start_eval": self.start_eval,
-                 "last_eval": self.last_eval, "last": self.last, "final": final,
+                 "last_eval": self.last_eval, "last": self.last, "final": final, "resumed": self.resumed,
                  "algorithm": algo.state_dict() if hasattr(algo, "state_dict") else {}}
         try:
             short = disk.shortage(self._shares(), checkpoints=1)
@@ -439,15 +445,21 @@ class StageRun:
         return (f"The last complete checkpoint ({tag}) is kept: make room, then rerun with --resume" if tag else
                 "No checkpoint of this run exists: make room, then rerun")
 
-    def _check_resumable(self, saved: dict) -> None:
+    def _check_resumable(self, state: dict) -> None:
         """A --resume continues the checkpoint's run: settings that change its path are refused, not ignored (a
-        new --lr / --vf-lr is applied from the resume point on)."""
-        now = as_dict(self.cfg)
+        new --lr / --vf-lr is applied from the resume point on); a new --max-steps only where the learning rate
+        does not depend on it (checkpoint.budget_conflict)."""
+        saved, now = state["config"], as_dict(self.cfg)
         changed = checkpoint.conflicts(saved, now)
         if changed:
             diff = ", ".join(f"--{k.replace('_', '-')} {saved[k]!r} -> {now.get(k)!r}" for k in changed)
             raise UserError(f"{self.out}: the checkpoint was trained with other settings ({diff}); resume with "
                             "the checkpoint's values, or start a new run in another --out.")
+        why = checkpoint.budget_conflict(saved, now, state["step"])
+        if why:
+            old, new = saved["max_steps"], now["max_steps"]
+            raise UserError(f"{self.out}: --max-steps {old} -> {new}: {why}. Resume with --max-steps {old}, or start "
+                            f"over with --max-steps {new} (without --resume).")
 
     def _resume(self, algo) -> int:
         state = checkpoint.load(self.out, {n: e.eng for n, e in self.engines.items()}, self.dist)
@@ -458,6 +470,13 @@ class StageRun:
             eng.apply_lr()  # the checkpoint's schedule carried the old base learning rate
         self.monitor.load_state_dict(state["monitor"])
         self.start_eval, self.last_eval, self.last = state["start_eval"], state["last_eval"], state["last"]
+        # every resume, with the budget its checkpoint was written under, goes into artifact.json
+        self.resumed = [*state.get("resumed", []), {"step": state["step"], "max_steps": state["config"]["max_steps"]}]
+        if self.writer.is_main:
+            self.writer.record["resumed"] = self.resumed
+        if state["config"]["max_steps"] != self.cfg.max_steps:
+            info(f"--max-steps {state['config']['max_steps']} -> {self.cfg.max_steps}: the learning rate is constant, "
+                 f"so the run continues to step {self.cfg.max_steps} as a {self.cfg.max_steps}-step run would")
         if hasattr(algo, "load_state_dict"):
             algo.load_state_dict(state["algorithm"])
         self.writer.rewind(state["step"])
