@@ -382,9 +382,8 @@ class FastDecoder:
     # for every layer: its weights and cache are arguments) and the step's end. Compiling one layer instead of
     # the unrolled model keeps the first step's compile short at any depth; the CUDA graph still holds the whole
     # step, so a token costs one replay either way.
-    def _step_in(self, bias: torch.Tensor):
-        """Opens cache slot widx for attention; the current tokens' embeddings and RoPE cos/sin."""
-        bias.index_fill_(1, self.widx, 0.0)
+    def _step_in(self):
+        """The current tokens' embeddings and RoPE cos/sin."""
         cos, sin = self._rope(self.cur_pos)  # [B, D]
         return F.embedding(self.cur_tok, self.embed), cos[:, None], sin[:, None]
 
@@ -431,7 +430,10 @@ class FastDecoder:
         """Everything one generated token needs, on the device (this is what the CUDA graph holds); `fns`: the
         compiled (step_in, layer_step, step_out), else eager."""
         step_in, layer_step, step_out = fns or (self._step_in, self._layer_step, self._step_out)
-        x, cos, sin = step_in(bias)
+        # open cache slot widx for attention: outside the compiled pieces (an in-place write to a view argument
+        # with a dynamic length failed AOT functionalization on torch 2.11), inside the CUDA graph all the same
+        self.attn_bias.index_fill_(1, self.widx, 0.0)
+        x, cos, sin = step_in()
         for L, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             x = layer_step(L, kc, vc, x, cos, sin, bias)
         step_out(x, sampling, eos, pad)
@@ -531,7 +533,7 @@ class FastDecoder:
         if dbg:
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-        # the attention mask AFTER the captures: their warm-up opens slots 0-1 (`_step_in`) for every row
+        # the attention mask AFTER the captures: their warm-up opens slots 0-1 (`_step`) for every row
         self.attn_bias.fill_(torch.finfo(torch.float32).min)
         self.attn_bias[:, :P].masked_fill_(mask.bool(), 0.0)
         if not sampling.greedy:
