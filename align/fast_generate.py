@@ -477,7 +477,8 @@ class FastDecoder:
         saved = [t.clone() for t in (self.cur_tok, self.cur_pos, self.widx, self.sidx, self.finished)]
         if self._side is None:  # ONE side stream for the decoder's life: cuBLAS keeps a workspace (32 MiB on
             self._side = torch.cuda.Stream()  # Hopper) per stream it ran on, so a new stream per capture leaks one
-            self._pool = torch.cuda.graph_pool_handle()  # and one memory pool for every graph (run one at a time)
+        if not self._graphs:  # one memory pool for the live graphs (run one at a time); a new one once all are
+            self._pool = torch.cuda.graph_pool_handle()  # dropped: the allocator frees a pool no graph holds
         s = self._side
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
