@@ -697,7 +697,7 @@ def continuation(p: Pipeline, stage: Stage, out: Path, cfg: dict, st: State) -> 
     except (OSError, UserError, json.JSONDecodeError):
         return None
     old, new = saved["config"].get("max_steps"), cfg.get("max_steps")
-    changed = {k for k in (checkpoint.RESUMABLE | checkpoint.APPLIED) - {"out", "resume"}
+    changed = {k for k in (checkpoint.RESUMABLE | checkpoint.APPLIED) - {"out", "resume", *C.PREFLIGHT}
                if saved["config"].get(k) != cfg.get(k)}
     if key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"}):
         return None

@@ -357,8 +357,9 @@ class StageRun:
             self._monitor_stop(step, next(e for e in events if e.severity == "stop"), algo, bar)
 
     def _monitor_stop(self, step: int, event, algo, bar) -> None:
-        """An RLMonitor `stop`: mark the artifact failed and exit 1. Weights that went non-finite are not saved:
-        the last good checkpoint stays the one to resume from; otherwise this step is checkpointed."""
+        """An RLMonitor `stop`: mark the artifact failed and exit 1 (2 for `reward_errors`: the user's reward function
+        failed on every row, bad input like any other). Weights that went non-finite are not saved: the last good
+        checkpoint stays the one to resume from; otherwise this step is checkpointed."""
         if event.rule == "nan":
             good = checkpoint.latest(self.out)
             where = (f"the last good checkpoint ({good}) is kept: --resume from it, with a lower --lr" if good else
@@ -370,7 +371,7 @@ class StageRun:
         reason = f"RLMonitor stop at step {step}: {event.rule} ({event.detail}): {event.message} ({where})"
         self.writer.fail(reason, self.last, self.monitor.summary())
         bar.print(f"[bold red]{reason}[/]")
-        raise SystemExit(1)
+        raise SystemExit(2 if event.rule == "reward_errors" else 1)
 
     # ---- checkpoints
 
