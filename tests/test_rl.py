@@ -249,3 +249,34 @@ def test_reverse_kl_distill_is_an_unbiased_policy_gradient_of_the_reverse_kl():
     got = sum(probs[y] * torch.autograd.grad(loss[y], z, retain_graph=True)[0] for y in range(6))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close((probs * k1).sum(), kl.detach())  # E_π[k1] = KL(π‖π_T)
+
+
+def test_reinforce_pp_whitens_over_the_valid_samples_of_the_whole_batch_by_hand():
+    """REINFORCE++: A = (r − mean) / (std + eps) over every VALID sample of the batch (unbiased std); a skipped
+    sample's placeholder reward (here 100) takes no part in the mean or the std, and its advantage is 0."""
+    r = torch.tensor([[1.0, 0.0, 100.0], [0.0, 0.0, 1.0]])
+    valid = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    # valid rewards 1, 0, 0, 0, 1: mean 0.4; unbiased variance ((0.6² · 2) + (0.4² · 3)) / 4 = (0.72 + 0.48) / 4 = 0.3
+    std = math.sqrt(0.3)
+    want = torch.tensor([[0.6, -0.4, 0.0], [-0.4, -0.4, 0.6]]) / (std + 1e-4)
+    want[0, 2] = 0.0
+    got = rl.reinforce_pp_advantages(r, valid)
+    assert torch.allclose(got, want, atol=1e-6)
+    # an all-equal group still carries signal against the batch (no per-prompt baseline)
+    assert (got[1, :2] != 0).all()
+
+
+def test_gspo_sequence_ratio_is_length_normalised_by_hand():
+    """GSPO: s_i = exp((1/|y_i|) Σ_t (log π_θ − log π_old)) over the sequence's masked tokens, clipped per sequence;
+    the loss −min(s·A, clip(s)·A) sits on every token of the sequence."""
+    old = torch.zeros(3, 3)
+    logp = torch.tensor([[0.3, 0.1, 9.0], [-0.6, 0.0, 0.0], [0.9, 0.9, 0.9]])  # row 0's third token is masked out
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    adv = torch.tensor([1.0, -2.0, 1.0])
+    loss, low, high = rl.sequence_clipped_surrogate(logp, old, adv, mask, eps_low=0.3, eps_high=0.3)
+    s0 = math.exp((0.3 + 0.1) / 2)  # 1.2214, inside [0.7, 1.3] (unnormalised exp(0.4) = 1.49 would clip)
+    s1 = math.exp(-0.6 / 3)  # 0.8187, inside (exp(-0.6) = 0.55 would clip)
+    s2 = math.exp(0.9)  # 2.46: clipped at 1.3 (A > 0)
+    want = torch.tensor([-s0 * 1.0, -(s1 * -2.0), -1.3 * 1.0])
+    assert torch.allclose(loss, want[:, None].expand(3, 3), atol=1e-6)
+    assert high.tolist() == [[False] * 3, [False] * 3, [True] * 3] and not low.any()
