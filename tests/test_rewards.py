@@ -131,6 +131,8 @@ def test_parse_int_list():
 )
 def test_sort_rewards(response, distance, inclusion_ordering):
     assert sort_inclusion_ordering_reward([3, 1, 0, 2], response) == inclusion_ordering
+    # `distance`: positions that hold the sorted list's number; sort_reward scores it over the longer list
+    assert sort_reward(" ".join(map(str, response)), "0 1 2 3") == distance / max(len(response), 4)
 
 
 def test_sort_reward_text():

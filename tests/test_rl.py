@@ -277,6 +277,6 @@ def test_gspo_sequence_ratio_is_length_normalised_by_hand():
     s0 = math.exp((0.3 + 0.1) / 2)  # 1.2214, inside [0.7, 1.3] (unnormalised exp(0.4) = 1.49 would clip)
     s1 = math.exp(-0.6 / 3)  # 0.8187, inside (exp(-0.6) = 0.55 would clip)
     s2 = math.exp(0.9)  # 2.46: clipped at 1.3 (A > 0)
-    want = torch.tensor([-s0 * 1.0, -(s1 * -2.0), -1.3 * 1.0])
+    want = torch.tensor([-s0 * 1.0, -(s1 * -2.0), -min(s2, 1.3) * 1.0])
     assert torch.allclose(loss, want[:, None].expand(3, 3), atol=1e-6)
     assert high.tolist() == [[False] * 3, [False] * 3, [True] * 3] and not low.any()
