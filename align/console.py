@@ -20,19 +20,23 @@ def is_main() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def info(msg: str) -> None:
-    if is_main():
-        console.print(msg)
+_said: set[str] = set()  # the messages printed so far (rank 0): `once` prints a message a single time
 
 
-_warned: set[str] = set()
+def _print(text: str, msg: str, once: bool) -> None:
+    if is_main() and not (once and msg in _said):
+        _said.add(msg)
+        console.print(text)
+
+
+def info(msg: str, once: bool = False) -> None:
+    """A line on rank 0; `once`: not again in this process."""
+    _print(msg, msg, once)
 
 
 def warn(msg: str, once: bool = False) -> None:
     """A warning on rank 0, printed as written (no markup); `once`: not again in this process."""
-    if is_main() and not (once and msg in _warned):
-        _warned.add(msg)
-        console.print(f"[yellow]warning:[/] {escape(msg)}")
+    _print(f"[yellow]warning:[/] {escape(msg)}", "warning: " + msg, once)
 
 
 def fmt(v) -> str:

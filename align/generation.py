@@ -86,17 +86,6 @@ def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bo
     return ids, False
 
 
-_said: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        from align.console import info
-
-        info(msg)
-
-
 def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None = None,
                   length: int | None = None) -> bool:
     """The compiled static-cache decoder (align.fast_generate) is used on CUDA by default for the models it
@@ -111,7 +100,9 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
     wanted = bool(fast) or torch.device(device).type == "cuda"
     why = FG.unsupported_reason(module, length)
     if wanted:
-        _say_once(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({FG.describe(module)})")
+        from align.console import info
+
+        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({FG.describe(module)})", once=True)
     return wanted and why is None
 
 
