@@ -148,12 +148,11 @@ class StageRun:
     def open(self, inputs: dict, distributed: bool = True, prompt_tokens: int | None = None,
              sequence_tokens: int | None = None) -> runtime.Dist | None:
         """Every input is checked: the memory plan (sized by the data's longest prompt / example) may stop the run
-        here, before anything is built or written (align.engine.plan); then take --out (refused if it holds
-        foreign files, is an input, or another run holds it), start the process group and write artifact.json
-        ("running")."""
+        here, before anything is built or written (align.engine.plan); then take --out (checked when the run was
+        made: `outdir.check`; refused here if another run holds it), start the process group and write
+        artifact.json ("running")."""
         if distributed:
             plan.preflight(self.cfg, self.stage, plan.Data(prompt_tokens, sequence_tokens))
-        outdir.check(self.cfg, self.stage)
         if getattr(self.cfg, "resume", False):
             state = checkpoint.read_state(self.out)
             self._check_resumable(state)
