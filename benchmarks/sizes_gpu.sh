@@ -10,6 +10,11 @@
 #   bash benchmarks/sizes_gpu.sh lora8b         the same 4K shape with --lora-r 16 (peak against grpo4k's)
 #   bash benchmarks/sizes_gpu.sh dpo8b          DPO full fine-tuning at Llama-3.1-8B, ours against TRL
 #   bash benchmarks/sizes_gpu.sh recapture      the decoder's graph re-capture check, then the 135M cold start
+#   bash benchmarks/sizes_gpu.sh ppo MODEL [LORA_R]  PPO-ptx with its four models (policy, reference, RM, value
+#                                               network from the RM): a 2-step RM on the shipped pairs, then 3 PPO
+#                                               steps of 64 prompts x 512 new tokens, defaults otherwise
+#   bash benchmarks/sizes_gpu.sh refuse         Llama-3.1-8B GRPO with a deliberately huge batch: the memory plan
+#                                               must stop it (exit 2) before anything is built
 set -euo pipefail
 export BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}
 case "${1:-}" in
@@ -29,5 +34,32 @@ dpo8b)
 recapture)
   python3 -m benchmarks.recapture_check
   python3 -m benchmarks.cold_start --models 135m --runs 2 --steps 2 --out /root/cold ;;
-*) sed -n 2,13p "$0"; exit 2 ;;
+ppo)
+  name=${2:?MODEL}; lora=(); [ -n "${3:-}" ] && lora=(--lora-r "$3" --lora-alpha $((2 * $3)))
+  m=$(python3 -c "from pathlib import Path; from benchmarks import vs_trl as V; print(V.make_model('$name', Path('/root/sizes')))" | tail -1)
+  t=$(date +%s)
+  python3 -m align rm train --model "$m" --out /root/ppo/rm-$name --overwrite --eval-data '' --max-steps 2 \
+    --batch-size 32 --micro-batch-size 16 --no-final-checkpoint --max-shard-size 20GB "${lora[@]}"
+  echo "rm: $(( $(date +%s) - t )) s"; t=$(date +%s)
+  python3 -m align ppo --model "$m" --reward-model /root/ppo/rm-$name --out /root/ppo/ppo-$name --overwrite \
+    --max-steps 3 --prompts-per-step 64 --max-new-tokens 512 --eval-samples 0 --no-final-checkpoint \
+    --max-shard-size 20GB "${lora[@]}"
+  echo "ppo: $(( $(date +%s) - t )) s"
+  python3 - "$name" <<'PY'
+import json, sys
+rows = [json.loads(x) for x in open(f"/root/ppo/ppo-{sys.argv[1]}/metrics.jsonl") if '"time/' in x]
+for r in rows:
+    print({k: round(v, 3) for k, v in r.items() if isinstance(v, (int, float)) and k.split("/")[0] in
+           ("step", "time", "memory", "completions", "tokens")})
+art = json.load(open(f"/root/ppo/ppo-{sys.argv[1]}/artifact.json"))
+print("status", art.get("status"), "peak GiB per rank", art["metrics"].get("peak_memory_gib_per_rank"))
+PY
+  ;;
+refuse)
+  m=$(python3 -c "from pathlib import Path; from benchmarks import vs_trl as V; print(V.make_model('llama3.1-8b', Path('/root/sizes')))" | tail -1)
+  set +e
+  python3 -m align grpo --model "$m" --out /root/refuse --reward benchmarks/bench_reward.py:noise --eval-data '' \
+    --prompts-per-step 256 --num-generations 16 --max-new-tokens 3840 --micro-batch-size 256
+  echo "exit code $? (2 expected); out dir exists: $(test -e /root/refuse && echo yes || echo no)" ;;
+*) sed -n 2,18p "$0"; exit 2 ;;
 esac
