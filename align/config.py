@@ -30,8 +30,12 @@ PREFLIGHT = ("plan", "plan_check", "overwrite")
 def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None, **meta):
     """An option: its default, its --help text and what it allows: `choices` (a value outside them is refused),
     bounds `ge` (>=), `gt` (>), `le` (<=), `lt` (<). Flags, --config files and pipeline stage tables are all
-    checked against them (`check_value`, `Options.validate`), and --help shows the range."""
-    limits = {k: v for k, v in (("choices", tuple(choices) if choices else None), ("ge", ge), ("gt", gt), ("le", le),
+    checked against them (`check_value`, `Options.validate`), and --help shows the range. `choices` is copied,
+    unless it is a live view with a `describe()` (align.objectives.Choices: a registry's names, read each time
+    --help shows them or a value is checked; --help lists them with what each is)."""
+    if choices is not None and not hasattr(choices, "describe"):
+        choices = tuple(choices) or None
+    limits = {k: v for k, v in (("choices", choices), ("ge", ge), ("gt", gt), ("le", le),
                                 ("lt", lt)) if v is not None}
     meta = {"help": help, **limits, **meta}
     if isinstance(default, list):  # repeatable flag (--reward a --reward b) / TOML array
@@ -64,8 +68,10 @@ def flag(name: str) -> str:
 
 
 def help_text(f: dataclasses.Field) -> str:
-    """An option's --help text, with its numeric range."""
+    """An option's --help text, with its numeric range (or its registry's choices, each with what it is)."""
     text = f.metadata.get("help", "")
+    if hasattr(f.metadata.get("choices"), "describe"):
+        return f"{text} {f.metadata['choices'].describe()}"
     return f"{text} [{allowed(f.metadata)}]" if "choices" not in f.metadata and allowed(f.metadata) else text
 
 

@@ -1,5 +1,6 @@
-"""RL estimators shared by GRPO and PPO: advantages, KL estimators, the clipped surrogate, loss aggregation,
-and PPO's per-token rewards, GAE, whitening, clipped value loss and KL controllers.
+"""RL helpers shared by GRPO and PPO: loss aggregation, entropy, distinct-n, on-policy distillation, and PPO's
+per-token rewards, GAE, whitening, clipped value loss and KL controllers. The selectable objectives (advantage
+estimators, policy losses, KL estimators, reward shaping) are registered in align.objectives.
 
 Every function is pure (tensors in, tensors out). Masks are float/bool tensors with 1 on response tokens the
 loss may see and 0 on prompt, padding, post-EOS and dropped tokens.
@@ -9,151 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from align.objectives.moments import masked_sums, moments
+
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-sum")
-
-
-# ---- group-relative advantages: rewards [P prompts, G samples] -> advantages [P, G]. Each is registered in
-# ADVANTAGES under its --advantage name. `valid` [P, G] (default: all) marks the samples whose reward exists (a
-# reward function that failed under --on-reward-error skip): the others neither enter their group's statistics
-# nor get an advantage. `reduce` (an all-reduce sum) makes a statistic the global batch's.
-
-
-def zero_spread(rewards: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """[P] bool: groups whose valid rewards are all equal (no signal; tested exactly, not by a std near 0)."""
-    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
-    hi = rewards.masked_fill(~valid, float("-inf")).max(dim=1).values
-    lo = rewards.masked_fill(~valid, float("inf")).min(dim=1).values
-    return (hi <= lo) | ~valid.any(dim=1)
-
-
-def group_moments(rewards: torch.Tensor, valid: torch.Tensor | None = None):
-    """(mean, unbiased std, count) of each group's valid rewards, each [P, 1], in float64."""
-    r = rewards.double()
-    m = torch.ones_like(r) if valid is None else valid.double()
-    n = m.sum(dim=1, keepdim=True)
-    mean = (r * m).sum(dim=1, keepdim=True) / n.clamp(min=1)
-    var = (((r - mean) * m) ** 2).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
-    return mean, var.sqrt(), n
-
-
-def _centred(rewards: torch.Tensor, valid: torch.Tensor | None):
-    """(r − group mean, std, count), float64; exactly 0 for invalid samples and for groups without spread."""
-    mean, std, n = group_moments(rewards, valid)
-    keep = ~zero_spread(rewards, valid)[:, None] & (True if valid is None else valid.bool())
-    return torch.where(keep, rewards.double() - mean, 0.0), std, n
-
-
-def zscore_advantages(rewards: torch.Tensor, valid=None, reduce=None, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO (Shao et al. 2024, DeepSeekMath): A_ij = (r_ij − mean_j r_ij) / (std_j r_ij + eps), std the unbiased
-    sample std of the group (as in TRL). A group whose rewards are all equal gets A = 0."""
-    centred, std, _ = _centred(rewards, valid)
-    return (centred / (std + eps)).to(rewards.dtype)
-
-
-def mean_advantages(rewards: torch.Tensor, valid=None, reduce=None) -> torch.Tensor:
-    """Dr. GRPO (Liu et al. 2025; nanochat): A_ij = r_ij − mean_j r_ij, no division by the group's std."""
-    return _centred(rewards, valid)[0].to(rewards.dtype)
-
-
-def batch_advantages(rewards: torch.Tensor, valid=None, reduce=None, eps: float = 1e-4) -> torch.Tensor:
-    """The group-centred reward over the std of the WHOLE batch (REINFORCE++-style, Hu 2025):
-    A_ij = (r_ij − mean_j r_ij) / (std(r) + eps), std unbiased over every valid sample of every rank."""
-    sums = masked_sums(rewards, torch.ones_like(rewards) if valid is None else valid)
-    std = moments(reduce(sums) if reduce else sums)[1].sqrt()
-    return (_centred(rewards, valid)[0] / (std + eps)).to(rewards.dtype)
-
-
-def rloo_advantages(rewards: torch.Tensor, valid=None, reduce=None) -> torch.Tensor:
-    """REINFORCE leave-one-out (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!"; Ahmadian
-    et al. 2024, RLOO): each sample's baseline is the mean reward of the OTHER G − 1 samples of its group,
-    A_ij = r_ij − (1/(G−1)) Σ_{k≠j} r_ik  (= G/(G−1) · (r_ij − mean_j r_ij)): an unbiased baseline."""
-    centred, _, n = _centred(rewards, valid)
-    return (centred * n / (n - 1).clamp(min=1)).to(rewards.dtype)
-
-
-def reinforce_pp_advantages(rewards: torch.Tensor, valid=None, reduce=None, eps: float = 1e-4) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025): no per-prompt baseline; the rewards are whitened over the WHOLE global batch,
-    A_ij = (r_ij − mean(r)) / (std(r) + eps), mean and unbiased std over every valid sample of every rank. A group
-    whose rewards are all equal still carries signal here (its samples sit above or below the batch)."""
-    v = torch.ones_like(rewards) if valid is None else valid
-    sums = masked_sums(rewards, v)
-    mean, var = moments(reduce(sums) if reduce else sums)
-    return torch.where(v.bool(), (rewards.double() - mean) / (var.sqrt() + eps), 0.0).to(rewards.dtype)
-
-
-ADVANTAGES = {"zscore": zscore_advantages, "mean": mean_advantages, "batch": batch_advantages,
-              "rloo": rloo_advantages, "reinforce++": reinforce_pp_advantages}
-
-
-def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k1 = log π(a|s) − log π_ref(a|s): unbiased per-token estimate of KL(π‖π_ref), can be negative
-    (Schulman 2020, "Approximating KL divergence")."""
-    return logp - ref_logp
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 20.0) -> torch.Tensor:
-    """k3 = exp(r) − r − 1 with r = log π_ref − log π: unbiased, always >= 0, low variance (Schulman 2020);
-    GRPO's KL term. r is capped at +clamp (e^20 ≈ 5e8 stays finite in fp32 where the reference is far likelier);
-    below there is no cap, so however far the policy runs ahead of the reference (r → −∞, k3 ≈ −r − 1) the
-    gradient keeps pulling it back."""
-    r = (ref_logp - logp).clamp(max=clamp)
-    return torch.exp(r) - r - 1
-
-
-def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
-                      eps_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's clipped objective as a per-token loss (Schulman et al. 2017), with DAPO's clip-higher
-    (Yu et al. 2025: eps_high > eps_low lets low-probability tokens grow):
-
-        ρ = exp(log π_θ − log π_old),  L = −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
-
-    Returns (loss, low_clipped, high_clipped): where the clip is active, i.e. ρ < 1 − ε_low with A < 0,
-    and ρ > 1 + ε_high with A > 0 (there the gradient is zero). `adv` broadcasts against `logp`.
-    """
-    eps_high = eps_low if eps_high is None else eps_high
-    ratio = torch.exp(logp - old_logp)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * adv
-    loss = -torch.minimum(unclipped, clipped)
-    low = (ratio < 1 - eps_low) & (adv < 0)
-    high = (ratio > 1 + eps_high) & (adv > 0)
-    return loss, low, high
-
-
-def cispo_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float = 0.2,
-                    eps_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CISPO (MiniMax-M1, 2025): clip the importance-sampling WEIGHT, not the update, and stop its gradient:
-
-        ρ = exp(log π_θ − log π_old),  L = −sg(clip(ρ, 1 − ε_low, 1 + ε_high)) · A · log π_θ
-
-    Every token keeps a gradient (−sg(ρ̂)·A·∇log π): PPO's clip zeroes it for the clipped tokens, often the rare,
-    high-ratio "fork" tokens of a reasoning trace. MiniMax-M1 sets no lower bound (ε_low ≥ 1) and tunes ε_high.
-    Returns (loss, low, high): where the weight was clipped from below / above."""
-    eps_high = eps_low if eps_high is None else eps_high
-    ratio = torch.exp(logp - old_logp)
-    weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()
-    return -weight * adv * logp, ratio < 1 - eps_low, ratio > 1 + eps_high
-
-
-def sequence_clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                               eps_low: float = 0.2, eps_high: float | None = None):
-    """GSPO (Zheng et al. 2025, Group Sequence Policy Optimization): one importance ratio per SEQUENCE, the
-    length-normalised likelihood ratio, clipped as a whole:
-
-        s_i = (π_θ(y_i|x) / π_old(y_i|x))^(1/|y_i|) = exp((1/|y_i|) Σ_t (log π_θ − log π_old)),
-        ℓ_i = −min(s_i·A_i, clip(s_i, 1 − ε_low, 1 + ε_high)·A_i)
-
-    `adv` [N] or [N, 1], `mask` [N, T] the tokens y_i counts. ℓ_i is returned on every token of sequence i, so
-    `--loss-agg seq-mean-token-mean` gives GSPO's (1/N) Σ_i ℓ_i (token-mean weights sequences by length). The
-    paper's clip ranges are ~1e3 times smaller than PPO's (3e-4 / 4e-4): a sequence ratio is a geometric mean.
-    Returns (per-token loss [N, T], low, high [N, T] bool)."""
-    eps_high = eps_low if eps_high is None else eps_high
-    m = mask.to(logp.dtype)
-    s = torch.exp(((logp - old_logp) * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))
-    a = adv.reshape(-1)
-    loss = -torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
-    low, high = (s < 1 - eps_low) & (a < 0), (s > 1 + eps_high) & (a > 0)
-    return (loss[:, None].expand_as(logp), low[:, None].expand(mask.shape), high[:, None].expand(mask.shape))
 
 
 def reverse_kl_distill(logp: torch.Tensor, teacher_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,9 +25,6 @@ def reverse_kl_distill(logp: torch.Tensor, teacher_logp: torch.Tensor) -> tuple[
     Returns (loss per token, k1 per token, detached: the logged `distill/reverse_kl`)."""
     k1 = (logp - teacher_logp).detach()
     return k1 * logp, k1
-
-
-POLICY_LOSSES = {"clip": clipped_surrogate, "cispo": cispo_surrogate}  # token-level; --ratio sequence: GSPO
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, n_tokens: float, n_seqs: float,
@@ -213,28 +69,7 @@ def distinct_n(sequences: list[list[int]], n: int) -> float:
     return len(unique) / total if total else 0.0
 
 
-def overlong_penalty(length: int, max_len: int, cache: int) -> float:
-    """DAPO's soft overlong punishment: 0 up to max_len − cache, then falls linearly to −1 at max_len."""
-    start = max_len - cache
-    if length <= start:
-        return 0.0
-    return max(-1.0, (start - length) / cache)
-
-
-def length_rewards(lengths: list[int], correct: list[bool]) -> list[float]:
-    """Kimi k1.5 length reward within a group: λ = 0.5 − (len − min_len)/(max_len − min_len);
-    correct answers get λ, wrong ones min(0, λ). All equal lengths give 0."""
-    lo, hi = min(lengths), max(lengths)
-    if hi == lo:
-        return [0.0] * len(lengths)
-    lam = [0.5 - (n - lo) / (hi - lo) for n in lengths]
-    return [l if c else min(0.0, l) for l, c in zip(lam, correct)]
-
-
 # ---- PPO (Schulman et al. 2017) for language models (Ziegler et al. 2019, Stiennon et al. 2020, Ouyang et al. 2022)
-
-KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
-
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last 1 in each row of a [N, T] mask (0 for an all-zero row)."""
@@ -280,21 +115,6 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         next_value = values[:, t]
     adv = torch.stack(out[::-1], dim=1)
     return adv, (adv + values) * mask
-
-
-def masked_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[Σ m·x, Σ m·x², Σ m] in float64: the sufficient statistics of a masked mean/variance. Sum them over
-    ranks (all-reduce) to get the moments of the global batch."""
-    m, x = mask.to(torch.float64), x.to(torch.float64)
-    return torch.stack([(m * x).sum(), (m * x * x).sum(), m.sum()])
-
-
-def moments(sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, unbiased variance) from `masked_sums`."""
-    s, s2, n = sums[0], sums[1], sums[2].clamp(min=1)
-    mean = s / n
-    var = ((s2 - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
-    return mean, var
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, reduce=None, eps: float = 1e-8) -> torch.Tensor:

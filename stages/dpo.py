@@ -1,24 +1,15 @@
 """Direct Preference Optimization: `align dpo`.
 
-Per pair, with summed response-token log-probs (never averaged) of the policy π and the frozen reference π_ref,
-
-    Δ = (log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x))
-    sigmoid  −(1−ε) log σ(βΔ) − ε log σ(−βΔ)   (DPO, Rafailov et al. 2023; ε > 0: conservative DPO)
-    ipo      (Δ − 1/(2β))²                      (Azar et al. 2023)
-    hinge    max(0, 1 − βΔ)                      (SLiC)
-    + α · (−log π(y_w|x) / |y_w|) with --nll-coef α  (RPO, Pang et al. 2024: keeps the chosen answer likely)
-and two reference-free losses (no reference model is loaded), on per-token mean log-probs ℓ(y) = log π(y|x)/|y|:
-    simpo    −log σ(β·ℓ(y_w) − β·ℓ(y_l) − γ)     (SimPO, Meng et al. 2024; γ = --simpo-gamma)
-    orpo     −ℓ(y_w) − β·log σ(log odds(y_w) − log odds(y_l)),  odds = e^ℓ / (1 − e^ℓ)  (ORPO, Hong et al. 2024)
-and one on unpaired rows {prompt, completion, label} (pairs are unpaired: chosen desirable, rejected not):
-    kto      λ_D(1 − σ(β(r − z0))) desirable, λ_U(1 − σ(β(z0 − r))) undesirable; r = log π − log π_ref summed,
-             z0 = max(0, the batch's mean r on mismatched prompt/completion rows)  (KTO, Ethayarajh et al. 2024)
-
-averaged over the pairs of the GLOBAL batch. Chosen and rejected go through each model in one forward. The
-reference is a second, inference-only engine of the input model (or --ref-model); with --precompute-ref its
-log-probs are computed once before training (for exactly the pairs training will use) and the reference is freed.
-Implicit rewards: β(log π − log π_ref) of chosen / rejected (simpo, orpo: β·ℓ(y)). Greedy pass@1 of the input
-model and of the policy on --pass-data.
+Per pair, from summed response-token log-probs (never averaged) of the policy π and the frozen reference π_ref,
+the preference loss registered as --loss (align.objectives.preference, each with its formula and paper: sigmoid
+(DPO), ipo, ipo-mean, hinge; without a reference model simpo and orpo; kto on unpaired rows {prompt, completion,
+label}, or pairs unpaired), + α · (−log π(y_w|x) / |y_w|) with --nll-coef α (RPO, Pang et al. 2024: keeps the
+chosen answer likely), averaged over the pairs of the GLOBAL batch. Chosen and rejected go through each model in
+one forward. The reference (for a loss that needs one) is a second, inference-only engine of the input model (or
+--ref-model); with --precompute-ref its log-probs are computed once before training (for exactly the pairs
+training will use) and the reference is freed. Implicit rewards: the loss's own (β(log π − log π_ref) of chosen /
+rejected for DPO; simpo, orpo: β·ℓ(y), ℓ the per-token mean log-prob). Greedy pass@1 of the input model and of
+the policy on --pass-data.
 
 --online (online DPO: Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"; Xiong et al.
 2024, iterative DPO): the pairs come from the CURRENT policy. Every --online-every steps, each slot of the next
@@ -37,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from align import data as D
-from align import runtime
+from align import objectives, runtime
 from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
@@ -49,8 +40,8 @@ from align.errors import UserError
 from align.evaluation import evaluate_policy, fitting, fitting_rows
 from align.generation import Sampling, generate_on_rank
 from align.logprobs import logprobs
-from align.losses import (DPO_LOSSES, IGNORE, REFERENCE_FREE_LOSSES, UNPAIRED_LOSSES, dpo_loss, kto_loss, orpo_loss,
-                          rpo_nll, simpo_loss)
+from align.losses import IGNORE, rpo_nll
+from align.objectives.preference import Pairs
 from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import load_reward_model, require_trained, score
@@ -69,16 +60,11 @@ class DPOConfig(SupervisedConfig):
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for implicit-reward accuracy ('' : none).", path=True)
     pass_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data for greedy pass@1 of policy and input model ('' : skip).", path=True)
     beta: float = opt(0.1, "β: strength of the implicit KL to the reference.", gt=0)
-    loss: str = opt("sigmoid", "sigmoid (DPO), ipo (IPO on summed log-probs, the DPO authors' convention), ipo-mean "
-                               "(IPO on per-token mean log-probs, TRL's: the same β pulls much harder), hinge "
-                               "(SLiC), or without a reference model simpo (β·mean log-prob reward with margin "
-                               "--simpo-gamma; SimPO uses β ~2) or orpo (chosen NLL + β · odds-ratio term); kto on "
-                               "unpaired {prompt, completion, label} rows (or pairs, unpaired).",
-                       choices=DPO_LOSSES + REFERENCE_FREE_LOSSES + UNPAIRED_LOSSES)
+    loss: str = opt("sigmoid", "Preference loss:", choices=objectives.Choices("preference", "unpaired_preference"))
     simpo_gamma: float = opt(0.5, "γ of --loss simpo: the target reward margin.", ge=0)
     desirable_weight: float = opt(1.0, "λ_D of --loss kto (raise it when desirable rows are fewer).", gt=0)
     undesirable_weight: float = opt(1.0, "λ_U of --loss kto.", gt=0)
-    label_smoothing: float = opt(0.0, "ε of conservative DPO (sigmoid loss only).", ge=0, lt=0.5)
+    label_smoothing: float = opt(0.0, "ε of conservative DPO (--loss sigmoid).", ge=0, lt=0.5)
     nll_coef: float = opt(0.0, "α of RPO's NLL term: α · the chosen answer's per-token NLL added to each pair's loss "
                                "(0: off).", ge=0)
     precompute_ref: bool = opt(False, "Compute reference log-probs once before training and free the reference model.")
@@ -97,20 +83,30 @@ class DPOConfig(SupervisedConfig):
                                 "--verifier).", path=True)
 
     @property
+    def unpaired(self) -> bool:
+        return self.loss in objectives.Choices("unpaired_preference")
+
+    @property
+    def objective(self) -> objectives.Entry:
+        return objectives.get("unpaired_preference" if self.unpaired else "preference", self.loss)
+
+    @property
     def reference_free(self) -> bool:
-        return self.loss in REFERENCE_FREE_LOSSES
+        return not self.objective.needs_reference
 
     def validate(self):
         super().validate()
-        if self.loss == "kto" and self.precompute_ref:
-            raise UserError("--loss kto compares each row with mismatched ones of its batch: drop --precompute-ref.")
+        if self.unpaired and self.precompute_ref:
+            raise UserError(f"--loss {self.loss} compares each row with mismatched ones of its batch: drop "
+                            "--precompute-ref.")
         if self.reference_free and (self.precompute_ref or self.ref_model):
             raise UserError(f"--loss {self.loss} uses no reference model: drop --precompute-ref / --ref-model.")
-        if self.label_smoothing and self.loss != "sigmoid":
-            raise UserError("--label-smoothing applies to --loss sigmoid only.")
+        if self.label_smoothing and not self.objective.label_smoothing:
+            smoothed = objectives.Choices("preference", label_smoothing=True)
+            raise UserError(f"--label-smoothing applies to --loss {' / '.join(smoothed)} only.")
         if self.online:
-            if self.loss == "kto" or self.precompute_ref:
-                raise UserError("--online samples new pairs as it trains: drop --loss kto / --precompute-ref.")
+            if self.unpaired or self.precompute_ref:
+                raise UserError(f"--online samples new pairs as it trains: drop --loss {self.loss} / --precompute-ref.")
         elif self.reward_model:
             raise UserError("--reward-model ranks sampled pairs: it needs --online.")
 
@@ -214,15 +210,15 @@ class DPO:
         with torch.no_grad():
             return pair_logps(self.reference, batch)
 
-    def pair_loss(self, pc, pr, lengths, idx, batch):
-        """(loss per pair, reward of chosen, of rejected) of --loss for the pairs `idx` (summed log-probs pc, pr)."""
+    def objective(self, pairs: Pairs):
+        """(loss per pair, reward of chosen, of rejected) of --loss."""
         cfg = self.cfg
-        if cfg.loss == "simpo":
-            return simpo_loss(pc, pr, lengths, cfg.beta, cfg.simpo_gamma)
-        if cfg.loss == "orpo":
-            return orpo_loss(pc, pr, lengths, cfg.beta)
-        rc, rr = self.reference_logps(idx, batch).to(pc.dtype)
-        return dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.loss, cfg.label_smoothing, lengths)
+        return cfg.objective.fn(pairs, cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)
+
+    def pair_loss(self, pc, pr, lengths, idx, batch):
+        """The objective for the pairs `idx` (summed log-probs pc, pr; lengths (|y_w|, |y_l|))."""
+        rc, rr = (None, None) if self.cfg.reference_free else self.reference_logps(idx, batch).to(pc.dtype)
+        return self.objective(Pairs(pc, pr, rc, rr, *lengths))
 
     def step(self, step: int) -> Stats:
         cfg, stats = self.cfg, Stats()
@@ -267,9 +263,9 @@ class DPO:
     def held_out(self) -> dict:
         """Implicit-reward accuracy and margin on the held-out pairs."""
         cfg, pol = self.cfg, self.logps_of(self.policy.eng, self.eval_examples)
-        if cfg.reference_free:  # the loss's own reward: β · per-token mean log-prob
+        if cfg.reference_free:  # the loss's own reward (simpo, orpo: β · per-token mean log-prob)
             n = torch.tensor([[len(e["chosen_ids"]), len(e["rejected_ids"])] for e in self.eval_examples])
-            rc, rr = (cfg.beta * pol / n).unbind(1)
+            _, rc, rr = self.objective(Pairs(pol[:, 0], pol[:, 1], None, None, n[:, 0], n[:, 1]))
         else:
             ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)
             rc, rr = cfg.beta * (pol[:, 0] - ref[:, 0]), cfg.beta * (pol[:, 1] - ref[:, 1])
@@ -325,8 +321,8 @@ class KTO(DPO):
             pol = row_logps(self.policy, matched)
             with torch.no_grad():
                 ref = row_logps(self.reference, matched)
-            loss, reward, z0 = kto_loss(pol, ref.to(pol.dtype), kl_sums, matched["desirable"], cfg.beta,
-                                        cfg.desirable_weight, cfg.undesirable_weight)
+            loss, reward, z0 = cfg.objective.fn(pol, ref.to(pol.dtype), kl_sums, matched["desirable"], cfg.beta,
+                                                cfg.desirable_weight, cfg.undesirable_weight)
             self.policy.backward(loss.sum() / cfg.batch_size)
             good = matched["desirable"].float()
             stats.mean("loss", loss.sum(), len(loss))
@@ -437,4 +433,4 @@ class OnlineDPO(DPO):
 
 
 def run(cfg: DPOConfig) -> dict:
-    return train(cfg, "dpo", KTO if cfg.loss == "kto" else OnlineDPO if cfg.online else DPO)
+    return train(cfg, "dpo", KTO if cfg.unpaired else OnlineDPO if cfg.online else DPO)

@@ -4,14 +4,16 @@ Per step (Shao et al. 2024, with DAPO's and Dr. GRPO's options):
   1. rollout: G completions for each of P prompts from π_θ;
   2. score: r_pg = Σ_k w_k · f_k(prompt_p, completion_pg, **row_p) (+ w_RM · RM(prompt_p, completion_pg), the
      normalised score of an `align rm train` artifact, with --reward-model; + optional overlong penalty);
-  3. advantages A_pg from the group of prompt p (rl.ADVANTAGES[--advantage]); groups with no reward variance
+  3. advantages A_pg from the group of prompt p (the estimator registered as --advantage); groups with no reward variance
      carry no signal (A = 0) and leave the loss with --drop-zero-std-groups (DAPO dynamic sampling, without
      the resampling): their terms go (the KL's too), their tokens stay in --loss-agg's normaliser, so a step
      with few informative groups is not scaled up (the normaliser of TRL's and verl's token-mean);
   4. update, --num-iterations times over the batch: ρ = π_θ/π_old, per token
      −min(ρA, clip(ρ, 1−ε, 1+ε_high)A) + β·k3(π_θ, π_ref), aggregated by --loss-agg over the global batch
-     (rl.POLICY_LOSSES[--loss]: clip, or CISPO's −sg(clip(ρ))·A·log π; --ratio sequence: GSPO's one clipped
-     length-normalised ratio per sequence); --reinforce is nanochat's on-policy −A·log π instead.
+     (the policy loss registered as --loss: clip; CISPO's −sg(clip(ρ))·A·log π; gspo, GSPO's one clipped
+     length-normalised ratio per sequence, alias --ratio sequence; reinforce, nanochat's on-policy −A·log π,
+     alias --reinforce).
+The estimators and losses are align.objectives' registries: a new one is a registered function.
 Log-probs are taken at the sampling temperature, as sampled.
 """
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from align import data as D
-from align import rl, runtime
+from align import objectives, rl, runtime
 from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
@@ -34,6 +36,7 @@ from align.evaluation import evaluate_policy, fitting, fitting_rows
 from align.generation import Sampling
 from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
+from align.objectives.advantages import zero_spread
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
@@ -54,14 +57,10 @@ class GRPOConfig(RLConfig):
                                        "whose reward failed.", choices=("fail", "skip", "zero"))
     reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (0: no limit).", ge=0)
     num_generations: int = opt(8, "G: completions per prompt (advantages are relative to the group).", ge=2)
-    advantage: str = opt("zscore", "zscore ((r-mean)/std, GRPO), mean (r-mean, Dr. GRPO), batch (group-centred / batch "
-                                   "std), rloo (leave-one-out baseline) or reinforce++ (rewards whitened over the "
-                                   "global batch, no group baseline).", choices=rl.ADVANTAGES)
-    loss: str = opt("clip", "Policy loss: clip (PPO's clipped surrogate) or cispo (clipped, detached IS weight x A x "
-                            "log π: every token keeps a gradient; MiniMax-M1).", choices=rl.POLICY_LOSSES)
-    ratio: str = opt("token", "Importance ratio: token, or sequence (GSPO: the length-normalised sequence ratio, "
-                              "clipped per sequence; pair with tiny --epsilon / --epsilon-high, e.g. 3e-4 / 4e-4, and "
-                              "--loss-agg seq-mean-token-mean).", choices=("token", "sequence"))
+    advantage: str = opt("zscore", "Advantage estimator:", choices=objectives.Choices("advantage"))
+    loss: str = opt("clip", "Policy loss:", choices=objectives.Choices("policy_loss"))
+    ratio: str = opt("token", "Importance ratio: token, or sequence (the same as --loss gspo).",
+                     choices=("token", "sequence"))
     loss_agg: str = opt("token-mean", "seq-mean-token-mean (GRPO), token-mean (DAPO) or seq-sum (Dr. GRPO).",
                          choices=rl.LOSS_AGGREGATIONS)
     epsilon: float = opt(0.2, "Clip range below 1 (and above, unless --epsilon-high).", gt=0)
@@ -71,8 +70,8 @@ class GRPOConfig(RLConfig):
     teacher: str = opt("", "On-policy distillation: a teacher model (same tokenizer) whose per-token reverse KL on the "
                            "policy's own samples is added to the loss, times --distill-coef ('' : none).", path=True)
     distill_coef: float = opt(1.0, "Weight of the --teacher's reverse-KL term.", gt=0)
-    reinforce: bool = opt(False, "nanochat's on-policy REINFORCE: −A·log π with the group-mean baseline; "
-                                 "no ratio, clip or KL.")
+    reinforce: bool = opt(False, "The same as --loss reinforce (nanochat's on-policy REINFORCE −A·log π: no ratio, "
+                                 "clip or KL).")
     drop_zero_std_groups: bool = opt(True, "Drop groups without signal (every advantage 0: all rewards equal, except "
                                      "under reinforce++) from the loss; their tokens still count in its "
                                      "normaliser.")
@@ -84,17 +83,23 @@ class GRPOConfig(RLConfig):
     eval_k: str = opt("1,4,8", "pass@k values (samples per problem = max k).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward (less memory, more compute).")
 
+    @property
+    def policy_loss(self) -> str:
+        """The registered policy loss --loss names, or its older aliases --reinforce and --ratio sequence."""
+        return "reinforce" if self.reinforce else "gspo" if self.ratio == "sequence" else self.loss
+
     def validate(self):
         super().validate()
-        if self.ratio == "sequence" and self.loss != "clip":
+        if self.ratio == "sequence" and self.loss not in ("clip", "gspo"):
             raise UserError("--ratio sequence (GSPO) clips the sequence ratio: use it with --loss clip.")
-        if self.reinforce and (self.loss != "clip" or self.ratio != "token"):
+        if self.reinforce and (self.loss not in ("clip", "reinforce") or self.ratio != "token"):
             raise UserError("--reinforce has no importance ratio: leave --loss and --ratio at their defaults.")
         if self.overlong_cache > self.max_new_tokens:
             raise UserError(f"--overlong-cache {self.overlong_cache} must be at most --max-new-tokens "
                             f"{self.max_new_tokens}: the penalty covers the last N tokens of the budget.")
-        if self.reinforce and (self.num_iterations != 1 or self.beta):
-            raise UserError("--reinforce is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
+        if objectives.get("policy_loss", self.policy_loss).on_policy and (self.num_iterations != 1 or self.beta):
+            name = "--reinforce" if self.reinforce else f"--loss {self.loss}"
+            raise UserError(f"{name} is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
         self.ks()
         parse_rewards(self.reward)  # an unknown reward or a bad weight fails here, before --out is touched
 
@@ -188,7 +193,7 @@ class GRPO:
             total += r.weight * v
         if cfg.overlong_cache:
             n = len(c.ids) if c.finished else cfg.max_new_tokens + 1
-            total += rl.overlong_penalty(n, cfg.max_new_tokens, cfg.overlong_cache)
+            total += objectives.get("shaping", "overlong").fn([n], max_len=cfg.max_new_tokens, cache=cfg.overlong_cache)[0]
         return total, parts
 
     def score(self, r: Rollout) -> None:
@@ -201,7 +206,8 @@ class GRPO:
             for p in range(len(r.rows)):
                 group = range(p * G, (p + 1) * G)
                 correct = [results[j][1].get("math") == 1.0 for j in group]
-                r.rewards[p] += length_fn.weight * torch.tensor(rl.length_rewards([len(r.completions[j].ids) for j in group], correct))
+                lengths = [len(r.completions[j].ids) for j in group]
+                r.rewards[p] += length_fn.weight * torch.tensor(objectives.get("shaping", "length").fn(lengths, correct))
         if self.rm is not None:  # every rank scores its equal share (ZeRO-3 forwards are collective)
             rm = score(self.rm, self.rm_tok, r.prompts, [c.text for c in r.completions], self.micro).float().cpu()
             r.rewards += self.cfg.reward_model_weight * r.grouped(rm)
@@ -220,9 +226,9 @@ class GRPO:
         and its normaliser (DAPO's overlong filtering); --drop-zero-std-groups takes the groups without signal
         out of the loss only: their A is 0, so what dropping changes is the KL term, not the scale of the step."""
         device = self.run.dist.device
-        adv = rl.ADVANTAGES[self.cfg.advantage](r.rewards, r.valid,
-                                                 reduce=lambda t: runtime.all_reduce_sum(t.to(device)).cpu())
-        zero_std = rl.zero_spread(r.rewards, r.valid).float()
+        adv = objectives.get("advantage", self.cfg.advantage).fn(
+            r.rewards, r.valid, reduce=lambda t: runtime.all_reduce_sum(t.to(device)).cpu())
+        zero_std = zero_spread(r.rewards, r.valid).float()
         no_signal = ((adv != 0) & r.valid.bool()).sum(dim=1) == 0  # = zero_std, except under reinforce++
         counted = r.valid.clone()
         if self.cfg.mask_truncated:
@@ -236,23 +242,16 @@ class GRPO:
                stats: Stats) -> None:
         cfg = self.cfg
         n = batch["input_ids"].shape[0]
+        policy_loss, kl_k3 = objectives.get("policy_loss", cfg.policy_loss).fn, objectives.get("kl", "k3").fn
         for it in range(cfg.num_iterations):
             for i in range(0, n, self.micro):
                 sl = slice(i, i + self.micro)
                 mb = select(batch, sl)
                 mask = mb["loss_mask"]
                 logp, ent = logprobs(self.policy, mb, temperature=cfg.temperature, with_entropy=(it == 0))
-                a = adv[sl, None]
-                if cfg.reinforce:
-                    per_tok = -a * logp
-                    low = high = torch.zeros_like(mask, dtype=torch.bool)
-                else:
-                    old = old_logp[sl] if old_logp is not None else logp.detach()
-                    if cfg.ratio == "sequence":
-                        per_tok, low, high = rl.sequence_clipped_surrogate(logp, old, a, mask, cfg.epsilon, cfg.epsilon_high)
-                    else:
-                        per_tok, low, high = rl.POLICY_LOSSES[cfg.loss](logp, old, a, cfg.epsilon, cfg.epsilon_high)
-                kl = rl.kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None
+                old = old_logp[sl] if old_logp is not None else logp.detach()
+                per_tok, low, high = policy_loss(logp, old, adv[sl, None], mask, cfg.epsilon, cfg.epsilon_high)
+                kl = kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None
                 if kl is not None:
                     per_tok = per_tok + cfg.beta * kl
                 distill = None

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from align import data as D
-from align import rl, runtime
+from align import objectives, rl, runtime
 from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info, warn
@@ -41,6 +41,8 @@ from align.generation import Sampling
 from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
 from align.losses import completion_nll
+from align.objectives.kl import kl_k3
+from align.objectives.policy import clipped_surrogate
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
@@ -78,8 +80,7 @@ class PPOConfig(RLConfig):
     ent_coef: float = opt(0.0, "Entropy bonus coefficient (0: off).", ge=0)
     gamma: float = opt(1.0, "GAE discount γ.", ge=0, le=1)
     lam: float = opt(0.95, "GAE λ.", ge=0, le=1)
-    kl_estimator: str = opt("k1", "Per-token KL penalty: k1 (log π − log π_ref) or k3 (clamped log-ratio).",
-                            choices=rl.KL_ESTIMATORS)
+    kl_estimator: str = opt("k1", "Per-token KL penalty estimator:", choices=objectives.Choices("kl"))
     init_kl_coef: float = opt(0.1, "Initial β of the KL penalty.", ge=0)
     target_kl: float = opt(2.0, "Adaptive controller target: mean KL per episode (nats, summed over tokens).",
                             gt=0)
@@ -296,7 +297,7 @@ class PPO:
         old_logp = batched_logprobs(self.policy, batch, self.micro, cfg.temperature)
         ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature)
         old_values = batched_values(self.value, batch, self.micro) * mask
-        kl = rl.KL_ESTIMATORS[cfg.kl_estimator](old_logp, ref_logp) * mask
+        kl = objectives.get("kl", cfg.kl_estimator).fn(old_logp, ref_logp) * mask
         adv, returns = rl.gae(rl.token_rewards(s, kl, mask, beta), old_values, mask, cfg.gamma, cfg.lam)
         adv = rl.whiten(adv, mask, reduce=runtime.all_reduce_sum)
         return {"old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values, "kl": kl, "adv": adv,
@@ -332,13 +333,13 @@ class PPO:
             mask = mm["response_mask"]
             logp, ent = logprobs(self.policy, mm, temperature=cfg.temperature, with_entropy=True,
                                  entropy_grad=bool(cfg.ent_coef))
-            pg, low, high = rl.clipped_surrogate(logp, mm["old_logp"], mm["adv"], cfg.cliprange)
+            pg, low, high = clipped_surrogate(logp, mm["old_logp"], mm["adv"], mask, cfg.cliprange)
             per_tok = pg - cfg.ent_coef * ent if cfg.ent_coef else pg
             self.policy.backward(rl.aggregate_loss(per_tok, mask, "token-mean", n_tokens=n_tok, n_seqs=0, max_len=0))
             values = token_values(self.value, mm)
             vf, vclip = rl.clipped_value_loss(values, mm["old_values"], mm["returns"], cfg.cliprange_value)
             self.value.backward(cfg.vf_coef * rl.aggregate_loss(vf, mask, "token-mean", n_tokens=n_tok, n_seqs=0, max_len=0))
-            approx_kl = rl.kl_k3(mm["old_logp"], logp.detach())  # approx-KL(π_old‖π_θ)
+            approx_kl = kl_k3(mm["old_logp"], logp.detach())  # approx-KL(π_old‖π_θ)
             for name, x in (("loss", pg), ("loss/policy", pg), ("loss/value", vf), ("clip_ratio", low | high),
                             ("clip_ratio/low", low), ("clip_ratio/high", high), ("val/clipfrac", vclip),
                             ("policy/approxkl", approx_kl), ("entropy", ent)):

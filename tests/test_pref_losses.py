@@ -7,15 +7,26 @@ import math
 import pytest
 import torch
 
-from align import losses
+from align import objectives
 from align.errors import UserError
-from align.losses import bradley_terry_loss, centering_penalty, dpo_loss, likelihood_reward, rpo_nll, sequence_logps
+from align.losses import bradley_terry_loss, centering_penalty, likelihood_reward, rpo_nll, sequence_logps
+from align.objectives.preference import Pairs, kto_loss, log_odds
 
 D = torch.float64
 
 
 def t(*xs):
     return torch.tensor(xs, dtype=D)
+
+
+def pref(name, pc, pr, rc=None, rr=None, *, beta, lengths=None, **options):
+    """The preference loss registered as `align dpo --loss name` on pairs of summed log-probs (lengths: 1)."""
+    cl, rl = lengths or (torch.ones_like(pc), torch.ones_like(pr))
+    return objectives.get("preference", name).fn(Pairs(pc, pr, rc, rr, cl, rl), beta, **options)
+
+
+def dpo_loss(pc, pr, rc, rr, beta, loss_type="sigmoid", label_smoothing=0.0, lengths=None):
+    return pref(loss_type, pc, pr, rc, rr, beta=beta, lengths=lengths, label_smoothing=label_smoothing)
 
 
 def test_bradley_terry_hand_values():
@@ -97,7 +108,7 @@ def test_dpo_hand_values():
     # policy == reference: Δ = 0 -> sigmoid loss log 2, implicit rewards 0
     loss, rc, rr = dpo_loss(t(-5.0), t(-7.0), t(-5.0), t(-7.0), beta=0.1)
     assert torch.allclose(loss, t(math.log(2))) and rc.item() == 0 and rr.item() == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(KeyError, match="registered: sigmoid, ipo"):
         dpo_loss(*args, beta=0.5, loss_type="nope")
 
 
@@ -144,31 +155,31 @@ def test_simpo_loss_by_hand_and_gradcheck():
     """SimPO: r(y) = (β/|y|)·log π(y|x), loss = −log σ(r_w − r_l − γ); no reference."""
     pc, pr = torch.tensor([-6.0, -2.0], dtype=torch.float64), torch.tensor([-12.0, -1.0], dtype=torch.float64)
     lengths = (torch.tensor([3.0, 2.0], dtype=torch.float64), torch.tensor([4.0, 1.0], dtype=torch.float64))
-    loss, r_w, r_l = losses.simpo_loss(pc, pr, lengths, beta=2.0, gamma=0.5)
+    loss, r_w, r_l = pref("simpo", pc, pr, beta=2.0, lengths=lengths, gamma=0.5)
     # pair 0: r_w = 2·(−2) = −4, r_l = 2·(−3) = −6, margin 2 − 0.5 = 1.5; pair 1: r_w = −2, r_l = −2, −0.5
     torch.testing.assert_close(r_w, torch.tensor([-4.0, -2.0], dtype=torch.float64))
     torch.testing.assert_close(r_l, torch.tensor([-6.0, -2.0], dtype=torch.float64))
     torch.testing.assert_close(loss, torch.tensor([math.log1p(math.exp(-1.5)), math.log1p(math.exp(0.5))], dtype=torch.float64))
     x = torch.randn(2, dtype=torch.float64, requires_grad=True)
     y = torch.randn(2, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: losses.simpo_loss(a, b, lengths, 2.0, 0.5)[0], (x, y))
+    assert torch.autograd.gradcheck(lambda a, b: pref("simpo", a, b, beta=2.0, lengths=lengths, gamma=0.5)[0], (x, y))
 
 
 def test_orpo_loss_by_hand_and_gradcheck():
     """ORPO: −ℓ_w − λ·log σ(log odds_w − log odds_r), ℓ the per-token mean log-prob, odds = e^ℓ / (1 − e^ℓ)."""
     pc, pr = torch.tensor([-1.2], dtype=torch.float64), torch.tensor([-6.0], dtype=torch.float64)
     lengths = (torch.tensor([2.0], dtype=torch.float64), torch.tensor([3.0], dtype=torch.float64))
-    loss, rw, rr = losses.orpo_loss(pc, pr, lengths, lam=0.1)
+    loss, rw, rr = pref("orpo", pc, pr, beta=0.1, lengths=lengths)
     l_w, l_r = -0.6, -2.0
     odds = lambda l: math.log(math.exp(l) / (1 - math.exp(l)))  # noqa: E731
     want = -l_w + 0.1 * math.log1p(math.exp(-(odds(l_w) - odds(l_r))))
     torch.testing.assert_close(loss, torch.tensor([want], dtype=torch.float64))
     torch.testing.assert_close((rw, rr), (torch.tensor([0.1 * l_w], dtype=torch.float64), torch.tensor([0.1 * l_r], dtype=torch.float64)))
-    assert torch.isfinite(losses.log_odds(torch.tensor([0.0, -1e-9]))).all()  # P → 1: capped, not inf
+    assert torch.isfinite(log_odds(torch.tensor([0.0, -1e-9]))).all()  # P → 1: capped, not inf
     x = -torch.rand(2, dtype=torch.float64).add(0.1).requires_grad_()
     y = -torch.rand(2, dtype=torch.float64).add(0.1).requires_grad_()
     two = (torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
-    assert torch.autograd.gradcheck(lambda a, b: losses.orpo_loss(a, b, two, 0.1)[0], (x, y))
+    assert torch.autograd.gradcheck(lambda a, b: pref("orpo", a, b, beta=0.1, lengths=two)[0], (x, y))
 
 
 def test_kto_loss_by_hand_and_gradcheck():
@@ -178,16 +189,16 @@ def test_kto_loss_by_hand_and_gradcheck():
     ref = torch.tensor([-4.0, -4.0, -2.5], dtype=torch.float64)
     good = torch.tensor([True, False, False])
     kl_sums = torch.tensor([1.2, 4.0], dtype=torch.float64)  # mean 0.3 over 4 mismatched rows (every rank)
-    loss, reward, z0 = losses.kto_loss(pol, ref, kl_sums, good, beta=0.5, w_desirable=1.0, w_undesirable=2.0)
+    loss, reward, z0 = kto_loss(pol, ref, kl_sums, good, beta=0.5, w_desirable=1.0, w_undesirable=2.0)
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     want = [1 - sig(0.5 * (1.0 - 0.3)), 2 * (1 - sig(0.5 * (0.3 + 1.0))), 2 * (1 - sig(0.5 * (0.3 - 0.5)))]
     torch.testing.assert_close(loss, torch.tensor(want, dtype=torch.float64))
     torch.testing.assert_close(reward, torch.tensor([0.5, -0.5, 0.25], dtype=torch.float64))
     assert z0.item() == pytest.approx(0.3)
-    neg = losses.kto_loss(pol, ref, torch.tensor([-2.0, 4.0], dtype=torch.float64), good, 0.5)[2]
+    neg = kto_loss(pol, ref, torch.tensor([-2.0, 4.0], dtype=torch.float64), good, 0.5)[2]
     assert neg.item() == 0.0  # a negative KL estimate is clamped: the reference point never goes below 0
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda p: losses.kto_loss(p, ref, kl_sums, good, 0.5, 1.0, 2.0)[0], (x,))
+    assert torch.autograd.gradcheck(lambda p: kto_loss(p, ref, kl_sums, good, 0.5, 1.0, 2.0)[0], (x,))
 
 
 def test_unpaired_rows_and_the_mismatched_kto_batch(shipped_tokenizer):

@@ -1,11 +1,16 @@
-"""RL estimators against hand-computed values and numerical gradients (align/rl.py, align/rewards.py)."""
+"""RL objectives and estimators against hand-computed values and numerical gradients (align/objectives, align/rl.py,
+align/rewards.py)."""
 
 import math
 
 import pytest
 import torch
 
-from align import rl
+from align import objectives, rl
+from align.objectives import advantages as A
+from align.objectives import kl as K
+from align.objectives import policy as P
+from align.objectives import shaping as S
 from align.errors import UserError
 from align.generation import Completion
 from align.rewards import RewardError, call_reward, parse_rewards
@@ -16,24 +21,24 @@ from align.rollout import rollout_batch
 def test_zscore_advantage_by_hand():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     # mean 0.5; unbiased std = sqrt((4 * 0.25) / 3) = 0.57735
-    a = rl.zscore_advantages(r, eps=0.0)
+    a = A.zscore_advantages(r, eps=0.0)
     torch.testing.assert_close(a, torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5, rtol=0)
 
 
 def test_mean_advantage_by_hand():
     r = torch.tensor([[3.0, 1.0, 2.0], [0.0, 0.0, 3.0]])
-    a = rl.mean_advantages(r)
+    a = A.mean_advantages(r)
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0, 0.0], [-1.0, -1.0, 2.0]]))
 
 
 def test_batch_advantage_uses_the_batch_std():
     r = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     # group means 0.5 and 1; batch std (unbiased) of [1, 0, 1, 1] = sqrt(0.75 / 3) = 0.5
-    a = rl.batch_advantages(r, eps=0.0)
+    a = A.batch_advantages(r, eps=0.0)
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0], [0.0, 0.0]]))
     # with the other rank's rewards [[0, 0], [0, 0]] summed in by `reduce`: std of 8 values, 3 ones = sqrt(15/56)
     other = rl.masked_sums(torch.zeros(2, 2), torch.ones(2, 2))
-    a2 = rl.batch_advantages(r, reduce=lambda s: s + other, eps=0.0)
+    a2 = A.batch_advantages(r, reduce=lambda s: s + other, eps=0.0)
     torch.testing.assert_close(a2, torch.tensor([[1.0, -1.0], [0.0, 0.0]]) * 0.5 / math.sqrt(15 / 56))
 
 
@@ -41,20 +46,20 @@ def test_rloo_advantage_leaves_each_sample_out_of_its_baseline():
     """RLOO (Kool et al. 2019): A_i = r_i − mean of the other G−1 rewards; written out for G = 4."""
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 6.0]])
     by_hand = torch.tensor([[1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3], [3 - 3.0, 1 - 11 / 3, 2 - 10 / 3, 6 - 2.0]])
-    torch.testing.assert_close(rl.rloo_advantages(r), by_hand)
-    torch.testing.assert_close(rl.rloo_advantages(r), 4 / 3 * rl.mean_advantages(r))  # = G/(G−1) · (r − mean)
+    torch.testing.assert_close(A.rloo_advantages(r), by_hand)
+    torch.testing.assert_close(A.rloo_advantages(r), 4 / 3 * A.mean_advantages(r))  # = G/(G−1) · (r − mean)
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(rl.rloo_advantages, (x,))
-    assert rl.ADVANTAGES["rloo"] is rl.rloo_advantages  # --advantage rloo: the registration is all it takes
+    assert torch.autograd.gradcheck(A.rloo_advantages, (x,))
+    assert objectives.get("advantage", "rloo").fn is A.rloo_advantages  # --advantage rloo: the registration is all it takes
 
 
-GROUP_RELATIVE = [m for m in rl.ADVANTAGES if m != "reinforce++"]  # reinforce++ has no per-group baseline
+GROUP_RELATIVE = [m for m in objectives.Choices("advantage") if m != "reinforce++"]  # reinforce++ has no per-group baseline
 
 
 @pytest.mark.parametrize("mode", GROUP_RELATIVE)
 def test_all_equal_group_gives_exactly_zero_advantage_never_nan(mode):
     r = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.7] * 4, [0.1] * 4])  # 0.7, 0.1: not exact in fp32
-    a = rl.ADVANTAGES[mode](r)
+    a = objectives.get("advantage", mode).fn(r)
     assert torch.isfinite(a).all() and (a == 0).all()
 
 
@@ -64,36 +69,36 @@ def test_a_skipped_sample_takes_no_part_in_its_group(mode):
     one whose 0.0 placeholder lifts the others to A = +0.5; and [1, 0, skipped] is the group [1, 0]."""
     r = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.5]])
     valid = torch.tensor([[1, 1, 0, 1], [1, 1, 0, 0]])
-    a = rl.ADVANTAGES[mode](r, valid)
+    a = objectives.get("advantage", mode).fn(r, valid)
     assert (a[0] == 0).all() and a[1, 2] == 0 and a[1, 3] == 0
-    assert rl.zero_spread(r, valid).tolist() == [True, False]
+    assert A.zero_spread(r, valid).tolist() == [True, False]
     if mode == "batch":  # its std is the batch's: of the 5 valid rewards [1, 1, 1, 1, 0]
         torch.testing.assert_close(a[1, :2], torch.tensor([0.5, -0.5]) / (torch.tensor([1.0, 1, 1, 1, 0]).std() + 1e-4))
     else:
-        torch.testing.assert_close(a[1, :2], rl.ADVANTAGES[mode](torch.tensor([[1.0, 0.0]]))[0])
+        torch.testing.assert_close(a[1, :2], objectives.get("advantage", mode).fn(torch.tensor([[1.0, 0.0]]))[0])
 
 
 # ---- KL estimators
 def test_k1_and_k3_by_hand():
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
-    torch.testing.assert_close(rl.kl_k1(logp, ref), torch.tensor([0.5, -1.0]))
+    torch.testing.assert_close(K.kl_k1(logp, ref), torch.tensor([0.5, -1.0]))
     # r = ref - logp = [-0.5, 1.0]; k3 = e^r - r - 1 = [0.606531 + 0.5 - 1, 2.718282 - 1 - 1]
-    torch.testing.assert_close(rl.kl_k3(logp, ref), torch.tensor([0.106531, 0.718282]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(K.kl_k3(logp, ref), torch.tensor([0.106531, 0.718282]), atol=1e-5, rtol=0)
 
 
 def test_k3_is_zero_at_equality_nonnegative_and_capped_above():
     x = torch.randn(100)
-    assert (rl.kl_k3(x, x) == 0).all()
-    assert (rl.kl_k3(x, torch.randn(100)) >= 0).all()
+    assert (K.kl_k3(x, x) == 0).all()
+    assert (K.kl_k3(x, torch.randn(100)) >= 0).all()
     # log-ratio 50 (the reference far likelier) is capped at 20: e^20 - 20 - 1, finite
-    assert rl.kl_k3(torch.tensor([0.0]), torch.tensor([50.0])).item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
+    assert K.kl_k3(torch.tensor([0.0]), torch.tensor([50.0])).item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
 
 
 def test_k3_keeps_pulling_back_a_policy_far_ahead_of_the_reference():
     """log-ratio r = log π_ref − log π = −15 (the policy 15 nats likelier): k3 = e^−15 + 14, and its gradient
     d k3 / d log π = 1 − e^r is not zero (it was, with the log-ratio clamped at ±10)."""
     logp = torch.tensor([15.0], dtype=torch.float64, requires_grad=True)
-    k3 = rl.kl_k3(logp, torch.tensor([0.0], dtype=torch.float64))
+    k3 = K.kl_k3(logp, torch.tensor([0.0], dtype=torch.float64))
     assert k3.item() == pytest.approx(math.exp(-15) + 14)
     (grad,) = torch.autograd.grad(k3.sum(), logp)
     assert grad.item() == pytest.approx(1 - math.exp(-15)) and grad.item() > 0.99
@@ -102,7 +107,7 @@ def test_k3_keeps_pulling_back_a_policy_far_ahead_of_the_reference():
 def test_k3_gradcheck():
     logp = torch.randn(6, dtype=torch.float64, requires_grad=True)
     ref = torch.randn(6, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda x: rl.kl_k3(x, ref), (logp,))
+    assert torch.autograd.gradcheck(lambda x: K.kl_k3(x, ref), (logp,))
 
 
 # ---- clipped surrogate
@@ -110,7 +115,7 @@ def test_clipped_surrogate_by_hand():
     old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.5, 0.5, 1.1, 0.7]))  # ratios
     adv = torch.tensor([1.0, -1.0, -2.0, 1.0])
-    loss, low, high = rl.clipped_surrogate(logp, old, adv, eps_low=0.2, eps_high=0.28)
+    loss, low, high = P.clipped_surrogate(logp, old, adv, None, eps_low=0.2, eps_high=0.28)
     # ratio 1.5, A=+1: min(1.5, 1.28) -> -1.28 (clipped high)
     # ratio 0.5, A=-1: min(-0.5, -0.8) = -0.8 -> 0.8 (clipped low)
     # ratio 1.1, A=-2: min(-2.2, -2.2) -> 2.2 (inside)
@@ -123,7 +128,7 @@ def test_clipped_surrogate_by_hand():
 def test_clipped_surrogate_gradient_zero_where_clipped():
     old = torch.zeros(2, dtype=torch.float64)
     logp = torch.log(torch.tensor([1.5, 1.1], dtype=torch.float64)).requires_grad_()
-    loss, _, _ = rl.clipped_surrogate(logp, old, torch.tensor([1.0, 1.0], dtype=torch.float64), 0.2, 0.28)
+    loss, _, _ = P.clipped_surrogate(logp, old, torch.tensor([1.0, 1.0], dtype=torch.float64), None, 0.2, 0.28)
     loss.sum().backward()
     # d/dlogp of -ratio*A = -ratio = -1.1 inside; 0 where clipped
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, -1.1], dtype=torch.float64))
@@ -133,7 +138,7 @@ def test_clipped_surrogate_gradcheck_inside_the_clip_range():
     old = torch.zeros(5, dtype=torch.float64)
     logp = (torch.rand(5, dtype=torch.float64) * 0.2 - 0.1).requires_grad_()
     adv = torch.randn(5, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda x: rl.clipped_surrogate(x, old, adv, 0.2, 0.28)[0], (logp,))
+    assert torch.autograd.gradcheck(lambda x: P.clipped_surrogate(x, old, adv, None, 0.2, 0.28)[0], (logp,))
 
 
 # ---- loss aggregation
@@ -189,13 +194,12 @@ def test_response_mask_covers_response_and_eos_only():
 def test_distinct_n_and_overlong_and_length_reward_by_hand():
     assert rl.distinct_n([[1, 2, 3], [1, 2, 4]], 1) == pytest.approx(4 / 6)
     assert rl.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)  # (1,2) (2,3) (1,2) (2,4)
-    assert rl.overlong_penalty(10, max_len=20, cache=5) == 0.0
-    assert rl.overlong_penalty(17, max_len=20, cache=5) == pytest.approx(-0.4)  # (15 - 17) / 5
-    assert rl.overlong_penalty(25, max_len=20, cache=5) == -1.0
+    # budget 20, cache 5: 0 up to 15 tokens, then (15 − n) / 5, floored at −1 (a truncated answer counts as 21)
+    assert S.overlong_penalty([10, 15, 17, 20, 21, 25], max_len=20, cache=5) == pytest.approx([0, 0, -0.4, -1, -1, -1])
     # lengths 10, 20, 30: λ = 0.5, 0, -0.5; wrong answers get min(0, λ)
-    assert rl.length_rewards([10, 20, 30], [True, False, True]) == [0.5, 0.0, -0.5]
-    assert rl.length_rewards([10, 20, 30], [False, True, False]) == [0.0, 0.0, -0.5]
-    assert rl.length_rewards([5, 5], [True, False]) == [0.0, 0.0]
+    assert S.length_rewards([10, 20, 30], [True, False, True]) == [0.5, 0.0, -0.5]
+    assert S.length_rewards([10, 20, 30], [False, True, False]) == [0.0, 0.0, -0.5]
+    assert S.length_rewards([5, 5], [True, False]) == [0.0, 0.0]
 
 
 def test_entropy_from_logits_by_hand():
@@ -260,7 +264,7 @@ def test_reinforce_pp_whitens_over_the_valid_samples_of_the_whole_batch_by_hand(
     std = math.sqrt(0.3)
     want = torch.tensor([[0.6, -0.4, 0.0], [-0.4, -0.4, 0.6]]) / (std + 1e-4)
     want[0, 2] = 0.0
-    got = rl.reinforce_pp_advantages(r, valid)
+    got = A.reinforce_pp_advantages(r, valid)
     assert torch.allclose(got, want, atol=1e-6)
     # an all-equal group still carries signal against the batch (no per-prompt baseline)
     assert (got[1, :2] != 0).all()
@@ -273,7 +277,7 @@ def test_gspo_sequence_ratio_is_length_normalised_by_hand():
     logp = torch.tensor([[0.3, 0.1, 9.0], [-0.6, 0.0, 0.0], [0.9, 0.9, 0.9]])  # row 0's third token is masked out
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]])
     adv = torch.tensor([1.0, -2.0, 1.0])
-    loss, low, high = rl.sequence_clipped_surrogate(logp, old, adv, mask, eps_low=0.3, eps_high=0.3)
+    loss, low, high = P.sequence_clipped_surrogate(logp, old, adv, mask, eps_low=0.3, eps_high=0.3)
     s0 = math.exp((0.3 + 0.1) / 2)  # 1.2214, inside [0.7, 1.3] (unnormalised exp(0.4) = 1.49 would clip)
     s1 = math.exp(-0.6 / 3)  # 0.8187, inside (exp(-0.6) = 0.55 would clip)
     s2 = math.exp(0.9)  # 2.46: clipped at 1.3 (A > 0)
