@@ -25,6 +25,34 @@ def test_zscore_advantage_by_hand():
     torch.testing.assert_close(a, torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025]]), atol=1e-5, rtol=0)
 
 
+def test_zscore_advantage_default_eps_and_an_exactly_flat_group():
+    # the default eps 1e-4 in the denominator: 0.5 / (sqrt(1/3) + 1e-4) = 0.865875
+    a = A.zscore_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    torch.testing.assert_close(a, torch.tensor([[1.0, -1.0, -1.0, 1.0]]) * 0.5 / (math.sqrt(1 / 3) + 1e-4))
+    # three rewards 0.1 (float64): their mean is 0.10000000000000002, not 0.1; the group has no spread, so A is
+    # exactly 0 (r − mean would be −1.4e-17, and divided by eps −1.4e-13)
+    flat = torch.tensor([[0.1, 0.1, 0.1]], dtype=torch.float64)
+    for mode in ("zscore", "mean", "rloo", "batch"):
+        assert (objectives.get("advantage", mode).fn(flat) == 0).all(), mode
+
+
+def test_group_advantages_with_a_skipped_sample_by_hand():
+    """Group [3, 1, (skipped, placeholder 100), 2]: the valid rewards have mean 2, unbiased std
+    sqrt((1 + 1 + 0) / 2) = 1 and count 3; the skipped sample gets 0. Group [0.1, 0.1, 0.1, (skipped 5)]: no spread
+    among the valid ones, every A is 0."""
+    r = torch.tensor([[3.0, 1.0, 100.0, 2.0], [0.1, 0.1, 0.1, 5.0]], dtype=torch.float64)
+    valid = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 0]])
+    by_hand = {
+        "mean": [1.0, -1.0, 0.0, 0.0],  # r − 2
+        "zscore": [1 / (1 + 1e-4), -1 / (1 + 1e-4), 0.0, 0.0],  # (r − 2) / (1 + eps)
+        # leave-one-out: 3 − mean(1, 2) = 1.5, 1 − mean(3, 2) = −1.5, 2 − mean(3, 1) = 0
+        "rloo": [1.5, -1.5, 0.0, 0.0],
+    }
+    for mode, want in by_hand.items():
+        a = objectives.get("advantage", mode).fn(r, valid)
+        torch.testing.assert_close(a, torch.tensor([want, [0.0] * 4], dtype=torch.float64), msg=mode)
+
+
 def test_mean_advantage_by_hand():
     r = torch.tensor([[3.0, 1.0, 2.0], [0.0, 0.0, 3.0]])
     a = A.mean_advantages(r)
@@ -123,6 +151,32 @@ def test_clipped_surrogate_by_hand():
     torch.testing.assert_close(loss, torch.tensor([-1.28, 0.8, 2.2, -0.7]), atol=1e-6, rtol=0)
     assert high.tolist() == [True, False, False, False]
     assert low.tolist() == [False, True, False, False]
+
+
+def test_cispo_by_hand_clips_the_detached_weight_not_the_gradient():
+    """CISPO: L = −sg(clip(ρ, 0.8, 1.28))·A·log π. Ratios 1.5, 0.5, 1.1 (log π_old = 0): weights 1.28, 0.8, 1.1;
+    every token keeps the gradient dL/dlog π = −w·A (PPO's clip zeroes the first two)."""
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.1], dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64)
+    loss, low, high = P.cispo_surrogate(logp, torch.zeros(3, dtype=torch.float64), adv, None, 0.2, 0.28)
+    w = [1.28, 0.8, 1.1]
+    want = [-w[0] * 1.0 * math.log(1.5), -w[1] * -1.0 * math.log(0.5), -w[2] * 2.0 * math.log(1.1)]
+    torch.testing.assert_close(loss, torch.tensor(want, dtype=torch.float64))  # −0.518995, −0.554518, −0.209682
+    assert low.tolist() == [False, True, False] and high.tolist() == [True, False, False]
+    loss.sum().backward()
+    # with the weight's gradient (no sg), token 3 would get −A·log π·ρ more: −2.2 − 0.2097
+    torch.testing.assert_close(logp.grad, torch.tensor([-1.28, 0.8, -2.2], dtype=torch.float64))
+
+
+def test_reinforce_by_hand():
+    """--loss reinforce (--reinforce): L = −A·log π per token, dL/dlog π = −A; nothing is clipped."""
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    adv = torch.tensor([[2.0], [-1.0]])
+    loss, low, high = P.reinforce(logp, logp.detach() + 5.0, adv, torch.ones(2, 2))  # π_old plays no part
+    torch.testing.assert_close(loss, torch.tensor([[2.0, 4.0], [-0.5, -3.0]]))
+    assert not low.any() and not high.any() and low.shape == (2, 2)
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0, -2.0], [1.0, 1.0]]))
 
 
 def test_clipped_surrogate_gradient_zero_where_clipped():
