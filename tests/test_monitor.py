@@ -136,6 +136,16 @@ def test_entropy_collapse():
     assert fired(feed(flat_then("entropy", 1.0, 0.01)), "entropy_collapse") == [(29, "warn")]
 
 
+def test_thresholds_are_strict_at_the_boundary():
+    """A window mean exactly at a threshold does not fire (values exact in binary: 0.5, 0.125)."""
+    assert fired(feed([{"kl": 0.5}] * 30), "kl_high") == []  # mean 0.5, not > 0.5
+    assert fired(feed([{"kl": 0.5}] * 29 + [{"kl": 0.5078125}]), "kl_high") == [(29, "warn")]  # mean 0.50078125
+    low = RLMonitor(overrides={"entropy_collapse": {"min_value": 0.125}})
+    assert fired(feed([{"entropy": 0.125}] * 30, low), "entropy_collapse") == []  # mean 0.125, not < 0.125
+    low = RLMonitor(overrides={"entropy_collapse": {"min_value": 0.125}})
+    assert fired(feed([{"entropy": 0.125}] * 29 + [{"entropy": 0.046875}], low), "entropy_collapse") == [(29, "warn")]
+
+
 def test_clip_high():
     assert fired(feed(flat_then("clip_ratio", 0.1, 0.9)), "clip_high") == [(22, "warn")]
 
@@ -157,6 +167,14 @@ def test_low_diversity():
     assert fired(m, "low_distinct_2") == [(25, "warn")]
 
 
+def test_low_diversity_is_judged_against_the_start_not_the_previous_window():
+    """distinct-1 at 0.6, 0.4, then 0.25 (10 steps each): the floor stays 0.5 x the first window = 0.3. Step 26's
+    window (steps 17..26) is 3 x 0.4 + 7 x 0.25: mean 0.295 < 0.3; step 25's, 4 x 0.4 + 6 x 0.25: 0.31. Against the
+    window before it (floor 0.5 x 0.46 = 0.23 at step 26) it would never fire."""
+    stream = [{"distinct_1": 0.6}] * 10 + [{"distinct_1": 0.4}] * 10 + [{"distinct_1": 0.25}] * 10
+    assert fired(feed(stream), "low_distinct_1") == [(26, "warn")]
+
+
 def test_chosen_logp_falling():
     stream = [{"logps/chosen": -200.0 if s < 20 else -200.0 - 2.0 * (s - 19)} for s in range(60)]
     assert fired(feed(stream), "chosen_logp_falling") == [(29, "warn")]
@@ -167,6 +185,15 @@ def test_reward_hacking():
     m = feed(stream)
     assert fired(m, "reward_hacking") == [(42, "warn")]
     assert m.events[0].value < 0  # the gold slope
+
+
+def test_reward_hacking_needs_the_gold_to_fall_faster_than_min_slope():
+    """The proxy climbs 0.01 per step while the gold slips 0.0005 per step (exactly linear: zero standard
+    error): a gold slope above −min_slope (−1e-3) is not hacking."""
+    stream = [{"reward": 0.01 * s, "gold_reward": 0.5 - 0.0005 * s} for s in range(60)]
+    assert fired(feed(stream), "reward_hacking") == []
+    falling = [{"reward": 0.01 * s, "gold_reward": 0.5 - 0.002 * s} for s in range(60)]
+    assert fired(feed(falling), "reward_hacking") == [(19, "warn")]  # the first full window of 20 points
 
 
 def test_reward_hacking_pairs_only_steps_logging_both():

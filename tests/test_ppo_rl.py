@@ -73,6 +73,13 @@ def test_whiten_by_hand_and_masked():
     assert torch.autograd.gradcheck(lambda t: rl.whiten(t, MASK.double()), (xd,))
 
 
+def test_whiten_of_a_constant_is_zero_not_nan():
+    """Every masked advantage equal (variance 0): (x − μ)·(0 + eps)^−½ = 0, not 0/0; the masked-out entry is 0."""
+    x, m = torch.tensor([[2.0, 2.0, 2.0, 7.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert rl.whiten(x, m).tolist() == [[0.0, 0.0, 0.0, 0.0]]
+    assert rl.whiten(x, m, shift_mean=False).tolist() == [[2.0, 2.0, 2.0, 0.0]]
+
+
 def test_whiten_with_a_reduce_uses_the_global_batch():
     """Two 'ranks' whose statistics are summed whiten exactly like the whole batch."""
     x, m = torch.randn(4, 6), (torch.rand(4, 6) > 0.3).float()

@@ -130,6 +130,11 @@ def test_k3_keeps_pulling_back_a_policy_far_ahead_of_the_reference():
     assert k3.item() == pytest.approx(math.exp(-15) + 14)
     (grad,) = torch.autograd.grad(k3.sum(), logp)
     assert grad.item() == pytest.approx(1 - math.exp(-15)) and grad.item() > 0.99
+    # 30 nats ahead, past the +20 cap's mirror image: still no cap below, k3 = e^−30 + 29, gradient 1 − e^−30
+    logp = torch.tensor([30.0], dtype=torch.float64, requires_grad=True)
+    k3 = K.kl_k3(logp, torch.tensor([0.0], dtype=torch.float64))
+    assert k3.item() == pytest.approx(29.0)
+    assert torch.autograd.grad(k3.sum(), logp)[0].item() == pytest.approx(1.0)
 
 
 def test_k3_gradcheck():
