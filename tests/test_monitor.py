@@ -180,6 +180,14 @@ def test_chosen_logp_falling():
     assert fired(feed(stream), "chosen_logp_falling") == [(29, "warn")]
 
 
+def test_chosen_logp_falling_slowly_is_judged_against_the_start():
+    """−0.5 per step from step 20: consecutive windows differ by only 5 (< min_drop 10), but at step 44 the last
+    window (offsets 16..25 below the start, mean 20.5 · 0.5 = 10.25) is more than 10 below the first; at step 43
+    it is 9.75."""
+    stream = [{"logps/chosen": -200.0 if s < 20 else -200.0 - 0.5 * (s - 19)} for s in range(80)]
+    assert fired(feed(stream), "chosen_logp_falling") == [(44, "warn")]
+
+
 def test_reward_hacking():
     stream = [{"reward": 0.01 * s, "gold_reward": 0.01 * s if s < 30 else 0.3 - 0.01 * (s - 30)} for s in range(80)]
     m = feed(stream)
