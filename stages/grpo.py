@@ -193,7 +193,8 @@ class GRPO:
             total += r.weight * v
         if cfg.overlong_cache:
             n = len(c.ids) if c.finished else cfg.max_new_tokens + 1
-            total += objectives.get("shaping", "overlong").fn([n], max_len=cfg.max_new_tokens, cache=cfg.overlong_cache)[0]
+            overlong = objectives.get("shaping", "overlong").fn
+            total += overlong([n], max_len=cfg.max_new_tokens, cache=cfg.overlong_cache)[0]
         return total, parts
 
     def score(self, r: Rollout) -> None:
@@ -207,7 +208,8 @@ class GRPO:
                 group = range(p * G, (p + 1) * G)
                 correct = [results[j][1].get("math") == 1.0 for j in group]
                 lengths = [len(r.completions[j].ids) for j in group]
-                r.rewards[p] += length_fn.weight * torch.tensor(objectives.get("shaping", "length").fn(lengths, correct))
+                shaped = objectives.get("shaping", "length").fn(lengths, correct)
+                r.rewards[p] += length_fn.weight * torch.tensor(shaped)
         if self.rm is not None:  # every rank scores its equal share (ZeRO-3 forwards are collective)
             rm = score(self.rm, self.rm_tok, r.prompts, [c.text for c in r.completions], self.micro).float().cpu()
             r.rewards += self.cfg.reward_model_weight * r.grouped(rm)

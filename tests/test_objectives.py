@@ -204,7 +204,8 @@ HAND_VALUES = {
                              "tests/test_rl.py::test_a_skipped_sample_takes_no_part_in_its_group"],
     ("advantage", "rloo"): ["tests/test_rl.py::test_rloo_advantage_leaves_each_sample_out_of_its_baseline",
                             "tests/test_rl.py::test_group_advantages_with_a_skipped_sample_by_hand"],
-    ("advantage", "reinforce++"): ["tests/test_rl.py::test_reinforce_pp_whitens_over_the_valid_samples_of_the_whole_batch_by_hand"],
+    ("advantage", "reinforce++"): [
+        "tests/test_rl.py::test_reinforce_pp_whitens_over_the_valid_samples_of_the_whole_batch_by_hand"],
     ("policy_loss", "clip"): ["tests/test_rl.py::test_clipped_surrogate_by_hand"],
     ("policy_loss", "cispo"): ["tests/test_rl.py::test_cispo_by_hand_clips_the_detached_weight_not_the_gradient"],
     ("policy_loss", "gspo"): ["tests/test_rl.py::test_gspo_sequence_ratio_is_length_normalised_by_hand"],
@@ -220,8 +221,10 @@ HAND_VALUES = {
     ("preference", "simpo"): ["tests/test_pref_losses.py::test_simpo_loss_by_hand_and_gradcheck"],
     ("preference", "orpo"): ["tests/test_pref_losses.py::test_orpo_loss_by_hand_and_gradcheck"],
     ("unpaired_preference", "kto"): ["tests/test_pref_losses.py::test_kto_loss_by_hand_and_gradcheck"],
-    ("shaping", "overlong"): ["tests/test_rl.py::test_distinct_n_and_overlong_and_length_reward_by_hand"],
-    ("shaping", "length"): ["tests/test_rl.py::test_distinct_n_and_overlong_and_length_reward_by_hand"],
+    ("shaping", "overlong"): ["tests/test_rl.py::test_distinct_n_and_overlong_and_length_reward_by_hand",
+                             "tests/test_objectives.py::test_grpo_adds_the_shaping_terms_to_its_rewards"],
+    ("shaping", "length"): ["tests/test_rl.py::test_distinct_n_and_overlong_and_length_reward_by_hand",
+                             "tests/test_objectives.py::test_grpo_adds_the_shaping_terms_to_its_rewards"],
 }
 
 
@@ -241,3 +244,25 @@ def test_group_moments_by_hand():
     unbiased variance ((1−3)² + (2−3)² + (6−3)²) / 2 = 7, count 3."""
     mean, std, n = group_moments(torch.tensor([[1.0, 2.0, 9.0, 6.0]]), torch.tensor([[1, 1, 0, 1]]))
     assert (mean.item(), n.item()) == (3.0, 3.0) and std.item() == pytest.approx(math.sqrt(7))
+
+
+def test_grpo_adds_the_shaping_terms_to_its_rewards():
+    """--reward math --reward length --overlong-cache 4 with a budget of 10 tokens, on one group of three: a correct
+    3-token answer, a wrong 8-token one and a correct one truncated at 10 tokens (it counts as 11).
+    math: 1, 0, 1. Overlong (0 up to 6 tokens, then (6 − n)/4, floored at −1): 0, −0.5, −1.
+    Length (λ = 0.5 − (n − 3)/(10 − 3); a wrong answer gets min(0, λ)): 0.5, −5/7 + 0.5 = −0.2143, −0.5."""
+    from align.generation import Completion
+    from align.rewards import parse_rewards
+    from align.rollout import Rollout
+    from stages.grpo import GRPO, GRPOConfig
+
+    algo = object.__new__(GRPO)  # score() needs the config and the reward functions only
+    algo.cfg = GRPOConfig(reward=["math", "length"], max_new_tokens=10, overlong_cache=4)
+    algo.reward_fns, algo.rm = parse_rewards(algo.cfg.reward), None
+    done = [Completion([1], [5] * 3, "#### 2", True), Completion([1], [5] * 8, "#### 3", True),
+            Completion([1], [5] * 10, "#### 2", False)]
+    r = Rollout([{"prompt": "1 + 1?", "answer": "2"}], done, 3)
+    algo.score(r)
+    want = [1 + 0 + 0.5, 0 - 0.5 + (0.5 - 5 / 7), 1 - 1 - 0.5]
+    torch.testing.assert_close(r.rewards, torch.tensor([want]))
+    assert r.parts["math"] == [1.0, 0.0, 1.0] and r.valid.tolist() == [[1.0, 1.0, 1.0]]

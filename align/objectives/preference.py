@@ -112,8 +112,8 @@ def orpo(pairs: Pairs, beta: float, *, label_smoothing: float = 0.0, gamma: floa
     return _dpo_rewards(-l_w - beta * F.logsigmoid(log_odds(l_w) - log_odds(l_l)), l_w, l_l, beta)
 
 
-@register("unpaired_preference", "kto", help="on unpaired {prompt, completion, label} rows, or on pairs split into two such rows",
-          needs_reference=True, label_smoothing=False)
+@register("unpaired_preference", "kto", needs_reference=True, label_smoothing=False,
+          help="on unpaired {prompt, completion, label} rows, or on pairs split into two such rows")
 def kto_loss(policy: torch.Tensor, ref: torch.Tensor, kl_sums: torch.Tensor, desirable: torch.Tensor, beta: float,
              w_desirable: float = 1.0, w_undesirable: float = 1.0):
     """KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization") on unpaired rows:
