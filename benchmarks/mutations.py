@@ -256,7 +256,7 @@ def main() -> int:
             caught = not run_tests(root, m.tests)
             path.write_text(original)
             survived += not caught
-            rows.append(f"| {m.name} | {m.file} | {' '.join(Path(x).name for x in m.tests)} | "
+            rows.append(f"| {m.name.replace('|', chr(92) + '|')} | {m.file} | {' '.join(Path(x).name for x in m.tests)} | "
                         f"{'caught' if caught else '**SURVIVED**'} | {time.time() - t:.0f} |")
     print("| mutation | file | tests | result | s |\n|---|---|---|---|---|")
     print("\n".join(rows))
