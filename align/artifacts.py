@@ -6,6 +6,7 @@ Layout of `--out DIR`:
   metrics.jsonl    one JSON line per step (and per evaluation)
   health.jsonl     RLMonitor events
   report.png       training curves
+  tensorboard/ wandb/ trackio/ mlruns/   the --report-to trackers' local stores (align.trackers)
   checkpoints/     DeepSpeed checkpoints for --resume
 
 `artifact.json` is written with status "running" when a stage starts and replaced (atomic rename) by the
@@ -116,6 +117,9 @@ class ArtifactWriter:
         self.out = Path(out)
         self.stage, self.config, self.inputs, self.is_main = stage, config, inputs, is_main
         self.started = time.time()
+        # more sinks of every metrics row and RLMonitor event, with log(step, metrics), events([dict]) and
+        # finish(status): the --report-to experiment trackers (align.trackers.Trackers)
+        self.sinks: list = []
         if not is_main:
             return
         try:
@@ -163,12 +167,16 @@ class ArtifactWriter:
         if self.is_main:
             self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
             self._metrics.flush()
+            for sink in self.sinks:
+                sink.log(step, metrics)
 
     def log_events(self, events) -> None:
         if self.is_main:
             for e in events:
                 self._health.write(json.dumps(e.to_dict()) + "\n")
             self._health.flush()
+            for sink in self.sinks:
+                sink.events([e.to_dict() for e in events])
 
     def begin_model(self) -> Path:
         """Directory to write the model into; `complete()` moves it to model/."""
@@ -183,6 +191,8 @@ class ArtifactWriter:
         self.record.update(status="failed", reason=reason, metrics=metrics or {}, health=health or {})
         write_json_atomic(self.out / ARTIFACT_FILE, self.record)
         self._close()
+        for sink in self.sinks:
+            sink.finish("failed")
 
     def land_model(self) -> None:
         """Move a finished model.tmp/ to model/ (rank 0)."""
@@ -211,6 +221,8 @@ class ArtifactWriter:
             **(extra or {}),
         )
         write_json_atomic(self.out / ARTIFACT_FILE, self.record)
+        for sink in self.sinks:
+            sink.finish("complete")
 
     def _close(self) -> None:
         for f in (self._metrics, self._health):

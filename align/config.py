@@ -22,9 +22,9 @@ from align.paths import DATA_DIR
 
 PRECISIONS = ("auto", "bf16", "bf16-mixed", "bf16-pure", "fp32")
 SEED_MAX = 2**32 - 1  # the seeds are scaled and offset (seed * 1_000_003 + step ...): kept far below 2**63
-# options that change what a command checks or prints before it runs, never what it trains: left out of a
-# pipeline stage's fingerprint and free to change on --resume
-PREFLIGHT = ("plan", "plan_check", "overwrite")
+# options that change what a command checks, prints or reports, never what it trains: left out of a pipeline
+# stage's fingerprint and free to change on --resume
+PREFLIGHT = ("plan", "plan_check", "overwrite", "report_to")
 
 
 def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None, **meta):
@@ -157,6 +157,10 @@ class StageConfig(Options):
                               "block (one compile serves them all): fewer kernel launches in every forward and "
                               "backward, for a first step up to ~1 min longer on a machine's first run (inductor "
                               "caches the code on disk). Several processes, offloads and CPU runs stay eager.")
+    report_to: str = opt("", "Experiment trackers that get the metrics, config, lineage and RLMonitor events too "
+                             "(rank 0): comma-separated tensorboard, wandb, trackio, mlflow (each an extra: pip "
+                             "install 'align[wandb]'); local, inside --out, unless the tracker's environment "
+                             "variables say otherwise (see docs/trackers.md).")
 
     def __post_init__(self):
         # checked at construction, so every entry point (flags, --config, pipeline validate) refuses it before
@@ -166,6 +170,9 @@ class StageConfig(Options):
 
     def validate(self):
         super().validate()
+        from align import trackers
+
+        trackers.check(self.report_to)  # an unknown or missing tracker is refused before anything runs
         if getattr(self, "columns", ""):  # old=new pairs; that each old name is a column is checked on the data
             from align.data import parse_columns
 

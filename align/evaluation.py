@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from align import runtime
 from align.console import TrainProgress, warn
 from align.data import encode_prompts
@@ -16,7 +18,7 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
                     sampling: Sampling | None = None, verifier: str = "auto", batch_size: int = 64,
                     gather: bool = True, use_evaluate: bool = False,
                     progress: str = "") -> tuple[dict, list[dict]]:
-    """Greedy pass@1 (`pass@1/greedy`) and, with `samples` = n > 0, unbiased sampled pass@k for k <= n, over the
+    """Greedy pass@1 (`pass@1/greedy`, with its binomial standard error `pass@1/greedy_stderr`) and, with `samples` = n > 0, unbiased sampled pass@k for k <= n, over the
     problems whose prompt leaves room for the answer in the model's context (`problems` counts them).
 
     Returns (metrics, per-problem records). Call on every rank; generation is sharded over the ranks.
@@ -38,7 +40,8 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
         {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text, "greedy_correct": verify(check, r, o.text)}
         for r, o in zip(rows, outs)
     ]
-    metrics = {"pass@1/greedy": sum(rec["greedy_correct"] for rec in records) / len(records),
+    p = sum(rec["greedy_correct"] for rec in records) / len(records)
+    metrics = {"pass@1/greedy": p, "pass@1/greedy_stderr": math.sqrt(p * (1 - p) / len(records)),
                "completions/mean_length": sum(len(o.ids) for o in outs) / len(outs), "problems": len(records)}
     if samples > 0:
         for i, rec in enumerate(records):

@@ -4,6 +4,7 @@
     out = "runs/default"      # stage NAME writes to <out>/NAME unless it sets `out`
     nproc = 1                 # default --nproc for every stage that has one
     seed = 0                  # default --seed for every stage that has one (`pipeline run --seed N`)
+    report_to = "tensorboard" # default --report-to for every stage that has one (experiment trackers)
 
     [stages.base]             # NAME: the table name; the kind is `stage`, or NAME itself when NAME is a kind
     stage = "model-init"
@@ -45,8 +46,8 @@ from align.engine import checkpoint
 from align.errors import UserError
 from align.registry import KINDS
 
-PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int, "seed": int}
-STAGE_DEFAULTS = ("nproc", "seed")  # [pipeline] keys that are defaults of every stage's option of that name
+PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int, "seed": int, "report_to": str}
+STAGE_DEFAULTS = ("nproc", "seed", "report_to")  # [pipeline] keys: defaults of every stage's option of that name
 TOP_LEVEL = ("pipeline", "stages")
 FINGERPRINT_FILE = ".pipeline-fingerprint"
 RESUME_KEY_FILE = ".pipeline-resume-key"  # the stage's fingerprint without what a resumed run may change
@@ -263,9 +264,13 @@ def parse(path: str | Path, overrides: list[str] = ()) -> tuple[Pipeline | None,
             problem(("pipeline", k), f"must be {want.__name__}, got {type(v).__name__} {v!r}")
         elif key == "out":
             out = str(_resolve_path(Path.cwd(), v)) if set_by(("pipeline", k)) else v
-        else:  # nproc, seed: each stage's option of that name, with its range
+        else:  # nproc, seed, report_to: each stage's option of that name, with its range
             try:
                 defaults[key] = C.check_value(C.StageConfig, key, v, "pipeline")
+                if key == "report_to":
+                    from align import trackers
+
+                    trackers.check(v)
             except UserError as e:
                 problem(("pipeline", k), str(e).removeprefix("pipeline: ").rstrip("."))
 

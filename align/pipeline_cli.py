@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
@@ -80,9 +81,14 @@ def run(
     set_: list[str] = SET,
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of every stage that has one (= --set "
                                        "pipeline.seed=N); keep another seed's chain with --set pipeline.out=DIR."),
+    report_to: Optional[str] = typer.Option(None, "--report-to", help="Experiment trackers of every stage that has "
+                                            "--report-to (= --set pipeline.report_to=...): comma-separated "
+                                            "tensorboard, wandb, trackio, mlflow."),
 ):
     """Run the stages in order, skipping those whose artifact is complete and whose config and inputs are unchanged."""
-    overrides = [*set_, *([f"pipeline.seed={seed}"] if seed is not None else [])]
+    mine = [*([f"pipeline.seed={seed}"] if seed is not None else []),
+            *([f"pipeline.report_to={json.dumps(report_to)}"] if report_to is not None else [])]
+    overrides = [*set_, *mine]
     results = P.run(file, from_stage=from_, dry_run=dry_run, echo=console.print, overrides=overrides)
     table = Table(title=f"pipeline {escape(file)}" + (" (dry run)" if dry_run else ""), header_style="bold")
     for col in ("stage", "status", "wall", "compile", "metrics"):
@@ -102,7 +108,8 @@ def run(
         # interrupted stage over instead of continuing it
         keep_from = from_ is not None and names.index(from_) > stopped
         rerun = ["align", "pipeline", "run", file, *(["--from", from_] if keep_from else []),
-                 *[a for o in set_ for a in ("--set", o)], *(["--seed", str(seed)] if seed is not None else [])]
+                 *[a for o in set_ for a in ("--set", o)], *(["--seed", str(seed)] if seed is not None else []),
+                 *(["--report-to", report_to] if report_to is not None else [])]
         console.print(f"[yellow]interrupted: the stages that finished are kept; to continue, run[/]\n"
                       f"  {escape(shlex.join(rerun))}", soft_wrap=True)
         raise SystemExit(130)

@@ -47,6 +47,11 @@ COMMANDS = (
             "shipped tokenizer.", "model-init"),
     Command(("data", "make"), "stages.data_make", "DataMakeConfig", "Generate a dataset (and optionally a disjoint "
             "held-out split), or preference pairs sampled from a model.", "data", positional=("task",)),
+    Command(("report",), "align.report", "ReportConfig", "Dashboard PNG of a run's metrics (several runs: overlaid).",
+            entry="run_report", positional=("runs",)),
+    Command(("export",), "align.export", "ExportConfig", "Export a run's model as a plain transformers model (LoRA "
+            "merged) with its tokenizer, chat template and a model card of its lineage.", entry="run",
+            positional=("run",)),
 )
 
 GROUPS = {"rm": "Bradley-Terry reward model: train, eval, score.", "model": "Create models.",

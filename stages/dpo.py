@@ -255,6 +255,7 @@ class DPO:
             m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist, verifier=cfg.verifier,
                                    sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
             metrics["eval/pass@1/greedy"] = m["pass@1/greedy"]
+            metrics["eval/pass@1/greedy_stderr"] = m["pass@1/greedy_stderr"]
             if step == 0:
                 info(f"input model greedy pass@1 on {len(self.verifiable)} problems of {cfg.pass_data}: "
                      f"{m['pass@1/greedy']:.3f}")

@@ -410,7 +410,8 @@ class PPO:
         # held-out gold (verified greedy answers) and proxy (the RM's score of the same answers), watched by
         # RLMonitor's reward_hacking_heldout with the KL per episode of the latest batch (0 before training)
         kl = self.run.monitor.history.get("objective/kl", [0.0])[-1] if step else 0.0
-        return {"eval/pass@1/greedy": m["pass@1/greedy"], "eval/reward": r.mean().item(),
+        return {"eval/pass@1/greedy": m["pass@1/greedy"], "eval/pass@1/greedy_stderr": m["pass@1/greedy_stderr"],
+                "eval/reward": r.mean().item(),
                 "eval/problems": float(len(recs)), "eval/kl": kl}
 
     def state_dict(self) -> dict:

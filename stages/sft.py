@@ -100,7 +100,7 @@ class SFT:
         if self.verifiable:
             m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, dist, verifier=self.cfg.verifier,
                                    sampling=Sampling(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0))
-            metrics["eval/pass@1"] = m["pass@1/greedy"]
+            metrics["eval/pass@1"], metrics["eval/pass@1_stderr"] = m["pass@1/greedy"], m["pass@1/greedy_stderr"]
         return metrics
 
     def final_metrics(self, last: dict, start: dict) -> dict:

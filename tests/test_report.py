@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from align.report import ema, numeric_keys, plot_report, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -67,13 +69,78 @@ def test_import_is_instant():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
-def test_panels_lead_with_reward_gold_kl_entropy_pass_at_k_and_loss():
-    from align.report import panel_order
+def dashboard_rows(n=30, shift=0.0):
+    """A GRPO-like run: every step's metrics (a constant one, a duplicate of the reward) and evaluations."""
+    rows = []
+    for s in range(1, n + 1):
+        rows.append({"step": s, "time/step": 0.1 + s / 1000, "tokens_per_s": 900 + s, "lr": 1e-3, "grad_norm": 2 / s,
+                     "loss": 1 / s + shift, "reward": math.sin(s), "rewards/math": math.sin(s), "kl": 0.01 * s,
+                     "kl_coef": 0.1 - 0.001 * s, "entropy": 2 - s / 100, "completions/mean_length": 10 + s,
+                     "gold_reward": math.cos(s), "memory/peak_gib": 1 + s / 100, "distinct_1": 0.5 + s / 1000})
+        if s % 10 == 0:
+            rows.append({"step": s, "eval/pass@1/greedy": s / 40, "eval/pass@1/greedy_stderr": 0.05,
+                         "eval/loss": 1 / s})
+    return rows
 
-    logged = ["lr", "grad_norm", "loss/value", "loss", "eval/pass@1/greedy", "time/update", "entropy", "kl_coef",
-              "gold_reward", "completions/mean_length", "kl", "reward", "rewards/math", "train/loss",
-              "eval/accuracy", "distinct_1"]
-    assert panel_order(logged) == [
-        "gold_reward", "reward", "rewards/math",  # the reward group, in file order
-        "kl_coef", "kl", "entropy", "eval/pass@1/greedy", "eval/accuracy", "loss/value", "loss", "train/loss",
-        "lr", "grad_norm", "time/update", "completions/mean_length", "distinct_1"]
+
+def test_dashboard_panels_key_first_then_groups_constant_and_duplicate_series_left_out():
+    from align.report import choose_panels
+
+    panels = choose_panels(dashboard_rows())
+    assert [(p.title, p.group) for p in panels] == [
+        ("reward, gold_reward", "key"),  # the proxy with the gold reward; rewards/math, identical to it, is not drawn
+        ("eval/pass@1/greedy", "key"), ("kl, kl_coef", "key"), ("entropy", "key"),
+        ("completions/mean_length", "key"), ("loss", "key"),
+        ("grad_norm", "other"), ("distinct_1", "other"), ("eval/loss", "other"),
+        ("tokens_per_s", "throughput"), ("memory/peak_gib", "memory"), ("time/step", "timing")]
+    drawn = {k for p in panels for k in p.series}
+    assert "lr" not in drawn and "rewards/math" not in drawn and "eval/pass@1/greedy_stderr" not in drawn
+    passk = panels[1]
+    assert passk.points and passk.stderr == {"eval/pass@1/greedy": "eval/pass@1/greedy_stderr"}
+    assert [p.points for p in panels] == [p.series[0].startswith("eval/") for p in panels]
+    # a series that varies in one run only is drawn when runs are overlaid: lr differs between these two
+    other = [{**r, "lr": 2e-3} if "lr" in r and r["step"] > 5 else r for r in dashboard_rows()]
+    assert "lr" in {k for p in choose_panels([dashboard_rows(), other]) for k in p.series}
+
+
+def test_evaluations_are_drawn_as_points_with_error_bars():
+    from matplotlib.figure import Figure
+
+    from align.report import _draw_panel, choose_panels
+
+    panels = {p.title: p for p in choose_panels(dashboard_rows())}
+    ax = Figure().subplots()
+    _draw_panel(ax, panels["eval/pass@1/greedy"], [dashboard_rows()], ["run"])
+    (bar,) = ax.containers
+    line, caps, (bars,) = bar  # the points, the caps and the bars of the standard errors
+    assert line.get_linestyle() == "None" and line.get_marker() == "o"  # points, not a line
+    assert list(line.get_xdata()) == [10, 20, 30]
+    assert [seg[1][1] - seg[0][1] for seg in bars.get_segments()] == pytest.approx([0.1, 0.1, 0.1])
+    ax = Figure().subplots()
+    _draw_panel(ax, panels["loss"], [dashboard_rows()], ["run"])
+    assert ax.get_lines()[0].get_linestyle() == "-"
+
+
+def test_align_report_overlays_two_runs(tmp_path):
+    from align.report import choose_panels
+    from tests.conftest import output, run_align
+
+    for name, shift in (("a", 0.0), ("b", 0.5)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in dashboard_rows(20, shift)))
+    proc = run_align("report", tmp_path / "a", tmp_path / "b", "--out", tmp_path / "both.png")
+    assert proc.returncode == 0, output(proc)
+    assert_png(tmp_path / "both.png")
+    runs = [read_metrics(tmp_path / n / "metrics.jsonl") for n in "ab"]
+    from matplotlib.figure import Figure
+
+    from align.report import _draw_panel
+
+    loss = next(p for p in choose_panels(runs) if p.title == "loss")
+    ax = Figure().subplots()
+    _draw_panel(ax, loss, runs, ["a", "b"])
+    a, b = ax.get_lines()
+    assert (a.get_label(), b.get_label()) == ("a", "b") and a.get_color() != b.get_color()
+    assert list(b.get_ydata()) == pytest.approx([y + 0.5 for y in a.get_ydata()])
+    proc = run_align("report", tmp_path / "missing")
+    assert proc.returncode == 2 and "no metrics.jsonl" in output(proc)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from align import runtime
+from align import runtime, trackers
 from align.artifacts import ArtifactWriter
 from align.compile_cache import compile_seconds
 from align.config import as_dict, load_toml
@@ -179,6 +179,10 @@ class StageRun:
                      "--no-compile runs eagerly)")
             seed_all(self.cfg.seed)
         self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, main)
+        names = trackers.parse(getattr(self.cfg, "report_to", ""))
+        if main and names:  # the experiment trackers: metrics.jsonl's rows and RLMonitor's events, on rank 0
+            resume = getattr(self.cfg, "resume", False)
+            self.writer.sinks.append(trackers.Trackers(names, self.out, self.writer.record, resume))
         return self.dist
 
     def _on_signal(self, signum, frame) -> None:
