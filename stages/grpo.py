@@ -37,7 +37,7 @@ from align.logprobs import batched_logprobs, logprobs
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import Rollout, sample, select, timed
+from align.rollout import Rollout, record_mismatch, sample, select, timed
 
 
 @dataclass
@@ -243,15 +243,17 @@ class GRPO:
                 mask = mb["loss_mask"]
                 logp, ent = logprobs(self.policy, mb, temperature=cfg.temperature, with_entropy=(it == 0))
                 a = adv[sl, None]
+                old = old_logp[sl] if old_logp is not None else logp.detach()  # π_old: before this batch's update
                 if cfg.reinforce:
                     per_tok = -a * logp
                     low = high = torch.zeros_like(mask, dtype=torch.bool)
                 else:
-                    old = old_logp[sl] if old_logp is not None else logp.detach()
                     if cfg.ratio == "sequence":
                         per_tok, low, high = rl.sequence_clipped_surrogate(logp, old, a, mask, cfg.epsilon, cfg.epsilon_high)
                     else:
                         per_tok, low, high = rl.POLICY_LOSSES[cfg.loss](logp, old, a, cfg.epsilon, cfg.epsilon_high)
+                if cfg.tis_cap and "sampler_logp" in mb:
+                    per_tok = per_tok * rl.truncated_is_weights(old, mb["sampler_logp"], cfg.tis_cap)
                 kl = rl.kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None
                 if kl is not None:
                     per_tok = per_tok + cfg.beta * kl
@@ -265,6 +267,7 @@ class GRPO:
                 self.policy.backward(loss)
                 if it == 0:
                     stats.sum("loss", loss)
+                    record_mismatch(stats, mb, old)
                     for name, x in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),
                                     ("kl", kl)):
                         if x is not None:

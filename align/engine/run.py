@@ -167,6 +167,8 @@ class StageRun:
             keep = getattr(self.cfg, "offload_optimizer", False) or getattr(self.cfg, "offload_frozen", False)
             self.precision = resolve_precision(self.dist.device, self.cfg.precision, offload=keep)
             self.dtype = compute_dtype(self.dist.device, self.precision)
+            if self.monitor is not None:
+                self.monitor.set_precision(self.precision)  # rollout_mismatch's tolerance
             self.zero_stage, note = engine_stage(self.cfg.zero_stage, self.dist.world_size, self.dist.device, keep,
                                                  self.cfg.deepspeed)
             if note:
