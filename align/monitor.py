@@ -53,6 +53,9 @@ class Rule:
     aligned: bool = False  # check sees only steps where all keys were logged in the same update
     enabled: bool = True
     at_end: bool = False  # also judged once at the end over the whole run, when the run was shorter than `window`
+    # --on-alarm rollback's advised change: factors for the learning rate ("lr") and the KL coefficient ("kl");
+    # {} : nothing a rollback would fix (the run stops instead)
+    remedy: dict = field(default_factory=lambda: {"lr": 0.5})
 
     def __post_init__(self):
         if self.severity not in SEVERITIES:
@@ -331,6 +334,9 @@ def check_heldout_degradation(gold: list, problems: list, window: int, min_z: fl
 MISMATCH_TOLERANCE = {"fp32": 1e-3, "16-bit": 0.05}
 
 
+KL_REMEDY = {"lr": 0.5, "kl": 2.0}  # the policy drifts too far, too fast: smaller steps, a stronger KL leash
+
+
 def mismatch_tolerance(precision: str) -> float:
     """rollout_mismatch's default threshold for a run's --precision (fp32, bf16, bf16-mixed, bf16-pure, fp16)."""
     return MISMATCH_TOLERANCE["fp32" if precision in ("fp32", "auto", "") else "16-bit"]
@@ -348,10 +354,10 @@ def default_rules(precision: str = "fp32") -> list:
              params={"factor": 10.0, "max_value": 1e4, "min_history": 5},
              message="Gradient norm spike: LR too high or a bad batch. Lower the LR, clip gradients, "
                      "check for extreme rewards/advantages."),
-        Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5},
+        Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5}, remedy=KL_REMEDY,
              message="KL to the reference is high: the policy is drifting away. "
                      "Raise the KL coefficient (or lower the KL target), lower the LR."),
-        Rule("kl_spike", "kl", check_spike, "warn", 10,
+        Rule("kl_spike", "kl", check_spike, "warn", 10, remedy=KL_REMEDY,
              params={"factor": 5.0, "max_value": math.inf, "min_history": 5, "min_value": 0.2},
              message="KL to the reference jumped in one step: an update moved the policy far (often once an "
                      "adaptive KL coefficient has decayed). Lower the LR, use fewer epochs per batch, or put a "
@@ -364,14 +370,14 @@ def default_rules(precision: str = "fp32") -> list:
                      "Lower the LR, raise the KL coefficient, stop early (keep the best checkpoint)."),
         # a run that cannot learn: stopped after `window` steps in a row, and judged over the whole run at its end
         # when it was shorter (a 3-step run whose reward failed on every row is not "complete")
-        Rule("reward_errors", "rewards/errors", check_held_at_least, "stop", 5, params={"min_value": 1.0},
+        Rule("reward_errors", "rewards/errors", check_held_at_least, "stop", 5, params={"min_value": 1.0}, remedy={},
              at_end=True,
              message="The reward failed on every sample (it raised, returned NaN / a non-number or ran past "
                      "--reward-timeout): nothing is learned. Call the function by hand on one data row, "
                      "fn(prompt, completion, **row), fix it and rerun (--on-reward-error fail stops at the first "
                      "failure and shows the completion)."),
         # window 50: with 16 groups a step, 50 steps without signal are 800 groups without one success (or failure)
-        Rule("no_signal", "signal_frac", check_held_at_most, "stop", 50, params={"max_value": 0.0}, at_end=True,
+        Rule("no_signal", "signal_frac", check_held_at_most, "stop", 50, params={"max_value": 0.0}, at_end=True, remedy={},
              message="No sample carried a training signal: within every group the rewards were equal (all wrong, "
                      "all right, or a constant reward), so every advantage is 0 and the policy does not change. "
                      "Check the start model's pass@k on the task (align eval): start from a stronger (SFT) model "
@@ -398,12 +404,13 @@ def default_rules(precision: str = "fp32") -> list:
                      "and rejected likelihoods fall). Lower the learning rate or raise beta, add an SFT "
                      "(NLL on chosen) term."),
         Rule("reward_hacking", "reward", check_diverging, "warn", 20, extra=("gold_reward",), aligned=True,
+             remedy=KL_REMEDY,
              params={"min_slope": 1e-3, "min_z": 2.0},
              message="Proxy reward rises while gold reward falls: reward hacking. "
                      "Raise the KL coefficient, improve the reward model, stop early."),
         # window: every evaluation is kept (the check compares the latest with the first)
         Rule("reward_hacking_heldout", "eval/pass@1/greedy", check_heldout_hacking, "warn", 100_000,
-             extra=("eval/reward", "eval/problems", "eval/kl"), aligned=True,
+             extra=("eval/reward", "eval/problems", "eval/kl"), aligned=True, remedy=KL_REMEDY,
              params={"min_z": 2.0, "min_rise": 0.05},
              message="The reward model's score of held-out answers rises while their verified correctness "
                      "falls: over-optimisation of the reward model. Stop here (the last evaluation before it "
@@ -411,11 +418,11 @@ def default_rules(precision: str = "fp32") -> list:
                      "reward model."),
         # every evaluation is kept: the check compares the latest with the best (or first) one
         Rule("heldout_degradation", "eval/pass@1/greedy", check_heldout_degradation, "warn", 100_000,
-             extra=("eval/problems",), aligned=True, params={"min_z": 2.0, "vs_best": 1.0},
+             extra=("eval/problems",), aligned=True, params={"min_z": 2.0, "vs_best": 1.0}, remedy=KL_REMEDY,
              message="Held-out quality fell beyond its sampling noise, whatever the training reward says: the "
                      "policy is getting worse at the task (over-optimisation, forgetting, too large a step). Keep "
                      "the best evaluation's model (--on-alarm stop), lower the LR, raise the KL coefficient."),
-        Rule("rollout_mismatch", "rollout/logp_abs_diff", check_above, "warn", 1,
+        Rule("rollout_mismatch", "rollout/logp_abs_diff", check_above, "warn", 1, remedy={},
              params={"max_value": mismatch_tolerance(precision)},
              message="The decoder's sampling log-probs differ from the trainer's by more than numeric precision "
                      "explains: the rollouts come from another policy than the one trained (a stale or wrongly "

@@ -81,19 +81,20 @@ def stale_fast_decoder(onset: int):
 
 @contextlib.contextmanager
 def nan_loss(onset: int):
-    """The loss of step `onset` (0-based) and after is NaN: every call of align.engine.build.Trained.backward from
-    that step's on multiplies its loss by NaN (counted by the steps RLMonitor sees: StageRun._step)."""
+    """A NaN loss at step `onset` (0-based), once (a transient overflow): every Trained.backward of the first run of
+    that step multiplies its loss by NaN; a rerun of the step (after a rollback) is clean."""
     from align.engine import run as RUN
     from align.engine.build import Trained
 
-    backward, step_fn, state = Trained.backward, RUN.StageRun._step, {"step": 0}
+    backward, step_fn, state = Trained.backward, RUN.StageRun._step, {"step": 0, "runs": 0}
 
     def _step(self, algo, step):
         state["step"] = step
+        state["runs"] += step == onset
         return step_fn(self, algo, step)
 
     def nan_backward(self, loss):
-        return backward(self, loss * float("nan") if state["step"] >= onset else loss)
+        return backward(self, loss * float("nan") if state["step"] == onset and state["runs"] == 1 else loss)
 
     RUN.StageRun._step, Trained.backward = _step, nan_backward
     try:

@@ -415,6 +415,12 @@ class PPO:
         return {"eval/pass@1/greedy": m["pass@1/greedy"], "eval/reward": r.mean().item(),
                 "eval/problems": float(len(recs)), "eval/kl": kl}
 
+    def raise_kl(self, factor: float) -> str:
+        """β ×factor (from 0: the stage's default initial β, 0.1); the adaptive controller goes on from there."""
+        old = self.kl_ctl.value
+        self.kl_ctl.value = old * factor if old > 0 else 0.1
+        return f"kl_coef {old:.4g} -> {self.kl_ctl.value:.4g}"
+
     def state_dict(self) -> dict:
         return {"kl_coef": self.kl_ctl.value}
 
