@@ -251,12 +251,13 @@ HEALTHY_CHAIN_PPO_EVALS = {
 }
 
 
+@pytest.mark.parametrize("rule", ["reward_hacking_heldout", "heldout_degradation"])
 @pytest.mark.parametrize("run", list(HEALTHY_CHAIN_PPO_EVALS))
-def test_heldout_hacking_stays_silent_on_the_healthy_chain_ppo(run):
+def test_heldout_rules_stay_silent_on_the_healthy_chain_ppo(run, rule):
     m = RLMonitor()
     for step, gold, proxy, kl in HEALTHY_CHAIN_PPO_EVALS[run]:
         m.update(step, {"eval/pass@1/greedy": gold, "eval/reward": proxy, "eval/problems": 200.0, "eval/kl": kl})
-    assert fired(m, "reward_hacking_heldout") == []
+    assert fired(m, rule) == []
 
 
 def test_a_reward_failing_on_every_row_stops_after_five_steps_in_a_row():
@@ -401,14 +402,6 @@ def test_heldout_degradation_fires_without_a_proxy_gain():
         m.update(step, {"eval/pass@1/greedy": gold, "eval/reward": 0.2, "eval/problems": 200.0, "eval/kl": kl})
     assert fired(m, "heldout_degradation") == [(10, "warn")]
     assert fired(m, "reward_hacking_heldout") == []
-
-
-@pytest.mark.parametrize("run", list(HEALTHY_CHAIN_PPO_EVALS))
-def test_heldout_degradation_stays_silent_on_the_healthy_chain_ppo(run):
-    m = RLMonitor()
-    for step, gold, proxy, kl in HEALTHY_CHAIN_PPO_EVALS[run]:
-        m.update(step, {"eval/pass@1/greedy": gold, "eval/reward": proxy, "eval/problems": 200.0, "eval/kl": kl})
-    assert fired(m, "heldout_degradation") == []
 
 
 def test_rollout_mismatch_threshold_follows_the_precision():

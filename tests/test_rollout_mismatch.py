@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import parity_reward, small_data, run_align  # noqa: F401  (run_align: the env it sets up)
+from tests.conftest import parity_reward, small_data
 
 GRPO = ["grpo", "--model", "tiny", "--max-steps", "4", "--prompts-per-step", "4", "--num-generations", "4",
         "--max-new-tokens", "8", "--eval-data", "", "--warmup-steps", "0"]
