@@ -142,17 +142,20 @@ class ArtifactWriter:
         self._metrics = open(self.out / "metrics.jsonl", "a" if config.get("resume") else "w")
         self._health = open(self.out / "health.jsonl", "a" if config.get("resume") else "w")
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int, health: bool = True) -> None:
         """On --resume from a checkpoint at `step`: forget the metric lines and health events a killed run wrote
-        after it (and a line it was killed in the middle of)."""
+        after it (and a line it was killed in the middle of). `health=False` (a rollback): the metrics only."""
         if not self.is_main:
             return
-        for name, f in (("metrics.jsonl", self._metrics), ("health.jsonl", self._health)):
+        files = (("metrics.jsonl", self._metrics), ("health.jsonl", self._health))
+        for name, f in files[: 2 if health else 1]:
             f.close()
             path = self.out / name
             kept = [line for line in path.read_text().splitlines() if (row := _json_or_none(line)) and row["step"] <= step]
             path.write_text("".join(line + "\n" for line in kept))
-        self._metrics, self._health = open(self.out / "metrics.jsonl", "a"), open(self.out / "health.jsonl", "a")
+        self._metrics = open(self.out / "metrics.jsonl", "a")
+        if health:
+            self._health = open(self.out / "health.jsonl", "a")
 
     @property
     def running(self) -> bool:
@@ -202,7 +205,10 @@ class ArtifactWriter:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(self.model_tmp, final)
 
-    def complete(self, metrics: dict, health: dict | None = None, extra: dict | None = None) -> None:
+    def complete(self, metrics: dict, health: dict | None = None, extra: dict | None = None,
+                 status: str = "complete") -> None:
+        """model.tmp/ (if any) to model/, then artifact.json with `status`: "complete", or "stopped" (a run that
+        --on-alarm stop ended early, its model kept)."""
         if not self.is_main:
             return
         self.land_model()
@@ -212,7 +218,7 @@ class ArtifactWriter:
                 files.update({f"{name}/{k}": v for k, v in hash_tree(self.out / name).items()})
         self._close()
         self.record.update(
-            status="complete",
+            status=status,
             finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             wall_seconds=round(time.time() - self.started, 2),
             metrics=metrics,

@@ -220,6 +220,10 @@ class TrainConfig(StageConfig):
                                      "an index.")
     resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).")
     monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
+    on_alarm: str = opt("warn", "What an RLMonitor event does: warn (a warn rule warns, a stop rule stops), stop (any "
+                                "event ends the run; model/ holds the best held-out evaluation's weights) or rollback "
+                                "(back to the newest checkpoint, once, with the rule's advised change: needs "
+                                "--save-every).", choices=("warn", "stop", "rollback"))
     lora_r: int = opt(0, "LoRA rank (0: train every weight). The base stays frozen (a score head trains in full); "
                          "model/adapter/ holds the adapter.", ge=0)
     lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.", gt=0)
@@ -260,6 +264,9 @@ class TrainConfig(StageConfig):
         if shard <= 0:
             raise UserError(f"--max-shard-size must be a size such as 5GB or 500MB, got {self.max_shard_size!r}.",
                             option="max_shard_size")
+        if self.on_alarm == "rollback" and not self.save_every:
+            raise UserError("--on-alarm rollback returns to the newest checkpoint before the alarm: it needs "
+                            "--save-every N (e.g. --save-every 5).", option="on_alarm")
         if getattr(self, "verifier", "auto") != "auto":
             from align.rewards import verifier_fn
 
@@ -298,6 +305,9 @@ class RLConfig(SamplingConfig, TrainConfig):
     verifier: str = verifier_opt()
     prompts_per_step: int = opt(16, "Prompts per step (all processes).", ge=1)
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus).")
+    tis_cap: float = opt(0.0, "Truncated importance sampling: weight each token's policy-gradient loss by "
+                              "min(π_train / π_sampler, C), correcting for a decoder whose log-probs differ from the "
+                              "trainer's (0: off).", ge=0)
 
 
 def fields(cls) -> list[dataclasses.Field]:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from align.engine.lora import effective_weight, is_peft
-from align.sampling import choose
+from align.sampling import choose, sampled_logprobs
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # computed by the model's own rotary module
@@ -278,6 +278,8 @@ class FastDecoder:
         self.finished = torch.zeros(B, dtype=torch.bool, device=d)
         self.keys = torch.zeros(B, dtype=torch.long, device=d)  # each row's sampling key (align.sampling)
         self.out = None
+        self.out_logp = None
+        self.last_logps = None  # the last `generate`'s sampling log-probs per row (None when greedy)
         self._out_len = 0
         if d.type == "cuda":
             for t in self.k_cache + self.v_cache + [self.attn_bias]:
@@ -410,6 +412,8 @@ class FastDecoder:
         """Final norm, LM head, the next token chosen; EOS tracking and the cache / position bookkeeping."""
         logits = F.linear(_rms(x, self.norm, self.eps), self.head).float()
         nxt = self._choose(logits, self.sidx, sampling)
+        if not sampling.greedy:  # the sampler's log-probs, as the trainer scores them (rollout/logp_abs_diff)
+            self.out_logp.index_copy_(1, self.sidx, sampled_logprobs(logits, nxt, sampling.temperature)[:, None])
         nxt = torch.where(self.finished, torch.full_like(nxt, pad), nxt)
         self.out.index_copy_(1, self.sidx, nxt[:, None])
         self.finished.logical_or_(nxt == eos)
@@ -518,6 +522,7 @@ class FastDecoder:
         ids, mask = ids.to(self.device), mask.to(self.device)
         if self.out is None or self._out_len < sampling.max_new_tokens:
             self.out = torch.full((B, sampling.max_new_tokens), pad, dtype=torch.long, device=self.device)
+            self.out_logp = torch.zeros(B, sampling.max_new_tokens, dtype=torch.float32, device=self.device)
             self._out_len = sampling.max_new_tokens
             self._graphs = {}  # the graphs hold the old `out`
         dbg = os.environ.get("ALIGN_FAST_DEBUG") == "1"
@@ -544,6 +549,8 @@ class FastDecoder:
         first = self._choose(logits, 0, sampling)
         self.out.fill_(pad)
         self.out[:, 0] = first
+        if not sampling.greedy:
+            self.out_logp[:, 0] = sampled_logprobs(logits, first, sampling.temperature)
         self.finished.copy_(first == eos)
         self.cur_tok.copy_(first)
         self.cur_pos.copy_(mask.sum(-1))
@@ -562,6 +569,8 @@ class FastDecoder:
                   f"prefill+decode {t2 - t1:.2f}s for {steps} tokens = {(t2 - t1) / steps * 1e3:.2f} ms/token; "
                   f"graph re-captures {self.recaptures} grad {torch.is_grad_enabled()} dynamo counters {dict(torch._dynamo.utils.counters['stats'])}",
                   file=sys.stderr, flush=True)
+        # the sampling log-prob of every generated token (positions after EOS hold garbage: cut with the tokens)
+        self.last_logps = None if sampling.greedy else self.out_logp[:n, :steps].tolist()
         return self.out[:n, :steps].tolist()
 
 

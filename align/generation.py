@@ -17,6 +17,7 @@ import torch
 
 from align import runtime
 from align.data import pad
+from align.sampling import sampled_logprobs
 
 
 @dataclass
@@ -38,6 +39,9 @@ class Completion:
     ids: list[int]  # response tokens, up to and including EOS when the model stopped
     text: str  # decoded response without special tokens
     finished: bool  # emitted EOS within max_new_tokens
+    # the sampler's log-probability of each response token: log_softmax(logits / T)[token] of the logits it sampled
+    # from, at the temperature it sampled at, before top-k / top-p (what the trainer scores); None when greedy
+    logps: list[float] | None = None
 
 
 def _generation_config(tokenizer, s: Sampling):
@@ -59,9 +63,10 @@ def sampling_keys(s: Sampling, indices) -> list[int] | None:
     return prompt_keys(s.seed if s.seed is not None else int(torch.randint(0, 2**62, ())), indices)
 
 
-def _keyed_sampler(s: Sampling, keys: list[int], prompt_len: int, device):
+def _keyed_sampler(s: Sampling, keys: list[int], prompt_len: int, device, logps: list):
     """A logits processor for HF's greedy search that samples: temperature, top-k / top-p, then the race of
-    align.sampling with each row's key; the sampled token is given score 0, every other one -inf."""
+    align.sampling with each row's key; the sampled token is given score 0, every other one -inf. Each step's
+    sampling log-probs ([B]) are appended to `logps`."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from align.fast_generate import filter_logits
@@ -73,6 +78,7 @@ def _keyed_sampler(s: Sampling, keys: list[int], prompt_len: int, device):
         def __call__(self, input_ids, scores):
             z = filter_logits(scores.float() / s.temperature, s.top_k, s.top_p)
             tok = choose(z, key_t, input_ids.shape[1] - prompt_len)
+            logps.append(sampled_logprobs(scores, tok, s.temperature))
             return torch.full_like(scores, float("-inf")).scatter_(1, tok[:, None], 0.0)
 
     return LogitsProcessorList([KeyedSampler()])
@@ -139,15 +145,18 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
         chunk = prompts[i : i + batch_size]
         ids = torch.tensor(pad(chunk, tokenizer.pad_token_id, side="left"), device=device)
         mask = torch.tensor(pad([[1] * len(p) for p in chunk], 0, side="left"), device=device)
-        sampler = None if keys is None else _keyed_sampler(s, keys[i : i + batch_size], ids.shape[1], device)
+        step_logps: list = []
+        sampler = None if keys is None else _keyed_sampler(s, keys[i : i + batch_size], ids.shape[1], device, step_logps)
         with torch.autocast(torch.device(device).type, dtype=amp or torch.bfloat16, enabled=amp is not None), eager():
             gen = module.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, synced_gpus=synced_gpus,
                                   logits_processor=sampler)
-        for p, row in zip(chunk, gen[:, ids.shape[1] :].tolist()):
+        lp = torch.stack(step_logps, 1).tolist() if step_logps else [None] * len(chunk)
+        for p, row, row_lp in zip(chunk, gen[:, ids.shape[1] :].tolist(), lp):
             resp, finished = trim_at_eos(row, tokenizer.eos_token_id, tokenizer.pad_token_id)
             if not finished:
                 resp = resp[: s.max_new_tokens]
-            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
+            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,
+                                  None if row_lp is None else row_lp[: len(resp)]))
         if on_batch:
             on_batch(len(chunk))
     module.train(was_training)
@@ -182,9 +191,11 @@ def _decode_chunks(dec, tokenizer, prompts, s: Sampling, batch_size: int, on_bat
         fill = width - len(chunk)  # rows repeating the last prompt (and its key): dropped below
         ck = None if keys is None else keys[i : i + batch_size]
         rows = dec.generate(chunk + [chunk[-1]] * fill, s, eos, pad_id, None if ck is None else ck + ck[-1:] * fill)
-        for p, row in zip(chunk, rows):
+        lp = dec.last_logps or [None] * len(rows)
+        for p, row, row_lp in zip(chunk, rows, lp):
             resp, finished = trim_at_eos(row, eos, pad_id)
-            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished))
+            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,
+                                  None if row_lp is None else row_lp[: len(resp)]))
         if on_batch:
             on_batch(len(chunk))
     return out

@@ -53,6 +53,9 @@ class Rule:
     aligned: bool = False  # check sees only steps where all keys were logged in the same update
     enabled: bool = True
     at_end: bool = False  # also judged once at the end over the whole run, when the run was shorter than `window`
+    # --on-alarm rollback's advised change: factors for the learning rate ("lr") and the KL coefficient ("kl");
+    # {} : nothing a rollback would fix (the run stops instead)
+    remedy: dict = field(default_factory=lambda: {"lr": 0.5})
 
     def __post_init__(self):
         if self.severity not in SEVERITIES:
@@ -297,12 +300,51 @@ def check_heldout_hacking(gold: list, proxy: list, problems: list, kl: list, win
     return QUIET
 
 
+def check_heldout_degradation(gold: list, problems: list, window: int, min_z: float, vs_best: float) -> Check:
+    """Held-out quality fell beyond its sampling noise, whatever the proxy reward does: the latest held-out pass
+    rate g (on n problems) is below the reference r — the best earlier evaluation (vs_best = 1) or the first one
+    (vs_best = 0) — by more than
+
+        min_z · sqrt(p̄(1 − p̄) / n) · √2,   p̄ = (r + g) / 2
+
+    the standard error of the difference of two pass rates on n problems each (the pooled two-proportion test).
+    The threshold scales with the held-out set: on 200 problems at p̄ 0.4, 2 SE is 0.098; on 1,000, 0.044."""
+    if len(gold) < 2 or not problems or not problems[-1] > 0:
+        return QUIET
+    g, n = gold[-1], problems[-1]
+    earlier = _finite(gold[:-1])
+    if not earlier or not math.isfinite(g):
+        return QUIET
+    ref = max(earlier) if vs_best else earlier[0]
+    p = (ref + g) / 2
+    se = math.sqrt(max(2 * p * (1 - p), 1e-12) / n)
+    if ref - g > min_z * se:
+        which = f"the best earlier evaluation ({ref:.3g})" if vs_best else f"the first evaluation ({ref:.3g})"
+        detail = f"held-out pass rate {g:.3g} is {(ref - g) / se:.1f} SE below {which} on {n:g} problems"
+        return Check(True, g, ref - min_z * se, detail)
+    return QUIET
+
+
 # ---------------------------------------------------------------------------------------------
 # default rules
 
+# The decoder's sampling log-probs against the trainer's (rollout/logp_abs_diff, mean |Δ log p| per token) that the
+# numeric precision explains: fp32 (CPU) decodes with other kernels but the same arithmetic, measured ~1e-6; 16-bit
+# rounding of activations and logits (bf16's 8-bit mantissa) puts ~1e-2 between two correct implementations.
+MISMATCH_TOLERANCE = {"fp32": 1e-3, "16-bit": 0.05}
 
-def default_rules() -> list:
-    """The default rule set (fresh objects; names are public API and used as override keys)."""
+
+KL_REMEDY = {"lr": 0.5, "kl": 2.0}  # the policy drifts too far, too fast: smaller steps, a stronger KL leash
+
+
+def mismatch_tolerance(precision: str) -> float:
+    """rollout_mismatch's default threshold for a run's --precision (fp32, bf16, bf16-mixed, bf16-pure, fp16)."""
+    return MISMATCH_TOLERANCE["fp32" if precision in ("fp32", "auto", "") else "16-bit"]
+
+
+def default_rules(precision: str = "fp32") -> list:
+    """The default rule set (fresh objects; names are public API and used as override keys). `precision` sets the
+    thresholds that depend on it (rollout_mismatch)."""
     return [
         Rule("nan", "loss", check_nonfinite, "stop", 1, extra=("grad_norm",),
              message="NaN/inf in loss or grad_norm: most often a learning rate too high for this model and data "
@@ -312,10 +354,10 @@ def default_rules() -> list:
              params={"factor": 10.0, "max_value": 1e4, "min_history": 5},
              message="Gradient norm spike: LR too high or a bad batch. Lower the LR, clip gradients, "
                      "check for extreme rewards/advantages."),
-        Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5},
+        Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5}, remedy=KL_REMEDY,
              message="KL to the reference is high: the policy is drifting away. "
                      "Raise the KL coefficient (or lower the KL target), lower the LR."),
-        Rule("kl_spike", "kl", check_spike, "warn", 10,
+        Rule("kl_spike", "kl", check_spike, "warn", 10, remedy=KL_REMEDY,
              params={"factor": 5.0, "max_value": math.inf, "min_history": 5, "min_value": 0.2},
              message="KL to the reference jumped in one step: an update moved the policy far (often once an "
                      "adaptive KL coefficient has decayed). Lower the LR, use fewer epochs per batch, or put a "
@@ -328,14 +370,14 @@ def default_rules() -> list:
                      "Lower the LR, raise the KL coefficient, stop early (keep the best checkpoint)."),
         # a run that cannot learn: stopped after `window` steps in a row, and judged over the whole run at its end
         # when it was shorter (a 3-step run whose reward failed on every row is not "complete")
-        Rule("reward_errors", "rewards/errors", check_held_at_least, "stop", 5, params={"min_value": 1.0},
+        Rule("reward_errors", "rewards/errors", check_held_at_least, "stop", 5, params={"min_value": 1.0}, remedy={},
              at_end=True,
              message="The reward failed on every sample (it raised, returned NaN / a non-number or ran past "
                      "--reward-timeout): nothing is learned. Call the function by hand on one data row, "
                      "fn(prompt, completion, **row), fix it and rerun (--on-reward-error fail stops at the first "
                      "failure and shows the completion)."),
         # window 50: with 16 groups a step, 50 steps without signal are 800 groups without one success (or failure)
-        Rule("no_signal", "signal_frac", check_held_at_most, "stop", 50, params={"max_value": 0.0}, at_end=True,
+        Rule("no_signal", "signal_frac", check_held_at_most, "stop", 50, params={"max_value": 0.0}, at_end=True, remedy={},
              message="No sample carried a training signal: within every group the rewards were equal (all wrong, "
                      "all right, or a constant reward), so every advantage is 0 and the policy does not change. "
                      "Check the start model's pass@k on the task (align eval): start from a stronger (SFT) model "
@@ -362,17 +404,30 @@ def default_rules() -> list:
                      "and rejected likelihoods fall). Lower the learning rate or raise beta, add an SFT "
                      "(NLL on chosen) term."),
         Rule("reward_hacking", "reward", check_diverging, "warn", 20, extra=("gold_reward",), aligned=True,
+             remedy=KL_REMEDY,
              params={"min_slope": 1e-3, "min_z": 2.0},
              message="Proxy reward rises while gold reward falls: reward hacking. "
                      "Raise the KL coefficient, improve the reward model, stop early."),
         # window: every evaluation is kept (the check compares the latest with the first)
         Rule("reward_hacking_heldout", "eval/pass@1/greedy", check_heldout_hacking, "warn", 100_000,
-             extra=("eval/reward", "eval/problems", "eval/kl"), aligned=True,
+             extra=("eval/reward", "eval/problems", "eval/kl"), aligned=True, remedy=KL_REMEDY,
              params={"min_z": 2.0, "min_rise": 0.05},
              message="The reward model's score of held-out answers rises while their verified correctness "
                      "falls: over-optimisation of the reward model. Stop here (the last evaluation before it "
                      "is the model to keep), raise the KL coefficient or lower the KL target, improve the "
                      "reward model."),
+        # every evaluation is kept: the check compares the latest with the best (or first) one
+        Rule("heldout_degradation", "eval/pass@1/greedy", check_heldout_degradation, "warn", 100_000,
+             extra=("eval/problems",), aligned=True, params={"min_z": 2.0, "vs_best": 1.0}, remedy=KL_REMEDY,
+             message="Held-out quality fell beyond its sampling noise, whatever the training reward says: the "
+                     "policy is getting worse at the task (over-optimisation, forgetting, too large a step). Keep "
+                     "the best evaluation's model (--on-alarm stop), lower the LR, raise the KL coefficient."),
+        Rule("rollout_mismatch", "rollout/logp_abs_diff", check_above, "warn", 1, remedy={},
+             params={"max_value": mismatch_tolerance(precision)},
+             message="The decoder's sampling log-probs differ from the trainer's by more than numeric precision "
+                     "explains: the rollouts come from another policy than the one trained (a stale or wrongly "
+                     "loaded decoder weight copy, a sampling bug). Check the weight refresh before each rollout; "
+                     "--tis-cap 2 corrects the gradient for a small, real mismatch."),
     ]
 
 
@@ -429,8 +484,9 @@ def _as_float(v):
 class RLMonitor:
     """Feed it every step's metrics; it returns the health events that started this step."""
 
-    def __init__(self, rules: list | None = None, overrides: dict | None = None):
-        rules = default_rules() if rules is None else [replace(r, params=dict(r.params)) for r in rules]
+    def __init__(self, rules: list | None = None, overrides: dict | None = None, precision: str = "fp32"):
+        self._defaults, self._overrides = rules is None, overrides or {}
+        rules = default_rules(precision) if rules is None else [replace(r, params=dict(r.params)) for r in rules]
         if len({r.name for r in rules}) != len(rules):
             raise ValueError("RLMonitor: rule names must be unique")
         self.rules = apply_overrides(rules, overrides or {})
@@ -438,6 +494,12 @@ class RLMonitor:
         self.events: list[Event] = []
         self._paired: dict[str, list[tuple]] = {}  # aligned rule name -> rows of values
         self._firing: set[str] = set()  # rules that fired at their last evaluation
+
+    def set_precision(self, precision: str) -> None:
+        """The run's precision, once known (before the first update): the default rules' precision-dependent
+        thresholds follow it; overrides still win."""
+        if self._defaults:
+            self.rules = apply_overrides(default_rules(precision), self._overrides)
 
     def _series(self, rule: Rule, logged: dict) -> list | None:
         """The histories a rule checks this step, or None if the rule is inactive this step."""

@@ -1,6 +1,9 @@
 """Rollouts: G sampled responses for each of P prompts (PPO: G = 1), kept as a [P, G] structure, and the
 right-padded token tensors the losses see.
 
+`Rollout.batch()` also carries `sampler_logp` [N, L−1] (when the decoder returned them): the sampler's own log-prob
+of every response token at the sampling temperature, compared with the trainer's (rl.rollout_mismatch).
+
 In `Rollout.batch()`, `response_mask[i, t] = 1` when target token t+1 of row i is a response token (the EOS
 included; prompt, padding and anything after EOS excluded). Rows are prompt-major: sample g of prompt p is row
 p·G + g, which is what `grouped()` undoes.
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from align import runtime
+from align import rl, runtime
 from align.data import pad
 from align.generation import Completion, Sampling, generate_on_rank
 
@@ -70,7 +73,24 @@ def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
     for i, c in enumerate(completions):
         start = len(c.prompt_ids) - 1  # logits at position p predict token p+1
         resp[i, start : start + len(c.ids)] = 1
-    return {"input_ids": ids, "response_mask": resp}
+    batch = {"input_ids": ids, "response_mask": resp}
+    if completions and all(c.logps is not None for c in completions):
+        # the sampler's log-probs at the positions the trainer's log-probs take (rollout/logp_abs_diff, --tis-cap)
+        sampler = torch.zeros_like(resp)
+        for i, c in enumerate(completions):
+            start = len(c.prompt_ids) - 1
+            sampler[i, start : start + len(c.ids)] = torch.tensor(c.logps, dtype=sampler.dtype)
+        batch["sampler_logp"] = sampler
+    return batch
+
+
+def record_mismatch(stats, mb: dict, trainer_logp) -> None:
+    """rollout/logp_abs_diff and rollout/kl (RLMonitor's rollout_mismatch): the decoder's sampling log-probs against
+    the trainer's π_old on every sampled token, when the decoder returned them."""
+    if "sampler_logp" in mb:
+        abs_sum, kl_sum, n = rl.rollout_mismatch(mb["sampler_logp"], trainer_logp, mb["response_mask"])
+        stats.mean("rollout/logp_abs_diff", abs_sum, n)
+        stats.mean("rollout/kl", kl_sum, n)
 
 
 def select(batch: dict, idx) -> dict:

@@ -68,3 +68,9 @@ def choose(z: torch.Tensor, keys: torch.Tensor, position) -> torch.Tensor:
     """[B] tokens sampled from softmax(z) ([B, V] fp32 logits, already divided by the temperature and filtered) by
     the exponential race with each row's keyed noise."""
     return (z.softmax(-1) / exponential_noise(keys, position, z.shape[-1])).argmax(-1)
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B] log_softmax(logits / T)[token] in fp32: the sampler's log-probability of the tokens it drew from [B, V]
+    logits, unfiltered (top-k / top-p not applied), as the trainer scores them (align.logprobs)."""
+    return (logits.float() / temperature).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]

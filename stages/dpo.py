@@ -125,6 +125,7 @@ def pair_logps(model, batch: dict) -> torch.Tensor:
 
 class DPO:
     progress = ("loss", "rewards/accuracies", "eval/rewards/accuracies")
+    heldout_key = "eval/rewards/accuracies"  # --on-alarm stop keeps the best held-out pair accuracy's weights
     train_keys = KEYS
     eval_at_start = True  # greedy pass@1 of the input model, measured exactly as the policy's at the end
     prompt_ids: tuple = ()  # --online: the prompts' tokens (their longest sizes the memory plan's rollout)
@@ -256,6 +257,7 @@ class DPO:
                                    sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
             metrics["eval/pass@1/greedy"] = m["pass@1/greedy"]
             metrics["eval/pass@1/greedy_stderr"] = m["pass@1/greedy_stderr"]
+            metrics["eval/problems"] = float(m["problems"])
             if step == 0:
                 info(f"input model greedy pass@1 on {len(self.verifiable)} problems of {cfg.pass_data}: "
                      f"{m['pass@1/greedy']:.3f}")

@@ -40,7 +40,7 @@ from align.objectives.advantages import zero_spread
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import Rollout, sample, select, timed
+from align.rollout import Rollout, record_mismatch, sample, select, timed
 
 
 @dataclass
@@ -153,6 +153,7 @@ class GRPO:
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+        self.beta = cfg.beta  # the KL weight (an --on-alarm rollback may raise it)
         info(f"grpo: {count_parameters(self.policy.module) / 1e6:.2f}M parameters, {len(self.rows)} prompts, "
              f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "
              f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x {n_local // self.micro}, "
@@ -253,9 +254,11 @@ class GRPO:
                 logp, ent = logprobs(self.policy, mb, temperature=cfg.temperature, with_entropy=(it == 0))
                 old = old_logp[sl] if old_logp is not None else logp.detach()
                 per_tok, low, high = policy_loss(logp, old, adv[sl, None], mask, cfg.epsilon, cfg.epsilon_high)
+                if cfg.tis_cap and "sampler_logp" in mb:
+                    per_tok = per_tok * rl.truncated_is_weights(old, mb["sampler_logp"], cfg.tis_cap)
                 kl = kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None
                 if kl is not None:
-                    per_tok = per_tok + cfg.beta * kl
+                    per_tok = per_tok + self.beta * kl
                 distill = None
                 if "teacher_logp" in mb:  # on every counted token: a group without reward signal still distils
                     d_loss, distill = rl.reverse_kl_distill(logp, mb["teacher_logp"])
@@ -266,6 +269,7 @@ class GRPO:
                 self.policy.backward(loss)
                 if it == 0:
                     stats.sum("loss", loss)
+                    record_mismatch(stats, mb, old)
                     for name, x in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),
                                     ("kl", kl)):
                         if x is not None:
@@ -324,6 +328,21 @@ class GRPO:
         stats.value("distinct_2", rl.distinct_n(ids, 2))
         for k, v in times.items():
             stats.value(k, v)
+
+    # ---- --on-alarm rollback and resumable state
+
+    def raise_kl(self, factor: float) -> str | None:
+        """β ×factor; None when β is 0 (no reference model is loaded: nothing to raise)."""
+        if not self.beta:
+            return None
+        old, self.beta = self.beta, self.beta * factor
+        return f"beta {old:g} -> {self.beta:g}"
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.beta = state.get("beta", self.cfg.beta)
 
     # ---- evaluation and the end
 

@@ -48,7 +48,7 @@ from align.paths import DATA_DIR
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
                                 score_ids)
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import Rollout, sample, select, timed
+from align.rollout import Rollout, record_mismatch, sample, select, timed
 
 DEFAULT_SFT, DEFAULT_RM = "runs/default/sft", "runs/default/rm"
 
@@ -334,6 +334,8 @@ class PPO:
             logp, ent = logprobs(self.policy, mm, temperature=cfg.temperature, with_entropy=True,
                                  entropy_grad=bool(cfg.ent_coef))
             pg, low, high = clipped_surrogate(logp, mm["old_logp"], mm["adv"], mask, cfg.cliprange)
+            if cfg.tis_cap and "sampler_logp" in mm:
+                pg = pg * rl.truncated_is_weights(mm["old_logp"], mm["sampler_logp"], cfg.tis_cap)
             per_tok = pg - cfg.ent_coef * ent if cfg.ent_coef else pg
             self.policy.backward(rl.aggregate_loss(per_tok, mask, "token-mean", n_tokens=n_tok, n_seqs=0, max_len=0))
             values = token_values(self.value, mm)
@@ -386,6 +388,7 @@ class PPO:
 
     def record(self, r: Rollout, proxy, gold, batch: dict, ro: dict, stats: Stats) -> None:
         mask, n = batch["response_mask"], len(proxy)
+        record_mismatch(stats, batch, ro["old_logp"])
         ids = [x for part in runtime.all_gather_objects([c.ids for c in r.completions]) for x in part]
         stats.mean("reward", proxy.sum(), n)
         if self.gold_fn is not None:
@@ -413,6 +416,12 @@ class PPO:
         return {"eval/pass@1/greedy": m["pass@1/greedy"], "eval/pass@1/greedy_stderr": m["pass@1/greedy_stderr"],
                 "eval/reward": r.mean().item(),
                 "eval/problems": float(len(recs)), "eval/kl": kl}
+
+    def raise_kl(self, factor: float) -> str:
+        """β ×factor (from 0: the stage's default initial β, 0.1); the adaptive controller goes on from there."""
+        old = self.kl_ctl.value
+        self.kl_ctl.value = old * factor if old > 0 else 0.1
+        return f"kl_coef {old:.4g} -> {self.kl_ctl.value:.4g}"
 
     def state_dict(self) -> dict:
         return {"kl_coef": self.kl_ctl.value}

@@ -239,3 +239,26 @@ def test_one_compile_serves_every_layer_and_attention_length():
     assert dec.generate(PROMPTS, s, EOS, PAD) == want
     assert len({dec.attn_len(w) for w in range(7, 26)}) >= 5
     assert counter.frame_count == 3  # each of the three pieces runs, so each compiled exactly once
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("temperature,top_k", [(0.7, 0), (1.3, 5)])
+def test_sampling_logprobs_are_the_trainers(fast, temperature, top_k):
+    """Both decoders return the log-prob of each sampled token under log_softmax(logits / T) of the logits they
+    sampled from (before top-k): what align.logprobs scores at T, to fp32 rounding."""
+    from align.logprobs import logprobs
+    from align.rollout import rollout_batch
+
+    m = make("llama", False)
+    s = Sampling(max_new_tokens=8, temperature=temperature, top_k=top_k, seed=3)
+    out = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=fast)
+    assert all(c.logps is not None and len(c.logps) == len(c.ids) for c in out)
+    batch = rollout_batch(out, PAD, "cpu")
+    with torch.no_grad():
+        trainer, _ = logprobs(m, batch, temperature=temperature)
+    sampler = batch["sampler_logp"]
+    mask = batch["response_mask"].bool()
+    assert (sampler - trainer)[mask].abs().max() < 1e-4
+    assert trainer[mask].abs().min() > 1e-3  # real log-probs, not zeros compared with zeros
+    greedy = generate_local(m, Tok(), PROMPTS, Sampling(max_new_tokens=4, temperature=0.0), 4, "cpu", fast=fast)
+    assert all(c.logps is None for c in greedy)

@@ -64,7 +64,7 @@ def test_every_default_rule_is_covered():
     names = [r.name for r in default_rules()]
     assert names == ["nan", "grad_explode", "kl_high", "kl_spike", "reward_falling", "reward_errors", "no_signal", "entropy_collapse", "clip_high",
                      "length_drift", "low_distinct_1", "low_distinct_2", "chosen_logp_falling", "reward_hacking",
-                     "reward_hacking_heldout"]
+                     "reward_hacking_heldout", "heldout_degradation", "rollout_mismatch"]
 
 
 # --- one firing stream per rule ----------------------------------------------------------------
@@ -286,12 +286,13 @@ HEALTHY_CHAIN_PPO_EVALS = {
 }
 
 
+@pytest.mark.parametrize("rule", ["reward_hacking_heldout", "heldout_degradation"])
 @pytest.mark.parametrize("run", list(HEALTHY_CHAIN_PPO_EVALS))
-def test_heldout_hacking_stays_silent_on_the_healthy_chain_ppo(run):
+def test_heldout_rules_stay_silent_on_the_healthy_chain_ppo(run, rule):
     m = RLMonitor()
     for step, gold, proxy, kl in HEALTHY_CHAIN_PPO_EVALS[run]:
         m.update(step, {"eval/pass@1/greedy": gold, "eval/reward": proxy, "eval/problems": 200.0, "eval/kl": kl})
-    assert fired(m, "reward_hacking_heldout") == []
+    assert fired(m, rule) == []
 
 
 def test_a_reward_failing_on_every_row_stops_after_five_steps_in_a_row():
@@ -403,3 +404,50 @@ def test_numeric_values_are_accepted_in_any_number_type():
     m = RLMonitor()
     m.update(0, {"kl": Scalar(), "reward": 1, "flag": True, "none": None})
     assert m.history == {"kl": [3.0], "reward": [1.0]}
+
+
+# --- held-out degradation and the rollout/trainer mismatch ------------------------------------------------------
+
+
+def test_heldout_degradation_by_hand():
+    """Best 0.445 on 200 problems, latest 0.365: p̄ 0.405, SE = sqrt(2·0.405·0.595/200) = 0.04909, a drop of 0.08 =
+    1.63 SE (quiet at z 2); latest 0.34: p̄ 0.3925, SE 0.04884, 0.105 = 2.15 SE (fires). Against the first (0.395)
+    the same 0.34 is 1.13 SE: quiet with vs_best 0. On 2,000 problems 0.365 is 5.2 SE down: the threshold is the
+    held-out set's noise, not a constant."""
+    from align.monitor import check_heldout_degradation
+
+    def check(g, n=200.0, vs_best=1.0):
+        return check_heldout_degradation([0.395, 0.445, g], [n] * 3, window=3, min_z=2.0, vs_best=vs_best)
+
+    assert not check(0.365).fired
+    res = check(0.34)
+    assert res.fired and res.value == 0.34
+    assert res.threshold == pytest.approx(0.445 - 2 * math.sqrt(2 * 0.3925 * 0.6075 / 200))
+    assert "2.2 SE below the best earlier evaluation (0.445)" in res.detail
+    assert not check(0.34, vs_best=0.0).fired
+    assert check(0.365, n=2000.0).fired
+    assert not check_heldout_degradation([0.4], [200.0], window=1, min_z=2.0, vs_best=1.0).fired  # one evaluation
+
+
+def test_heldout_degradation_fires_without_a_proxy_gain():
+    """The default chain's PPO evaluations with the proxy held flat: reward_hacking_heldout (which needs the proxy
+    to rise) stays quiet, heldout_degradation fires at step 10 (0.42 -> 0.275: 3.0 SE; step 5's 0.335 is 1.75 SE)."""
+    m = RLMonitor()
+    for step, gold, _, kl in DEFAULT_CHAIN_PPO_EVALS:
+        m.update(step, {"eval/pass@1/greedy": gold, "eval/reward": 0.2, "eval/problems": 200.0, "eval/kl": kl})
+    assert fired(m, "heldout_degradation") == [(10, "warn")]
+    assert fired(m, "reward_hacking_heldout") == []
+
+
+def test_rollout_mismatch_threshold_follows_the_precision():
+    """fp32: 1e-3 nats/token; 16-bit: 0.05. A user override wins over the precision's default."""
+    stream = [{"rollout/logp_abs_diff": 2e-6}] * 3 + [{"rollout/logp_abs_diff": 0.01}]
+    m = RLMonitor()
+    m.set_precision("fp32")
+    assert fired(feed(stream, m), "rollout_mismatch") == [(3, "warn")]
+    m = RLMonitor()
+    m.set_precision("bf16-pure")
+    assert fired(feed(stream, m), "rollout_mismatch") == []
+    m = RLMonitor(overrides={"rollout_mismatch": {"max_value": 0.005}})
+    m.set_precision("bf16-pure")
+    assert fired(feed(stream, m), "rollout_mismatch") == [(3, "warn")]

@@ -343,3 +343,24 @@ def test_gspo_sequence_ratio_is_length_normalised_by_hand():
     want = torch.tensor([-s0 * 1.0, -(s1 * -2.0), -min(s2, 1.3) * 1.0])
     assert torch.allclose(loss, want[:, None].expand(3, 3), atol=1e-6)
     assert high.tolist() == [[False] * 3, [False] * 3, [True] * 3] and not low.any()
+
+
+def test_truncated_is_weights_by_hand():
+    """w = min(π_train / π_sampler, C): 0.5 / 0.25 = 2 capped at 1.5; 0.2 / 0.4 = 0.5; equal: 1. No gradient."""
+    old = torch.log(torch.tensor([0.5, 0.2, 0.3], requires_grad=True))
+    sampler = torch.log(torch.tensor([0.25, 0.4, 0.3]))
+    w = rl.truncated_is_weights(old, sampler, cap=1.5)
+    assert w.tolist() == pytest.approx([1.5, 0.5, 1.0])
+    assert not w.requires_grad
+    assert rl.truncated_is_weights(old, sampler, cap=3.0).tolist() == pytest.approx([2.0, 0.5, 1.0])
+
+
+def test_rollout_mismatch_by_hand():
+    """|Δ log p| and k3 = exp(r) − r − 1 (r = log π_trainer − log π_sampler) summed over the masked tokens only."""
+    sampler = torch.tensor([[-1.0, -2.0, -3.0]])
+    trainer = torch.tensor([[-1.5, -2.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    abs_sum, k3_sum, n = rl.rollout_mismatch(sampler, trainer, mask)
+    assert abs_sum.item() == pytest.approx(0.5) and n.item() == 2
+    assert k3_sum.item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+    assert rl.rollout_mismatch(trainer, trainer, mask)[:2] == (0.0, 0.0)

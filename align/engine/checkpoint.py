@@ -31,7 +31,7 @@ DIR = "checkpoints"
 TMP = ".tmp"  # a checkpoint being written: checkpoints/step40.tmp/
 APPLIED = {"lr", "vf_lr"}  # may change on --resume: the new value is applied from the resume point on
 RESUMABLE = {"resume", "max_steps", "save_every", "eval_every", "eval_data", "eval_samples", "eval_k", "eval_pairs",
-             "pass_data", "monitor", "out", "nproc", "gather", "nnodes", "node_rank", "master_addr", "master_port",
+             "pass_data", "monitor", "on_alarm", "out", "nproc", "gather", "nnodes", "node_rank", "master_addr", "master_port",
              "compile", "keep_checkpoints", "final_checkpoint", "max_shard_size", *PREFLIGHT}
 # (RESUMABLE: they may change; they do not alter the path to the checkpoint: the launch, the evaluation, the length)
 

@@ -39,6 +39,7 @@ from align.compile_cache import compile_seconds
 from align.config import as_dict, load_toml
 from align.console import TrainProgress, info, summary_table, warn
 from align.engine import checkpoint, disk, outdir, plan
+from align.engine.alarm import BEST_DIR, Alarms
 from align.engine.build import (Optim, Trained, adamw, compiles, compute_dtype, ds_config, engine_stage, frozen_config,
                                 load_partitioned, lr_lambda, own_clipping, resolve_precision, wrap)
 from align.engine.lora import AdaptersOff, check_targets, is_peft, with_lora
@@ -109,6 +110,8 @@ class StageRun:
         self.evaluated_at: int | None = None  # the step of a final evaluation a resumed checkpoint holds
         self.monitor = None
         self.resumed: list[dict] = []  # the resumes of this run: {step, max_steps of the checkpoint}
+        self.alarms = Alarms(self)  # --on-alarm
+        self._rollback_to: int | None = None  # set by an --on-alarm rollback: the step the loop continues from
         if getattr(cfg, "monitor", None) is not None:
             from align.monitor import RLMonitor
 
@@ -167,6 +170,8 @@ class StageRun:
             keep = getattr(self.cfg, "offload_optimizer", False) or getattr(self.cfg, "offload_frozen", False)
             self.precision = resolve_precision(self.dist.device, self.cfg.precision, offload=keep)
             self.dtype = compute_dtype(self.dist.device, self.precision)
+            if self.monitor is not None:
+                self.monitor.set_precision(self.precision)  # rollout_mismatch's tolerance
             self.zero_stage, note = engine_stage(self.cfg.zero_stage, self.dist.world_size, self.dist.device, keep,
                                                  self.cfg.deepspeed)
             if note:
@@ -267,7 +272,8 @@ class StageRun:
         self.t_fit = time.time()
         with TrainProgress(self.stage, cfg.max_steps, start, keys=getattr(algo, "progress", ())) as bar:
             self.in_loop = True  # a signal from here on stops the run at the end of a step
-            for step in range(start, cfg.max_steps):
+            step = start
+            while step < cfg.max_steps:
                 metrics, stop = self._step(algo, step)
                 done = step + 1
                 if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:
@@ -275,6 +281,7 @@ class StageRun:
                 self._end_step(done, metrics, bar, algo)
                 if stop:
                     self._stop(done, algo, bar)
+                step, self._rollback_to = (done if self._rollback_to is None else self._rollback_to), None
             self.in_loop = False
             self._end_training(algo, bar)
 
@@ -329,6 +336,7 @@ class StageRun:
             eng.eng.train()
         if m:
             self.writer.log(step, m)
+            self.alarms.after_eval(step, m, algo)  # --on-alarm stop|rollback: the best held-out weights kept
         self.last_eval = m
         return m
 
@@ -339,7 +347,8 @@ class StageRun:
         self.last = metrics
         self.writer.log(step, {k: v for k, v in metrics.items() if not k.startswith("eval/")})
         self._watch(step, metrics, bar, algo, shown={**self.last_eval, **metrics})
-        if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.max_steps:
+        if (self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.max_steps
+                and self._rollback_to is None):
             self.checkpoint(step, algo)
 
     def _watch(self, step: int, metrics: dict, bar, algo, shown: dict | None = None) -> None:
@@ -356,8 +365,9 @@ class StageRun:
         for e in events:
             bar.print(f"[{'red' if e.severity == 'stop' else 'yellow'}]health {e.severity}: {e.rule} at step "
                       f"{step}: {e.detail}. {e.message}[/]")
-        if self.monitor.should_stop(events):
-            self._monitor_stop(step, next(e for e in events if e.severity == "stop"), algo, bar)
+        acting = self.alarms.acting(events)  # --on-alarm: a stop event, or under stop|rollback any event
+        if acting is not None:
+            self._rollback_to = self.alarms.act(step, acting, algo, bar)
 
     def _monitor_stop(self, step: int, event, algo, bar) -> None:
         """An RLMonitor `stop`: mark the artifact failed and exit 1 (2 for `reward_errors`: the user's reward function
@@ -384,7 +394,8 @@ class StageRun:
         and the checkpoints already there are kept."""
         state = {"config": as_dict(self.cfg), "monitor": self.monitor.state_dict(), "start_eval": self.start_eval,
                  "last_eval": self.last_eval, "last": self.last, "final": final, "resumed": self.resumed,
-                 "algorithm": algo.state_dict() if hasattr(algo, "state_dict") else {}}
+                 "algorithm": algo.state_dict() if hasattr(algo, "state_dict") else {},
+                 "alarm": self.alarms.state_dict()}
         try:
             short = disk.shortage(self._shares(), checkpoints=1)
             if short is not None:
@@ -473,6 +484,8 @@ class StageRun:
         for eng in self.engines.values():
             eng.apply_lr()  # the checkpoint's schedule carried the old base learning rate
         self.monitor.load_state_dict(state["monitor"])
+        self.alarms.load_state_dict(state.get("alarm", {}))
+        self.alarms.reapply()
         self.start_eval, self.last_eval, self.last = state["start_eval"], state["last_eval"], state["last"]
         # every resume, with the budget its checkpoint was written under, goes into artifact.json
         self.resumed = [*state.get("resumed", []), {"step": state["step"], "max_steps": state["config"]["max_steps"]}]
@@ -540,8 +553,12 @@ class StageRun:
 
             plot_report(self.out / "metrics.jsonl", self.out / "report.png", f"{self.stage} — {cfg.model}",
                         xy=getattr(algo, "report_xy", None))
+        if self.alarms.rollback:
+            extra["rollback"] = self.alarms.rollback
         self.writer.complete(final, self.monitor.summary(),
                              extra={"model_kind": out.kind, "world_size": dist.world_size, **out.extra, **extra})
+        if dist.is_main:
+            shutil.rmtree(self.out / BEST_DIR, ignore_errors=True)  # model/ is the run's model
         summary_table(f"{self.stage} complete → {self.out}", final)
         return final
 

@@ -1,0 +1,53 @@
+"""--on-alarm stop|rollback on real runs of the tiny model, with faults injected (benchmarks.faults)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import parity_reward, small_data
+from tests.test_rollout_mismatch import GRPO, rows, run_with_fault
+
+
+def grpo(out, *extra):
+    return [*GRPO, "--out", out, "--reward", parity_reward(), "--data", small_data()["arith"], "--lr", "5e-5", *extra]
+
+
+def test_stop_keeps_the_best_heldout_weights_and_says_it_stopped(tmp_path):
+    """A stale decoder from step index 2 fires rollout_mismatch at step 3: the run ends there (exit 1), model/ holds
+    the weights of the best held-out evaluation (steps 0-3, evaluated every step), the artifact says "stopped"."""
+    out = tmp_path / "g"
+    proc = run_with_fault("stale_decoder", 2, grpo(out, "--on-alarm", "stop", "--eval-data", small_data()["arith_test"],
+                                                   "--eval-samples", "8", "--eval-k", "1", "--eval-every", "1"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "stopped" and art["stopped"]["rule"] == "rollout_mismatch" and art["stopped"]["step"] == 3
+    evals = [(r["step"], r["eval/pass@1/greedy"]) for r in rows(out, "metrics.jsonl") if "eval/pass@1/greedy" in r]
+    best_step, best = max(evals, key=lambda e: (e[1], -e[0]))  # the first evaluation with the highest pass rate
+    assert art["stopped"]["kept"] == {"step": best_step, "key": "eval/pass@1/greedy", "value": best}
+    assert "stopped on an alarm" in art["reason"] and f"step {best_step}" in art["reason"]
+    assert (out / "model" / "model.safetensors").is_file() and set(art["files"]) >= {"model/model.safetensors"}
+
+
+def test_rollback_returns_to_the_checkpoint_with_half_the_lr_once(tmp_path):
+    """A NaN at step index 3 (logged step 4): nan fires, the run goes back to its checkpoint at step 2, halves the
+    learning rate and completes; the rollback is in health.jsonl and artifact.json."""
+    out = tmp_path / "g"
+    proc = run_with_fault("nan", 3, grpo(out, "--on-alarm", "rollback", "--save-every", "2", "--max-steps", "5",
+                                         "--schedule", "constant"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "complete"
+    assert art["rollback"] == {"at": 4, "to": 2, "rule": "nan", "changes": ["learning rate x0.5"], "lr_factor": 0.5}
+    metrics = rows(out, "metrics.jsonl")
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4, 5]  # the abandoned steps 3-4 are gone
+    assert [r["lr"] for r in metrics] == [5e-5, 5e-5, 2.5e-5, 2.5e-5, 2.5e-5]
+    health = rows(out, "health.jsonl")
+    assert [(e["rule"], e["severity"], e["step"]) for e in health] == [("nan", "stop", 4), ("on_alarm", "rollback", 4)]
+
+
+def test_rollback_needs_checkpoints(tmp_path):
+    from tests.conftest import output, run_align
+
+    proc = run_align(*grpo(tmp_path / "g", "--on-alarm", "rollback"))
+    assert proc.returncode == 2 and "--save-every" in output(proc)
+    assert not (tmp_path / "g").exists()
