@@ -139,11 +139,10 @@ class GRPO:
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
         n_local = cfg.prompts_per_step // runtime.world_size() * cfg.num_generations
         longest = max(map(len, self.prompt_ids), default=0) + cfg.max_new_tokens
-        self.micro = min(cfg.micro_batch_size or rows_within(n_local, longest, cfg.micro_batch_tokens), n_local)
-        if n_local % self.micro:
-            raise UserError(f"--micro-batch-size {self.micro} must divide the {n_local} sequences per process and step.")
+        self.micro = self.micro_rows(n_local, longest)
         run.check_lora(source)
         dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=0))
+        self.micro = self.micro_rows(n_local, longest)  # again: the memory plan may have made a 0 (auto) smaller
         self.policy = run.train("policy", self.load_policy(source),
                                 # β2 = 0.999 (not SFT's 0.95): policy gradients are noisy, a longer memory keeps steps small
                                 Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay, (0.9, 0.999)),
@@ -161,6 +160,14 @@ class GRPO:
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
              f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}")
+
+    def micro_rows(self, n_local: int, longest: int) -> int:
+        """Rows per micro-batch: --micro-batch-size, or (0) as many as --micro-batch-tokens allows; divides n_local."""
+        cfg = self.cfg
+        micro = min(cfg.micro_batch_size or rows_within(n_local, longest, cfg.micro_batch_tokens), n_local)
+        if n_local % micro:
+            raise UserError(f"--micro-batch-size {micro} must divide the {n_local} sequences per process and step.")
+        return micro
 
     def load_policy(self, source):
         cfg = self.cfg

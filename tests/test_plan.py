@@ -264,6 +264,7 @@ def test_a_micro_batch_left_to_the_stage_is_made_to_fit(tmp_path):
     proc = run_align(*SFT, "--out", tmp_path / "auto", env={P.ENV_BUDGET: budget})
     assert proc.returncode == 0, output(proc)
     assert "memory plan: micro-batches of 16 rows (--micro-batch-size 0 chose 32" in output(proc)
+    assert "micro batch 16 x accum 2" in output(proc), output(proc)  # what the stage ran, not only what it logged
     art = json.loads((tmp_path / "auto" / "artifact.json").read_text())
     assert art["config"]["micro_batch_size"] == 16 and art["status"] == "complete"
     # the check off: the plan is only reported, the run keeps what it was given; the compile phase is logged
@@ -326,7 +327,7 @@ def test_pipeline_summary_reports_each_stage_compile_time(tmp_path, capsys):
     f = tmp_path / "p.toml"
     f.write_text(f'[pipeline]\nout = "{tmp_path / "runs"}"\n\n[stages.sft]\nmodel = "tiny"\n'
                  f'data = "{small_data()["arith"]}"\neval_data = ""\nmax_steps = 1\nbatch_size = 8\n')
-    pipeline_cli.run(file=str(f), from_=None, dry_run=False, set_=[], seed=None)
+    pipeline_cli.run(file=str(f), from_=None, dry_run=False, set_=[], seed=None, report_to=None)
     table = capsys.readouterr().out
     header = next(line for line in table.splitlines() if "stage" in line and "wall" in line)
     row = next(line for line in table.splitlines() if line.strip("│┃ ").startswith("sft"))

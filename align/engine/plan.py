@@ -30,8 +30,10 @@ fp32):
 * activations of a training forward (`activation_bytes`): per token and layer 2 · (4h + 2rh) (two RMSNorms:
   their fp32 input and normalised output) + e · (3·nq + 2·nk + 4·i) (q, k, v and the attention output kept by
   SDPA and o_proj; gate, up, silu(gate) and their product kept by the MLP); with gradient checkpointing each
-  layer keeps only its input (r·h per token) and one layer is recomputed at a time. torch.compile saves less
-  (its partitioner recomputes pointwise ops), so this is an upper bound there.
+  layer keeps only its input (r·h per token) and one layer is recomputed at a time. Compiled blocks save less
+  (inductor's partitioner recomputes the pointwise ops: norms, RoPE, silu and the gate product): without
+  checkpointing the per-layer term is scaled by COMPILED_SAVED, measured on one H200 (Llama-3.1-8B, 4 × 4,096
+  tokens: 69.8 GiB against 102.8 estimated eagerly, 0.68; benchmarks/RESULTS.md), with a margin.
 * logits: the RL and preference stages take log-probs through align.logprobs' fused head — at most
   CHUNK_ELEMENTS fp32 logits at once (`chunked_logit_bytes`); SFT and PPO's ptx loss (and an entropy bonus, a
   likelihood reward head) build the full B × T × V logits (`full_logit_bytes`), as does SFT's held-out loss (64
@@ -51,6 +53,7 @@ from pathlib import Path
 from align.errors import UserError
 
 GiB = 1 << 30
+COMPILED_SAVED = 0.72  # compiled blocks' saved activations / the eager count (measured 0.68 at 8B, 4K tokens)
 BUCKET = 50_000_000  # elements: ds_config's reduce_bucket_size, the gradient bucket an offload keeps on the device
 ENV_BUDGET = "ALIGN_DEVICE_MEMORY_BYTES"  # a fake device budget (tests, "what if"): the ONE place it is read
 ENV_CHECK = "ALIGN_PLAN_CHECK"  # 0: report only, never stop (as --no-plan-check)
@@ -174,6 +177,7 @@ class Setup:
     device: str = "cuda"
     fast_decoder: bool = True  # ALIGN_FAST_GENERATION
     gather: bool = True  # RL stages' --gather: ZeRO-3 weights gathered for the rollout (else synced_gpus, sharded)
+    compiled: bool = False  # the engines' blocks compiled (align.engine.build.compiles)
 
     @property
     def sharded_rollout(self) -> bool:
@@ -233,7 +237,7 @@ def activation_bytes(a: Arch, rows: int, length: int, s: Setup) -> float:
     norm = 4 * h + 2 * s.r * h
     per_layer = 2 * norm + s.e * (3 * nq + 2 * nk + 4 * a.intermediate)
     tokens = rows * length
-    kept = a.layers * s.r * h + per_layer if s.checkpointing else a.layers * per_layer
+    kept = a.layers * s.r * h + per_layer if s.checkpointing else a.layers * per_layer * (COMPILED_SAVED if s.compiled else 1)
     return tokens * (kept + norm + 2 * s.e * h)  # + the final norm and the hidden states the head reads
 
 
@@ -342,7 +346,7 @@ def setup(cfg, device: Device) -> Setup:
     """The precision and ZeRO stage the run will use (align.engine.build's own rules) and its other switches."""
     from types import SimpleNamespace
 
-    from align.engine.build import engine_stage, resolve_precision
+    from align.engine.build import compiles, engine_stage, resolve_precision
 
     dev = SimpleNamespace(type=device.kind)
     keep = bool(getattr(cfg, "offload_optimizer", False) or getattr(cfg, "offload_frozen", False))
@@ -351,7 +355,8 @@ def setup(cfg, device: Device) -> Setup:
                  offload_optimizer=bool(getattr(cfg, "offload_optimizer", False)),
                  offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
                  checkpointing=bool(getattr(cfg, "gradient_checkpointing", False)), device=device.kind,
-                 fast_decoder=device.fast_decoder and device.kind == "cuda", gather=getattr(cfg, "gather", True))
+                 fast_decoder=device.fast_decoder and device.kind == "cuda", gather=getattr(cfg, "gather", True),
+                 compiled=compiles(bool(getattr(cfg, "compile", False)), dev, stage, device.world))
 
 
 def _trained(cfg, role: str, a: Arch, head: str = "lm") -> Model:
