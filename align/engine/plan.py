@@ -769,6 +769,7 @@ def preflight(cfg, stage: str, data: Data = Data()) -> None:
 
         warn(f"memory plan skipped: {e}")
         return
+    plan = _lora_within_rollout(cfg, stage, models, device, data, plan)
     if plan.fits or not device.enforced:
         if cfg.plan or device.kind == "cuda":
             show(plan, device.source)
@@ -776,6 +777,28 @@ def preflight(cfg, stage: str, data: Data = Data()) -> None:
             raise SystemExit(0)
         return
     _does_not_fit(cfg, stage, models, device, plan, data)
+
+
+def _lora_within_rollout(cfg, stage: str, models: dict, device: Device, data: Data, plan: Plan) -> Plan:
+    """GRPO under LoRA on a GPU with the micro-batch left to the stage (0): the largest micro-batch whose update
+    needs no more memory than the rollout already takes, so the run peaks at its rollout (LoRA is chosen for memory: its
+    update's activations would otherwise be the peak). Sets cfg.micro_batch_size and returns the new plan."""
+    if (stage != "grpo" or device.kind != "cuda" or not getattr(cfg, "lora_r", 0) or cfg.micro_batch_size
+            or "rollout" not in plan.phases):
+        return plan
+    auto, n = micro_rows(stage, cfg, device.world, data.prompt(cfg) + cfg.max_new_tokens)
+    ceiling = plan.total("rollout")
+    for rows in sorted((d for d in range(1, auto + 1) if n % d == 0), reverse=True):
+        trial = estimate(stage, replace(cfg, micro_batch_size=rows), models, device, data)
+        if trial.total("update") <= ceiling or rows == 1:
+            if rows < auto:
+                from align.console import info
+
+                info(f"memory plan: LoRA: micro-batches of {rows} rows (not {auto}), so the update needs no more "
+                     f"memory than the rollout ({gib(ceiling)}); --micro-batch-size N sets it")
+            cfg.micro_batch_size = rows
+            return trial
+    return plan
 
 
 def _does_not_fit(cfg, stage: str, models: dict, device: Device, plan: Plan, data: Data) -> None:
