@@ -91,6 +91,18 @@ def assert_user_error(proc, *needles: str, code: int = 2) -> str:
     return out
 
 
+@pytest.fixture
+def single_process(monkeypatch):
+    """The in-process, one-rank environment runtime.init() sets up (a stage built in the test's own process) —
+    restored after the test, and set again here because an earlier test may have restored it away while the
+    process group lives on."""
+    from align.runtime import free_port
+
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+    monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", str(free_port())))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The `tiny` preset (random init, seed 0) saved with save_pretrained + the shipped tokenizer."""

@@ -1,7 +1,6 @@
 """GRPO's update against a loss written out by hand: log-probs at the sampling temperature (the policy gradient
 of samples drawn at T is that of log softmax(z / T)), token-mean REINFORCE over the kept tokens only."""
 
-import os
 
 import pytest
 import torch
@@ -15,12 +14,8 @@ from stages.grpo import GRPO, GRPOConfig
 
 
 @pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    from align.runtime import free_port
-
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-        monkeypatch.setenv(key, os.environ.get(key, value))
-    monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", str(free_port())))
+def single_process_env(single_process):
+    """Every test here builds engines in this process (tests/conftest.py)."""
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0])

@@ -1,7 +1,8 @@
 """LoRA (`--lora-r`): the merge W + (α/r) B A on hand values; an SFT run trains only the adapter and writes the
 merged model (plain transformers) beside the adapter (peft), which agree, or with --no-merge the adapter alone,
-which later stages merge into its base; DPO's and GRPO's reference is the policy
-with its adapters off; the fast decoder decodes with the adapter applied; two ZeRO-3 processes; refusals."""
+which later stages merge into its base; the reference of DPO, GRPO and PPO is the policy with its adapters off
+(GRPO's and PPO's give the base model's log-probs while the adapter trains); the fast decoder decodes with the
+adapter applied; two ZeRO-3 processes; refusals."""
 
 from __future__ import annotations
 
@@ -75,15 +76,76 @@ def test_dpo_reference_is_the_policy_with_its_adapters_off(tmp_path):
     assert rows[-1]["rewards/margins"] != 0.0
 
 
-def test_grpo_with_lora_and_a_reference(tmp_path):
-    out = tmp_path / "grpo"
-    said = ok(run_align("grpo", "--model", "tiny", "--lora-r", "4", "--beta", "0.1", "--max-steps", "2",
-                        "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
-                        "--eval-samples", "4", "--eval-k", "1", "--lr", "1e-3", "--reward", parity_reward(),
-                        "--data", ARITH, "--eval-data", small_data()["arith_test"], "--out", out)).stdout
-    assert "the policy with its LoRA adapters off" in said
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"kl"' in x]
-    assert rows and all(math.isfinite(r["kl"]) and r["kl"] >= 0 for r in rows)
+def base_logprobs(model_dir, batch: dict, temperature: float) -> torch.Tensor:
+    """log π_base of the response tokens of a right-padded rollout batch, from the base weights on disk with plain
+    transformers (no peft, no DeepSpeed): what the reference must give."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = batch["input_ids"].cpu()
+    lp = (logits(model, ids)[:, :-1] / temperature).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return lp * batch["response_mask"].cpu()
+
+
+def check_reference_is_the_base(model_dir, batch, ref_logp, policy_logp, temperature):
+    """The reference's log-probs are the base model's, and an updated policy's are not (so a reference computed
+    with the adapters on, which is the policy, fails here)."""
+    mask = batch["response_mask"].cpu().bool()
+    assert mask.sum() > 8
+    want = base_logprobs(model_dir, batch, temperature)
+    torch.testing.assert_close(ref_logp.cpu()[mask], want[mask], rtol=0, atol=1e-5)
+    assert (policy_logp.cpu()[mask] - want[mask]).abs().max() > 1e-3  # the adapter moved the policy
+
+
+def test_grpo_reference_is_the_base_model_while_the_adapter_trains(tiny_model_dir, tmp_path, single_process):
+    """GRPO --lora-r --beta: after a step has trained the adapter, the π_ref log-probs the update is given (the
+    stage's own rollout of step 2) are those of the base weights computed apart, not the policy's."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from align.engine.run import StageRun
+    from align.logprobs import batched_logprobs
+    from stages.grpo import GRPO, GRPOConfig
+
+    cfg = GRPOConfig(model=str(tiny_model_dir), out=str(tmp_path / "g"), data=str(ARITH), eval_data="", lora_r=4,
+                     lora_alpha=8, beta=0.1, reward=[parity_reward()], prompts_per_step=4, num_generations=4,
+                     micro_batch_size=16, max_new_tokens=8, lr=1e-2, warmup_steps=0, temperature=0.7)
+    cfg.validate()
+    seen = []
+    with StageRun(cfg, "grpo") as run:
+        algo = GRPO(cfg, run)
+        update = algo.update
+        algo.update = lambda batch, adv, old, ref, *a: seen.append((batch, ref)) or update(batch, adv, old, ref, *a)
+        algo.step(0)  # trains the adapter (B = 0 before it: policy = base)
+        algo.step(1)
+        batch, ref = seen[1]
+        policy = batched_logprobs(algo.policy, batch, 16, cfg.temperature)  # the policy that sampled step 2
+    unset_hf_deepspeed_config()
+    check_reference_is_the_base(tiny_model_dir, batch, ref, policy, cfg.temperature)
+
+
+def test_ppo_reference_is_the_base_model_while_the_adapter_trains(tiny_model_dir, tiny_reward_model_dir, tmp_path,
+                                                                   single_process):
+    """PPO --lora-r: the π_ref log-probs of step 2's rollout (after a step trained the adapters) are the base
+    model's, computed apart; π_old of the same rollout (the trained policy) is not."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from align.engine.run import StageRun
+    from stages.ppo import PPO, PPOConfig
+
+    cfg = PPOConfig(model=str(tiny_model_dir), reward_model=str(tiny_reward_model_dir), out=str(tmp_path / "p"),
+                    data=str(ARITH), eval_data="", ptx_coef=0.0, lora_r=4, lora_alpha=8, prompts_per_step=4,
+                    minibatch_size=4, micro_batch_size=4, ppo_epochs=1, max_new_tokens=8, lr=1e-2, temperature=0.7)
+    cfg.validate()
+    seen = []
+    with StageRun(cfg, "ppo") as run:
+        algo = PPO(cfg, run)
+        advantages = algo.advantages
+        algo.advantages = lambda batch, *a: seen.append((batch, advantages(batch, *a))) or seen[-1][1]
+        algo.step(0)
+        algo.step(1)
+    unset_hf_deepspeed_config()
+    batch, ro = seen[1]
+    check_reference_is_the_base(tiny_model_dir, batch, ro["ref_logp"], ro["old_logp"], cfg.temperature)
 
 
 def test_the_fast_decoder_decodes_with_the_adapter():
@@ -313,7 +375,7 @@ def test_reward_model_and_ppo_with_lora(tmp_path, tiny_model_dir):
                         "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2", "--ppo-epochs",
                         "1", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4", "--data", ARITH,
                         "--eval-data", small_data()["arith_test"], "--ptx-data", ARITH, "--out", tmp_path / "ppo")).stdout
-    assert "value: LoRA r 4" in said and "reference = the policy with its LoRA adapters off" in said
+    assert "value: LoRA r 4" in said  # its reference: test_ppo_reference_is_the_base_model_while_the_adapter_trains
 
 
 def test_bad_lora_flags_exit_2(tmp_path):

@@ -1,7 +1,6 @@
 """--precision bf16-pure: ZeRO keeps master weights and Adam moments in bf16 (bf16: in fp32).
 --offload-optimizer: the same updates with the optimizer in CPU memory."""
 
-import os
 
 import pytest
 import torch
@@ -13,14 +12,8 @@ from align.models import load_causal_lm, load_tokenizer, resolve
 
 
 @pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    """The in-process, one-rank environment runtime.init() sets up — restored after the test, and set again
-    here because an earlier test may have restored it away while the process group lives on."""
-    from align.runtime import free_port
-
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-        monkeypatch.setenv(key, os.environ.get(key, value))
-    monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", str(free_port())))
+def single_process_env(single_process):
+    """Every test here builds engines in this process (tests/conftest.py)."""
 
 
 def train_three_steps(tiny_model_dir, dtype, zero_stage=3, **ds_kw):
