@@ -309,12 +309,9 @@ class PPO:
         """Returns the epochs run (fewer than --ppo-epochs when --max-approx-kl stops the loop)."""
         cfg, dist = self.cfg, self.run.dist
         for epoch in range(cfg.ppo_epochs):
-            gen = torch.Generator().manual_seed(cfg.seed * 7_919 + step * 131 + epoch * 17 + dist.rank)
-            perm = torch.randperm(self.n_local, generator=gen)
             epoch_kl = torch.zeros(2, dtype=torch.float64, device=dist.device)  # Σ approx-KL, Σ tokens
-            for u, start in enumerate(range(0, self.n_local, self.mb_local)):
-                mb = select(batch, perm[start : start + self.mb_local].to(dist.device))
-                epoch_kl += self.minibatch(mb, stats)
+            for u, idx in enumerate(self.minibatches(step, epoch)):
+                epoch_kl += self.minibatch(select(batch, idx.to(dist.device)), stats)
                 if self.ptx:
                     self.ptx_step(step * self.updates_per_step + epoch * (self.n_local // self.mb_local) + u, stats)
             if cfg.max_approx_kl:
@@ -322,6 +319,18 @@ class PPO:
                 if total / max(tokens, 1.0) > cfg.max_approx_kl:
                     return epoch + 1
         return cfg.ppo_epochs
+
+    def minibatches(self, step: int, epoch: int) -> list[torch.Tensor]:
+        """This rank's episodes of each of the epoch's K = prompts-per-step / minibatch-size minibatches: every run
+        of K consecutive episodes of the global batch gives one episode to each minibatch, in an order drawn from
+        the seed, step, epoch and the run's place. A rank holds whole runs (minibatch-size / world of them), so
+        each rank has its equal share of every minibatch, and the minibatches are the same for any number of
+        processes."""
+        k = self.n_local // self.mb_local
+        first = self.run.dist.rank * self.mb_local  # this rank's first run
+        owner = torch.stack([torch.randperm(k, generator=torch.Generator().manual_seed(
+            derive(self.cfg.seed, step, epoch, first + j) >> 1)) for j in range(self.mb_local)]).flatten()
+        return [(owner == u).nonzero().flatten() for u in range(k)]
 
     def minibatch(self, mb: dict, stats: Stats) -> torch.Tensor:
         """The policy's and the value network's losses on one minibatch (token means over every rank's share)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +90,31 @@ def assert_user_error(proc, *needles: str, code: int = 2) -> str:
     # short: the error and at most a couple of library lines (e.g. DeepSpeed's accelerator notice)
     assert len(out.strip().splitlines()) <= 6, out
     return out
+
+
+def assert_same_training(one: Path, two: Path, base: Path, rel: float = 1e-4, weights_rel: float = 1e-3) -> None:
+    """Two runs of one stage (e.g. on 1 and 2 processes) logged the same metrics at every step (each within `rel`
+    of max(1, |value|), the tolerance of the other stages' process-count tests; timings aside) and saved the same
+    weights: ‖w₁ − w₂‖ within `weights_rel` of how far training moved them from `base` (the --model both started
+    from), ‖w₁ − w₀‖. Not weight by weight: AdamW turns the rounding noise of a ~0 gradient into a step of about
+    the lr (measured on GRPO: one weight 5e-5 apart at lr 1e-3, the whole difference 5e-5 of the update's norm)."""
+    import torch
+    from safetensors.torch import load_file
+
+    def rows(out):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/") and "tokens_per_s" not in k}
+                for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = rows(one), rows(two)
+    assert [sorted(r) for r in a] == [sorted(r) for r in b] and len(a) > 1
+    for x, y in zip(a, b):
+        for k, v in x.items():
+            assert abs(v - y[k]) <= rel * max(1.0, abs(v)), (x["step"], k, v, y[k])
+    w1, w2, w0 = (load_file(d / "model.safetensors") for d in (one / "model", two / "model", base))
+    assert w1.keys() == w2.keys() == w0.keys()
+    apart = torch.cat([(w1[k] - w2[k]).flatten() for k in w1]).norm().item()
+    moved = torch.cat([(w1[k] - w0[k]).flatten() for k in w1]).norm().item()
+    assert apart <= weights_rel * moved and moved > 0, (apart, moved)
 
 
 @pytest.fixture

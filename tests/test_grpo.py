@@ -12,7 +12,7 @@ import time
 import pytest
 
 from align.runtime import free_port
-from tests.conftest import parity_reward, small_sft
+from tests.conftest import assert_same_training, parity_reward, small_sft
 
 SHORT = ["--max-steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
          "--eval-samples", "4", "--eval-k", "1,2", "--micro-batch-size", "8"]
@@ -35,11 +35,19 @@ def metric_rows(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_process_zero3_grpo_run(tmp_path):
-    out = tmp_path / "grpo2"
-    proc = run(align("grpo", "--out", str(out), "--reward", "math", "--reward", parity_reward(), *SHORT, *SMALL,
-                     nproc=2))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory, tiny_model_dir):
+    """The same short run on 1 and on 2 processes (ZeRO-3 both: one CPU process keeps the stage asked for)."""
+    root = tmp_path_factory.mktemp("grpo")
+    for name, nproc in (("one", 1), ("two", 2)):
+        proc = run(align("grpo", "--model", str(tiny_model_dir), "--out", str(root / name), "--reward", "math",
+                         "--reward", parity_reward(), "--lr", "1e-3", "--warmup-steps", "0", *SHORT, *SMALL, nproc=nproc))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "one", root / "two"
+
+
+def test_two_process_zero3_grpo_run(grpo_runs):
+    out = grpo_runs[1]
     art = json.loads((out / "artifact.json").read_text())
     assert art["status"] == "complete" and art["world_size"] == 2 and art["model_kind"] == "policy"
     steps = [r for r in metric_rows(out) if "reward" in r]
@@ -51,6 +59,12 @@ def test_two_process_zero3_grpo_run(tmp_path):
     evals = [r for r in metric_rows(out) if "eval/pass@1/greedy" in r]
     assert [r["step"] for r in evals] == [0, 2] and "eval/pass@2" in evals[0]
     assert "start/pass@1/greedy" in art["metrics"] and "gain/pass@1/greedy" in art["metrics"]
+
+
+def test_two_processes_match_one_process(grpo_runs, tiny_model_dir):
+    """Rollouts are keyed by (seed, step, the prompt's place in the global batch) and every loss is normalised
+    over the global batch: 2 processes sample the same completions and take the same steps as 1."""
+    assert_same_training(*grpo_runs, tiny_model_dir)
 
 
 def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tmp_path, tiny_reward_model_dir,

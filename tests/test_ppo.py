@@ -14,7 +14,7 @@ import torch
 
 from align.errors import UserError
 from align.runtime import free_port
-from tests.conftest import assert_user_error, run_align
+from tests.conftest import assert_same_training, assert_user_error, run_align
 
 SHORT = ["--max-steps", "2", "--prompts-per-step", "8", "--minibatch-size", "4", "--micro-batch-size", "2",
          "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"]
@@ -43,17 +43,32 @@ def base_args(files, out):
 
 
 @pytest.fixture(scope="module")
-def two_proc_run(files):
-    out = files["dir"] / "ppo2"
+def runs(files):
+    """The same PPO-ptx run on 1 and on 2 processes (ZeRO-3 both: one CPU process keeps the stage asked for)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "align", "ppo", *base_args(files, out), "--ptx-coef", "0.1", "--kl-horizon", "100",
-           "--init-kl-coef", "0.05"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name, launch in (("ppo1", []), ("ppo2", ["-m", "torch.distributed.run", "--nproc_per_node=2",
+                                                 f"--master_port={free_port()}"])):
+        args = base_args(files, files["dir"] / name)
+        args[args.index("--model") + 1] = str(files["policy"])  # saved weights: the updates can be measured
+        proc = subprocess.run([sys.executable, *launch, "-m", "align", "ppo", *args, "--ptx-coef", "0.1",
+                               "--kl-horizon", "100", "--init-kl-coef", "0.05"], capture_output=True, text=True,
+                              timeout=600, env={**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return files["dir"] / "ppo1", files["dir"] / "ppo2"
+
+
+@pytest.fixture(scope="module")
+def two_proc_run(runs):
+    out = runs[1]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out, [r for r in rows if "reward" in r], [r for r in rows if "eval/reward" in r]
+
+
+def test_two_processes_match_one_process(runs, files):
+    """The rollout is keyed by (seed, step, the prompt's place), advantages are whitened and losses normalised
+    over the global batch, and each epoch's minibatches are the same episodes for any number of processes:
+    2 processes take the same steps as 1 (policy, value network, KL controller)."""
+    assert_same_training(*runs, files["policy"])
 
 
 def test_two_process_zero3_ppo_ptx_run(two_proc_run):
