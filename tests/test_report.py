@@ -36,18 +36,40 @@ def test_read_metrics_skips_torn_lines_and_finds_numeric_keys(tmp_path):
     assert numeric_keys(rows) == ["loss", "reward", "kl", "eval/accuracy"]
 
 
-def test_plot_report_writes_png(tmp_path):
+@pytest.fixture
+def drawn(monkeypatch):
+    """The panels of every figure saved during the test: [{title: [y values of each line]}] per figure, the
+    panels that were switched off left out."""
+    from matplotlib.figure import Figure
+
+    figures, save = [], Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        figures.append({ax.get_title(): [list(line.get_ydata()) for line in ax.get_lines()]
+                        for ax in fig.axes if ax.axison and ax.get_title()})
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return figures
+
+
+def test_plot_report_writes_png(tmp_path, drawn):
     metrics = write_metrics(tmp_path / "metrics.jsonl")
     out = plot_report(metrics, tmp_path / "plots" / "curves.png", "PPO test run")
     assert out == tmp_path / "plots" / "curves.png"
     assert_png(out)
     assert [p.name for p in out.parent.iterdir()] == ["curves.png"]  # no temp file left behind
+    (panels,) = drawn
+    assert list(panels) == ["reward", "kl", "eval/accuracy", "loss"]  # every logged metric, reward first
+    assert panels["eval/accuracy"] == [[s / 120 for s in range(0, 120, 20)]]  # few points: drawn as they are
 
 
-def test_plot_report_selected_keys_and_few_points(tmp_path):
+def test_plot_report_selected_keys_and_few_points(tmp_path, drawn):
     metrics = write_metrics(tmp_path / "metrics.jsonl", n=10)
     out = plot_report(metrics, tmp_path / "sel.png", "subset", keys=["loss", "missing"])
     assert_png(out)
+    (panels,) = drawn
+    assert panels == {"loss": [[1 / (1 + s) for s in range(10)]]}  # only the key asked for and logged, each point
 
 
 def test_nothing_to_plot_returns_none(tmp_path):
