@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 WRITER = """
 import sys
@@ -19,23 +20,31 @@ while True:  # ~2 MB versions, each readable as a whole
 """
 
 
-def test_a_writer_killed_mid_write_never_leaves_a_torn_file(tmp_path):
-    path = tmp_path / "artifact.json"
+def killed_mid_write(path: Path, writer: str, whole) -> None:
+    """Start `writer` (Python code that prints "ready", then rewrites `path` (argv[1]) with version after version)
+    and SIGKILL it at three moments: every read of `path` while it writes, and what it leaves, is one whole
+    version (`whole(text)` asserts that), and at most its temp file is left beside it."""
     reads = 0
     for delay in (0.1, 0.3, 0.6):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", writer, str(path)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         end = time.time() + delay
         while time.time() < end:  # read while it writes: every read is one whole version
             if path.exists():
-                obj = json.loads(path.read_text())
-                assert obj["payload"] == [obj["version"]] * 250_000
+                whole(path.read_text())
                 reads += 1
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if path.exists():  # the kill may land before the first rename
-            obj = json.loads(path.read_text())
-            assert obj["payload"] == [obj["version"]] * 250_000
+            whole(path.read_text())
     assert path.exists() and reads > 10  # versions landed and were read while being replaced
-    leftovers = [p.name for p in tmp_path.iterdir() if p != path]
+    leftovers = [p.name for p in path.parent.iterdir() if p != path]
     assert all(".tmp" in n for n in leftovers)  # a killed writer leaves at most its own temp file beside it
+
+
+def test_a_writer_killed_mid_write_never_leaves_a_torn_file(tmp_path):
+    def whole(text):
+        obj = json.loads(text)
+        assert obj["payload"] == [obj["version"]] * 250_000
+
+    killed_mid_write(tmp_path / "artifact.json", WRITER, whole)

@@ -117,12 +117,34 @@ def test_bad_input_raises_user_error():
         make_dataset("sort", 50, seed=0, min_len=1, max_len=1, max_value=3)
 
 
+JSONL_WRITER = """
+import sys
+from align.tasks import write_jsonl
+path, i = sys.argv[1], 0
+print("ready", flush=True)
+while True:  # ~1 MB versions of 2000 rows, each readable as a whole
+    write_jsonl([{"version": i, "row": j, "text": "x" * 500} for j in range(2000)], path)
+    i += 1
+"""
+
+
 def test_write_jsonl_atomic(tmp_path):
+    """The rows land in a new folder, no temp file beside them; a writer killed mid-write leaves the previous
+    whole file or the new one, and a reader never sees a partial one."""
+    from tests.test_atomic import killed_mid_write
+
     rows = make_dataset("sort", 5, seed=0)
     path = tmp_path / "sub" / "rows.jsonl"
     write_jsonl(rows, path)
     assert [json.loads(line) for line in path.read_text().splitlines()] == rows
-    assert not os.path.exists(str(path) + ".tmp")
+    assert os.listdir(path.parent) == ["rows.jsonl"]
+
+    def whole(text):  # exactly the text of the version its first row names
+        version = json.loads(text[: text.index("\n")])["version"]
+        assert text == "".join(json.dumps({"version": version, "row": j, "text": "x" * 500}) + "\n"
+                               for j in range(2000))
+
+    killed_mid_write(tmp_path / "killed" / "rows.jsonl", JSONL_WRITER, whole)
 
 
 @pytest.fixture(scope="module")
