@@ -1,6 +1,7 @@
 """`align dpo --online`: pairs sampled from the current policy and ranked by a judge (a verifier function or a
 reward model). Pair selection on hand values; the tiny model learns what a judge prefers; a judge without
-preferences leaves the policy where it started; a reward-model judge; two processes; bad input."""
+preferences leaves the policy where it started; a reward-model judge picks what the reward model scores
+highest; two processes; bad input."""
 
 from __future__ import annotations
 
@@ -74,13 +75,54 @@ def test_a_judge_without_preferences_leaves_the_policy_where_it_started(tmp_path
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_reward_model_ranks_the_samples(tmp_path, tiny_reward_model_dir):
-    out = tmp_path / "od"
-    ok(run_align("dpo", "--model", "tiny", *ONLINE, "--reward-model", tiny_reward_model_dir, "--max-steps", "2",
-                 "--out", out))
-    rows = steps(out)
-    assert len(rows) == 2 and all(math.isfinite(r["online/reward"]) and r["online/pair_frac"] > 0 for r in rows)
-    art = json.loads((out / "artifact.json").read_text())
+def rm_scores(rm_dir: Path, prompts: list[str], texts: list[str]) -> torch.Tensor:
+    """The reward model's normalised scores of prompt + completion, computed apart: plain transformers on the
+    saved model, one unpadded sequence at a time."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from align.reward_model import encode_scored, normalized_reward
+
+    model, tok = AutoModelForSequenceClassification.from_pretrained(rm_dir), AutoTokenizer.from_pretrained(rm_dir)
+    with torch.no_grad():
+        raw = torch.stack([model(input_ids=torch.tensor([p + r])).logits[0, 0]
+                           for p, r in encode_scored(tok, prompts, texts)])
+    return normalized_reward(raw, model.config)
+
+
+def test_a_reward_model_judge_picks_the_sample_it_scores_highest(tmp_path, tiny_reward_model_dir, single_process):
+    """--reward-model: each prompt's chosen completion is the one of its samples the RM scores highest, the
+    rejected one the lowest (the RM's scores computed apart), and the judge's scores are the RM's values."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from align.engine.run import StageRun
+    from stages.dpo import DPOConfig, OnlineDPO
+
+    cfg = DPOConfig(model="tiny", online=True, reward_model=str(tiny_reward_model_dir), data=str(ARITH), eval_data="",
+                    pass_data="", batch_size=8, max_new_tokens=12, online_samples=4, max_steps=1,
+                    out=str(tmp_path / "od"))
+    cfg.validate()
+    ranked = []
+    with StageRun(cfg, "dpo") as run:
+        algo = OnlineDPO(cfg, run)
+        rank = algo.rank
+        algo.rank = lambda rows, done: ranked.append((rows, done, rank(rows, done))) or ranked[-1][2]
+        algo.sample_window(0)
+    unset_hf_deepspeed_config()
+    (rows, done, judged), (pairs, weights, _) = ranked[0], algo.buffer[0]
+    want = rm_scores(tiny_reward_model_dir, [r["prompt"] for r in rows], [c.text for c in done]).view(8, 4)
+    torch.testing.assert_close(judged.view(8, 4), want, rtol=0, atol=1e-4)
+    top, bottom = want.max(1).values, want.min(1).values
+    assert (top - bottom > 1e-2).all()  # every prompt's samples score well apart: an inverted judge shows
+
+    def place(j: int, ids: list) -> int:  # which of prompt j's samples a pair took
+        return next(k for k in range(4) if done[4 * j + k].ids == ids)
+
+    chosen, rejected = ([place(j, p[key]) for j, p in enumerate(pairs)] for key in ("chosen_ids", "rejected_ids"))
+    torch.testing.assert_close(want[range(8), chosen], top, rtol=0, atol=1e-5)
+    torch.testing.assert_close(want[range(8), rejected], bottom, rtol=0, atol=1e-5)
+    assert len(set(chosen)) > 1 and len(set(rejected)) > 1  # no fixed position wins: only the scores can pick
+    assert weights.tolist() == [1.0] * 8
+    art = json.loads((tmp_path / "od" / "artifact.json").read_text())
     assert art["inputs"]["reward_model"]["spec"] == str(tiny_reward_model_dir)
 
 
