@@ -72,13 +72,16 @@ def test_beta_loads_a_reference_and_logs_kl_and_a_reward_model_adds_its_score(tm
     """--beta, --reward-model and --teacher (on-policy distillation) together in one run."""
     out = tmp_path / "kl"
     proc = run(align("grpo", "--out", str(out), "--beta", "0.1", "--num-iterations", "2", "--advantage", "rloo",
-                     "--reward-model", str(tiny_reward_model_dir), "--reward-model-weight", "0.5",
-                     "--teacher", str(tiny_model_dir), "--distill-coef", "0.5", *SHORT, *SMALL))
+                     "--reward-model", str(tiny_reward_model_dir), "--reward-model-weight", "0.5", "--lr", "1e-3",
+                     "--warmup-steps", "0", "--teacher", str(tiny_model_dir), "--distill-coef", "0.5", *SHORT, *SMALL))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = " ".join(proc.stdout.split())  # the info line wraps at the terminal width
     assert "reference model on" in said and "reward model" in said
     steps = [r for r in metric_rows(out) if "reward" in r]
-    assert all(r["kl"] >= 0 for r in steps) and all("distill/reverse_kl" in r for r in steps)
+    # KL is logged on the first pass over a rollout: at step 1 the policy is still the reference (exactly 0); at
+    # step 2 the policy has moved and the reference has not
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 1e-3, steps
+    assert all("distill/reverse_kl" in r for r in steps)
     # reward = math + 0.5 · RM: the step means add up the same way
     for r in steps:
         assert r["reward"] == pytest.approx(r["rewards/math"] + 0.5 * r["rewards/reward_model"], abs=1e-5)
