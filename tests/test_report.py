@@ -60,7 +60,7 @@ def test_plot_report_writes_png(tmp_path, drawn):
     assert_png(out)
     assert [p.name for p in out.parent.iterdir()] == ["curves.png"]  # no temp file left behind
     (panels,) = drawn
-    assert list(panels) == ["reward", "kl", "eval/accuracy", "loss"]  # every logged metric, reward first
+    assert list(panels) == ["reward", "kl", "loss", "eval/accuracy"]  # every logged metric, the key ones first
     assert panels["eval/accuracy"] == [[s / 120 for s in range(0, 120, 20)]]  # few points: drawn as they are
 
 
