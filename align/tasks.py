@@ -10,7 +10,8 @@ Row schemas:
     digit_sort:       {"prompt", "completion", "answer", "flawed"}   completion = the demonstrator's list, answer = the
                       correct one; flawed: the demonstrator left the 0 out (completion != answer)
     digit_sort_prefs: {"prompt", "chosen", "rejected", "answer", "flaw"}   chosen = answer; rejected = the list without
-                      its 0 (flaw "no_zero") when the prompt holds one, else a slip (flaw "slip")
+                      its 0 (flaw "no_zero") when the prompt holds one, else the list with a 0 put in front
+                      ("extra_zero") or a slip ("slip")
     arithmetic: {"prompt", "completion", "answer", "level"}   answer = str(int), never negative
     sort:       {"prompt", "completion", "answer"}            completion == answer == "1 3 7 9"
     prefs:      {"prompt", "chosen", "rejected", "answer"}    chosen is correct, rejected is not
@@ -194,13 +195,19 @@ def digit_sort_row(rng, flaw_rate=FLAW_RATE, **case):
 
 def digit_sort_pair(rng, **case):
     """Row {"prompt", "chosen", "rejected", "answer", "flaw"}: the correct list against the demonstrator's error
-    (the list without its 0) where the prompt holds a 0, else against a slip (two items swapped, one dropped or
-    one repeated)."""
+    (the list without its 0, flaw "no_zero") where the prompt holds a 0; else, half the time, against its mirror
+    image (a 0 the prompt does not hold put in front, "extra_zero": without these pairs a reward model learns "a
+    leading 0 is good" and PPO exploits it), otherwise against a slip (two items swapped, one dropped or one
+    repeated, "slip")."""
     prompt, good = digit_sort_case(rng, **case)
     answer = " ".join(map(str, good))
     if 0 in good:
-        return {"prompt": prompt, "chosen": answer, "rejected": without_zero(good), "answer": answer, "flaw": "no_zero"}
-    return {"prompt": prompt, "chosen": answer, "rejected": corrupt_sort(rng, good), "answer": answer, "flaw": "slip"}
+        rejected, flaw = without_zero(good), "no_zero"
+    elif rng.random() < 0.5:
+        rejected, flaw = "0 " + answer, "extra_zero"
+    else:
+        rejected, flaw = corrupt_sort(rng, good), "slip"
+    return {"prompt": prompt, "chosen": answer, "rejected": rejected, "answer": answer, "flaw": flaw}
 
 
 def corrupt_arithmetic(rng, nums, ops):
