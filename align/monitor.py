@@ -160,8 +160,6 @@ def check_spike(xs: list, window: int, factor: float, max_value: float, min_hist
     if len(prev) < min_history:
         return QUIET
     jump = factor * statistics.median(prev)
-    if jump <= 0 and not min_value:
-        return QUIET  # no baseline: most earlier steps were 0 (e.g. GRPO steps whose groups all lacked signal)
     limit = max(min_value, jump)
     if x > limit:
         floor = f" and > {min_value:g}" if min_value else ""
@@ -177,14 +175,11 @@ def check_above(xs: list, window: int, max_value: float) -> Check:
     return QUIET
 
 
-def check_fell_below(xs: list, window: int, min_value: float, min_ratio: float) -> Check:
-    """Mean of the last `window` values (fewer at the start) < min_value, and < min_ratio x the mean of the first
-    `window` values: a fall, not a level a task starts at (a task with one right answer starts a trained policy
-    far below any absolute floor)."""
-    m, first = _mean(xs[-window:]), _mean(xs[:window])
-    if m < min_value and m < min_ratio * first:
-        return Check(True, m, min_value, f"mean of last {min(window, len(xs))} values {m:.4g} < {min_value:.4g} "
-                                         f"and < {min_ratio:g} x the first {min(window, len(xs))} ({first:.4g})")
+def check_below(xs: list, window: int, min_value: float) -> Check:
+    """Mean of the last `window` values (fewer at the start) < min_value."""
+    m = _mean(xs[-window:])
+    if m < min_value:
+        return Check(True, m, min_value, f"mean of last {min(window, len(xs))} values {m:.4g} < {min_value:.4g}")
     return QUIET
 
 
@@ -387,7 +382,7 @@ def default_rules(precision: str = "fp32") -> list:
                      "all right, or a constant reward), so every advantage is 0 and the policy does not change. "
                      "Check the start model's pass@k on the task (align eval): start from a stronger (SFT) model "
                      "or use an easier task, more --num-generations, or a reward that gives partial credit."),
-        Rule("entropy_collapse", "entropy", check_fell_below, "warn", 10, params={"min_value": 0.1, "min_ratio": 0.25},
+        Rule("entropy_collapse", "entropy", check_below, "warn", 10, params={"min_value": 0.1},
              message="Policy entropy collapsed: the model is becoming deterministic and stops exploring. "
                      "Raise the sampling temperature, add an entropy bonus, lower the LR, train fewer steps."),
         Rule("clip_high", "clip_ratio", check_above, "warn", 10, params={"max_value": 0.3},

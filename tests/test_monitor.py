@@ -90,12 +90,6 @@ def test_grad_explode():
     assert fired(feed(stream), "grad_explode") == [(30, "warn")]
 
 
-def test_grad_explode_needs_a_nonzero_baseline():
-    """GRPO steps whose groups all lacked signal log a grad norm of 0; the next step with signal is no spike."""
-    stream = [{"grad_norm": 0.0}] * 15 + [{"grad_norm": 0.2}, {"grad_norm": 0.0}, {"grad_norm": 0.1}]
-    assert fired(feed(stream), "grad_explode") == []
-
-
 def test_grad_explode_needs_history_but_max_value_always_applies():
     assert fired(feed([{"grad_norm": 1.0}] * 3 + [{"grad_norm": 50.0}]), "grad_explode") == []
     assert fired(feed([{"grad_norm": 2e4}]), "grad_explode") == [(0, "warn")]
@@ -146,19 +140,10 @@ def test_thresholds_are_strict_at_the_boundary():
     """A window mean exactly at a threshold does not fire (values exact in binary: 0.5, 0.125)."""
     assert fired(feed([{"kl": 0.5}] * 30), "kl_high") == []  # mean 0.5, not > 0.5
     assert fired(feed([{"kl": 0.5}] * 29 + [{"kl": 0.5078125}]), "kl_high") == [(29, "warn")]  # mean 0.50078125
-    # min_ratio 1: any fall from the start counts, so the level alone decides
-    low = RLMonitor(overrides={"entropy_collapse": {"min_value": 0.125, "min_ratio": 1.0}})
+    low = RLMonitor(overrides={"entropy_collapse": {"min_value": 0.125}})
     assert fired(feed([{"entropy": 0.125}] * 30, low), "entropy_collapse") == []  # mean 0.125, not < 0.125
-    low = RLMonitor(overrides={"entropy_collapse": {"min_value": 0.125, "min_ratio": 1.0}})
+    low = RLMonitor(overrides={"entropy_collapse": {"min_value": 0.125}})
     assert fired(feed([{"entropy": 0.125}] * 29 + [{"entropy": 0.046875}], low), "entropy_collapse") == [(29, "warn")]
-
-
-def test_entropy_collapse_is_a_fall_not_a_low_start():
-    """A policy for a task with one right answer (digit_sort) starts at ~0.04 nats/token and sharpens to ~0.02 as RL
-    fixes its error: no collapse. A fall to below a quarter of the start still fires."""
-    assert fired(feed([{"entropy": 0.04 - 0.001 * s} for s in range(25)]), "entropy_collapse") == []
-    # 9 of the last 10 at 0.005: (0.08 + 9 * 0.005) / 10 = 0.0125 < ¼ x 0.08
-    assert fired(feed(flat_then("entropy", 0.08, 0.005)), "entropy_collapse") == [(28, "warn")]
 
 
 def test_clip_high():

@@ -333,6 +333,13 @@ def test_the_default_pipeline_runs_on_digit_sort_with_its_verifier():
     assert paths and all(p.startswith("data/digit_sort/") for p in paths)
     assert stages["grpo"]["reward"] == ["exact"] and stages["ppo"]["gold_reward"] == "exact"
     assert stages["ppo"]["ptx_coef"] == 0.0  # ptx on the flawed demonstrations would pull back to the error
+    # one right answer: the trained policy's entropy starts under entropy_collapse's floor, which is turned off
+    from align.monitor import RLMonitor
+
+    for name in ("ppo", "grpo"):
+        rules = tomllib.loads((ROOT / stages[name]["monitor"]).read_text())
+        assert rules == {"entropy_collapse": {"enabled": False}}
+        RLMonitor(overrides=rules)  # a valid override
 
 
 def test_set_overrides_keys_from_the_command_line(tmp_path, monkeypatch):
