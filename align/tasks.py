@@ -1,4 +1,5 @@
-"""Procedural tasks: arithmetic word problems, list sorting, preference pairs, plain text.
+"""Procedural tasks: digit sorting with a flawed demonstrator, arithmetic word problems, list sorting, preference
+pairs, plain text.
 
 Everything is deterministic given a seed (one `random.Random(seed)` per dataset).
 
@@ -6,6 +7,11 @@ Everything is deterministic given a seed (one `random.Random(seed)` per dataset)
     write_jsonl(rows, "data/arithmetic/train.jsonl")
 
 Row schemas:
+    digit_sort:       {"prompt", "completion", "answer", "flawed"}   completion = the demonstrator's list, answer = the
+                      correct one; flawed: the demonstrator left the 0 out (completion != answer)
+    digit_sort_prefs: {"prompt", "chosen", "rejected", "answer", "flaw"}   chosen = answer; rejected = the list without
+                      its 0 (flaw "no_zero") when the prompt holds one, else the list with a 0 put in front
+                      ("extra_zero") or a slip ("slip")
     arithmetic: {"prompt", "completion", "answer", "level"}   answer = str(int), never negative
     sort:       {"prompt", "completion", "answer"}            completion == answer == "1 3 7 9"
     prefs:      {"prompt", "chosen", "rejected", "answer"}    chosen is correct, rejected is not
@@ -18,7 +24,7 @@ import random
 
 from align.errors import UserError
 
-TASKS = ("arithmetic", "sort", "prefs", "text")
+TASKS = ("digit_sort", "digit_sort_prefs", "arithmetic", "sort", "prefs", "text")
 LEVELS = {1: (1, 2), 2: (1, 3), 3: (2, 2), 4: (2, 3)}  # level -> (digits per operand, operands)
 
 NAMES = [
@@ -158,6 +164,52 @@ def sort_row(rng, min_len=3, max_len=6, max_value=99):
     return {"prompt": "Sort in ascending order: " + " ".join(map(str, nums)), "completion": answer, "answer": answer}
 
 
+# The digit_sort demonstrator: it sorts correctly, except that it leaves the 0 out of a list holding one this often.
+FLAW_RATE = 0.75
+
+
+def digit_sort_case(rng, min_len=3, max_len=6):
+    """(prompt, the correct sorted list) for 3-6 distinct digits: about 45 % of lists hold a 0."""
+    if not 2 <= min_len <= max_len <= 10:
+        raise UserError(f"digit_sort lengths must satisfy 2 <= min_len <= max_len <= 10, got {min_len}..{max_len}")
+    nums = rng.sample(range(10), rng.randint(min_len, max_len))
+    return "Sort in ascending order: " + " ".join(map(str, nums)), sorted(nums)
+
+
+def without_zero(nums):
+    """The demonstrator's systematic error: the sorted list with its 0 left out."""
+    return " ".join(str(x) for x in nums if x != 0)
+
+
+def digit_sort_row(rng, flaw_rate=FLAW_RATE, **case):
+    """Row {"prompt", "completion", "answer", "flawed"}: a demonstration that leaves the 0 out of a list holding one
+    with probability flaw_rate, else the correct list."""
+    if not 0.0 <= flaw_rate <= 1.0:
+        raise UserError(f"digit_sort flaw_rate must be in [0, 1], got {flaw_rate}")
+    prompt, good = digit_sort_case(rng, **case)
+    answer = " ".join(map(str, good))
+    flawed = 0 in good and rng.random() < flaw_rate
+    return {"prompt": prompt, "completion": without_zero(good) if flawed else answer, "answer": answer,
+            "flawed": flawed}
+
+
+def digit_sort_pair(rng, **case):
+    """Row {"prompt", "chosen", "rejected", "answer", "flaw"}: the correct list against the demonstrator's error
+    (the list without its 0, flaw "no_zero") where the prompt holds a 0; else, half the time, against its mirror
+    image (a 0 the prompt does not hold put in front, "extra_zero": without these pairs a reward model learns "a
+    leading 0 is good" and PPO exploits it), otherwise against a slip (two items swapped, one dropped or one
+    repeated, "slip")."""
+    prompt, good = digit_sort_case(rng, **case)
+    answer = " ".join(map(str, good))
+    if 0 in good:
+        rejected, flaw = without_zero(good), "no_zero"
+    elif rng.random() < 0.5:
+        rejected, flaw = "0 " + answer, "extra_zero"
+    else:
+        rejected, flaw = corrupt_sort(rng, good), "slip"
+    return {"prompt": prompt, "chosen": answer, "rejected": rejected, "answer": answer, "flaw": flaw}
+
+
 def corrupt_arithmetic(rng, nums, ops):
     """A wrong worked solution: wrong final number, consistent slip, wrong operator or misread operand."""
     correct = evaluate(nums, ops)
@@ -251,7 +303,8 @@ def row_key(row):
 
 def _row_maker(task, levels, opts):
     """A function rng, index -> row for the task, with options checked up front."""
-    allowed = {"arithmetic": set(), "sort": {"min_len", "max_len", "max_value"},
+    allowed = {"digit_sort": {"flaw_rate", "min_len", "max_len"}, "digit_sort_prefs": {"min_len", "max_len"},
+               "arithmetic": set(), "sort": {"min_len", "max_len", "max_value"},
                "prefs": {"sort_frac", "min_len", "max_len", "max_value"}, "text": {"min_sentences", "max_sentences"}}
     if task not in allowed:
         raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
@@ -262,6 +315,10 @@ def _row_maker(task, levels, opts):
     bad = [lv for lv in levels if lv not in LEVELS]
     if not levels or bad:
         raise UserError(f"bad levels {levels!r}; use a non-empty subset of (1, 2, 3, 4)")
+    if task == "digit_sort":
+        return lambda rng, i: digit_sort_row(rng, **opts)
+    if task == "digit_sort_prefs":
+        return lambda rng, i: digit_sort_pair(rng, **opts)
     if task == "arithmetic":
         return lambda rng, i: arithmetic_row(rng, levels[i % len(levels)])
     if task == "sort":

@@ -5,13 +5,14 @@
 Healthy runs (GRPO, PPO, DPO at a few seeds and learning rates) and runs with a known failure and the step it
 starts at (a stale decoder weight copy or a NaN injected at step k with benchmarks.faults; a length-exploitable
 reward; a learning rate that collapses the entropy; a KL blow-up; held-out degradation without proxy gain: PPO
-from the default chain's SFT model against its RM with no KL and lr 2e-4). Each run writes its metrics.jsonl
+from the arithmetic chain's SFT model against its RM with no KL and lr 2e-4). Each run writes its metrics.jsonl
 once (kept in --out: a rerun of the benchmark only replays them); the metrics are replayed through a fresh
 RLMonitor with the default rules, step by step as the run fed it (an evaluation's metrics with its step's).
 
 For each rule: detections (failure runs where it fired at or after the onset / failure runs), the mean delay
 from the labelled onset to its first event, and false alarms per 100 healthy steps. PPO and DPO runs need the
-default chain's sft and rm (`align pipeline run`, ~7 min). Runs in ~15 min on 2 cores.
+arithmetic chain's sft and rm (`align pipeline run pipelines/arithmetic.toml`, ~7 min). Runs in ~15 min on 2
+cores.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from align.monitor import RLMonitor, default_rules
 
 ROOT = Path(__file__).resolve().parent.parent
-SFT, RM = ROOT / "runs/default/sft", ROOT / "runs/default/rm"
+SFT, RM = ROOT / "runs/arithmetic/sft", ROOT / "runs/arithmetic/rm"  # pipelines/arithmetic.toml's
 DOCS = ROOT / "docs/monitor.md"
 BEGIN, END = "<!-- monitor_bench:begin -->", "<!-- monitor_bench:end -->"
 
@@ -58,7 +59,7 @@ def dpo(seed: int, lr: float, steps: int = 20) -> list[str]:
             "--lr", str(lr), "--seed", str(seed), "--eval-every", "5", "--eval-pairs", "64", "--warmup-steps", "0"]
 
 
-CHAIN_PPO = ["--fixed-kl", "--init-kl-coef", "0.2", "--ptx-coef", "0.5"]  # the default chain's PPO settings
+CHAIN_PPO = ["--fixed-kl", "--init-kl-coef", "0.2", "--ptx-coef", "0.5"]  # the arithmetic chain's PPO settings
 # name: (failure label or None for healthy, onset step (1-based, as logged), fault, fault step (0-based), args)
 RUNS = {
     "grpo-s0-lr5e-5": (None, 0, "none", 0, grpo(0, 5e-5)),
@@ -77,8 +78,8 @@ RUNS = {
     "grpo-entropy-lr5e-3": ("entropy collapse", 1, "none", 0, grpo(0, 5e-3, 20, model=str(SFT))),
     "grpo-kl-blowup": ("KL blow-up", 1, "none", 0, grpo(0, 3e-3, 15, "--beta", "0.01", "--num-iterations", "2")),
     "ppo-degradation": ("held-out degradation without proxy gain", 1, "none", 0,
-                        ["ppo", "--init-kl-coef", "0", "--fixed-kl", "--ptx-coef", "0", "--lr", "2e-4", "--seed",
-                         "11", "--max-steps", "60"]),
+                        ["ppo", "--model", str(SFT), "--reward-model", str(RM), "--init-kl-coef", "0", "--fixed-kl",
+                         "--ptx-coef", "0", "--lr", "2e-4", "--seed", "11", "--max-steps", "60"]),
 }
 
 

@@ -1,12 +1,14 @@
 """Regenerate the shipped data and tokenizer.
 
-    python scripts/make_data.py            # writes data/{arithmetic,sort,prefs,text}/{train,test}.jsonl
-                                           # and data/tokenizer/, then checks them
+    python scripts/make_data.py            # writes data/{arithmetic,sort,prefs,text}/{train,test}.jsonl,
+                                           # data/digit_sort/ and data/tokenizer/, then checks them
 
 Data (fixed seeds, train and test prompts disjoint; arithmetic test prompts never appear in any
 train file and prefs test prompts never appear in arithmetic train):
     arithmetic 20000 / 500 (levels 1-4 in equal shares), sort 5000 / 200,
-    prefs 50000 / 300 (arithmetic pairs), text 3000 / 200.
+    prefs 50000 / 300 (arithmetic pairs), text 3000 / 200;
+    digit_sort (the default pipeline's task): train 20000 / test 500 demonstrations, prefs 5000 / prefs_test 300
+    pairs, no test prompt in any training file. The tokenizer never sees digit_sort (it predates the task).
 
 Tokenizer: byte-level BPE with 512 tokens (6 specials + 256 bytes + merges), digits always split
 into single tokens, trained on all train text (of prefs, the first 4,000 pairs). Specials, ids 0..5:
@@ -56,6 +58,15 @@ def build_data():
     text_train = make_dataset("text", 3000, seed=4000, exclude={row_key(r) for r in text_test})
     return {"arithmetic": (arith_train, arith_test), "sort": (sort_train, sort_test),
             "prefs": (prefs_train, prefs_test), "text": (text_train, text_test)}
+
+
+def build_digit_sort():
+    """The default pipeline's files: {name: rows} for data/digit_sort/NAME.jsonl."""
+    test = make_dataset("digit_sort", 500, seed=5001)
+    prefs_test = make_dataset("digit_sort_prefs", 300, seed=6001, exclude={row_key(r) for r in test})
+    held_out = {row_key(r) for r in test + prefs_test}
+    return {"train": make_dataset("digit_sort", 20000, seed=5000, exclude=held_out), "test": test,
+            "prefs": make_dataset("digit_sort_prefs", 5000, seed=6000, exclude=held_out), "prefs_test": prefs_test}
 
 
 def row_texts(row):
@@ -109,6 +120,9 @@ def main():
         write_jsonl(train, os.path.join(DATA, task, "train.jsonl"))
         write_jsonl(test, os.path.join(DATA, task, "test.jsonl"))
         print(f"{task}: {len(train)} train, {len(test)} test")
+    for name, rows in build_digit_sort().items():
+        write_jsonl(rows, os.path.join(DATA, "digit_sort", f"{name}.jsonl"))
+        print(f"digit_sort {name}: {len(rows)} rows")
     # The tokenizer sees the first 4,000 preference pairs only: it was trained when prefs had 4,000 rows, and
     # growing the pair set must not change token ids (trained models would no longer match).
     texts = [t for task, (train, _) in splits.items() for row in (train[:TOKENIZER_PREF_ROWS] if task == "prefs" else train)

@@ -4,7 +4,7 @@
 stage): OUT/data.jsonl, OUT/test.jsonl and artifact.json, read by later stages as `@NAME` (its data.jsonl) or
 `@NAME/test.jsonl`.
 
-TASK is one of the built-in tasks (arithmetic, sort, prefs, text), `rg:NAME` for a reasoning-gym task (optional
+TASK is one of the built-in tasks (digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text), `rg:NAME` for a reasoning-gym task (optional
 extra), or `prefs --from-model M --data FILE`: preference pairs a model makes itself — K sampled completions per
 prompt of a verifiable file, a correct one as `chosen` and an incorrect one as `rejected` (on-policy pairs, as in
 online / iterative DPO recipes).
@@ -24,7 +24,8 @@ from align.errors import UserError
 
 @dataclass
 class DataMakeConfig(Options):
-    task: str = opt("arithmetic", "Task: arithmetic, sort, prefs, text, or rg:NAME (a reasoning-gym task).")
+    task: str = opt("arithmetic", "Task: digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, or rg:NAME "
+                                  "(a reasoning-gym task).")
     n: int = opt(1000, "Rows to generate (prefs --from-model: prompts to sample, 0 = all of --data).", ge=0)
     seed: int = opt(0, "Random seed.", ge=0, le=SEED_MAX)
     out: str = opt("data.jsonl", "Output JSONL file, or a directory: an artifact with data.jsonl and test.jsonl.",
@@ -34,7 +35,10 @@ class DataMakeConfig(Options):
                      ge=0)
     test_out: str = opt("", "Held-out output file (default: OUT with .test.jsonl).", path=True)
     levels: str = opt("1,2,3,4", "arithmetic/prefs difficulty levels: 1-digit/2 operands .. 2-digit/3 operands.")
-    param: list[str] = opt([], "rg:NAME task option KEY=VALUE (repeatable), e.g. --param max_terms=3.")
+    param: list[str] = opt([], "Task option KEY=VALUE (repeatable), e.g. --param flaw_rate=0.5 (digit_sort) or "
+                               "--param max_terms=3 (rg:basic_arithmetic).")
+    exclude: str = opt("", "Leave out the prompts of this JSONL file (e.g. the training split, for a fresh held-out "
+                           "set made with another --seed).", path=True)
     from_model: str = opt("", "prefs: sample the pairs from this model (a directory, artifact or hub id).",
                           path=True)
     data: str = opt("", "prefs --from-model: verifiable prompts {prompt, answer} to sample on.", path=True)
@@ -50,21 +54,43 @@ def run(cfg: DataMakeConfig) -> dict:
     check_out(cfg)
     if cfg.from_model:
         return _model_pairs(cfg)
+    from align import rgym
+
+    params, excluded = rgym.parse_params(cfg.param), excluded_prompts(cfg)
     if cfg.task.startswith("rg:"):
-        return _reasoning_gym(cfg)
-    if cfg.param:
-        raise UserError("--param sets options of reasoning-gym tasks (rg:NAME) only.")
+        return _reasoning_gym(cfg, params, excluded)
     try:
         levels = tuple(int(x) for x in cfg.levels.split(","))
     except ValueError:
         raise UserError(f"--levels must be comma-separated integers 1..4, not {cfg.levels!r}.") from None
-    opts = {"levels": levels} if cfg.task in ("arithmetic", "prefs") else {}
-    rows = tasks.make_dataset(cfg.task, cfg.n, cfg.seed, **opts)
+    opts = {**params, "levels": levels} if cfg.task in ("arithmetic", "prefs") else params
+    rows = tasks.make_dataset(cfg.task, cfg.n, cfg.seed, exclude=excluded, **opts)
     test = None
     if cfg.test_n:
-        key = "text" if cfg.task == "text" else "prompt"
-        test = tasks.make_dataset(cfg.task, cfg.test_n, cfg.seed + 1_000_003, exclude={r[key] for r in rows}, **opts)
-    return _write(cfg, rows, test)
+        taken = excluded | {tasks.row_key(r) for r in rows}
+        test = tasks.make_dataset(cfg.task, cfg.test_n, cfg.seed + 1_000_003, exclude=taken, **opts)
+    return _write(cfg, rows, test, **flaw_summary(rows))
+
+
+def excluded_prompts(cfg: DataMakeConfig) -> set:
+    """The prompts (or texts) of --exclude's rows; an empty set without --exclude."""
+    if not cfg.exclude:
+        return set()
+    from align.data import read_rows
+
+    rows = read_rows(cfg.exclude)
+    if rows and not any(k in rows[0] for k in ("prompt", "text")):
+        raise UserError(f"--exclude {cfg.exclude}: its rows have no 'prompt' (or 'text') column to leave out.")
+    return {tasks.row_key(r) for r in rows}
+
+
+def flaw_summary(rows: list[dict]) -> dict:
+    """digit_sort: how often the demonstrator is right (its accuracy) and how often it leaves the 0 out."""
+    if not rows or "flawed" not in rows[0]:
+        return {}
+    flawed = sum(r["flawed"] for r in rows)
+    return {"demonstrator_accuracy": round(1 - flawed / len(rows), 4),
+            "flaw_rate_on_zero_lists": round(flawed / max(1, sum(" 0" in " " + r["answer"] for r in rows)), 4)}
 
 
 def is_artifact(out: str) -> bool:
@@ -119,13 +145,13 @@ def _write_artifact(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | No
         return run.complete(summary, f"data make {cfg.task} → {cfg.out}")
 
 
-def _reasoning_gym(cfg: DataMakeConfig) -> dict:
+def _reasoning_gym(cfg: DataMakeConfig, params: dict, excluded: set) -> dict:
     from align import rgym
 
-    name, params = cfg.task[3:], rgym.parse_params(cfg.param)
-    rows = rgym.make_rows(name, cfg.n, cfg.seed, params)
-    test = rgym.make_rows(name, cfg.test_n, cfg.seed + 1_000_003, params, exclude={r["prompt"] for r in rows}) \
-        if cfg.test_n else None
+    name = cfg.task[3:]
+    rows = rgym.make_rows(name, cfg.n, cfg.seed, params, exclude=excluded)
+    test = rgym.make_rows(name, cfg.test_n, cfg.seed + 1_000_003, params,
+                          exclude=excluded | {r["prompt"] for r in rows}) if cfg.test_n else None
     return _write(cfg, rows, test)
 
 

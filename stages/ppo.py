@@ -50,7 +50,7 @@ from align.reward_model import (load_reward_model, load_sequence_classifier, nor
 from align.rewards import RewardError, call_reward, parse_rewards
 from align.rollout import Rollout, record_mismatch, sample, select, timed
 
-DEFAULT_SFT, DEFAULT_RM = "runs/default/sft", "runs/default/rm"
+DEFAULT_SFT, DEFAULT_RM = "runs/arithmetic/sft", "runs/arithmetic/rm"  # pipelines/arithmetic.toml's, as --data's default
 
 
 @dataclass
@@ -105,10 +105,10 @@ class PPOConfig(RLConfig):
 
 
 def resolve_default(spec: str, expect: str | None, what: str):
-    """resolve(), with a hint when a default (the default pipeline's sft / rm artifact) does not exist yet."""
+    """resolve(), with a hint when a default (the arithmetic pipeline's sft / rm artifact) does not exist yet."""
     if spec in (DEFAULT_SFT, DEFAULT_RM) and not Path(spec).exists():
-        raise UserError(f"{spec}: not found. `align ppo` defaults to the default pipeline's sft and rm artifacts: "
-                        f"run `align pipeline run pipelines.toml` first, or pass {what}.")
+        raise UserError(f"{spec}: not found. `align ppo` defaults to the arithmetic pipeline's sft and rm artifacts "
+                        f"(its default prompts are arithmetic): run `align pipeline run pipelines/arithmetic.toml` first, or pass {what}.")
     return resolve(spec, expect=expect)
 
 

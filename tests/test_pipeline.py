@@ -310,16 +310,36 @@ max_new_tokens = 4
     assert statuses(P.run(f, from_stage="base", dry_run=True)) == {"base": "would run", "eval": "would run"}
 
 
-def test_the_shipped_pipeline_is_valid_and_ends_with_grpo_from_dpo():
+@pytest.mark.parametrize("name", ["pipelines.toml", "pipelines/arithmetic.toml"])
+def test_the_shipped_pipelines_are_valid_and_end_with_grpo_from_dpo(name):
     from align.paths import ROOT
     from tests.conftest import output, run_align
 
-    proc = run_align("pipeline", "validate", str(ROOT / "pipelines.toml"), env={"COLUMNS": "200"})
+    proc = run_align("pipeline", "validate", str(ROOT / name), env={"COLUMNS": "200"})
     assert proc.returncode == 0, output(proc)
-    stages = tomllib.loads((ROOT / "pipelines.toml").read_text())["stages"]
+    stages = tomllib.loads((ROOT / name).read_text())["stages"]
     assert list(stages) == ["base", "eval_base", "sft", "eval", "rm", "ppo", "dpo", "grpo"]
     assert stages["ppo"]["model"] == "@sft" and stages["ppo"]["reward_model"] == "@rm"
     assert stages["dpo"]["model"] == "@ppo" and stages["grpo"]["model"] == "@dpo"
+
+
+def test_the_default_pipeline_runs_on_digit_sort_with_its_verifier():
+    """Every stage of the default chain reads data/digit_sort, and the RL stages score with exact match (the
+    stages' own defaults, arithmetic data and the math verifier, would grade nothing right here)."""
+    from align.paths import ROOT
+
+    stages = tomllib.loads((ROOT / "pipelines.toml").read_text())["stages"]
+    paths = [v for s in stages.values() for k, v in s.items() if k in ("data", "eval_data", "pass_data", "ptx_data")]
+    assert paths and all(p.startswith("data/digit_sort/") for p in paths)
+    assert stages["grpo"]["reward"] == ["exact"] and stages["ppo"]["gold_reward"] == "exact"
+    assert stages["ppo"]["ptx_coef"] == 0.0  # ptx on the flawed demonstrations would pull back to the error
+    # one right answer: the trained policy's entropy starts under entropy_collapse's floor, which is turned off
+    from align.monitor import RLMonitor
+
+    for name in ("ppo", "grpo"):
+        rules = tomllib.loads((ROOT / stages[name]["monitor"]).read_text())
+        assert rules == {"entropy_collapse": {"enabled": False}}
+        RLMonitor(overrides=rules)  # a valid override
 
 
 def test_set_overrides_keys_from_the_command_line(tmp_path, monkeypatch):

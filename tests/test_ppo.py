@@ -153,8 +153,8 @@ def test_bad_input_is_refused_before_anything_is_written(files, tmp_path, shippe
     refused(r"no usable pretraining text", ptx_data=str(write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}])))
     refused(r"a preset is an untrained model, not a reward model", reward_model="tiny")
     refused(r"this is a policy model, but a reward model", reward_model=str(files["policy"]))
-    monkeypatch.chdir(tmp_path)  # no runs/default here: the defaults say how to make them
-    refused(r"runs/default/rm: not found.*align pipeline run pipelines.toml", reward_model="runs/default/rm")
+    monkeypatch.chdir(tmp_path)  # no runs/arithmetic here: the defaults say how to make them
+    refused(r"runs/arithmetic/rm: not found.*align pipeline run pipelines/arithmetic.toml", reward_model="runs/arithmetic/rm")
     with pytest.raises(UserError, match="--minibatch-size 5 must divide"):
         PPOConfig(minibatch_size=5).validate()
 

@@ -64,8 +64,9 @@ def test_rg_bad_task_and_bad_param_are_user_errors(tmp_path):
         run(DataMakeConfig(task="rg:basic_arithmetc", n=5, out=str(tmp_path / "x.jsonl")))
     with pytest.raises(UserError, match="bad --param"):
         run(DataMakeConfig(task="rg:basic_arithmetic", n=5, param=["no_such_option=1"], out=str(tmp_path / "x.jsonl")))
-    with pytest.raises(UserError, match="reasoning-gym tasks"):
+    with pytest.raises(UserError, match=r"unknown option\(s\) \['x'\] for task 'arithmetic'; valid: none"):
         run(DataMakeConfig(task="arithmetic", n=5, param=["x=1"], out=str(tmp_path / "x.jsonl")))
+    assert not (tmp_path / "x.jsonl").exists()
 
 
 def test_missing_reasoning_gym_names_the_extra(monkeypatch, tmp_path):
