@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import json
 import math
-import os
 import re
 import sys
 
@@ -46,15 +45,6 @@ def new_objectives():
     yield
     objectives.unregister("preference", EXP_LOSS)
     objectives.unregister("advantage", MEDIAN)
-
-
-@pytest.fixture
-def single_process_env(monkeypatch):
-    from align.runtime import free_port
-
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
-        monkeypatch.setenv(key, os.environ.get(key, value))
-    monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", str(free_port())))
 
 
 def help_of(capsys, monkeypatch, *words) -> str:
@@ -149,7 +139,7 @@ def read_metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_new_preference_loss_trains(new_objectives, single_process_env, tiny_model_dir, tmp_path):
+def test_a_new_preference_loss_trains(new_objectives, single_process, tiny_model_dir, tmp_path):
     """At step 1 the policy is its reference (Δ = 0): the loss is exp(0) = 1 exactly; on the same 4 pairs every
     step it falls and the reward margin grows."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -173,7 +163,7 @@ def test_a_new_preference_loss_trains(new_objectives, single_process_env, tiny_m
     assert json.loads((out / "artifact.json").read_text())["status"] == "complete"
 
 
-def test_a_new_advantage_estimator_trains(new_objectives, single_process_env, tiny_model_dir, tmp_path):
+def test_a_new_advantage_estimator_trains(new_objectives, single_process, tiny_model_dir, tmp_path):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from stages.grpo import GRPOConfig, run
