@@ -125,6 +125,19 @@ def test_dashboard_panels_key_first_then_groups_constant_and_duplicate_series_le
     assert "lr" in {k for p in choose_panels([dashboard_rows(), other]) for k in p.series}
 
 
+def test_a_float32_metric_and_its_float64_twin_are_one_curve():
+    """The reward (float32 mean) and its one reward function's mean (float64) differ in the 8th digit: one panel."""
+    import numpy as np
+
+    from align.report import choose_panels
+
+    rows = [{"step": s, "reward": float(np.float32(v)), "rewards/math": v, "loss": 1.0 / s}
+            for s, v in enumerate([0.005262889045372105, 0.0121, 0.1003], start=1)]
+    assert [p.title for p in choose_panels(rows)] == ["reward", "loss"]
+    rows[1]["rewards/math"] += 1e-3  # a real difference is drawn
+    assert [p.title for p in choose_panels(rows)] == ["reward", "rewards/math", "loss"]
+
+
 def test_evaluations_are_drawn_as_points_with_error_bars():
     from matplotlib.figure import Figure
 
