@@ -206,6 +206,25 @@ MUTATIONS = [
       MONITOR_TESTS),
     M("monitor kl_high threshold", "align/monitor.py", 'check_above, "warn", 10, params={"max_value": 0.5}',
       'check_above, "warn", 10, params={"max_value": 0.6}', MONITOR_TESTS),
+    M("monitor held-out degradation: no sqrt(2) (one pass rate's SE)", "align/monitor.py",
+      "se = math.sqrt(max(2 * p * (1 - p), 1e-12) / n)", "se = math.sqrt(max(p * (1 - p), 1e-12) / n)",
+      MONITOR_TESTS),
+    M("monitor held-out degradation: against the latest, not the best", "align/monitor.py",
+      "ref = max(earlier) if vs_best else earlier[0]", "ref = earlier[-1] if vs_best else earlier[0]", MONITOR_TESTS),
+    M("monitor held-out degradation: z ignored", "align/monitor.py", "if ref - g > min_z * se:", "if ref - g > se:",
+      MONITOR_TESTS),
+    M("monitor rollout mismatch: 16-bit tolerance for fp32", "align/monitor.py",
+      'return MISMATCH_TOLERANCE["fp32" if precision in ("fp32", "auto", "") else "16-bit"]',
+      'return MISMATCH_TOLERANCE["16-bit"]', MONITOR_TESTS),
+    # ---- rollout/trainer agreement (align/rl.py)
+    M("tis: uncapped", "align/rl.py", "return torch.exp(old_logp.detach() - sampler_logp).clamp(max=cap)",
+      "return torch.exp(old_logp.detach() - sampler_logp)", RL_TESTS),
+    M("tis: ratio inverted", "align/rl.py", "return torch.exp(old_logp.detach() - sampler_logp).clamp(max=cap)",
+      "return torch.exp(sampler_logp - old_logp.detach()).clamp(max=cap)", RL_TESTS),
+    M("rollout mismatch: signed difference", "align/rl.py", "return (diff.abs() * mask).sum(),",
+      "return (diff * mask).sum(),", RL_TESTS),
+    M("rollout mismatch: mask ignored", "align/rl.py", "return (diff.abs() * mask).sum(),",
+      "return diff.abs().sum(),", RL_TESTS),
 ]
 
 

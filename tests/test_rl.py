@@ -357,10 +357,10 @@ def test_truncated_is_weights_by_hand():
 
 def test_rollout_mismatch_by_hand():
     """|Δ log p| and k3 = exp(r) − r − 1 (r = log π_trainer − log π_sampler) summed over the masked tokens only."""
-    sampler = torch.tensor([[-1.0, -2.0, -3.0]])
-    trainer = torch.tensor([[-1.5, -2.0, -9.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    sampler = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+    trainer = torch.tensor([[-1.5, -2.0, -9.0, -3.7]])  # Δ = +0.5, 0, (masked), −0.3
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
     abs_sum, k3_sum, n = rl.rollout_mismatch(sampler, trainer, mask)
-    assert abs_sum.item() == pytest.approx(0.5) and n.item() == 2
-    assert k3_sum.item() == pytest.approx(math.exp(-0.5) + 0.5 - 1)
+    assert abs_sum.item() == pytest.approx(0.8) and n.item() == 3  # |+0.5| + |−0.3|, not their sum 0.2
+    assert k3_sum.item() == pytest.approx(math.exp(-0.5) + 0.5 - 1 + math.exp(0.3) - 0.3 - 1)
     assert rl.rollout_mismatch(trainer, trainer, mask)[:2] == (0.0, 0.0)
