@@ -739,13 +739,15 @@ HEADLINE = ("pass@", "accuracy", "reward", "kl", "loss")
 
 
 def headline_metrics(out: Path, n: int = 3) -> dict:
-    """A few numeric metrics from the stage's artifact.json, the most telling first (pass@k, accuracy, loss...)."""
+    """A few numeric metrics from the stage's artifact.json, the most telling first (pass@k, accuracy, loss...);
+    standard errors and the input model's figures (start/...) are left to the artifact."""
     try:
         art = read_artifact(out) or {}
     except UserError:
         return {}
     metrics = art.get("metrics") or {}
-    numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+               and not k.endswith("_stderr") and not k.startswith("start/")}  # the result, not its error or input
 
     def rank(k: str) -> int:
         for i, word in enumerate(HEADLINE):

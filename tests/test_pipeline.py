@@ -438,3 +438,13 @@ def test_a_larger_budget_continues_a_complete_constant_schedule_stage(tmp_path):
     with pytest.raises(UserError) as e:
         P.raise_for_failure([refused])
     assert e.value.exit_code == 2
+
+
+def test_the_summary_shows_results_not_their_errors_or_inputs(tmp_path):
+    """The pipeline table's metrics column: the stage's results, most telling first; a standard error or the input
+    model's figure (start/...) would crowd out the result (GRPO's row showed only start/ values)."""
+    (tmp_path / "artifact.json").write_text(json.dumps({"metrics": {
+        "start/pass@1/greedy": 0.5, "start/pass@1/greedy_stderr": 0.03, "eval/pass@1/greedy_stderr": 0.005,
+        "wall_seconds": 9.0, "eval/pass@1/greedy": 0.995, "gain/pass@1/greedy": 0.495, "reward/last5": 0.99}}))
+    assert P.headline_metrics(tmp_path) == {"eval/pass@1/greedy": 0.995, "gain/pass@1/greedy": 0.495,
+                                            "reward/last5": 0.99}
