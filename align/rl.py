@@ -47,7 +47,9 @@ def rollout_mismatch(sampler_logp: torch.Tensor, trainer_logp: torch.Tensor, mas
     from the sampler (Schulman 2020: exp(r) − r − 1, r = log π_trainer − log π_sampler). Both are 0 when the
     decoder samples from exactly the trainer's distribution."""
     diff = (sampler_logp - trainer_logp.detach()).float()
-    return (diff.abs() * mask).sum(), (kl_k3(sampler_logp.float(), trainer_logp.detach().float()) * mask).sum(), mask.sum()
+    # k3 in float64: e^r − r − 1 of an fp32 r ~ 1e-7 cancels to ±1e-9, a "negative KL" on every healthy step
+    k3 = kl_k3(sampler_logp.double(), trainer_logp.detach().double()) * mask
+    return (diff.abs() * mask).sum(), k3.sum().float(), mask.sum()
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, n_tokens: float, n_seqs: float,
