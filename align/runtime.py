@@ -140,6 +140,11 @@ def shutdown(clean: bool) -> None:
     if clean or gloo:
         td.destroy_process_group()
         _DIST = None
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if groups is not None and hasattr(groups, "_WORLD_GROUP"):
+            # DeepSpeed keeps its clone of the world group across process groups: a stage run later in this
+            # process (a library user, the tests) would hand ZeRO the destroyed one ("is not registered")
+            groups._WORLD_GROUP = None
 
 
 def quiet_libraries() -> None:
