@@ -3,11 +3,14 @@
     python -m benchmarks.monitor_bench [--out runs/monitor_bench] [--write-docs] [--only NAME ...]
 
 Healthy runs (GRPO, PPO, DPO at a few seeds and learning rates) and runs with a known failure and the step it
-starts at (a stale decoder weight copy or a NaN injected at step k with benchmarks.faults; a length-exploitable
-reward; a learning rate that collapses the entropy; a KL blow-up; held-out degradation without proxy gain: PPO
-from the arithmetic chain's SFT model against its RM with no KL and lr 2e-4). Each run writes its metrics.jsonl
-once (kept in --out: a rerun of the benchmark only replays them); the metrics are replayed through a fresh
-RLMonitor with the default rules, step by step as the run fed it (an evaluation's metrics with its step's).
+starts at, read from the run itself (the RUNS table says how): a stale decoder weight copy or a NaN injected at
+step k with benchmarks.faults; a reward paid per character (answers triple in length); a reward paid per "7" from
+the untrained model (entropy 6.2 -> below 0.1 nats); a KL blow-up; held-out degradation without proxy gain (PPO
+from the arithmetic chain's SFT model against its RM with no KL and lr 2e-4); over-optimisation of a weak reward
+model (PPO without KL against a scalar RM trained 40 steps: held-out pass@1 falls while the RM's score of the same
+answers rises). Each run writes its metrics.jsonl once (kept in --out with the artifacts it trains against: a
+rerun of the benchmark only replays them); the metrics are replayed through a fresh RLMonitor with the default
+rules, step by step as the run fed it (an evaluation's metrics with its step's).
 
 For each rule: detections (failure runs where it fired at or after the onset / failure runs), the mean delay
 from the labelled onset to its first event, and false alarms per 100 healthy steps. PPO and DPO runs need the
@@ -39,17 +42,18 @@ def _reward_file(name: str, body: str) -> str:
     return f"{f}:{name}"
 
 
-def grpo(seed: int, lr: float, steps: int = 15, *extra, reward: str = "", model: str = "tiny") -> list[str]:
+def grpo(seed: int, lr: float, steps: int = 15, *extra, reward: str = "", model: str = "tiny",
+         tokens: int = 12) -> list[str]:
     reward = reward or _reward_file("parity", "float(len(completion) % 2)")
     return ["grpo", "--model", model, "--reward", reward,
             "--data", str(ROOT / "data/arithmetic/train.jsonl"), "--eval-data", "", "--max-steps", str(steps),
-            "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "12", "--seed", str(seed),
+            "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", str(tokens), "--seed", str(seed),
             "--lr", str(lr), "--warmup-steps", "0", *extra]
 
 
-def ppo(seed: int, lr: float, steps: int = 15, *extra) -> list[str]:
-    return ["ppo", "--model", str(SFT), "--reward-model", str(RM), "--max-steps", str(steps), "--seed", str(seed),
-            "--lr", str(lr), "--prompts-per-step", "16", "--minibatch-size", "16", "--ppo-epochs", "2",
+def ppo(seed: int, lr: float, steps: int = 15, *extra, rm: str = str(RM), prompts: int = 16) -> list[str]:
+    return ["ppo", "--model", str(SFT), "--reward-model", rm, "--max-steps", str(steps), "--seed", str(seed),
+            "--lr", str(lr), "--prompts-per-step", str(prompts), "--minibatch-size", str(prompts), "--ppo-epochs", "2",
             "--eval-samples", "100", *extra]
 
 
@@ -72,20 +76,38 @@ RUNS = {
     "dpo-s1-lr5e-5": (None, 0, "none", 0, dpo(1, 5e-5)),
     "grpo-stale-decoder@6": ("stale decoder copy", 6, "stale_decoder", 5, grpo(0, 5e-5)),
     "grpo-nan@6": ("NaN loss", 6, "nan", 5, grpo(1, 5e-5)),
-    "grpo-length-reward": ("length-exploitable reward", 1, "none", 0,
-                           grpo(0, 2e-4, 20, "--max-new-tokens", "32", reward=_reward_file("longer", "len(completion) / 40"),
-                                model=str(SFT))),
-    "grpo-entropy-lr5e-3": ("entropy collapse", 1, "none", 0, grpo(0, 5e-3, 20, model=str(SFT))),
+    # per-character pay from the SFT model (answers ~15 tokens, room for 48): length flat to step 19, x3 by step 23
+    "grpo-length-reward": ("length-exploitable reward", 20, "none", 0,
+                           grpo(0, 1e-3, 40, reward=_reward_file("longer", "len(completion) / 40"), model=str(SFT),
+                                tokens=48)),
+    # from the untrained model (entropy 6.2 nats) paid per "7": entropy falls from step 12, below 0.1 from step 33
+    "grpo-entropy-collapse": ("entropy collapse", 12, "none", 0,
+                              grpo(0, 3e-3, 45, reward=_reward_file("sevens", "completion.count('7') / 12"))),
     "grpo-kl-blowup": ("KL blow-up", 1, "none", 0, grpo(0, 3e-3, 15, "--beta", "0.01", "--num-iterations", "2")),
     "ppo-degradation": ("held-out degradation without proxy gain", 1, "none", 0,
                         ["ppo", "--model", str(SFT), "--reward-model", str(RM), "--init-kl-coef", "0", "--fixed-kl",
                          "--ptx-coef", "0", "--lr", "2e-4", "--seed", "11", "--max-steps", "60"]),
+    # PPO without KL against a reward model trained 40 steps (held-out pair accuracy ~0.63): held-out pass@1 holds
+    # to step 20, then falls 0.43 -> ~0.2 while the reward model's score of the same answers rises
+    "ppo-weak-rm": ("over-optimisation of a weak reward model", 21, "none", 0,
+                    ppo(0, 5e-5, 60, "--init-kl-coef", "0", "--fixed-kl", "--ptx-coef", "0", rm="@rm-weak", prompts=32)),
 }
+
+
+# Artifacts that runs train against, trained once into --out like the runs; a run's argument "@NAME" is its path
+PREP = {"rm-weak": ["rm", "train", "--model", str(SFT), "--data", str(ROOT / "data/prefs/train.jsonl"), "--eval-data",
+                    str(ROOT / "data/prefs/test.jsonl"), "--head", "scalar", "--max-steps", "40", "--batch-size", "16",
+                    "--lr", "1e-3", "--seed", "0"]}
 
 
 def run(name: str, out: Path) -> Path:
     """The run's out directory, trained unless a finished (or monitor-stopped) one is there."""
     label, onset, fault, fault_step, args = RUNS[name]
+    args = [str(_train(a[1:], out, "none", 0, PREP[a[1:]])) if a[1:] in PREP and a[0] == "@" else a for a in args]
+    return _train(name, out, fault, fault_step, args)
+
+
+def _train(name: str, out: Path, fault: str, fault_step: int, args: list[str]) -> Path:
     d = out / name
     art = d / "artifact.json"
     if art.is_file() and json.loads(art.read_text()).get("status") in ("complete", "failed", "stopped"):
