@@ -7,14 +7,14 @@ starts at, read from the run itself (the RUNS table says how): a stale decoder w
 step k with benchmarks.faults; a reward paid per character (answers triple in length); a reward paid per "7" from
 the untrained model (entropy 6.2 -> below 0.1 nats); a KL blow-up; held-out degradation without proxy gain (PPO
 from the arithmetic chain's SFT model against its RM with no KL and lr 2e-4); over-optimisation of a weak reward
-model (PPO without KL against a scalar RM trained 40 steps: held-out pass@1 falls while the RM's score of the same
-answers rises). Each run writes its metrics.jsonl once (kept in --out with the artifacts it trains against: a
+model (PPO without KL against a scalar RM trained 40 steps: its score rises while the verifier's falls, in
+training and on held-out problems). Each run writes its metrics.jsonl once (kept in --out with the artifacts it trains against: a
 rerun of the benchmark only replays them); the metrics are replayed through a fresh RLMonitor with the default
 rules, step by step as the run fed it (an evaluation's metrics with its step's).
 
 For each rule: detections (failure runs where it fired at or after the onset / failure runs), the mean delay
 from the labelled onset to its first event, and false alarms per 100 healthy steps. PPO and DPO runs need the
-arithmetic chain's sft and rm (`align pipeline run pipelines/arithmetic.toml`, ~7 min). Runs in ~15 min on 2
+arithmetic chain's sft and rm (`align pipeline run pipelines/arithmetic.toml`, ~7 min). Runs in ~6 min on 2
 cores.
 """
 
@@ -51,10 +51,11 @@ def grpo(seed: int, lr: float, steps: int = 15, *extra, reward: str = "", model:
             "--lr", str(lr), "--warmup-steps", "0", *extra]
 
 
-def ppo(seed: int, lr: float, steps: int = 15, *extra, rm: str = str(RM), prompts: int = 16) -> list[str]:
+def ppo(seed: int, lr: float, steps: int = 15, *extra, rm: str = str(RM), prompts: int = 16,
+        epochs: int = 2) -> list[str]:
     return ["ppo", "--model", str(SFT), "--reward-model", rm, "--max-steps", str(steps), "--seed", str(seed),
-            "--lr", str(lr), "--prompts-per-step", str(prompts), "--minibatch-size", str(prompts), "--ppo-epochs", "2",
-            "--eval-samples", "100", *extra]
+            "--lr", str(lr), "--prompts-per-step", str(prompts), "--minibatch-size", str(prompts),
+            "--ppo-epochs", str(epochs), "--eval-samples", "100", *extra]
 
 
 def dpo(seed: int, lr: float, steps: int = 20) -> list[str]:
@@ -87,10 +88,11 @@ RUNS = {
     "ppo-degradation": ("held-out degradation without proxy gain", 1, "none", 0,
                         ["ppo", "--model", str(SFT), "--reward-model", str(RM), "--init-kl-coef", "0", "--fixed-kl",
                          "--ptx-coef", "0", "--lr", "2e-4", "--seed", "11", "--max-steps", "60"]),
-    # PPO without KL against a reward model trained 40 steps (held-out pair accuracy ~0.63): held-out pass@1 holds
-    # to step 20, then falls 0.43 -> ~0.2 while the reward model's score of the same answers rises
-    "ppo-weak-rm": ("over-optimisation of a weak reward model", 21, "none", 0,
-                    ppo(0, 5e-5, 60, "--init-kl-coef", "0", "--fixed-kl", "--ptx-coef", "0", rm="@rm-weak", prompts=32)),
+    # PPO without KL against a reward model trained 40 steps (held-out pair accuracy 0.63), 4 epochs a batch: from
+    # the first updates the RM's score rises (training and held-out) while the verifier's falls (held-out 0.43 -> 0.04)
+    "ppo-weak-rm": ("over-optimisation of a weak reward model", 1, "none", 0,
+                    ppo(0, 1e-4, 60, "--init-kl-coef", "0", "--fixed-kl", "--ptx-coef", "0", rm="@rm-weak", prompts=32,
+                        epochs=4)),
 }
 
 
