@@ -146,17 +146,19 @@ def check_nonfinite(loss: list, grad_norm: list, window: int) -> Check:
 
 
 def check_spike(xs: list, window: int, factor: float, max_value: float, min_history: float,
-                min_value: float = 0.0) -> Check:
+                min_value: float = 0.0, skip_zero: bool = False) -> Check:
     """Latest value > max_value, or > factor x median of the previous `window` values and > min_value.
 
     The jump test catches a single step that a window mean (check_above) averages away; min_value keeps
-    tiny absolute values (early KL of ~0.01 nats) from firing on noise."""
+    tiny absolute values (early KL of ~0.01 nats) from firing on noise. skip_zero leaves exact zeros out of the
+    history: a gradient norm of 0 is a step without an update (GRPO with no group carrying signal), not a baseline
+    (with it, the first step that learns anything was "10x the median")."""
     x = xs[-1]
     if not math.isfinite(x):
         return QUIET  # the nan rule owns non-finite values
     if x > max_value:
         return Check(True, x, max_value, f"latest {x:.4g} > {max_value:.4g}")
-    prev = _finite(xs[-window - 1 : -1])
+    prev = [v for v in _finite(xs[-window - 1 : -1]) if not (skip_zero and v == 0)]
     if len(prev) < min_history:
         return QUIET
     jump = factor * statistics.median(prev)
@@ -351,7 +353,7 @@ def default_rules(precision: str = "fp32") -> list:
                      "(or an overflow in 16-bit precision). Lower --lr, keep --grad-clip on, check the data and "
                      "reward for extreme values."),
         Rule("grad_explode", "grad_norm", check_spike, "warn", 20,
-             params={"factor": 10.0, "max_value": 1e4, "min_history": 5},
+             params={"factor": 10.0, "max_value": 1e4, "min_history": 5, "skip_zero": True},
              message="Gradient norm spike: LR too high or a bad batch. Lower the LR, clip gradients, "
                      "check for extreme rewards/advantages."),
         Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5}, remedy=KL_REMEDY,

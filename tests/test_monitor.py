@@ -114,6 +114,15 @@ def test_kl_spike_ignores_small_values_and_needs_history():
     assert fired(feed([{"kl": 0.01}] * 3 + [{"kl": 5.0}]), "kl_spike") == []  # 3 < min_history
 
 
+def test_grad_explode_leaves_steps_without_an_update_out_of_its_median():
+    """GRPO steps whose groups all lack signal have grad_norm exactly 0: not a baseline. Five of them, then 0.3:
+    quiet (the median would be 0, any update "10x" it); with 5 real steps of ~0.3 before, 4.0 fires (> 10 x 0.3)."""
+    assert fired(feed([{"grad_norm": 0.0}] * 5 + [{"grad_norm": 0.3}]), "grad_explode") == []
+    mixed = [{"grad_norm": 0.0}, {"grad_norm": 0.3}] * 5 + [{"grad_norm": 4.0}]
+    m = feed(mixed)
+    assert fired(m, "grad_explode") == [(10, "warn")] and m.events[0].threshold == pytest.approx(3.0)
+
+
 def test_reward_falling():
     # steady decline after a plateau, noise-free: window 20 vs the 20 before it
     stream = [{"reward": 1.0 if s < 30 else 1.0 - 0.05 * (s - 29)} for s in range(60)]
