@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import parity_reward, small_data
 from tests.test_rollout_mismatch import GRPO, rows, run_with_fault
 
@@ -24,8 +26,24 @@ def test_stop_keeps_the_best_heldout_weights_and_says_it_stopped(tmp_path):
     evals = [(r["step"], r["eval/pass@1/greedy"]) for r in rows(out, "metrics.jsonl") if "eval/pass@1/greedy" in r]
     best_step, best = max(evals, key=lambda e: (e[1], -e[0]))  # the first evaluation with the highest pass rate
     assert art["stopped"]["kept"] == {"step": best_step, "key": "eval/pass@1/greedy", "value": best}
+    kept_row = next(r for r in rows(out, "metrics.jsonl") if r["step"] == best_step and "eval/pass@1/greedy" in r)
+    held_out = {k: v for k, v in art["metrics"].items() if k.startswith("eval/")}
+    assert held_out == pytest.approx({k: v for k, v in kept_row.items() if k.startswith("eval/")})
     assert "stopped on an alarm" in art["reason"] and f"step {best_step}" in art["reason"]
     assert (out / "model" / "model.safetensors").is_file() and set(art["files"]) >= {"model/model.safetensors"}
+
+
+def test_a_stopped_artifact_reports_the_kept_evaluation():
+    """PPO over-optimising a weak RM: held-out pass@1 0.45 at step 0, 0.30 at step 5, where heldout_degradation
+    stops it; model/ holds step 0's weights, so the artifact's held-out figures are step 0's (not 0.30)."""
+    from align.engine.alarm import kept_metrics
+
+    last = {"reward": 0.2, "eval/pass@1/greedy": 0.30, "eval/reward": 0.19, "eval/problems": 100.0}
+    best = {"step": 0, "key": "eval/pass@1/greedy", "value": 0.45,
+            "metrics": {"eval/pass@1/greedy": 0.45, "eval/reward": 0.05, "eval/problems": 100.0}}
+    assert kept_metrics(last, best) == {"reward": 0.2, "eval/pass@1/greedy": 0.45, "eval/reward": 0.05,
+                                        "eval/problems": 100.0}
+    assert kept_metrics(last, None) == last  # no evaluation ran: this step's weights, this step's figures
 
 
 def test_rollback_returns_to_the_checkpoint_with_half_the_lr_once(tmp_path):

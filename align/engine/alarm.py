@@ -60,7 +60,8 @@ class Alarms:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         runtime.barrier()
-        self.best = {"step": step, "key": key, "value": float(metrics[key])}
+        self.best = {"step": step, "key": key, "value": float(metrics[key]),
+                     "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
 
     def act(self, step: int, event: Event, algo, bar) -> int | None:
         """Do what the mode says with `event`; returns the step to continue from after a rollback, else None
@@ -132,7 +133,16 @@ class Alarms:
         if self.rollback:
             reason += (f"; it had rolled back once, at step {self.rollback['at']} to step {self.rollback['to']} "
                        f"({self.rollback['rule']})")
-        run.writer.complete(run.last, run.monitor.summary(), extra={"reason": reason, "stopped": {
-            "step": step, "rule": event.rule, "kept": self.best or {"step": step}}}, status="stopped")
+        metrics = kept_metrics(run.last, self.best)
+        kept_record = {k: v for k, v in (self.best or {"step": step}).items() if k != "metrics"}
+        run.writer.complete(metrics, run.monitor.summary(), extra={"reason": reason, "stopped": {
+            "step": step, "rule": event.rule, "kept": kept_record}}, status="stopped")
         bar.print(f"[bold red]{reason}[/]")
         raise SystemExit(1)
+
+
+def kept_metrics(last: dict, best: dict | None) -> dict:
+    """A stopped run's artifact metrics: the last step's, with the held-out (eval/) figures of the evaluation whose
+    weights model/ keeps (`best`: after_eval's record) instead of the last evaluation's."""
+    kept = (best or {}).get("metrics") or {}
+    return {**{k: v for k, v in last.items() if not (kept and k.startswith("eval/"))}, **kept}
