@@ -1,5 +1,5 @@
-"""`align export RUN --to DIR`: a run's model as a plain transformers model directory (a LoRA adapter merged into
-its base with peft's merge_and_unload), its tokenizer and chat template, and a model card (README.md) of its
+"""`align export RUN --to DIR`: a run's model as a plain transformers model directory (an adapter saved
+alone merged into its base, as every stage loads it), its tokenizer and chat template, and a model card (README.md) of its
 lineage: the stages it came from, their data hashes, key metrics and RLMonitor events, read from artifact.json files.
 
 DIR is written whole or not at all: into a temporary directory beside it, renamed into place at the end. A DIR that
@@ -57,10 +57,10 @@ def run(cfg: ExportConfig) -> Path:
 def _write(source, run_dir: Path, out: Path, max_shard_size: str) -> None:
     import torch
 
-    from align.models import load_tokenizer
+    from align.models import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(source)
-    model = _load_merged(source, tok, torch.float32)
+    model = load_causal_lm(source, tok, torch.float32)  # an adapter saved alone (--no-merge) merged into its base
     for k in [k for k in vars(model.config) if k.startswith("align_")]:
         delattr(model.config, k)  # align's own bookkeeping; a plain causal LM has none
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
@@ -69,25 +69,6 @@ def _write(source, run_dir: Path, out: Path, max_shard_size: str) -> None:
     tok.save_pretrained(out)
     (out / "README.md").write_text(model_card(run_dir, has_template=bool(getattr(tok, "chat_template", None))))
     out.chmod(0o755)
-
-
-def _load_merged(source, tok, dtype):
-    """The run's model with any LoRA adapter merged: a model/ saved merged loads as it is; an adapter saved alone
-    (--no-merge) is loaded onto its base with peft and merged (merge_and_unload)."""
-    from transformers import AutoModelForCausalLM
-
-    if source.base is None:
-        return AutoModelForCausalLM.from_pretrained(source.model_dir, dtype=dtype, use_safetensors=True)
-    from peft import PeftModel
-
-    from align.models import load_causal_lm
-
-    base = load_causal_lm(source.base, tok, dtype)
-    merged = PeftModel.from_pretrained(base, str(source.adapter_dir)).merge_and_unload()
-    for k, v in source.config.items():
-        if k == "pad_token_id":
-            setattr(merged.config, k, v)
-    return merged
 
 
 def _short(v) -> str:
