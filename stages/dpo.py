@@ -154,7 +154,8 @@ class DPO:
         run.check_lora(source)
         dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=None),
                         sequence_tokens=longest_row(self.examples))
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())  # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
+        # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
+        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
 
         def load(src):
             return lambda dtype: disable_dropout(load_causal_lm(src, self.tok, dtype, cfg.seed, cfg.trust_remote_code))

@@ -156,7 +156,8 @@ class RewardModel:
         self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
         run.check_lora(source)
         dist = run.open(inputs, sequence_tokens=longest_row(self.examples))
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())  # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
+        # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
+        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
         self.rm = run.train("rm", lambda dtype: load_reward_model(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code,
                                                                   cfg.head, cfg.likelihood_beta),
                             Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay),

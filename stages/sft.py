@@ -62,7 +62,8 @@ class SFT:
         run.check_lora(source)
 
         dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), sequence_tokens=longest_row(self.examples))
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())  # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
+        # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
+        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
         if len(examples) < len(rows):
             info(f"[yellow]dropped {len(rows) - len(examples)} examples whose completion exceeds --max-length[/]")
         self.policy = run.train("policy", lambda dtype: load_causal_lm(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code),
