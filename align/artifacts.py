@@ -228,7 +228,7 @@ class ArtifactWriter:
         )
         write_json_atomic(self.out / ARTIFACT_FILE, self.record)
         for sink in self.sinks:
-            sink.finish("complete")
+            sink.finish(status)  # a run --on-alarm stop ended is "stopped" there too, not "complete"
 
     def _close(self) -> None:
         for f in (self._metrics, self._health):

@@ -228,6 +228,20 @@ def test_a_failing_tracker_is_warned_about_once_and_dropped(tmp_path, monkeypatc
     assert len(said) == 1 and said[0].startswith("--report-to flaky: log failed (ConnectionError: server went away)")
 
 
+def test_the_trackers_hear_the_artifacts_own_status(tmp_path):
+    """A run --on-alarm stop ended is "stopped" in artifact.json and to every tracker, not "complete"."""
+    from align.artifacts import ArtifactWriter
+
+    heard = []
+    sink = type("Sink", (), {"finish": lambda self, status: heard.append(status)})()
+    for status in ("stopped", "complete"):
+        writer = ArtifactWriter(tmp_path / status, "grpo", {"lr": 0.1}, {}, True)
+        writer.sinks.append(sink)
+        writer.complete({}, status=status)
+        assert json.loads((tmp_path / status / "artifact.json").read_text())["status"] == status
+    assert heard == ["stopped", "complete"]
+
+
 def test_pipeline_report_to_is_every_stages_default_and_not_in_the_fingerprint(tmp_path):
     from align import pipeline as P
 
