@@ -99,7 +99,7 @@ def event_text(e: dict) -> str:
 
 class Tracker:
     """One tracker's run. `start` opens it with the run's parameters, `log` a metrics row, `events` RLMonitor's new
-    events (`every`: all so far), `finish` closes it with the run's status (complete | failed)."""
+    events (`every`: all so far), `finish` closes it with the run's status (complete | stopped | failed)."""
 
     name = ""
     local = ""  # the folder in the run directory it writes to (replaced by a fresh run)
