@@ -23,11 +23,41 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator | None = N
     numbers (the magnitude rounds up or down); a carry out of the mantissa moves the exponent, as it should.
     Values bf16 holds exactly (low bits 0) never move."""
     bits = x.to(torch.float32).contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
+    if generator is None:  # the _like form compiles with a dynamic size (torch.randint needs a concrete one)
+        noise = torch.randint_like(bits, 0, 1 << 16)
+    else:
+        noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 CHUNK = 1 << 22  # elements per multi-tensor update: ~150 MB of fp32 temporaries
+
+
+def adamw_sr_tensor(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hp: torch.Tensor) -> None:
+    """One AdamW step of one tensor, in place, fp32 arithmetic; `hp` = [lr, β1, β2, ε, λ, 1 − β1^t, 1 − β2^t]
+    (a device tensor: a new learning rate or step is a new value, not a new compiled graph). The same update as
+    `AdamWSR._update`; written element-wise so that torch.compile fuses it into one kernel per tensor that reads
+    the bf16 weight, gradient and moments once and writes them once (14 bytes per parameter; the multi-tensor
+    path moves ~180 through its fp32 temporaries: 0.55 s against 0.04 s for torch's fused AdamW at 8B on an H200)."""
+    lr, b1, b2, eps, wd, bc1, bc2 = hp.unbind()
+    g32 = g.float()
+    m32 = m.float() * b1 + g32 * (1 - b1)
+    v32 = v.float() * b2 + g32 * g32 * (1 - b2)
+    x = p.float() * (1 - lr * wd) - (lr / bc1) * m32 / ((v32 / bc2).sqrt() + eps)
+    m.copy_(m32)
+    v.copy_(v32)
+    p.copy_(stochastic_round_bf16(x) if p.dtype == torch.bfloat16 else x)
+
+
+_fused = None
+
+
+def fused_update():
+    """`adamw_sr_tensor` compiled once (dynamic sizes: one graph per dtype mix serves every tensor)."""
+    global _fused
+    if _fused is None:
+        _fused = torch.compile(adamw_sr_tensor, dynamic=True, fullgraph=True)
+    return _fused
 
 
 class AdamWSR(torch.optim.Optimizer):
@@ -37,10 +67,15 @@ class AdamWSR(torch.optim.Optimizer):
 
         m ← β1 m + (1 − β1) g,   v ← β2 v + (1 − β2) g²
         θ ← SR( θ (1 − lr λ) − lr · (m / (1 − β1^t)) / (√(v / (1 − β2^t)) + ε) )
+
+    On a GPU each tensor is stepped by one compiled kernel (`adamw_sr_tensor`; `fused=False` keeps the
+    multi-tensor path); on the CPU the multi-tensor (foreach) path runs over chunks of ≤ CHUNK elements.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 fused: bool | None = None):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.fused = fused  # None: on CUDA tensors
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -55,6 +90,9 @@ class AdamWSR(torch.optim.Optimizer):
                                          exp_avg_sq=torch.zeros_like(p))
                 self.state[p]["step"] += 1
             t = self.state[params[0]]["step"].item()  # one host sync per group, not per chunk
+            if self.fused if self.fused is not None else params[0].is_cuda:
+                self._fused_step(params, group, t)
+                continue
             # chunks of <= CHUNK elements, large tensors sliced, bound the fp32 temporaries (~36 bytes per element
             # of a chunk): whole tensors made a 5.5 GiB transient at 0.5B (its 136M-element embedding alone is
             # 0.5 GiB per fp32 copy), and that transient was the step's peak
@@ -68,6 +106,16 @@ class AdamWSR(torch.optim.Optimizer):
             if chunk:
                 self._update(chunk, group, t)
         return loss
+
+    def _fused_step(self, params: list, group: dict, t: float) -> None:
+        """Every tensor of a group by the compiled one-kernel update (`adamw_sr_tensor`)."""
+        (b1, b2), step = group["betas"], fused_update()
+        hp = torch.tensor([group["lr"], b1, b2, group["eps"], group["weight_decay"], 1 - b1**t, 1 - b2**t],
+                          dtype=torch.float32).to(params[0].device, non_blocking=True)
+        for p in params:
+            s = self.state[p]
+            ts = (p, p.grad, s["exp_avg"], s["exp_avg_sq"])
+            step(*(x.view(-1) if all(y.is_contiguous() for y in ts) else x for x in ts), hp)  # 1-D: one graph
 
     def _update(self, pieces: list, group: dict, t: float) -> None:
         """One AdamW step (step count `t`) of `pieces` — (parameter, gradient, exp_avg, exp_avg_sq) views of one

@@ -1,5 +1,6 @@
 """The optimizer step alone at a real model's parameter shapes: align's AdamWSR (bf16 weights, moments and
-gradients, fp32 arithmetic in chunks, stochastic rounding) against torch's fused AdamW on the same bf16 tensors
+gradients, fp32 arithmetic — on a GPU one compiled kernel per tensor, the multi-tensor path beside it — stochastic
+rounding) against torch's fused AdamW on the same bf16 tensors
 (TRL's bf16 path) and on fp32 master weights. A DPO step at 8B with short sequences is a few FLOP-light passes
 plus one such step, so its share of the step decides how far below TRL's step ours can go.
 
@@ -62,6 +63,8 @@ def main() -> None:
     print("| model | params | optimizer | bytes / param | step (s) |\n|---|---|---|---|---|")
     fused = {"fused": True} if device.type == "cuda" else {}
     runs = [("align AdamWSR, bf16 + SR", torch.bfloat16, lambda ps: AdamWSR(ps, lr=1e-5, weight_decay=0.0), 8),
+            ("align AdamWSR multi-tensor (fused=False)", torch.bfloat16,
+             lambda ps: AdamWSR(ps, lr=1e-5, weight_decay=0.0, fused=False), 8),
             ("torch AdamW, bf16 (TRL bf16)", torch.bfloat16,
              lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.0, **fused), 8),
             ("torch AdamW, fp32", torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-5, weight_decay=0.0, **fused),

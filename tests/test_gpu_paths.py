@@ -163,6 +163,49 @@ def test_compiled_blocks_give_the_eager_log_probs_and_gradients():
     assert torch.equal(a, b) and counters["stats"]["unique_graphs"] == graphs
 
 
+def test_checkpointed_blocks_save_the_rng_state_only_when_they_draw_random_numbers(monkeypatch):
+    """The recompute inside a compiled block replays the forward; only a block with dropout needs the RNG state
+    saved for it (saving it when nothing is random cost ~50 s of compile on the GPU's first step)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seen = []
+    import torch.utils.checkpoint as C
+
+    real = C.checkpoint
+    monkeypatch.setattr(C, "checkpoint", lambda f, *a, **k: seen.append(k["preserve_rng_state"]) or real(f, *a, **k))
+    for p in (0.0, 0.1):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=64, vocab_size=101,
+                                         attention_dropout=p)).train()
+        b = build.blocks(m)[0]
+        assert build.uses_dropout(b) == (p > 0)
+        b.forward = build._recomputed(b, b.forward)
+        m(input_ids=torch.randint(3, 101, (2, 8)), use_cache=False).logits.sum().backward()
+    assert seen == [False, True]
+
+
+def test_compiled_checkpointed_block_takes_no_float_scalars_as_tensors():
+    """Compiled with dynamic shapes and checkpointed, a block's graph gets its float constants (norm ε, attention
+    scaling) as constants: no 0-d float64 tensor inputs, which on a GPU became CPU kernels compiled with a C++
+    compiler at the first step."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(x for x in inputs if isinstance(x, torch.Tensor))
+        return gm
+
+    m = tiny_llama().train()
+    m.gradient_checkpointing_enable()
+    build.compile_blocks(m, backend=backend)
+    m(input_ids=torch.randint(3, 101, (2, 8)), use_cache=False).logits.sum().backward()
+    assert seen and not [x for x in seen if x.ndim == 0 and x.dtype == torch.float64]
+    torch._dynamo.reset()
+
+
 def test_compiled_blocks_with_lora_adapters_match_eager_with_adapters_on_and_off():
     """LoRA layers inside a compiled block (aot_eager, as above), checkpointed: the adapters' gradients are the
     eager model's, and the reference forward with the adapters switched off (DPO/GRPO's base-model reference) is

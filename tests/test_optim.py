@@ -106,3 +106,78 @@ def test_a_tensor_larger_than_a_chunk_is_stepped_in_slices_with_bounded_temporar
     o.step()
     assert seen and max(seen) <= 64 and sum(seen) == 1000  # every element rounded once, a chunk at a time
     assert torch.all(w < 1.0) and o.state[w]["step"].item() == 1
+
+
+def _eager_fused(monkeypatch):
+    """The one-kernel path with its function run eagerly (the GPU compiles it; the arithmetic is the same)."""
+    import align.optim as O
+
+    monkeypatch.setattr(O, "_fused", O.adamw_sr_tensor)
+
+
+def test_fused_tensor_update_equals_the_multi_tensor_path_on_fp32(monkeypatch):
+    """The GPU's one-kernel-per-tensor AdamW (`adamw_sr_tensor`, its hyperparameters in a device tensor) and the
+    CPU's chunked foreach path are the same update: fp32 weights match over steps with a changing learning rate
+    and weight decay in one group, none in the other."""
+    _eager_fused(monkeypatch)
+
+    def run(fused):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        o = AdamWSR([{"params": [m[0].weight, m[1].weight], "weight_decay": 0.1},
+                     {"params": [m[0].bias, m[1].bias], "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95), fused=fused)
+        for step in range(5):
+            for g in o.param_groups:
+                g["lr"] = 1e-2 / (step + 1)
+            o.zero_grad()
+            m(torch.randn(5, 8, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
+            o.step()
+        return [p.detach().clone() for p in m.parameters()], o
+
+    (a, _), (b, ob) = run(False), run(True)
+    for pa, pb in zip(a, b):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+    assert set(ob.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_fused_update_rounds_stochastically_onto_bf16(monkeypatch):
+    """On bf16 weights the one-kernel path keeps sub-ulp updates in expectation (the 300-step test above) and its
+    moments in bf16; a non-contiguous weight is stepped in place too."""
+    _eager_fused(monkeypatch)
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    t = torch.nn.Parameter(torch.ones(64, 32, dtype=torch.bfloat16).t())  # non-contiguous
+    o = AdamWSR([w, t], lr=1e-4, weight_decay=0.0, fused=True)
+    for _ in range(300):
+        w.grad, t.grad = torch.ones_like(w), torch.ones_like(t)
+        o.step()
+    assert w.float().mean().item() == pytest.approx(1.0 - 300 * 1e-4, abs=1e-3)
+    assert t.float().mean().item() == pytest.approx(1.0 - 300 * 1e-4, abs=2e-3)
+    assert {x.dtype for x in o.state[w].values() if x.ndim} == {torch.bfloat16}
+
+
+def test_compiled_tensor_update_is_one_graph_for_every_size():
+    """torch.compile of `adamw_sr_tensor` with dynamic sizes: tensors of other sizes and another learning rate
+    reuse the first graph (no recompile per parameter shape or step), and it computes what the eager function
+    does (fp32: no rounding)."""
+    from align.optim import adamw_sr_tensor
+
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counts = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    f = torch.compile(adamw_sr_tensor, dynamic=True, fullgraph=True, backend=counts)
+    for n, lr in ((100, 1e-2), (37, 5e-3), (1000, 1e-3)):
+        gen = torch.Generator().manual_seed(n)
+        p, g, m, v = (torch.randn(n, generator=gen) for _ in range(4))
+        v = v.abs()
+        hp = torch.tensor([lr, 0.9, 0.95, 1e-8, 0.1, 0.19, 0.0975])
+        want = [x.clone() for x in (p, m, v)]
+        adamw_sr_tensor(*want[:1], g, *want[1:], hp)
+        f(p, g, m, v, hp)
+        for x, y in zip((p, m, v), want):
+            torch.testing.assert_close(x, y)
+    assert counts.frame_count == 1
+    w, g = torch.ones(300, dtype=torch.bfloat16), torch.ones(300, dtype=torch.bfloat16)
+    f(w, g, torch.zeros_like(w), torch.zeros_like(w), hp)  # bf16: the stochastic rounding compiles too
+    assert w.dtype == torch.bfloat16 and set(w.float().tolist()) == {1.0, 1.0 - 2**-8}  # the two neighbours

@@ -186,6 +186,10 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
 
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+    # A block's float attributes (norm ε, attention scaling) are constants: specialised, not turned into 0-d CPU
+    # tensors. Under dynamic shapes those tensors went into the checkpointed block's graph as CPU ops, and the
+    # first step compiled them as C++ kernels one by one (53 of its 62 s of compile at 135M on an H200).
+    torch._dynamo.config.specialize_float = True
     found = blocks(model)
     checkpointed = bool(getattr(model, "is_gradient_checkpointing", False))
     if checkpointed:  # recompute INSIDE the compiled block (transformers' wrapper may sit outside it)
@@ -204,12 +208,26 @@ def _recomputed(block: torch.nn.Module, forward):
     second Python forward per block, as transformers' own checkpointing wrapper costs."""
     from torch.utils.checkpoint import checkpoint
 
+    rng = uses_dropout(block)  # else no RNG state to save: inside a compiled block with dynamic shapes, saving it
+    # put CPU tensors (torch.get_rng_state) into the graph and cost ~50 s of C++ compile on the first step (H200)
+
     def run(*args, **kwargs):
         if block.training and torch.is_grad_enabled():
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=rng, **kwargs)
         return forward(*args, **kwargs)
 
     return run
+
+
+def uses_dropout(block: torch.nn.Module) -> bool:
+    """Whether a training forward of `block` draws random numbers: a Dropout module with p > 0, or an attention
+    dropout rate > 0 (transformers' attention modules keep it as `attention_dropout`)."""
+    for m in block.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if float(getattr(m, "attention_dropout", 0) or 0) > 0:
+            return True
+    return False
 
 
 def eager():
@@ -315,9 +333,10 @@ def lr_lambda(schedule: str, warmup: int, total: int):
 
 
 def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: bool = False,
-          stochastic_rounding: bool = False):
+          stochastic_rounding: bool = False, compile: bool = True):
     """AdamW, weight decay on matrices only (the fused kernel on GPU machines). `stochastic_rounding` (--precision
-    bf16-pure: the optimizer steps bf16 weights): `align.optim.AdamWSR`. With --offload-optimizer on a GPU
+    bf16-pure: the optimizer steps bf16 weights): `align.optim.AdamWSR`, one compiled kernel per tensor on a GPU
+    unless `compile` is off (--no-compile: its multi-tensor path). With --offload-optimizer on a GPU
     machine the step runs on the CPU: DeepSpeed's vectorised CPUAdam (built once per machine, ~1 min; several
     times faster than torch's CPU AdamW), or torch's AdamW where the build fails."""
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
@@ -338,7 +357,7 @@ def adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), offload: boo
         # bf16 ulp (lr 1e-5 on weights near 1) alive in expectation, where round-to-nearest drops them.
         from align.optim import AdamWSR
 
-        return AdamWSR(groups, lr=lr, betas=betas)
+        return AdamWSR(groups, lr=lr, betas=betas, fused=None if compile else False)
     # GPU machines: the fused kernel (a few launches per step, no parameter-sized temporaries as the default
     # foreach AdamW allocates); on CPU-only machines torch's default, which the CPU tests pin down.
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=torch.cuda.is_available() or None)

@@ -225,7 +225,8 @@ class StageRun:
         clip = own_clipping(ds)
         model, self._link = load_partitioned(ds, with_lora(load, cfg), self.dtype)
         opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer,
-                    stochastic_rounding=self.precision == "bf16-pure")
+                    stochastic_rounding=self.precision == "bf16-pure",
+                    compile=bool(getattr(cfg, "compile", True)))
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)
         eng = wrap(model, ds, opt, lambda o: torch.optim.lr_scheduler.LambdaLR(o, schedule), compile=self.compile)
         eng.train()
