@@ -155,7 +155,7 @@ class StageConfig(Options):
                          choices=PRECISIONS)
     compile: bool = opt(True, "One GPU process (ZeRO-0, the one-GPU default): torch.compile each transformer "
                               "block (one compile serves them all): fewer kernel launches in every forward and "
-                              "backward, for a first step up to ~1 min longer on a machine's first run (inductor "
+                              "backward, for a first step ~10-20 s longer on a machine's first run (inductor "
                               "caches the code on disk). Several processes, offloads and CPU runs stay eager.")
     report_to: str = opt("", "Experiment trackers that get the metrics, config, lineage and RLMonitor events too "
                              "(rank 0): comma-separated tensorboard, wandb, trackio, mlflow (each an extra: pip "
