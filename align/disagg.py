@@ -79,9 +79,16 @@ class Bridge:
         self.pg = ProcessGroupGloo(PrefixStore("align/bridge", store), rank, size, timeout)
         self.weights_pg = self.pg
         if device.type == "cuda":
-            from torch.distributed import ProcessGroupNCCL
+            try:
+                from torch.distributed import ProcessGroupNCCL
 
-            self.weights_pg = ProcessGroupNCCL(PrefixStore("align/bridge-nccl", store), rank, size)
+                self.weights_pg = ProcessGroupNCCL(PrefixStore("align/bridge-nccl", store), rank, size)
+            except Exception as e:  # never lose a run to it: the weights go through host memory instead
+                from align.console import warn
+
+                warn(f"the decoders' weight broadcast runs over gloo through host memory (NCCL: {type(e).__name__}: "
+                     f"{str(e)[:200]})")
+                self.device = torch.device("cpu")
 
     def send(self, msg: dict | None = None) -> dict:
         """Rank 0's `msg`, on every rank."""

@@ -448,7 +448,7 @@ class GRPO:
 
 
 def run(cfg: GRPOConfig) -> dict:
-    if cfg.rollout_gpus and disagg.split(cfg.rollout_gpus):
+    if cfg.rollout_gpus and not cfg.plan and disagg.split(cfg.rollout_gpus):  # --plan: one process plans them all
         return decoder(cfg)
     return train(cfg, "grpo", GRPO)
 
