@@ -190,7 +190,7 @@ class GRPO:
             sampler = disagg.RemoteSampler(self.policy.eng, self.run.dist, self.step_prompts, self.sampling_of,
                                            cfg.num_generations)
         else:
-            sampler = LocalSampler(self.local_completions)
+            sampler = LocalSampler(lambda step: self.local_rollout(step).completions)
         return Rollouts(cfg.max_staleness, cfg.max_steps, sampler)
 
     def micro_rows(self, n_local: int, longest: int) -> int:
@@ -321,12 +321,10 @@ class GRPO:
     # ---- the step
 
     def step(self, step: int) -> Stats:
-        cfg, dist, stats, times = self.cfg, self.run.dist, Stats(), {}
+        cfg, stats, times = self.cfg, Stats(), {}
         if self.rollouts is None:  # synchronous: rollout `step` sampled now, from the current weights
             with timed(times, "time/generate"):
-                idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
-                r = sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
-                           cfg.num_generations, self.sampling_of(step), dist, cfg.gather)
+                r = self.local_rollout(step)
             zero_std = self.learn(r, stats, times)
         else:  # off-policy by up to --max-staleness steps (align.async_rl), or from decoder ranks
             pending = self.rollouts.before_update(step, times)
@@ -346,12 +344,12 @@ class GRPO:
         """The sampling settings of rollout `step`: its samples are keyed by (seed, step)."""
         return replace(self.sampling, seed=derive(self.cfg.seed, step))
 
-    def local_completions(self, step: int) -> list:
-        """This rank's completions of rollout `step`, sampled now by the policy engine."""
+    def local_rollout(self, step: int) -> Rollout:
+        """This rank's share of rollout `step`, sampled now by the policy engine."""
         cfg = self.cfg
         idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
         return sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
-                      cfg.num_generations, self.sampling_of(step), self.run.dist, cfg.gather).completions
+                      cfg.num_generations, self.sampling_of(step), self.run.dist, cfg.gather)
 
     def step_prompts(self, step: int) -> list[list[int]]:
         """The token ids of every prompt of rollout `step` (all ranks')."""

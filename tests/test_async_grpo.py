@@ -39,7 +39,7 @@ def steps(cfg, n: int, queue: bool = False) -> tuple[list[dict], dict]:
         algo = GRPO(cfg, run)
         assert algo.rollouts is None  # --max-staleness 0 in one process: the synchronous step
         if queue:
-            algo.rollouts = Rollouts(0, cfg.max_steps, LocalSampler(algo.local_completions))
+            algo.rollouts = Rollouts(0, cfg.max_steps, LocalSampler(lambda s: algo.local_rollout(s).completions))
         rows = [run._step(algo, s)[0] for s in range(n)]
         return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in rows], weights(algo)
 
