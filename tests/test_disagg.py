@@ -88,35 +88,39 @@ def test_staleness_1_with_decoder_ranks_is_the_one_process_algorithm(runs, tiny_
     assert all(r["time/wait"] >= 0 and r["time/wait_decoder"] >= 0 for r in got if "loss" in r)
 
 
-def decoder_pid(out) -> int:
-    """The decoder's worker process (rank 1 of 2) of the run writing `out`."""
+def worker_pid(out, rank: int) -> int:
+    """The worker process of launcher rank `rank` of the run writing `out`."""
     for pid in processes_mentioning(str(out)):
         try:
             env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
         except OSError:
             continue
-        if env.get("RANK") == "1" and "TORCHELASTIC_RUN_ID" in env:
+        if env.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in env:
             return pid
-    raise AssertionError("no decoder process found")
+    raise AssertionError(f"no worker of rank {rank} found")
 
 
-def test_a_killed_decoder_fails_the_run_at_once_and_resume_continues(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("victim, nproc, rank, reason", [
+    ("decoder", 2, 1, "the decoder ranks (--rollout-gpus) stopped answering"),
+    ("trainer", 3, 1, "gloo")])  # 2 trainers + 1 decoder: trainer 1; trainer 0 says what its collective met
+def test_a_killed_rank_fails_the_run_at_once_and_resume_continues(tiny_model_dir, tmp_path, victim, nproc, rank,
+                                                                  reason):
     out = tmp_path / "g"
     args = ["grpo", "--model", tiny_model_dir, "--max-steps", "6", "--save-every", "1", "--reward", parity_reward(),
             *ARGS, "--eval-samples", "0", "--rollout-gpus", "1", "--max-staleness", "1", "--out", out]
-    proc = start(args, 2, timeout=600)  # no hang: the loss of the peer is noticed at once, not after a timeout
+    proc = start(args, nproc, timeout=600)  # no hang: the loss of the peer is noticed at once, not after a timeout
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and not any(r["step"] >= 2 for r in rows(out)):
         time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before the decoder could be killed"
-    os.kill(decoder_pid(out), signal.SIGKILL)
+    assert proc.poll() is None, "the run ended before a rank could be killed"
+    os.kill(worker_pid(out, rank), signal.SIGKILL)
     t = time.time()
     said = finish(proc, code=1, timeout=120)
     assert time.time() - t < 60, said[-3000:]
     art = json.loads((out / "artifact.json").read_text())
-    assert art["status"] == "failed" and "decoder ranks (--rollout-gpus) stopped answering" in art["reason"], art
+    assert art["status"] == "failed" and reason in art["reason"], (victim, art)
     assert not (out / "model").exists()
-    resumed = finish(start([*args, "--resume"], 2))
+    resumed = finish(start([*args, "--resume"], nproc))
     assert "resumed from the checkpoint at step" in " ".join(resumed.split())
     assert json.loads((out / "artifact.json").read_text())["status"] == "complete"
     assert [r["step"] for r in rows(out) if "loss" in r][-1] == 6
