@@ -62,10 +62,14 @@ def runs(tmp_path_factory, tiny_model_dir):
 def test_staleness_0_on_a_decoder_rank_is_the_colocated_run(runs, tiny_model_dir):
     assert_same_training(runs / "sync", runs / "sync_disagg", tiny_model_dir, rel=1e-5, weights_rel=1e-4,
                          ignore=("rollout/staleness",))
-    # bit for bit: the same samples (the decoder's plain copy decodes as the gathered ZeRO-3 module does), losses
-    # and gradients; only the sampler's own log-probs differ, in the last bits of fp32
+    # bit for bit: the same samples (the decoder's plain copy decodes as the gathered ZeRO-3 module does), losses,
+    # gradients and weights; only the sampler's own log-probs differ, in the last bits of fp32
     step = [[(r["loss"], r["grad_norm"], r["reward"]) for r in rows(runs / n) if "loss" in r] for n in ("sync", "sync_disagg")]
     assert step[0] == step[1]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(runs / n / "model" / "model.safetensors") for n in ("sync", "sync_disagg"))
+    assert all(a[k].equal(b[k]) for k in a)
     art = json.loads((runs / "sync_disagg" / "artifact.json").read_text())
     assert art["status"] == "complete" and art["world_size"] == 1 and art["rollout_gpus"] == 1
 
