@@ -84,13 +84,15 @@ def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
     return batch
 
 
-def record_mismatch(stats, mb: dict, trainer_logp) -> None:
+def record_mismatch(stats, mb: dict, trainer_logp, prefix: str = "rollout/") -> None:
     """rollout/logp_abs_diff and rollout/kl (RLMonitor's rollout_mismatch): the decoder's sampling log-probs against
-    the trainer's π_old on every sampled token, when the decoder returned them."""
+    the trainer's π_old on every sampled token, when the decoder returned them. A rollout sampled from older weights
+    on purpose (--max-staleness) logs them as rollout/stale_logp_abs_diff and rollout/stale_kl (`prefix`): there
+    they measure how far the policy moved since, not a broken decoder."""
     if "sampler_logp" in mb:
         abs_sum, kl_sum, n = rl.rollout_mismatch(mb["sampler_logp"], trainer_logp, mb["response_mask"])
-        stats.mean("rollout/logp_abs_diff", abs_sum, n)
-        stats.mean("rollout/kl", kl_sum, n)
+        stats.mean(f"{prefix}logp_abs_diff", abs_sum, n)
+        stats.mean(f"{prefix}kl", kl_sum, n)
 
 
 def select(batch: dict, idx) -> dict:

@@ -115,10 +115,29 @@ def init(timeout_s: int | None = None) -> Dist:
         # flash / memory-efficient attention launch in microseconds.
         torch.backends.cuda.enable_cudnn_sdp(False)
     backend = "nccl" if cuda else "gloo"
+    if "ALIGN_GLOBAL_RANK" in os.environ:  # --rollout-gpus: the trainers' own group, on the launcher's store
+        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("align/trainers",
+                                             shared_store(timedelta(seconds=timeout_s))), rank=rank(),
+                                             world_size=world_size(), timeout=timedelta(seconds=timeout_s))
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), verbose=False)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     _DIST = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), local_rank, device, backend)
     return _DIST
+
+
+_STORE = None
+
+
+def shared_store(timeout: timedelta):
+    """The launcher's key-value store, shared by every process of the run whatever its role (align.disagg: the
+    trainers' group and the bridge to the decoders are built on it)."""
+    global _STORE
+    if _STORE is None:
+        from torch.distributed import rendezvous
+
+        _STORE, _, _ = next(rendezvous("env://", rank=int(os.environ["ALIGN_GLOBAL_RANK"]),
+                                       world_size=int(os.environ["ALIGN_GLOBAL_WORLD"]), timeout=timeout))
+    return _STORE
 
 
 def shutdown(clean: bool) -> None:
@@ -221,6 +240,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(x)
     return x
+
+
+def broadcast_object(obj):
+    """Rank 0's `obj` on every rank."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_gather_objects(obj):

@@ -19,17 +19,19 @@ Log-probs are taken at the sampling temperature, as sampled.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from align import data as D
-from align import objectives, rl, runtime
+from align import disagg, objectives, rl, runtime
+from align.async_rl import LocalSampler, Rollouts
 from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
 from align.engine.build import Optim, rows_within
-from align.engine.run import Output, train
+from align.engine.run import Output, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
 from align.evaluation import evaluate_policy, fitting, fitting_rows
@@ -82,6 +84,13 @@ class GRPOConfig(RLConfig):
                                          "prompt + --max-new-tokens.", ge=1)
     eval_k: str = opt("1,4,8", "pass@k values (samples per problem = max k).")
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward (less memory, more compute).")
+    max_staleness: int = opt(0, "Off-policy by K steps: step t trains on the rollout sampled from the weights of "
+                                "step t−K (the first K from the start's), so the next rollouts can be sampled while "
+                                "a step trains (with --rollout-gpus). 0: every rollout from the current weights. "
+                                "Pair it with --tis-cap.", ge=0)
+    rollout_gpus: int = opt(0, "Disaggregated: this many of the processes (the last ranks) only sample rollouts, "
+                               "on a plain copy of the policy the trainers update after every step; the other "
+                               "processes train. 0: every process samples and trains.", ge=0)
 
     @property
     def policy_loss(self) -> str:
@@ -100,6 +109,11 @@ class GRPOConfig(RLConfig):
         if objectives.get("policy_loss", self.policy_loss).on_policy and (self.num_iterations != 1 or self.beta):
             name = "--reinforce" if self.reinforce else f"--loss {self.loss}"
             raise UserError(f"{name} is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
+        world = int(os.environ.get("ALIGN_GLOBAL_WORLD") or os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes)
+        if self.rollout_gpus and self.rollout_gpus >= world:
+            raise UserError(f"--rollout-gpus {self.rollout_gpus} leaves no process to train: start more than "
+                            f"{self.rollout_gpus} processes (--nproc {self.rollout_gpus + 1} or more).",
+                            option="rollout_gpus")
         self.ks()
         parse_rewards(self.reward)  # an unknown reward or a bad weight fails here, before --out is touched
 
@@ -153,6 +167,8 @@ class GRPO:
                                                               cfg.trust_remote_code)) if rm_source else None)
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
         self.beta = cfg.beta  # the KL weight (an --on-alarm rollback may raise it)
+        self.rollouts = self.rollout_queue()
+        self.stale = False  # the rollout being trained on was sampled from older weights
         info(f"grpo: {count_parameters(self.policy.module) / 1e6:.2f}M parameters, {len(self.rows)} prompts, "
              f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "
              f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x {n_local // self.micro}, "
@@ -160,6 +176,22 @@ class GRPO:
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
              f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}")
+
+    def rollout_queue(self) -> Rollouts | None:
+        """The rollouts sampled ahead of their step (--max-staleness) or by decoder ranks (--rollout-gpus); None:
+        each step samples its own."""
+        cfg = self.cfg
+        if not (cfg.max_staleness or cfg.rollout_gpus):
+            return None
+        if cfg.max_staleness and not cfg.tis_cap:
+            info(f"--max-staleness {cfg.max_staleness} without --tis-cap: the stale samples' loss is not reweighted by "
+                 "π_train / π_sampler")
+        if cfg.rollout_gpus:
+            sampler = disagg.RemoteSampler(self.policy.eng, self.run.dist, self.step_prompts, self.sampling_of,
+                                           cfg.num_generations)
+        else:
+            sampler = LocalSampler(lambda step: self.local_rollout(step).completions)
+        return Rollouts(cfg.max_staleness, cfg.max_steps, sampler)
 
     def micro_rows(self, n_local: int, longest: int) -> int:
         """Rows per micro-batch: --micro-batch-size, or (0) as many as --micro-batch-tokens allows; divides n_local."""
@@ -276,7 +308,7 @@ class GRPO:
                 self.policy.backward(loss)
                 if it == 0:
                     stats.sum("loss", loss)
-                    record_mismatch(stats, mb, old)
+                    record_mismatch(stats, mb, old, "rollout/stale_" if self.stale else "rollout/")
                     for name, x in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),
                                     ("kl", kl)):
                         if x is not None:
@@ -289,11 +321,43 @@ class GRPO:
     # ---- the step
 
     def step(self, step: int) -> Stats:
-        cfg, dist, stats, times = self.cfg, self.run.dist, Stats(), {}
-        with timed(times, "time/generate"):
+        cfg, stats, times = self.cfg, Stats(), {}
+        if self.rollouts is None:  # synchronous: rollout `step` sampled now, from the current weights
+            with timed(times, "time/generate"):
+                r = self.local_rollout(step)
+            zero_std = self.learn(r, stats, times)
+        else:  # off-policy by up to --max-staleness steps (align.async_rl), or from decoder ranks
+            pending = self.rollouts.before_update(step, times)
             idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
-            r = sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
-                       cfg.num_generations, replace(self.sampling, seed=derive(cfg.seed, step)), dist, cfg.gather)
+            r = Rollout([self.rows[i] for i in idx], pending.completions, cfg.num_generations)
+            times["time/generate"] = pending.seconds
+            self.stale = pending.version != step
+            zero_std = self.learn(r, stats, times)
+            self.rollouts.after_update(times)
+            stats.value("rollout/staleness", step - pending.version)
+            if cfg.rollout_gpus:
+                times["time/wait_decoder"] = pending.idle
+        self.record(r, zero_std, stats, times)
+        return stats
+
+    def sampling_of(self, step: int) -> Sampling:
+        """The sampling settings of rollout `step`: its samples are keyed by (seed, step)."""
+        return replace(self.sampling, seed=derive(self.cfg.seed, step))
+
+    def local_rollout(self, step: int) -> Rollout:
+        """This rank's share of rollout `step`, sampled now by the policy engine."""
+        cfg = self.cfg
+        idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
+        return sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
+                      cfg.num_generations, self.sampling_of(step), self.run.dist, cfg.gather)
+
+    def step_prompts(self, step: int) -> list[list[int]]:
+        """The token ids of every prompt of rollout `step` (all ranks')."""
+        return [self.prompt_ids[i] for i in step_indices(len(self.rows), self.cfg.prompts_per_step, step, self.cfg.seed)]
+
+    def learn(self, r: Rollout, stats: Stats, times: dict) -> torch.Tensor:
+        """Score rollout `r` and update the policy on it; returns its groups without reward spread."""
+        cfg, dist = self.cfg, self.run.dist
         with timed(times, "time/reward"):
             self.score(r)
             adv, keep, counted, zero_std = self.advantages(r)
@@ -316,8 +380,7 @@ class GRPO:
         # loss, or, with a teacher, the distillation term every counted sample carries
         signal = counted.bool() & ((adv != 0) | (self.teacher is not None))
         stats.mean("signal_frac", signal.sum(), signal.numel())
-        self.record(r, zero_std, stats, times)
-        return stats
+        return zero_std
 
     def record(self, r: Rollout, zero_std: torch.Tensor, stats: Stats, times: dict) -> None:
         """The step's rollout metrics (TRL's names), reduced over the ranks with the update's."""
@@ -329,6 +392,7 @@ class GRPO:
         stats.mean("completions/mean_length", lengths.sum(), n)
         stats.mean("completions/clipped_ratio", n - r.finished.sum(), n)
         stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/generate"], 1e-9))
+        stats.sum("tokens", lengths.sum())  # sampled and trained on: the run logs tokens_per_s of the whole step
         for k, v in r.parts.items():
             stats.mean(f"rewards/{k}", sum(v), len(v))
         stats.value("distinct_1", rl.distinct_n(ids, 1))
@@ -346,10 +410,13 @@ class GRPO:
         return f"beta {old:g} -> {self.beta:g}"
 
     def state_dict(self) -> dict:
-        return {"beta": self.beta}
+        """β, and the rollouts sampled ahead of their step (collective: every rank's)."""
+        return {"beta": self.beta, **({"rollouts": self.rollouts.state_dict()} if self.rollouts else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.beta = state.get("beta", self.cfg.beta)
+        if self.rollouts is not None:
+            self.rollouts.load_state_dict(state.get("rollouts") or [[] for _ in range(self.run.dist.world_size)])
 
     # ---- evaluation and the end
 
@@ -370,8 +437,34 @@ class GRPO:
         return final
 
     def output(self) -> Output:
-        return Output(self.policy.eng, self.tok)
+        return Output(self.policy.eng, self.tok, extra={"rollout_gpus": self.cfg.rollout_gpus} if self.cfg.rollout_gpus else {})
+
+    def close(self) -> None:
+        """The decoder ranks stop (--rollout-gpus)."""
+        if self.rollouts is not None:
+            self.rollouts.sampler.close()
 
 
 def run(cfg: GRPOConfig) -> dict:
+    if cfg.rollout_gpus and not cfg.plan and disagg.split(cfg.rollout_gpus):  # --plan: one process plans them all
+        return decoder(cfg)
     return train(cfg, "grpo", GRPO)
+
+
+def decoder(cfg: GRPOConfig) -> dict:
+    """A --rollout-gpus process: the policy's architecture (LoRA adapters included), then rollouts on request."""
+    from align.engine.build import compute_dtype, mark_autocast, resolve_precision
+    from align.engine.lora import with_lora
+
+    source = resolve(cfg.model)
+    tok = load_tokenizer(source, cfg.trust_remote_code)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    precision = resolve_precision(device, cfg.precision)
+
+    def load(dtype):
+        model = disable_dropout(load_causal_lm(source, tok, dtype, cfg.seed, cfg.trust_remote_code))
+        mark_autocast(model, {"torch_autocast": {"enabled": precision == "bf16-mixed"}})
+        return model
+
+    disagg.serve(with_lora(load, cfg), tok, compute_dtype(device, precision))
+    return {}

@@ -92,18 +92,20 @@ def assert_user_error(proc, *needles: str, code: int = 2) -> str:
     return out
 
 
-def assert_same_training(one: Path, two: Path, base: Path, rel: float = 1e-4, weights_rel: float = 1e-3) -> None:
+def assert_same_training(one: Path, two: Path, base: Path, rel: float = 1e-4, weights_rel: float = 1e-3,
+                         ignore: tuple = ()) -> None:
     """Two runs of one stage (e.g. on 1 and 2 processes) logged the same metrics at every step (each within `rel`
     of max(1, |value|), the tolerance of the other stages' process-count tests; timings aside) and saved the same
     weights: ‖w₁ − w₂‖ within `weights_rel` of how far training moved them from `base` (the --model both started
     from), ‖w₁ − w₀‖. Not weight by weight: AdamW turns the rounding noise of a ~0 gradient into a step of about
-    the lr (measured on GRPO: one weight 5e-5 apart at lr 1e-3, the whole difference 5e-5 of the update's norm)."""
+    the lr (measured on GRPO: one weight 5e-5 apart at lr 1e-3, the whole difference 5e-5 of the update's norm).
+    `ignore`: metrics left out (those only one of the two logs)."""
     import torch
     from safetensors.torch import load_file
 
     def rows(out):
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/") and "tokens_per_s" not in k}
-                for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/") and "tokens_per_s" not in k
+                 and k not in ignore} for line in (out / "metrics.jsonl").read_text().splitlines()]
 
     a, b = rows(one), rows(two)
     assert [sorted(r) for r in a] == [sorted(r) for r in b] and len(a) > 1

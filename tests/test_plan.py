@@ -150,6 +150,24 @@ def test_grpo_peak_is_the_larger_phase_not_the_sum():
                                                          P.Data(20)).notes)
 
 
+def test_rollout_gpus_put_the_rollout_in_a_decoder_column_of_its_own():
+    """--rollout-gpus 1 of 3 processes: 2 ZeRO-3 trainers hold no rollout terms; a decoder holds the whole policy
+    (bf16) plus the fast decoder's copy and the KV cache of all 4 x 2 samples."""
+    cfg = build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2, "max_new_tokens": 50,
+                                   "rollout_gpus": 1, "nproc": 3})
+    two = P.Device("cuda", 1e12, 2, True, True, "test")
+    plan = P.estimate("grpo", cfg, {"policy": P.Model("policy", A)}, two, P.Data(prompt_tokens=20))
+    r = rows(plan)
+    assert plan.phases == (P.DECODER, "score", "update")
+    assert r["decoder: policy weights"] == {P.DECODER: N * 2} and r["rollout: decoder's bf16 copy"] == {P.DECODER: N * 2}
+    assert r["rollout: KV cache (8 rows x 129 slots)"] == {P.DECODER: 2 * 2 * 8 * 129 * 4 * 2}
+    assert P.DECODER not in r["policy: weights"] and r["policy: weights"]["update"] == N * 2 / 2  # sharded over 2
+    assert "rollout: policy gathered (ZeRO-3)" not in r
+    lora = rows(P.estimate("grpo", build(GRPOConfig, None, {"model": "x", "lora_r": 2, "rollout_gpus": 1, "nproc": 2}),
+                           {"policy": P.Model("policy", A)}, GPU, P.Data(20)))
+    assert lora["decoder: policy weights"] == {P.DECODER: N * 2 + LORA_2 * 4}
+
+
 def test_dpo_reference_live_precomputed_none():
     policy = {"policy": P.Model("policy", A)}
     live = P.estimate("dpo", build(DPOConfig, None, {"model": "x"}), policy, GPU)

@@ -1,6 +1,7 @@
 """Exact resume, for every training stage: a run killed with SIGKILL at a random step after its first checkpoint
 and resumed with --resume ends with the weights of an uninterrupted run of the same seed and writes the same
-metrics.jsonl rows after the resume point (1 process for every stage, 2 processes for sft and grpo)."""
+metrics.jsonl rows after the resume point (1 process for every stage, 2 processes for sft and grpo; grpo-stale:
+rollouts sampled ahead of their step, in one process and on a decoder rank)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ STAGES = {
             "--max-new-tokens", "4"],
     "grpo": ["grpo", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--eval-samples",
              "4", "--eval-k", "1,2", "--micro-batch-size", "8", "--lr", "1e-3", "--beta", "0.1", "--num-iterations", "2"],
+    # rollouts sampled ahead of their step: the checkpoint holds the queued ones (2 in one process, 1 on a decoder)
+    "grpo-stale": ["grpo", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--eval-samples",
+                   "4", "--eval-k", "1,2", "--micro-batch-size", "8", "--lr", "1e-3", "--max-staleness", "2",
+                   "--tis-cap", "2"],
     "ppo": ["ppo", "--model", "tiny", "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2",
             "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"],
 }
@@ -36,6 +41,8 @@ STAGES = {
 # with stochastic rounding whose noise comes from the checkpointed RNG); its fp32 ZeRO-3 resume is the 2-process
 # test's
 ONE_PROCESS = {**STAGES, "grpo": [*STAGES["grpo"], "--zero-stage", "0", "--precision", "bf16-pure"]}
+TWO_PROCESS = {**STAGES, "grpo-stale": [*STAGES["grpo-stale"][:-4], "--max-staleness", "1", "--rollout-gpus", "1",
+                                        "--tis-cap", "2"]}
 TIMING = ("time/", "_per_s")  # wall-clock measurements, the only numbers allowed to differ
 
 
@@ -120,6 +127,7 @@ def inputs(tiny_model_dir, tiny_reward_model_dir, tmp_path_factory):
             "rm": [*model, "--data", prefs, "--eval-data", ptest],
             "dpo": [*model, "--data", prefs, "--eval-data", ptest, "--pass-data", test],
             "grpo": [*model, "--data", arith, "--eval-data", test, "--reward", parity_reward()],  # a training signal
+            "grpo-stale": [*model, "--data", arith, "--eval-data", test, "--reward", parity_reward()],
             "ppo": ["--reward-model", str(tiny_reward_model_dir), "--data", arith, "--eval-data", test,
                     "--ptx-data", arith]}
 
@@ -138,7 +146,7 @@ def killed_run(args, out, nproc):
 
 def check_resume(stage, inputs, tmp_path, nproc=1):
     ref, out = tmp_path / "uninterrupted", tmp_path / "killed"
-    args = [*(ONE_PROCESS if nproc == 1 else STAGES)[stage], *inputs[stage], *COMMON]
+    args = [*(ONE_PROCESS if nproc == 1 else TWO_PROCESS)[stage], *inputs[stage], *COMMON]
     uninterrupted = start([*args, "--out", str(ref)], nproc)
     art, resumed_at = killed_run(args, out, nproc)
     finish(uninterrupted)
@@ -170,7 +178,7 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(stage, inputs, tmp_pat
     check_resume(stage, inputs, tmp_path)
 
 
-@pytest.mark.parametrize("stage", ["sft", "grpo"])
+@pytest.mark.parametrize("stage", ["sft", "grpo", "grpo-stale"])  # grpo-stale: 1 trainer + 1 decoder rank
 def test_two_process_resume_after_sigkill_equals_an_uninterrupted_run(stage, inputs, tmp_path):
     check_resume(stage, inputs, tmp_path, nproc=2)
 

@@ -27,6 +27,9 @@ fp32):
   Under LoRA the frozen base waits in host memory during the rollout (`lora.parked_base`). What the fast decoder
   does not take (fast_generate.unsupported_config, a CPU, --no-gather) decodes with transformers' generate: its KV
   cache, no copy. ZeRO-3 on several processes gathers the policy's whole weights for the rollout.
+* GRPO with --rollout-gpus N: the trainers hold no rollout terms; a column of its own ("decoder rank") holds what
+  each decoder process does: the policy unsharded in the module's dtype (LoRA: its fp32 adapters too) and the
+  rollout terms above for its 1/N of the step's samples, as one process decodes them.
 * activations of a training forward (`activation_bytes`): per token and layer 2 · (4h + 2rh) (two RMSNorms:
   their fp32 input and normalised output) + e · (3·nq + 2·nk + 4·i) (q, k, v and the attention output kept by
   SDPA and o_proj; gate, up, silu(gate) and their product kept by the MLP); with gradient checkpointing each
@@ -57,6 +60,7 @@ COMPILED_SAVED = 0.72  # compiled blocks' saved activations / the eager count (m
 BUCKET = 50_000_000  # elements: ds_config's reduce_bucket_size, the gradient bucket an offload keeps on the device
 ENV_BUDGET = "ALIGN_DEVICE_MEMORY_BYTES"  # a fake device budget (tests, "what if"): the ONE place it is read
 ENV_CHECK = "ALIGN_PLAN_CHECK"  # 0: report only, never stop (as --no-plan-check)
+DECODER = "decoder rank"  # GRPO --rollout-gpus: the plan's column of what a decoder process holds
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -299,9 +303,10 @@ class Plan:
     enforced: bool = False  # a peak above `free` stops the run
 
     def add(self, name: str, nbytes: float, *phases: str) -> None:
-        """`nbytes` in each of `phases` (all of them when none is named); zero terms are left out."""
+        """`nbytes` in each of `phases` (when none is named: every phase of a trainer, not DECODER's); zero terms
+        are left out."""
         if nbytes > 0:
-            self.rows.append((name, {p: float(nbytes) for p in (phases or self.phases)}))
+            self.rows.append((name, {p: float(nbytes) for p in (phases or [q for q in self.phases if q != DECODER])}))
 
     def subtract(self, name: str, phase: str, nbytes: float) -> None:
         """Take `nbytes` off term `name` in `phase` (what leaves the device for that phase)."""
@@ -372,24 +377,36 @@ def _reference(cfg, models: dict, plan: Plan) -> Model | None:
     return Model("reference", models.get("reference", models["policy"]).arch)
 
 
-def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup) -> None:
+def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup, phase: str = "rollout") -> None:
     """The rollout phase's own terms (the decoder's copy, its KV cache, prefill and sampling buffers)."""
     a = policy.arch
     why = ("a CPU" if s.device != "cuda" else "--no-gather" if s.sharded_rollout else
            "ALIGN_FAST_GENERATION=0" if not s.fast_decoder else decoder_reason(a, prompt + new))
     fast = why is None
     if fast:
-        plan.add("rollout: decoder's bf16 copy", n_params(a) * s.e, "rollout")
+        plan.add("rollout: decoder's bf16 copy", n_params(a) * s.e, phase)
     else:
         plan.notes.append(f"rollout: transformers' generate ({why}): a KV cache, no inference copy")
     if fast and policy.lora_r and s.zero_stage != 3:  # the frozen base is parked in host memory while decoding
-        plan.subtract(f"{policy.role}: weights", "rollout", (policy.params - a.hidden * (policy.head == "score")) * s.r)
+        plan.subtract(f"{policy.role}: weights", phase, (policy.params - a.hidden * (policy.head == "score")) * s.r)
         plan.notes.append("LoRA: the frozen base waits in host memory during the rollout")
     if s.zero_stage == 3 and s.world > 1 and s.gather:
-        plan.add("rollout: policy gathered (ZeRO-3)", n_params(a) * s.r * (1 - 1 / s.world), "rollout")
+        plan.add("rollout: policy gathered (ZeRO-3)", n_params(a) * s.r * (1 - 1 / s.world), phase)
     plan.add(f"rollout: KV cache ({decode_rows(rows, fast)} rows x {cache_slots(prompt + new, fast)} slots)",
-             kv_cache_bytes(a, rows, prompt + new, s, fast), "rollout")
-    plan.add("rollout: prefill and sampling buffers", prefill_bytes(a, rows, prompt, s, fast), "rollout")
+             kv_cache_bytes(a, rows, prompt + new, s, fast), phase)
+    plan.add("rollout: prefill and sampling buffers", prefill_bytes(a, rows, prompt, s, fast), phase)
+
+
+def _decoder(plan: Plan, policy: Model, decoders: int, samples: int, prompt: int, new: int, s: Setup) -> None:
+    """--rollout-gpus: what one decoder rank holds (the DECODER column): the policy in the module's dtype, not
+    sharded (LoRA: its base and fp32 adapters), and its share of the rollout's samples decoded as one process
+    would."""
+    one = replace(s, world=1, zero_stage=0)
+    adapters = lora_params(policy.arch, policy.lora_r, policy.lora_targets) if policy.lora_r else 0
+    plan.add("decoder: policy weights", policy.params * s.r + adapters * 4, DECODER)
+    _rollout(plan, replace(policy, role="decoder", lora_r=0), -(-samples // decoders), prompt, new, one, DECODER)
+    plan.notes.append(f"{DECODER}: each of the {decoders} decoder process(es) (--rollout-gpus); the other "
+                      "phases are a trainer's")
 
 
 def _zero3_blocks(plan: Plan, models: list[Model], s: Setup) -> None:
@@ -519,7 +536,11 @@ def _grpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
     frozen = ([ref] if ref else []) + _frozen(plan, models, ("teacher", "reward model"), s)
     if ref:
         plan.add("reference: weights", model_state(ref, s)["weights"])
-    _rollout(plan, policy, n, prompt, cfg.max_new_tokens, s)
+    if getattr(cfg, "rollout_gpus", 0):
+        _decoder(plan, policy, cfg.rollout_gpus, cfg.prompts_per_step * cfg.num_generations, prompt,
+                 cfg.max_new_tokens, s)
+    else:
+        _rollout(plan, policy, n, prompt, cfg.max_new_tokens, s)
     _scoring(plan, ([policy] if cfg.num_iterations > 1 else []) + frozen, micro, longest, s)
     _zero3_blocks(plan, [policy, *frozen], s)
     _update(plan, a, micro, longest, s)
@@ -564,6 +585,8 @@ def estimate(stage: str, cfg, models: dict[str, Model], device: Device, data: Da
     value, teacher) to its Model (frozen; the stage decides what it trains); `data`, the lengths of the data."""
     s = setup(cfg, device)
     phases = PHASES[stage]
+    if stage == "grpo" and getattr(cfg, "rollout_gpus", 0):  # decoding on processes of its own
+        phases = (DECODER, *phases[1:])
     if stage == "dpo":
         phases = (("rollout",) if cfg.online else ()) + (("reference pass",) if cfg.precompute_ref else ()) + phases
     if stage == "sft" and cfg.eval_data:
@@ -620,7 +643,8 @@ def _changes(stage: str, cfg, device: Device, data: Data):
                for p in fewer]
         yield [variant(max_new_tokens=t) for t in (cfg.max_new_tokens >> k for k in range(1, 6)) if t >= 16]
     more = {"zero_stage": 3} if cfg.zero_stage == 0 else {}
-    yield [({"nproc": device.world * k, **more}, replace(device, world=device.world * k)) for k in (2, 4, 8)]
+    decoders = getattr(cfg, "rollout_gpus", 0)  # --nproc counts them too
+    yield [({"nproc": device.world * k + decoders, **more}, replace(device, world=device.world * k)) for k in (2, 4, 8)]
 
 
 def _try(stage: str, cfg, models: dict, change: dict, device: Device, data: Data) -> Plan | None:
@@ -709,7 +733,8 @@ def device_for(cfg) -> Device:
 
     from align.fast_generate import enabled_by_env
 
-    world = int(os.environ.get("WORLD_SIZE") or cfg.nproc * cfg.nnodes)
+    # the trainers (--rollout-gpus: a trainer's WORLD_SIZE counts the trainers, align.disagg)
+    world = int(os.environ.get("WORLD_SIZE") or cfg.nproc * cfg.nnodes - getattr(cfg, "rollout_gpus", 0))
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     fake = os.environ.get(ENV_BUDGET)
     if fake:

@@ -9,7 +9,8 @@
 
 An algorithm (stages/*.py) provides `step(step) -> Stats`, `output() -> Output`, `final_metrics(last, start)`, and
 optionally `evaluate(step) -> dict` (`eval/...` metrics; with `eval_at_start` also at step 0), `progress` (the
-keys on the progress bar), `report_xy`, and `state_dict()` / `load_state_dict()` (its own resumable state).
+keys on the progress bar), `report_xy`, `state_dict()` / `load_state_dict()` (its own resumable state) and
+`close()` (called once training ends, or fails: what it holds beside its engines).
 
 Exact resume: a checkpoint holds every trained engine (model, optimiser, scheduler), every rank's RNG, the step,
 the algorithm's state and RLMonitor's; each step re-seeds the RNGs from (seed, step, rank) and draws its data
@@ -575,5 +576,9 @@ def train(cfg, stage: str, algorithm) -> dict:
     """Run a training stage: `algorithm(cfg, run)` builds it, the run trains it, saves it and says how it went."""
     with StageRun(cfg, stage) as run:
         algo = algorithm(cfg, run)
-        run.fit(algo)
+        try:
+            run.fit(algo)
+        finally:
+            if hasattr(algo, "close"):  # what it holds beside its engines (GRPO's decoder ranks)
+                algo.close()
         return run.finish(algo)

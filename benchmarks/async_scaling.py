@@ -1,0 +1,104 @@
+"""GRPO on several GPUs: synchronous data-parallel against decoder ranks with staleness 1, weak scaling.
+
+    python -m benchmarks.async_scaling --models 0.5b --gpus 2,4,8 --steps 6 [--rollout-gpus 1,half]
+
+The batch shape is benchmarks.grpo_vs_trl's harness (a random-init bf16 model, arithmetic prompts, G = 8, 512 new
+tokens, micro 16, gradient checkpointing, a noise reward so every group keeps its variance); --prompts (8) is the
+prompts per step of ONE GPU, and a run on N GPUs takes N × as many (weak scaling: every GPU's share of the work
+stays the 1-GPU run's). For every N:
+
+- sync: `align grpo` on N processes, every one sampling and training (ZeRO-3), the rollout from the current
+  weights;
+- async, for each --rollout-gpus R: the last R processes decode, the other N − R train, `--max-staleness 1
+  --tis-cap 2` (the rollout of step t + 1 is sampled while step t trains).
+
+The throughput is sampled completion tokens per second of wall time per step (the `tokens` and `time/step` each
+run logs: every GPU together), median of steps 2..S (step 1 compiles the decoder); "vs 1 GPU" divides it by the
+1-GPU synchronous run's. Also the step's phases (generate: the decoders' time with R; update; wait: the trainers'
+wait for rollouts) and the peak memory per rank (trainers; a decoder's peak is in its own log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from benchmarks import grpo_vs_trl as H
+from benchmarks import vs_trl as V
+
+KEYS = ["time/step", "tokens", "time/generate", "time/update", "time/wait", "rollout/staleness"]
+
+
+def command(model: Path, a, gpus: int, decoders: int, out: Path) -> list[str]:
+    """The harness' command on `gpus` processes with `gpus` × --prompts per step (rounded down to a multiple of the
+    trainers); with `decoders` > 0 the last ones decode (staleness 1, TIS)."""
+    trainers = gpus - decoders
+    prompts = a.prompts * gpus // trainers * trainers
+    cmd = H.ours_command(model, a, gpus, out, prompts)
+    cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, prompts * a.generations // trainers))
+    if decoders:
+        cmd += ["--rollout-gpus", str(decoders), "--max-staleness", "1", "--tis-cap", "2"]
+    return cmd
+
+
+def measure(model: Path, a, gpus: int, decoders: int, out: Path) -> dict | None:
+    cmd = command(model, a, gpus, decoders, out)
+    if not V.run(cmd, out.parent / (out.name + ".log"), gpus=gpus):
+        return None
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    med = V.median_rows([r for r in rows if "tokens" in r], KEYS)
+    art = json.loads((out / "artifact.json").read_text())
+    return {**med, "gpus": gpus, "decoders": decoders, "throughput": med["tokens"] / med["time/step"],
+            "peak_per_rank": art["metrics"]["peak_memory_gib_per_rank"], "cmd": " ".join(cmd)}
+
+
+def decoder_counts(spec: str, gpus: int) -> list[int]:
+    """--rollout-gpus values for `gpus` GPUs: numbers, 'half' (gpus // 2) or 'quarter'; each leaves a trainer."""
+    named = {"half": gpus // 2, "quarter": gpus // 4}
+    counts = [named[x] if x in named else int(x) for x in spec.split(",")]
+    return sorted({n for n in counts if 1 <= n < gpus})
+
+
+def row(d: dict, base: dict) -> str:
+    mode = f"{d['decoders']} decode + {d['gpus'] - d['decoders']} train, K=1" if d["decoders"] else "sync, data-parallel"
+    return (f"| {d['gpus']} | {mode} | {d['tokens']:,.0f} | {d['time/step']:.3f} | {d['throughput']:,.0f} | "
+            f"{d['throughput'] / base['throughput']:.2f} | {d['time/generate']:.3f} | {d['time/update']:.3f} | "
+            f"{d.get('time/wait', 0.0):.3f} | {', '.join(f'{m:.1f}' for m in d['peak_per_rank'])} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    V.harness_args(ap, models="0.5b", steps=6)
+    H.shape_args(ap)
+    ap.add_argument("--gpus", default="2,4,8", help="GPU counts to compare with the 1-GPU run")
+    ap.add_argument("--rollout-gpus", default="1,half", help="decoder counts per GPU count: numbers, half, quarter")
+    ap.add_argument("--multi-extra", default="", help="extra flags for the runs on several GPUs (sync and async)")
+    a = ap.parse_args()
+    root = V.out_root(a.out, "align-async-scaling-")
+    H.long_prompts(a, root)
+    report, results = [], []
+    for name in a.models.split(","):
+        model = V.make_model(name, root)
+        base = measure(model, a, 1, 0, root / f"{name}-g1-sync")
+        if base is None:
+            raise SystemExit("the 1-GPU run failed: see its log")
+        lines = [row(base, base)]
+        for gpus in [int(g) for g in a.gpus.split(",")]:
+            for decoders in [0, *decoder_counts(a.rollout_gpus, gpus)]:
+                d = measure(model, a, gpus, decoders, root / f"{name}-g{gpus}-r{decoders}")
+                if d:
+                    lines.append(row(d, base))
+                    results.append({**d, "model": name})
+        results.append({**base, "model": name})
+        report += [f"\n### GRPO {name}: {a.prompts} prompts per GPU x G={a.generations}, {a.max_new_tokens} new "
+                   f"tokens (weak scaling); median of steps 2..{a.steps}",
+                   "| GPUs | mode | tokens per step | step (s) | tokens/s | vs 1 GPU | generate (s) | update (s) | "
+                   "wait (s) | peak GiB per trainer |", "|---|---|---|---|---|---|---|---|---|---|", *lines]
+    print("\n".join(report))
+    V.write_json(root / "async_scaling.json", {"results": results, "argv": sys.argv})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Off-policy GRPO (--max-staleness) in one process: the queue at staleness 0 is the synchronous step bit for bit,
+and a step at staleness 1 is the off-policy step with truncated importance sampling written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from align.async_rl import LocalSampler, Rollouts
+from align.engine.run import StageRun
+from tests.conftest import parity_reward, small_data
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(single_process):
+    """Every test here builds engines in this process (tests/conftest.py)."""
+
+
+def config(tmp_path, model, name: str, **over):
+    from stages.grpo import GRPOConfig
+
+    cfg = GRPOConfig(model=str(model), out=str(tmp_path / name), eval_data="", data=str(small_data()["arith"]),
+                     reward=[parity_reward()], prompts_per_step=2, num_generations=4, max_new_tokens=6,
+                     micro_batch_size=8, lr=1e-2, warmup_steps=0, zero_stage=0, **over)
+    cfg.validate()
+    return cfg
+
+
+def weights(algo) -> dict:
+    return {k: v.detach().clone() for k, v in algo.policy.module.state_dict().items()}
+
+
+def steps(cfg, n: int, queue: bool = False) -> tuple[list[dict], dict]:
+    """n steps of a GRPO run built in this process (with `queue`: through the off-policy queue at staleness 0):
+    (each step's metrics but timings, the weights after them)."""
+    from stages.grpo import GRPO
+
+    with StageRun(cfg, "grpo") as run:
+        algo = GRPO(cfg, run)
+        assert algo.rollouts is None  # --max-staleness 0 in one process: the synchronous step
+        if queue:
+            algo.rollouts = Rollouts(0, cfg.max_steps, LocalSampler(lambda s: algo.local_rollout(s).completions))
+        rows = [run._step(algo, s)[0] for s in range(n)]
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in rows], weights(algo)
+
+
+def test_the_queue_at_staleness_0_is_the_synchronous_step_bit_for_bit(tiny_model_dir, tmp_path):
+    sync, w_sync = steps(config(tmp_path, tiny_model_dir, "sync"), 3)
+    queued, w_queued = steps(config(tmp_path, tiny_model_dir, "queued"), 3, queue=True)
+    assert [r.pop("rollout/staleness") for r in queued] == [0, 0, 0]
+    assert queued == sync and sync[0]["loss"] != sync[1]["loss"]
+    assert all(torch.equal(w_sync[k], w_queued[k]) for k in w_sync)
+
+
+def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float() / temperature
+    return logits.log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0] * batch["response_mask"]
+
+
+def test_a_stale_step_is_the_off_policy_step_with_truncated_importance_weights(tiny_model_dir, tmp_path):
+    """Staleness 1: step 1 trains on rollout 1, sampled from θ_0 (before update 0), at θ_1. The loss is
+    token-mean of −A · min(π_θ1 / π_θ0, C) over the kept tokens (the clip loss at ratio π_θ/π_old = 1: π_old is the
+    trainer's θ_1), its gradient −A · w · ∇log π_θ1; A = r − the group's mean (--advantage mean), r the parity
+    reward. Computed here from the rollout's logged sampler log-probs on plain copies of θ_0 and θ_1."""
+    from align.models import load_causal_lm, load_tokenizer, resolve
+    from align.rollout import rollout_batch
+    from stages.grpo import GRPO
+
+    cap = 1.2
+    cfg = config(tmp_path, tiny_model_dir, "stale", max_staleness=1, tis_cap=cap, advantage="mean",
+                 drop_zero_std_groups=True, loss_agg="token-mean")
+    source = resolve(str(tiny_model_dir))
+    tok = load_tokenizer(source)
+    theta0 = load_causal_lm(source, tok, torch.float32, 0)
+    with StageRun(cfg, "grpo") as run:
+        algo = GRPO(cfg, run)
+        first, _ = run._step(algo, 0)
+        (pending,) = algo.rollouts.queue
+        assert (pending.step, pending.version) == (1, 0) and first["rollout/staleness"] == 0
+        theta1 = load_causal_lm(source, tok, torch.float32, 0)
+        theta1.load_state_dict(weights(algo))
+        got, _ = run._step(algo, 1)
+
+    batch = rollout_batch(pending.completions, tok.pad_token_id, "cpu")
+    mask = batch["response_mask"]
+    with torch.no_grad():  # the sampler's log-probs are θ_0's: the rollout was sampled before update 0
+        assert (response_logprobs(theta0, batch, cfg.temperature) - batch["sampler_logp"]).abs().max() < 1e-5
+    rewards = torch.tensor([float(len(c.text) % 2) for c in pending.completions]).view(-1, cfg.num_generations)
+    adv = rewards - rewards.mean(1, keepdim=True)
+    keep = (adv != 0).any(1, keepdim=True).float().expand_as(adv).reshape(-1, 1)
+    lp1 = response_logprobs(theta1, batch, cfg.temperature)
+    w = torch.exp(lp1.detach() - batch["sampler_logp"]).clamp(max=cap)
+    assert (w < cap).any() and (w[mask.bool()] == cap).any() and (w[mask.bool()] != 1).all()  # the weights act
+    loss = -(adv.reshape(-1, 1) * w * lp1.exp() / lp1.exp().detach() * mask * keep).sum() / mask.sum()
+    loss.backward()
+    norm = torch.cat([p.grad.flatten() for p in theta1.parameters() if p.grad is not None]).norm().item()
+    assert got["rollout/staleness"] == 1 and got["rollout/stale_logp_abs_diff"] > 1e-3
+    assert "rollout/logp_abs_diff" not in got  # RLMonitor's rollout_mismatch judges fresh rollouts only
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7) and loss.item() != 0
+    assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
