@@ -33,7 +33,7 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim, batch_layout
-from align.engine.plan import longest_row
+from align.engine.plan import DPO_REF_TOKENS, longest_row
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -207,20 +207,31 @@ class DPO:
         info(f"reference log-probs precomputed for {len(used)} training + {len(self.eval_examples)} held-out pairs "
              f"in {time.time() - t:.1f} s; reference model freed")
 
-    def reference_logps(self, idx: list[int], batch: dict) -> torch.Tensor:
+    @torch.no_grad()
+    def reference_logps(self, pairs: list[dict], idx: list) -> torch.Tensor | None:
+        """[2, len(pairs)]: the reference's (chosen, rejected) log-probs of this rank's pairs of a step (None
+        without a reference): precomputed (--precompute-ref), else forwards of up to DPO_REF_TOKENS tokens each,
+        however small the policy's micro-batches are — a frozen forward keeps no activations, and at short pairs
+        the step's reference is then one forward of large matmuls instead of one of small ones per micro-batch."""
+        device = self.run.dist.device
+        if self.cfg.reference_free:
+            return None
         if self.ref_train is not None:
-            return torch.stack([self.ref_train[i] for i in idx]).t().to(self.run.dist.device)
-        with torch.no_grad():
-            return pair_logps(self.reference, batch)
+            return torch.stack([self.ref_train[i] for i in idx]).t().to(device)
+        longest = max(len(e["prompt_ids"]) + max(len(e["chosen_ids"]), len(e["rejected_ids"])) for e in pairs)
+        rows = max(self.micro, DPO_REF_TOKENS // (2 * longest))
+        return torch.cat([pair_logps(self.reference, D.to_device(D.collate_pairs(mb, self.tok.pad_token_id), device))
+                          for mb in chunks(pairs, rows)], dim=1)
 
     def objective(self, pairs: Pairs):
         """(loss per pair, reward of chosen, of rejected) of --loss."""
         cfg = self.cfg
         return cfg.objective.fn(pairs, cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)
 
-    def pair_loss(self, pc, pr, lengths, idx, batch):
-        """The objective for the pairs `idx` (summed log-probs pc, pr; lengths (|y_w|, |y_l|))."""
-        rc, rr = (None, None) if self.cfg.reference_free else self.reference_logps(idx, batch).to(pc.dtype)
+    def pair_loss(self, pc, pr, lengths, ref):
+        """The objective for pairs with summed log-probs pc, pr, lengths (|y_w|, |y_l|) and the reference's
+        log-probs `ref` ([2, n]; None without a reference)."""
+        rc, rr = (None, None) if ref is None else ref.to(pc.dtype)
         return self.objective(Pairs(pc, pr, rc, rr, *lengths))
 
     def step(self, step: int) -> Stats:
@@ -236,12 +247,13 @@ class DPO:
         weighing `weights` (online DPO: 0 for a slot without a pair): the loss is the weighted sum over the pairs
         of the global batch divided by its `n_pairs`."""
         cfg, device = self.cfg, self.run.dist.device
+        ref = self.reference_logps(pairs, idx) if pairs else None
         for sl in chunks(list(range(len(pairs))), self.micro):
             b = D.to_device(D.collate_pairs([pairs[i] for i in sl], self.tok.pad_token_id), device)
             w = weights[sl].to(device)
             pc, pr = pair_logps(self.policy, b)
             lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
-            loss, rw_c, rw_r = self.pair_loss(pc, pr, tuple(lengths), [idx[i] for i in sl], b)
+            loss, rw_c, rw_r = self.pair_loss(pc, pr, tuple(lengths), None if ref is None else ref[:, sl])
             if cfg.nll_coef:
                 nll = rpo_nll(pc, lengths[0], cfg.nll_coef)
                 stats.mean("loss/nll", (nll * w).sum(), w.sum())

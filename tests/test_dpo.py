@@ -164,3 +164,34 @@ def test_kto_on_unpaired_pairs_starts_at_one_half_and_separates_desirable_from_u
 
     with pytest.raises(UserError, match="drop --precompute-ref"):
         DPOConfig(loss="kto", precompute_ref=True).validate()
+
+
+def test_live_reference_takes_a_steps_pairs_in_one_forward_and_matches_per_micro_batch(monkeypatch):
+    """The live reference's log-probs of a step come from forwards of up to DPO_REF_TOKENS tokens (here: all 12
+    short pairs in one), not one per policy micro-batch (micro 2: six), and equal the per-micro-batch values."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import stages.dpo as S
+    from align.models import load_causal_lm, load_tokenizer, resolve
+    from stages.rm import load_pairs
+
+    tok = load_tokenizer(resolve("tiny"))
+    model = load_causal_lm(resolve("tiny"), tok, torch.float32, seed=0).eval()
+    pairs = load_pairs(str(PAIRS), "", tok, 256)[:12]
+    d = S.DPO.__new__(S.DPO)
+    d.cfg = SimpleNamespace(reference_free=False)
+    d.run = SimpleNamespace(dist=SimpleNamespace(device=torch.device("cpu")))
+    d.ref_train, d.micro, d.reference, d.tok = None, 2, model, tok
+    calls = []
+    real = S.pair_logps
+    monkeypatch.setattr(S, "pair_logps", lambda m, b: calls.append(b["input_ids"].shape[0]) or real(m, b))
+    together = d.reference_logps(pairs, list(range(12)))
+    assert calls == [24] and together.shape == (2, 12)
+    monkeypatch.setattr(S, "DPO_REF_TOKENS", 1)  # at least a micro-batch per forward: the per-micro-batch passes
+    calls.clear()
+    apart = d.reference_logps(pairs, list(range(12)))
+    assert calls == [4] * 6
+    torch.testing.assert_close(together, apart, rtol=1e-5, atol=1e-5)
+    assert S.DPO.reference_logps(SimpleNamespace(cfg=SimpleNamespace(reference_free=True), run=d.run), pairs, []) is None

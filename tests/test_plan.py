@@ -171,7 +171,10 @@ def test_rollout_gpus_put_the_rollout_in_a_decoder_column_of_its_own():
 def test_dpo_reference_live_precomputed_none():
     policy = {"policy": P.Model("policy", A)}
     live = P.estimate("dpo", build(DPOConfig, None, {"model": "x"}), policy, GPU)
-    assert rows(live)["reference: weights"] == {"update": N * 2}
+    # a live reference: its forwards of a step's pairs run before the policy's micro-batches, a phase of their own
+    assert live.phases == ("reference pass", "update")
+    assert rows(live)["reference: weights"] == {"reference pass": N * 2, "update": N * 2}
+    assert set(rows(live)["reference pass: forward"]) == {"reference pass"}
     pre = P.estimate("dpo", build(DPOConfig, None, {"model": "x", "precompute_ref": True}), policy, GPU)
     assert pre.phases == ("reference pass", "update") and rows(pre)["reference: weights"] == {"reference pass": N * 2}
     for flags in ({"loss": "simpo"}, {"lora_r": 2}):

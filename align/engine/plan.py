@@ -495,12 +495,13 @@ def _dpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
     if ref is not None:
         phases = ("reference pass",) if cfg.precompute_ref else plan.phases
         plan.add("reference: weights", model_state(ref, s)["weights"], *phases)
-        if cfg.precompute_ref:  # 32 pairs at a time, then the reference is freed
-            plan.add("reference pass: forward", inference_bytes(ref.arch, 64, length, s) +
-                     chunked_logit_bytes(64 * length, ref.arch.vocab), "reference pass")
-        else:
-            plan.add("reference: forward beside the policy's graph", inference_bytes(ref.arch, rows, length, s),
-                     "update")
+    if not cfg.reference_free:  # (a LoRA policy's reference: the policy itself, its adapters off)
+        # --precompute-ref: 32 pairs at a time, then the reference is freed; live: a step's pairs in forwards of up
+        # to DPO_REF_TOKENS tokens (at least a micro-batch), before the policy's micro-batches
+        ref_rows = 64 if cfg.precompute_ref else max(rows, 2 * (DPO_REF_TOKENS // (2 * max(length, 1))))
+        arch = ref.arch if ref is not None else a
+        plan.add("reference pass: forward", inference_bytes(arch, ref_rows, length, s) +
+                 chunked_logit_bytes(ref_rows * length, arch.vocab), "reference pass")
     if "reward model" in models:
         plan.add("reward model: weights", model_state(models["reward model"], s)["weights"])
     if cfg.online:
@@ -576,6 +577,7 @@ def _ppo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
 
 
 EVAL_ROWS = 64  # SFT's held-out loss runs 64 rows a forward
+DPO_REF_TOKENS = 16384  # tokens per forward of DPO's live reference (stages.dpo)
 PHASES = {"sft": ("update",), "rm": ("update",), "dpo": ("update",), "grpo": ("rollout", "score", "update"),
           "ppo": ("rollout", "score", "update")}
 
@@ -588,7 +590,8 @@ def estimate(stage: str, cfg, models: dict[str, Model], device: Device, data: Da
     if stage == "grpo" and getattr(cfg, "rollout_gpus", 0):  # decoding on processes of its own
         phases = (DECODER, *phases[1:])
     if stage == "dpo":
-        phases = (("rollout",) if cfg.online else ()) + (("reference pass",) if cfg.precompute_ref else ()) + phases
+        live = not cfg.reference_free  # the reference's forwards of a step run before the policy's micro-batches
+        phases = (("rollout",) if cfg.online else ()) + (("reference pass",) if live else ()) + phases
     if stage == "sft" and cfg.eval_data:
         phases += ("eval",)
     plan = Plan(f"memory plan: {stage}, {s.precision}, ZeRO-{s.zero_stage}, {device.world} process(es)"
