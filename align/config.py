@@ -222,8 +222,8 @@ class TrainConfig(StageConfig):
     monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
     on_alarm: str = opt("warn", "What an RLMonitor event does: warn (a warn rule warns, a stop rule stops), stop (any "
                                 "event ends the run; model/ holds the best held-out evaluation's weights) or rollback "
-                                "(back to the newest checkpoint, once, with the rule's advised change: needs "
-                                "--save-every).", choices=("warn", "stop", "rollback"))
+                                "(back to the newest --save-every checkpoint, or before the first one to the run's "
+                                "start, once, with the rule's advised change).", choices=("warn", "stop", "rollback"))
     lora_r: int = opt(0, "LoRA rank (0: train every weight). The base stays frozen (a score head trains in full); "
                          "model/adapter/ holds the adapter.", ge=0)
     lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.", gt=0)
@@ -264,9 +264,6 @@ class TrainConfig(StageConfig):
         if shard <= 0:
             raise UserError(f"--max-shard-size must be a size such as 5GB or 500MB, got {self.max_shard_size!r}.",
                             option="max_shard_size")
-        if self.on_alarm == "rollback" and not self.save_every:
-            raise UserError("--on-alarm rollback returns to the newest checkpoint before the alarm: it needs "
-                            "--save-every N (e.g. --save-every 5).", option="on_alarm")
         if getattr(self, "verifier", "auto") != "auto":
             from align.rewards import verifier_fn
 

@@ -63,9 +63,30 @@ def test_rollback_returns_to_the_checkpoint_with_half_the_lr_once(tmp_path):
     assert [(e["rule"], e["severity"], e["step"]) for e in health] == [("nan", "stop", 4), ("on_alarm", "rollback", 4)]
 
 
-def test_rollback_needs_checkpoints(tmp_path):
-    from tests.conftest import output, run_align
+def test_rollback_before_any_checkpoint_goes_back_to_the_input_weights(tmp_path):
+    """No --save-every: a NaN at step index 2 (logged step 3) rolls the run back to its start (the step-0 checkpoint
+    it wrote before training: the input weights, a fresh optimiser) and it continues at half the lr. From there it
+    is the run that started at lr 2.5e-5: every step's metrics equal a clean run's at that lr (same weights, same
+    data and sampling seeds), which a rollback that kept any trained weight or optimiser state would not give."""
+    from align.engine import checkpoint
 
-    proc = run_align(*grpo(tmp_path / "g", "--on-alarm", "rollback"))
-    assert proc.returncode == 2 and "--save-every" in output(proc)
-    assert not (tmp_path / "g").exists()
+    out, clean = tmp_path / "g", tmp_path / "clean"
+    common = ("--max-steps", "4", "--schedule", "constant")
+    proc = run_with_fault("nan", 2, grpo(out, "--on-alarm", "rollback", *common))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "complete"
+    assert art["rollback"] == {"at": 3, "to": 0, "rule": "nan", "changes": ["learning rate x0.5"], "lr_factor": 0.5}
+    health = rows(out, "health.jsonl")
+    assert [(e["rule"], e["severity"], e["step"]) for e in health] == [("nan", "stop", 3), ("on_alarm", "rollback", 3)]
+    assert "the run's start" in health[1]["message"]
+    assert checkpoint.steps(out) == [4]  # the final checkpoint replaced the start's
+    args = grpo(clean, *common)
+    args[args.index("--lr") + 1] = "2.5e-5"
+    proc = run_with_fault("none", 0, args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    keys = ("loss", "reward", "grad_norm", "entropy", "lr")
+    got, want = rows(out, "metrics.jsonl"), rows(clean, "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    flat = [r[k] for r in got for k in keys]
+    assert flat == pytest.approx([r[k] for r in want for k in keys], rel=1e-5, abs=1e-7)

@@ -5,8 +5,10 @@
             best-model/ whenever an evaluation beats the previous best), or this step's when no held-out evaluation
             ran; artifact.json says "stopped", the rule, the step and which weights were kept; exit 1;
   rollback  the first event with an advised change (the rule's `remedy`: lr ×0.5, the KL coefficient ×2) sends
-            the run back to its newest checkpoint, which continues with that change, logged in health.jsonl and
-            artifact.json; a second event (or one without a remedy) stops as under `stop`.
+            the run back to its newest checkpoint — before the first --save-every one, to the checkpoint of step 0
+            that a rollback run writes before its first step (its input weights, a fresh optimiser) — which
+            continues with that change, logged in health.jsonl and artifact.json; a second event (or one without a
+            remedy) stops as under `stop`.
 A rule that says the run cannot learn at all (reward_errors, no_signal) fails the run under any mode.
 """
 
@@ -35,6 +37,14 @@ class Alarms:
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.rollback = state.get("best"), state.get("rollback")
+
+    def at_start(self, algo) -> None:
+        """Before the first step of a fresh run: under rollback, checkpoint step 0 (the run's input weights, its
+        optimiser and schedule before any update, the monitor and stage state after the first evaluation), so an
+        alarm before the first --save-every checkpoint has a state to go back to (the next checkpoint replaces it,
+        as any older one beyond --keep-checkpoints)."""
+        if self.mode == "rollback":
+            self.run.checkpoint(0, algo)
 
     def acting(self, events: list) -> Event | None:
         """The event of `events` this mode acts on (None: only warnings to print)."""
@@ -98,9 +108,9 @@ class Alarms:
                 changes.append(said)
         self.rollback = {"at": step, "to": back, "rule": event.rule, "changes": changes, "lr_factor": lr_factor}
         run.writer.rewind(back, health=False)  # the abandoned steps' metrics go; the events that led here stay
+        where = f"the checkpoint at step {back}" if back else "the run's start (its input weights, a fresh optimiser)"
         note = Event(step, "on_alarm", "rollback", event.rule, event.value, event.threshold,
-                     f"rolled back to the checkpoint at step {back}, continuing with {', '.join(changes) or 'no change'}",
-                     event.detail)
+                     f"rolled back to {where}, continuing with {', '.join(changes) or 'no change'}", event.detail)
         run.writer.log_events([note])
         if run.writer.is_main:
             run.writer.record["rollback"] = self.rollback

@@ -271,6 +271,8 @@ class StageRun:
         if start == 0 and getattr(algo, "eval_at_start", False):
             self.start_eval = self._evaluate(algo, 0)
             self.writer.log_events(self.monitor.update(0, self.start_eval))  # rules that compare with the start
+        if start == 0:
+            self.alarms.at_start(algo)  # --on-alarm rollback: step 0's checkpoint, to go back to
         self.t_fit = time.time()
         with TrainProgress(self.stage, cfg.max_steps, start, keys=getattr(algo, "progress", ())) as bar:
             self.in_loop = True  # a signal from here on stops the run at the end of a step
@@ -429,6 +431,7 @@ class StageRun:
         present = len(checkpoint.steps(self.out))
         every = cfg.save_every
         writes = max(0, (cfg.max_steps - 1) // every - start // every) if every else 0
+        writes += start == 0 and self.alarms.mode == "rollback"  # its step-0 checkpoint (Alarms.at_start)
         peak, at_end = disk.run_peak(present, writes, cfg.final_checkpoint, cfg.keep_checkpoints)
         model = max(disk.model_bytes(e.module, getattr(cfg, "merge", True)) for e in self.engines.values())
         short = disk.shortage(self._shares(model=model), checkpoints=at_end, model=True, present=present,
@@ -545,6 +548,8 @@ class StageRun:
                 warn(f"{e} The end-of-run checkpoint is skipped: the model is saved in model/ (the checkpoint "
                      "only serves a --resume to more steps).")
                 extra["final_checkpoint"] = f"skipped: {e}"
+        if dist.is_main and checkpoint.steps(self.out) == [0]:  # only --on-alarm rollback's start: nothing to resume
+            shutil.rmtree(self.out / checkpoint.DIR, ignore_errors=True)
         rates = {f"{k}_per_s": round(v / max(self.train_seconds, 1e-9), 1) for k, v in self.counted.items()}
         final = {**algo.final_metrics(self.last, self.start_eval), **rates, "steps": cfg.max_steps,
                  "wall_seconds": round(wall, 1), "train_seconds": round(self.train_seconds, 1),
