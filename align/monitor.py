@@ -177,12 +177,44 @@ def check_above(xs: list, window: int, max_value: float) -> Check:
     return QUIET
 
 
-def check_below(xs: list, window: int, min_value: float) -> Check:
-    """Mean of the last `window` values (fewer at the start) < min_value."""
-    m = _mean(xs[-window:])
-    if m < min_value:
-        return Check(True, m, min_value, f"mean of last {min(window, len(xs))} values {m:.4g} < {min_value:.4g}")
+def check_median_above(xs: list, window: int, max_value: float) -> Check:
+    """Median of the last `window` values > max_value: most of the last steps are over the limit (a sustained rise,
+    caught as soon as it holds for a majority of the window, where a window mean waits until the excess has paid
+    for the quiet steps before it; a single spike alone does not move the median)."""
+    last = _finite(xs[-window:])
+    if len(last) < window:
+        return QUIET
+    m = statistics.median(last)
+    if m > max_value:
+        return Check(True, m, max_value, f"median of the last {window} values {m:.4g} > {max_value:.4g}")
     return QUIET
+
+
+def check_collapse(xs: list, window: int, ref_window: int, max_ratio: float, min_fall: float, min_z: float,
+                   min_value: float, floor_ratio: float) -> Check:
+    """A collapse against the run's own start. The mean of the last `window` values is below max_ratio × the mean
+    of the first `ref_window` values, and either
+
+    - still falling fast: below the mean of the `window` values before it by more than min_fall of that mean and by
+      more than min_z standard errors (step noise from successive differences over the last NOISE_SPAN windows), or
+    - below the absolute floor min_value and below floor_ratio × the start (a slower fall that ended near-greedy).
+
+    Relative, because the level depends on the task and the start model (an untrained model samples at ~6
+    nats/token, an SFT model's arithmetic answers at ~0.15): a run that starts low does not fire until it falls.
+    Needs ref_window + window values."""
+    if len(xs) < max(ref_window + window, 2 * window):
+        return QUIET
+    ref, now, before = _mean(xs[:ref_window]), _mean(xs[-window:]), _mean(xs[-2 * window : -window])
+    if not now < max_ratio * ref:
+        return QUIET
+    noise = xs[-NOISE_SPAN * window :]
+    falling, drop = _significant_drop(xs[-2 * window : -window], xs[-window:], noise, min_fall * before, min_z)
+    if not (falling or (now < min_value and now < floor_ratio * ref)):
+        return QUIET
+    how = (f"still falling ({before:.4g} in the {window} before)" if falling else
+           f"below the floor {min_value:g} and {floor_ratio:g} x the start")
+    return Check(True, now, max_ratio * ref, f"mean of the last {window} values {now:.4g} < {max_ratio:g} x the "
+                                              f"first {ref_window} ({ref:.4g}), {how}")
 
 
 def _held(xs: list, window: int, holds, bound: float, what: str) -> Check:
@@ -356,7 +388,10 @@ def default_rules(precision: str = "fp32") -> list:
              params={"factor": 10.0, "max_value": 1e4, "min_history": 5, "skip_zero": True},
              message="Gradient norm spike: LR too high or a bad batch. Lower the LR, clip gradients, "
                      "check for extreme rewards/advantages."),
-        Rule("kl_high", "kl", check_above, "warn", 10, params={"max_value": 0.5}, remedy=KL_REMEDY,
+        # the median of the last 3: fires once 2 of 3 steps are over the limit (a sustained rise, as soon as it holds;
+        # a 10-step mean waited 13-14 steps on a KL rising from 0); one jump is kl_spike's. 0.5 nats/token is ~8 nats
+        # on a 16-token answer, 4x the adaptive controller's target per episode; healthy runs stay under 0.04.
+        Rule("kl_high", "kl", check_median_above, "warn", 3, params={"max_value": 0.5}, remedy=KL_REMEDY,
              message="KL to the reference is high: the policy is drifting away. "
                      "Raise the KL coefficient (or lower the KL target), lower the LR."),
         Rule("kl_spike", "kl", check_spike, "warn", 10, remedy=KL_REMEDY,
@@ -384,7 +419,13 @@ def default_rules(precision: str = "fp32") -> list:
                      "all right, or a constant reward), so every advantage is 0 and the policy does not change. "
                      "Check the start model's pass@k on the task (align eval): start from a stronger (SFT) model "
                      "or use an easier task, more --num-generations, or a reward that gives partial credit."),
-        Rule("entropy_collapse", "entropy", check_below, "warn", 10, params={"min_value": 0.1},
+        # relative to the run's start (its level depends on task and model): the last 5 steps below 0.8x the first
+        # 10 and still falling fast (> 10 % and > 4 SE below the 5 before: healthy sharpening is slow and within its
+        # noise), or under the floor 0.1 once halved. On the benchmark's collapses it fires 10 steps after the fall
+        # begins (the old "10-step mean < 0.1": 27-29); no healthy run fired, though SFT-start GRPO sat at 0.73x.
+        Rule("entropy_collapse", "entropy", check_collapse, "warn", 5,
+             params={"ref_window": 10, "max_ratio": 0.8, "min_fall": 0.1, "min_z": 4.0, "min_value": 0.1,
+                     "floor_ratio": 0.5},
              message="Policy entropy collapsed: the model is becoming deterministic and stops exploring. "
                      "Raise the sampling temperature, add an entropy bonus, lower the LR, train fewer steps."),
         Rule("clip_high", "clip_ratio", check_above, "warn", 10, params={"max_value": 0.3},

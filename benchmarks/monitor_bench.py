@@ -2,20 +2,24 @@
 
     python -m benchmarks.monitor_bench [--out runs/monitor_bench] [--write-docs] [--only NAME ...]
 
-Healthy runs (GRPO, PPO, DPO at a few seeds and learning rates) and runs with a known failure and the step it
-starts at, read from the run itself (the RUNS table says how): a stale decoder weight copy or a NaN injected at
-step k with benchmarks.faults; a reward paid per character (answers triple in length); a reward paid per "7" from
-the untrained model (entropy 6.2 -> below 0.1 nats); a KL blow-up; held-out degradation without proxy gain (PPO
-from the arithmetic chain's SFT model against its RM with no KL and lr 2e-4); over-optimisation of a weak reward
-model (PPO without KL against a scalar RM trained 40 steps: its score rises while the verifier's falls, in
-training and on held-out problems). Each run writes its metrics.jsonl once (kept in --out with the artifacts it trains against: a
-rerun of the benchmark only replays them); the metrics are replayed through a fresh RLMonitor with the default
-rules, step by step as the run fed it (an evaluation's metrics with its step's).
+Healthy runs, runs that learn: the arithmetic chain's (pipelines/arithmetic.toml) SFT and reward models, trained
+here with its recipe (the PPO and DPO runs start from them), and GRPO, PPO and DPO at several seeds and learning
+rates (the chain's recipes, longer). Runs with a known failure and the step it starts at, read from the run itself
+(RUNS says how): a stale decoder weight copy or a NaN injected at step k with benchmarks.faults; a reward paid per
+character (answers triple in length); a reward paid per "7" from the untrained model (entropy 6.2 -> below 0.1
+nats), at two seeds; a KL blow-up, at two seeds; held-out degradation without proxy gain (PPO from the SFT model
+against its RM with no KL and lr 2e-4); over-optimisation of a weak reward model (PPO without KL against a scalar
+RM trained 40 steps: the verifier's held-out pass rate falls while the RM's score of the same answers rises). The
+weak RM run is also run under --on-alarm stop and rollback (ON_ALARM).
 
-For each rule: detections (failure runs where it fired at or after the onset / failure runs), the mean delay
-from the labelled onset to its first event, and false alarms per 100 healthy steps. PPO and DPO runs need the
-arithmetic chain's sft and rm (`align pipeline run pipelines/arithmetic.toml`, ~7 min). Runs in ~6 min on 2
-cores.
+Each run writes its metrics.jsonl once (kept in --out: a rerun of the benchmark only replays it); the metrics are
+replayed through a fresh RLMonitor with the default rules, step by step as the run fed it (an evaluation's metrics
+with its step's). Scored: per failure, the lead = steps from the labelled onset to the first event of the rules
+written for it (held-out failures also in held-out evaluations); per rule, its detections on the failure runs
+(an event at or after the onset), and its false alarms (events on healthy runs) per 1,000 healthy steps.
+
+Trains everything in ~25 min on 2 CPU cores (one run at a time; SFT 1,500 steps ~2.5 min of it); a rerun that
+finds the runs in --out replays them in seconds.
 """
 
 from __future__ import annotations
@@ -23,17 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from align.monitor import RLMonitor, default_rules
 
 ROOT = Path(__file__).resolve().parent.parent
-SFT, RM = ROOT / "runs/arithmetic/sft", ROOT / "runs/arithmetic/rm"  # pipelines/arithmetic.toml's
+DATA = ROOT / "data"
 DOCS = ROOT / "docs/monitor.md"
 BEGIN, END = "<!-- monitor_bench:begin -->", "<!-- monitor_bench:end -->"
+ARITH, ARITH_TEST = str(DATA / "arithmetic/train.jsonl"), str(DATA / "arithmetic/test.jsonl")
+PREFS, PREFS_TEST = str(DATA / "prefs/train.jsonl"), str(DATA / "prefs/test.jsonl")
 
 
 def _reward_file(name: str, body: str) -> str:
@@ -44,137 +53,264 @@ def _reward_file(name: str, body: str) -> str:
 
 def grpo(seed: int, lr: float, steps: int = 15, *extra, reward: str = "", model: str = "tiny",
          tokens: int = 12) -> list[str]:
+    """GRPO of the tiny model on the arithmetic prompts, 4 prompts x 4 samples, no held-out evaluation."""
     reward = reward or _reward_file("parity", "float(len(completion) % 2)")
-    return ["grpo", "--model", model, "--reward", reward,
-            "--data", str(ROOT / "data/arithmetic/train.jsonl"), "--eval-data", "", "--max-steps", str(steps),
+    return ["grpo", "--model", model, "--reward", reward, "--data", ARITH, "--eval-data", "", "--max-steps", str(steps),
             "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", str(tokens), "--seed", str(seed),
             "--lr", str(lr), "--warmup-steps", "0", *extra]
 
 
-def ppo(seed: int, lr: float, steps: int = 15, *extra, rm: str = str(RM), prompts: int = 16,
+def grpo_chain(seed: int, lr: float, steps: int = 200) -> list[str]:
+    """The chain's GRPO (verifier reward, T 1, z-score advantages) from its SFT model at 8 prompts x 8 samples, the
+    held-out greedy pass rate on 100 problems every 25 steps."""
+    return ["grpo", "--model", "@sft", "--data", ARITH, "--eval-data", ARITH_TEST, "--eval-samples", "100",
+            "--eval-k", "1", "--eval-every", "25", "--max-steps", str(steps), "--prompts-per-step", "8",
+            "--num-generations", "8", "--seed", str(seed), "--lr", str(lr)]
+
+
+def ppo(seed: int, lr: float, steps: int = 15, *extra, rm: str = "@rm", prompts: int = 16,
         epochs: int = 2) -> list[str]:
-    return ["ppo", "--model", str(SFT), "--reward-model", rm, "--max-steps", str(steps), "--seed", str(seed),
+    return ["ppo", "--model", "@sft", "--reward-model", rm, "--max-steps", str(steps), "--seed", str(seed),
             "--lr", str(lr), "--prompts-per-step", str(prompts), "--minibatch-size", str(prompts),
             "--ppo-epochs", str(epochs), "--eval-samples", "100", *extra]
 
 
-def dpo(seed: int, lr: float, steps: int = 20) -> list[str]:
-    return ["dpo", "--model", str(SFT), "--data", str(ROOT / "data/prefs/train.jsonl"), "--eval-data",
-            str(ROOT / "data/prefs/test.jsonl"), "--pass-data", "", "--max-steps", str(steps), "--batch-size", "8",
-            "--lr", str(lr), "--seed", str(seed), "--eval-every", "5", "--eval-pairs", "64", "--warmup-steps", "0"]
+def dpo(seed: int, lr: float, steps: int = 200) -> list[str]:
+    """The chain's DPO (β 0.5, RPO's NLL term on the chosen answer) from its SFT model; held-out pair accuracy every
+    50 steps, greedy pass@1 on 100 held-out problems at the start and end."""
+    return ["dpo", "--model", "@sft", "--data", PREFS, "--eval-data", PREFS_TEST, "--eval-samples", "100",
+            "--max-steps", str(steps), "--batch-size", "32", "--lr", str(lr), "--seed", str(seed), "--eval-every",
+            "50", "--eval-pairs", "64", "--beta", "0.5", "--nll-coef", "1.0", "--precompute-ref"]
+
+
+@dataclass(frozen=True)
+class Departs:
+    """An onset read from the run: the first step from which every later value of `key` stays beyond `factor` x the
+    mean of the run's first 3 steps (factor < 1: below it, > 1: above it)."""
+
+    key: str
+    factor: float
+
+    def __call__(self, steps: dict) -> int | None:
+        series = [(s, row[self.key]) for s, row in sorted(steps.items()) if self.key in row]
+        bound = self.factor * statistics.fmean(v for _, v in series[:3])
+        beyond = (lambda v: v < bound) if self.factor < 1 else (lambda v: v > bound)
+        onset = None
+        for s, v in series:
+            onset = (onset or s) if beyond(v) else None
+        return onset
+
+
+@dataclass(frozen=True)
+class Run:
+    args: list  # align's arguments; "@NAME": the out directory of run NAME (trained first)
+    label: str | None = None  # the failure; None: a healthy run
+    onset: int | Departs = 0  # the step (1-based, as logged) the failure starts at, or how to read it from the run
+    rules: tuple = ()  # the rules written for the failure: its lead is the first event of any of them
+    heldout: bool = False  # the failure shows in held-out evaluations: its lead is also counted in evaluations
+    fault: str = "none"  # benchmarks.faults' fault, injected at 0-based step fault_step
+    fault_step: int = 0
+
+    @property
+    def stage(self) -> str:
+        return self.args[0]
 
 
 CHAIN_PPO = ["--fixed-kl", "--init-kl-coef", "0.2", "--ptx-coef", "0.5"]  # the arithmetic chain's PPO settings
-# name: (failure label or None for healthy, onset step (1-based, as logged), fault, fault step (0-based), args)
+NO_KL = ["--init-kl-coef", "0", "--fixed-kl", "--ptx-coef", "0"]
+# PPO without KL, 4 epochs a batch, against a scalar reward model trained 40 steps (near chance on held-out pairs):
+# the verifier's held-out pass rate falls from the first updates while the reward model's score of the answers rises
+WEAK_RM = ppo(0, 1e-4, 60, *NO_KL, rm="@rm-weak", prompts=32, epochs=4)
+HELDOUT = ("heldout_degradation", "reward_hacking_heldout")
 RUNS = {
-    "grpo-s0-lr5e-5": (None, 0, "none", 0, grpo(0, 5e-5)),
-    "grpo-s1-lr5e-5": (None, 0, "none", 0, grpo(1, 5e-5)),
-    "grpo-s0-lr2e-4": (None, 0, "none", 0, grpo(0, 2e-4)),
-    "grpo-s2-lr2e-4-beta": (None, 0, "none", 0, grpo(2, 2e-4, 15, "--beta", "0.04")),
-    "ppo-s0-chain": (None, 0, "none", 0, ppo(0, 3e-5, 15, *CHAIN_PPO)),
-    "ppo-s1-chain": (None, 0, "none", 0, ppo(1, 3e-5, 15, *CHAIN_PPO)),
-    "dpo-s0-lr1e-4": (None, 0, "none", 0, dpo(0, 1e-4)),
-    "dpo-s1-lr5e-5": (None, 0, "none", 0, dpo(1, 5e-5)),
-    "grpo-stale-decoder@6": ("stale decoder copy", 6, "stale_decoder", 5, grpo(0, 5e-5)),
-    "grpo-nan@6": ("NaN loss", 6, "nan", 5, grpo(1, 5e-5)),
-    # per-character pay from the SFT model (answers ~15 tokens, room for 48): length flat to step 19, x3 by step 23
-    "grpo-length-reward": ("length-exploitable reward", 20, "none", 0,
-                           grpo(0, 1e-3, 40, reward=_reward_file("longer", "len(completion) / 40"), model=str(SFT),
-                                tokens=48)),
-    # from the untrained model (entropy 6.2 nats) paid per "7": entropy falls from step 12, below 0.1 from step 33
-    "grpo-entropy-collapse": ("entropy collapse", 12, "none", 0,
-                              grpo(0, 3e-3, 45, reward=_reward_file("sevens", "completion.count('7') / 12"))),
-    "grpo-kl-blowup": ("KL blow-up", 1, "none", 0, grpo(0, 3e-3, 15, "--beta", "0.01", "--num-iterations", "2")),
-    "ppo-degradation": ("held-out degradation without proxy gain", 1, "none", 0,
-                        ["ppo", "--model", str(SFT), "--reward-model", str(RM), "--init-kl-coef", "0", "--fixed-kl",
-                         "--ptx-coef", "0", "--lr", "2e-4", "--seed", "11", "--max-steps", "60"]),
-    # PPO without KL against a reward model trained 40 steps (held-out pair accuracy 0.63), 4 epochs a batch: from
-    # the first updates the RM's score rises (training and held-out) while the verifier's falls (held-out 0.43 -> 0.04)
-    "ppo-weak-rm": ("over-optimisation of a weak reward model", 1, "none", 0,
-                    ppo(0, 1e-4, 60, "--init-kl-coef", "0", "--fixed-kl", "--ptx-coef", "0", rm="@rm-weak", prompts=32,
-                        epochs=4)),
+    # healthy: the chain's SFT and reward models (pipelines/arithmetic.toml's recipes), and a weak reward model
+    "sft": Run(["sft", "--model", "tiny", "--data", ARITH, "--eval-data", ARITH_TEST, "--max-steps", "1500",
+                "--batch-size", "32", "--lr", "2e-3", "--eval-every", "500"]),
+    "rm": Run(["rm", "train", "--model", "@sft", "--data", PREFS, "--eval-data", PREFS_TEST, "--head", "likelihood",
+               "--max-steps", "150", "--batch-size", "64", "--lr", "2e-4", "--warmup-steps", "10",
+               "--eval-every", "150"]),
+    "rm-weak": Run(["rm", "train", "--model", "@sft", "--data", PREFS, "--eval-data", PREFS_TEST, "--head", "scalar",
+                    "--max-steps", "40", "--batch-size", "16", "--lr", "1e-3", "--seed", "0"]),
+    "grpo-s0-lr5e-5": Run(grpo(0, 5e-5)),
+    "grpo-s1-lr5e-5": Run(grpo(1, 5e-5)),
+    "grpo-s0-lr2e-4": Run(grpo(0, 2e-4)),
+    "grpo-s2-lr2e-4-beta": Run(grpo(2, 2e-4, 15, "--beta", "0.04")),
+    "grpo-chain-s0-lr5e-5": Run(grpo_chain(0, 5e-5)),
+    "grpo-chain-s1-lr5e-5": Run(grpo_chain(1, 5e-5)),
+    "grpo-chain-s2-lr1e-4": Run(grpo_chain(2, 1e-4)),
+    "ppo-chain-s0-lr3e-5": Run(ppo(0, 3e-5, 60, *CHAIN_PPO)),
+    "ppo-chain-s1-lr3e-5": Run(ppo(1, 3e-5, 60, *CHAIN_PPO)),
+    "ppo-chain-s2-lr6e-5": Run(ppo(2, 6e-5, 60, *CHAIN_PPO)),
+    "dpo-chain-s0-lr1e-4": Run(dpo(0, 1e-4)),
+    "dpo-chain-s1-lr1e-4": Run(dpo(1, 1e-4)),
+    "dpo-chain-s2-lr5e-5": Run(dpo(2, 5e-5)),
+    # failures
+    "grpo-stale-decoder@6": Run(grpo(0, 5e-5), "stale decoder copy", 6, ("rollout_mismatch",), fault="stale_decoder",
+                                fault_step=5),
+    "grpo-nan@6": Run(grpo(1, 5e-5), "NaN loss", 6, ("nan",), fault="nan", fault_step=5),
+    # per-character pay from the SFT model (answers ~15 tokens, room for 48): the onset is the step from which the
+    # mean length stays 25 % above its start (then it reaches the 48-token cap within a few steps)
+    "grpo-length-reward": Run(grpo(0, 1e-3, 40, reward=_reward_file("longer", "len(completion) / 40"), model="@sft",
+                                   tokens=48), "length-exploitable reward", Departs("completions/mean_length", 1.25),
+                              ("length_drift",)),
+    # from the untrained model (entropy 6.2 nats) paid per "7": the onset is the step from which the entropy stays
+    # 1 % below its start (~30x the step noise there); it is below 0.1 ~20 steps later
+    "grpo-entropy-collapse": Run(grpo(0, 3e-3, 45, reward=_reward_file("sevens", "completion.count('7') / 12")),
+                                 "entropy collapse", Departs("entropy", 0.99), ("entropy_collapse",)),
+    "grpo-entropy-collapse-s1": Run(grpo(1, 3e-3, 45, reward=_reward_file("sevens", "completion.count('7') / 12")),
+                                    "entropy collapse", Departs("entropy", 0.99), ("entropy_collapse",)),
+    "grpo-kl-blowup": Run(grpo(0, 3e-3, 15, "--beta", "0.01", "--num-iterations", "2"), "KL blow-up", 1,
+                          ("kl_high", "kl_spike")),
+    "grpo-kl-blowup-s1": Run(grpo(1, 3e-3, 15, "--beta", "0.01", "--num-iterations", "2"), "KL blow-up", 1,
+                             ("kl_high", "kl_spike")),
+    "ppo-degradation": Run(["ppo", "--model", "@sft", "--reward-model", "@rm", *NO_KL, "--lr", "2e-4", "--seed", "11",
+                            "--max-steps", "60"], "held-out degradation without proxy gain", 1, HELDOUT, True),
+    "ppo-weak-rm": Run(WEAK_RM, "over-optimisation of a weak reward model", 1, ("reward_hacking", *HELDOUT), True),
 }
-
-
-# Artifacts that runs train against, trained once into --out like the runs; a run's argument "@NAME" is its path
-PREP = {"rm-weak": ["rm", "train", "--model", str(SFT), "--data", str(ROOT / "data/prefs/train.jsonl"), "--eval-data",
-                    str(ROOT / "data/prefs/test.jsonl"), "--head", "scalar", "--max-steps", "40", "--batch-size", "16",
-                    "--lr", "1e-3", "--seed", "0"]}
+# --on-alarm on the weak reward model's over-optimisation: (run name, mode); not scored as rule runs
+ON_ALARM = {"ppo-weak-rm-stop": ("ppo-weak-rm", "stop"), "ppo-weak-rm-rollback": ("ppo-weak-rm", "rollback")}
+for _name, (_base, _mode) in ON_ALARM.items():
+    RUNS[_name] = Run([*RUNS[_base].args, "--on-alarm", _mode], "on-alarm")
 
 
 def run(name: str, out: Path) -> Path:
-    """The run's out directory, trained unless a finished (or monitor-stopped) one is there."""
-    label, onset, fault, fault_step, args = RUNS[name]
-    args = [str(_train(a[1:], out, "none", 0, PREP[a[1:]])) if a[1:] in PREP and a[0] == "@" else a for a in args]
-    return _train(name, out, fault, fault_step, args)
-
-
-def _train(name: str, out: Path, fault: str, fault_step: int, args: list[str]) -> Path:
+    """The run's out directory, trained (after the runs it names with "@") unless a finished one is there."""
+    r = RUNS[name]
+    args = [str(run(a[1:], out)) if a.startswith("@") else a for a in r.args]
     d = out / name
     art = d / "artifact.json"
     if art.is_file() and json.loads(art.read_text()).get("status") in ("complete", "failed", "stopped"):
         return d
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "benchmarks.faults", fault, str(fault_step), *args, "--out", str(d), "--overwrite"]
+    cmd = [sys.executable, "-m", "benchmarks.faults", r.fault, str(r.fault_step), *args, "--out", str(d), "--overwrite"]
     print(f"  {name}: {' '.join(cmd[3:])}", flush=True)
     subprocess.run(cmd, cwd=ROOT, env={**env, "COLUMNS": "200"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return d
 
 
-def replay(d: Path) -> tuple[list, int]:
-    """(events, training steps) of a run's metrics replayed through the default rules: one update per step, an
-    evaluation's metrics together with its step's (as StageRun feeds them)."""
-    by_step: dict[int, dict] = {}
+def by_step(d: Path) -> dict:
+    """A run's metrics.jsonl as {step: metrics}, an evaluation's metrics merged with its step's."""
+    steps: dict[int, dict] = {}
     for line in (d / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
-        by_step.setdefault(row.pop("step"), {}).update(row)
+        steps.setdefault(row.pop("step"), {}).update(row)
+    return steps
+
+
+def replay(d: Path) -> tuple[list, int, list]:
+    """(events, training steps, steps with a held-out evaluation) of a run's metrics replayed through the default
+    rules: one update per step, an evaluation's metrics together with its step's (as StageRun feeds them)."""
+    steps = by_step(d)
     m = RLMonitor()
-    for step in sorted(by_step):
-        m.update(step, by_step[step])
-    m.end(max(by_step, default=0))
-    return m.events, max(by_step, default=0)
+    for step in sorted(steps):
+        m.update(step, steps[step])
+    last = max(steps, default=0)
+    m.end(last)
+    evals = [s for s, row in sorted(steps.items()) if any(k.startswith("eval/pass@1") for k in row)]
+    return m.events, last, evals
 
 
-def score(out: Path, names: list[str]) -> tuple[dict, list]:
-    """Per rule: detections, delays, false alarms; and per run: the first event of each rule."""
-    rules = [r.name for r in default_rules()]
-    table = {r: {"detected": 0, "delays": [], "false": 0} for r in rules}
-    failures, healthy_steps, runs = 0, 0, []
+def score(out: Path, names: list[str]) -> dict:
+    """Per rule: detections, delays, false alarms; per failure: its lead; per run: the first event of each rule."""
+    enabled = {r.name for r in default_rules() if r.enabled}
+    table = {r.name: {"detected": 0, "delays": [], "false": 0} for r in default_rules()}
+    healthy: dict[str, int] = {}
+    leads, runs = [], []
     for name in names:
-        label, onset, *_ = RUNS[name]
-        d = out / name
-        if not (d / "metrics.jsonl").is_file():
-            runs.append((name, label, onset, 0, "did not run"))
+        r = RUNS[name]
+        if r.label == "on-alarm":
             continue
-        events, steps = replay(d)
-        first = {}
+        if not (out / name / "metrics.jsonl").is_file():
+            runs.append((name, r, 0, 0, "did not run"))
+            continue
+        events, steps, evals = replay(out / name)
+        onset = r.onset(by_step(out / name)) if callable(r.onset) else r.onset
+        first: dict[str, int] = {}
         for e in events:
             first.setdefault(e.rule, e.step)
-        runs.append((name, label, onset, steps, ", ".join(f"{r}@{s}" for r, s in first.items()) or "-"))
-        if label is None:
-            healthy_steps += steps
+        runs.append((name, r, onset, steps, ", ".join(f"{k}@{s}" for k, s in first.items()) or "-"))
+        if r.label is None:
+            healthy[r.stage] = healthy.get(r.stage, 0) + steps
             for e in events:
                 table[e.rule]["false"] += 1
-        else:
-            failures += 1
-            for r, s in first.items():
-                if s >= onset:
-                    table[r]["detected"] += 1
-                    table[r]["delays"].append(s - onset)
-    return {"rules": table, "failures": failures, "healthy_steps": healthy_steps}, runs
+            continue
+        after = {}  # each rule's first event at or after the onset
+        for e in events:
+            if e.step >= onset:
+                after.setdefault(e.rule, e.step)
+        for k, s in after.items():
+            table[k]["detected"] += 1
+            table[k]["delays"].append(s - onset)
+        at, rule = min(((s, k) for k, s in after.items() if k in r.rules), default=(None, None))
+        n_evals = sum(onset <= s <= at for s in evals) if at is not None and r.heldout else None
+        leads.append({"run": name, "onset": onset, "rule": rule, "lead": None if at is None else at - onset,
+                      "evals": n_evals})
+    false = sum(t["false"] for k, t in table.items() if k in enabled)
+    return {"rules": table, "enabled": enabled, "healthy": healthy, "leads": leads, "runs": runs, "false": false}
 
 
-def render(summary: dict, runs: list) -> str:
-    lines = ["| rule | detections (failure runs) | mean delay from onset (steps) | false alarms / 100 healthy steps |",
-             "|---|---|---|---|"]
-    hs = max(summary["healthy_steps"], 1)
-    for rule, t in summary["rules"].items():
+def summary_line(s: dict) -> str:
+    hs = sum(s["healthy"].values())
+    found = [x["lead"] for x in s["leads"] if x["lead"] is not None]
+    median = f"{statistics.median(found):g}" if found else "-"
+    evals = [x["evals"] for x in s["leads"] if x["evals"] is not None]
+    per_stage = ", ".join(f"{k.upper()} {v}" for k, v in s["healthy"].items())
+    worst = max((t["false"], k) for k, t in s["rules"].items() if k in s["enabled"])
+    return (f"**Labelled failures detected by their own rules: {len(found)}/{len(s['leads'])}; median lead "
+            f"{median} steps after the onset (held-out failures: {', '.join(map(str, evals)) or '-'} held-out "
+            f"evaluations); {hs} healthy steps ({per_stage}); false alarms of the default rules, warnings included: "
+            f"{s['false']} ({1000 * s['false'] / max(hs, 1):.2f} per 1,000 healthy steps; the most of one rule: "
+            f"{worst[0]}, {1000 * worst[0] / max(hs, 1):.2f} per 1,000).**")
+
+
+def render(s: dict) -> str:
+    hs = max(sum(s["healthy"].values()), 1)
+    lines = [summary_line(s), "",
+             "| failure run | onset step | its rules | first of them | lead (steps) | lead (held-out evaluations) |",
+             "|---|---|---|---|---|---|"]
+    for x in s["leads"]:
+        r = RUNS[x["run"]]
+        lead = "not detected" if x["lead"] is None else str(x["lead"])
+        rule = f"`{x['rule']}`" if x["rule"] else "-"
+        evals = "-" if x["evals"] is None else str(x["evals"])
+        lines.append(f"| {x['run']} | {x['onset']} | {', '.join(f'`{k}`' for k in r.rules)} | {rule} | {lead} | "
+                     f"{evals} |")
+    lines += ["", "| rule | on by default | detections (failure runs) | mean delay from onset (steps) | false alarms "
+              "(healthy runs) | per 1,000 healthy steps |", "|---|---|---|---|---|---|"]
+    n_fail = len(s["leads"])
+    for rule, t in s["rules"].items():
         delay = f"{sum(t['delays']) / len(t['delays']):.1f}" if t["delays"] else "-"
-        lines.append(f"| `{rule}` | {t['detected']} / {summary['failures']} | {delay} | {100 * t['false'] / hs:.2f} |")
-    lines += ["", f"{summary['healthy_steps']} healthy steps. Runs (first event of each rule, at its step):", "",
+        on = "yes" if rule in s["enabled"] else "no"
+        lines.append(f"| `{rule}` | {on} | {t['detected']} / {n_fail} | {delay} | {t['false']} | "
+                     f"{1000 * t['false'] / hs:.2f} |")
+    lines += ["", "Runs (first event of each rule, at its step):", "",
               "| run | failure (onset step) | steps | events |", "|---|---|---|---|"]
-    for name, label, onset, steps, events in runs:
-        lines.append(f"| {name} | {f'{label} ({onset})' if label else 'healthy'} | {steps} | {events} |")
+    for name, r, onset, steps, events in s["runs"]:
+        lines.append(f"| {name} | {f'{r.label} ({onset})' if r.label else 'healthy'} | {steps} | {events} |")
+    return "\n".join(lines)
+
+
+def on_alarm_table(out: Path) -> str:
+    """--on-alarm stop / rollback on the over-optimising run: held-out greedy pass@1 at the start, the best
+    evaluated, and what the run ended with (the artifact's: the kept evaluation's under stop, the last under
+    rollback)."""
+    lines = ["| run | status | held-out greedy pass@1: start | best evaluated (step) | the artifact's | "
+             "what happened |", "|---|---|---|---|---|---|"]
+    for name in ON_ALARM:
+        d = out / name
+        if not (d / "artifact.json").is_file():
+            continue
+        art = json.loads((d / "artifact.json").read_text())
+        evals = [(s, row["eval/pass@1/greedy"]) for s, row in sorted(by_step(d).items()) if "eval/pass@1/greedy" in row]
+        best_step, best = max(evals, key=lambda e: (e[1], -e[0]))
+        what = (f"stopped at step {art['stopped']['step']} ({art['stopped']['rule']}), kept step "
+                f"{art['stopped']['kept']['step']}" if "stopped" in art else "")
+        if "rollback" in art:
+            rb = art["rollback"]
+            what = (f"rolled back at step {rb['at']} ({rb['rule']}) to step {rb['to']} with "
+                    f"{', '.join(rb['changes'])}" + (f"; then {what}" if what else "; completed"))
+        lines.append(f"| {name} | {art['status']} | {evals[0][1]:.3f} | {best:.3f} ({best_step}) | "
+                     f"{art['metrics'].get('eval/pass@1/greedy', float('nan')):.3f} | {what} |")
     return "\n".join(lines)
 
 
@@ -190,15 +326,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "runs/monitor_bench"))
     ap.add_argument("--only", nargs="*", default=None, help="run names (default: all)")
-    ap.add_argument("--write-docs", action="store_true", help="write the table into docs/monitor.md")
+    ap.add_argument("--write-docs", action="store_true", help="write the tables into docs/monitor.md")
     a = ap.parse_args(argv)
     out, names = Path(a.out), a.only or list(RUNS)
+    t = time.time()
     for name in names:
-        if (RUNS[name][4][0] in ("ppo", "dpo") or str(SFT) in RUNS[name][4]) and not (SFT.is_dir() and RM.is_dir()):
-            print(f"  {name}: skipped (needs {SFT} and {RM}: align pipeline run)")
-            continue
         run(name, out)
-    text = render(*score(out, names))
+    print(f"trained in {time.time() - t:.0f} s", flush=True)
+    text = f"{render(score(out, names))}\n\n`--on-alarm` on the weak reward model's over-optimisation:\n\n{on_alarm_table(out)}"
     print(text)
     if a.write_docs:
         write_docs(text)

@@ -96,8 +96,22 @@ def test_grad_explode_needs_history_but_max_value_always_applies():
 
 
 def test_kl_high():
-    # window mean over the last 10 crosses 0.5 after 3 steps at 2.0: (3 * 2.0 + 7 * 0.05) / 10 = 0.635
-    assert fired(feed(flat_then("kl", 0.05, 2.0)), "kl_high") == [(22, "warn")]
+    # the median of the last 3 crosses 0.5 once 2 of them are at 2.0: steps 20 and 21
+    assert fired(feed(flat_then("kl", 0.05, 2.0)), "kl_high") == [(21, "warn")]
+
+
+def test_kl_high_fires_on_a_sustained_rise_within_a_step_of_the_limit():
+    """KL rising 0.04 per step from 0 (the KL blow-up of the benchmark's GRPO at lr 3e-3 rises ~0.05 per step): the
+    median of the last 3 is the middle value, 0.04 * (s - 1) > 0.5 from step 14 (steps 13-14 are 0.52 and 0.56);
+    the old 10-step mean passed 0.5 only at step 17 (mean of 0.32 .. 0.68)."""
+    assert fired(feed([{"kl": 0.04 * s} for s in range(30)]), "kl_high") == [(14, "warn")]
+
+
+def test_kl_high_ignores_a_single_spike_and_a_high_but_short_start():
+    spike = [{"kl": 0.05}] * 20 + [{"kl": 3.0}] + [{"kl": 0.05}] * 10
+    m = feed(spike)
+    assert fired(m, "kl_high") == [] and fired(m, "kl_spike") == [(20, "warn")]
+    assert fired(feed([{"kl": 2.0}] * 2), "kl_high") == []  # fewer than 3 values: no median yet
 
 
 def test_kl_spike_fires_on_a_jump_that_the_window_mean_misses():
@@ -141,18 +155,63 @@ def test_reward_falling_needs_two_full_windows():
 
 
 def test_entropy_collapse():
-    # (10 * 0.01) / 10 < 0.1 only once the whole window has collapsed
-    assert fired(feed(flat_then("entropy", 1.0, 0.01)), "entropy_collapse") == [(29, "warn")]
+    """Entropy 1.0 for 20 steps, then falling 0.1 per step (0.9 at step 20): the mean of the last 5 at step 24 is 0.7,
+    below 0.8 × the first 10 steps' mean (1.0; at step 23 it is 0.8, not below), 0.3 below the 5 steps before it
+    (> 10 % of them) and 14.7 standard errors of the step noise (successive differences over the last 25 steps,
+    five of −0.1): fires at step 24, once."""
+    stream = [{"entropy": 1.0}] * 20 + [{"entropy": 1.0 - 0.1 * (k + 1)} for k in range(9)]
+    m = feed(stream)
+    assert fired(m, "entropy_collapse") == [(24, "warn")]
+    assert m.events[0].value == pytest.approx(0.7) and m.events[0].threshold == pytest.approx(0.8)
+
+
+def test_entropy_collapse_is_relative_to_the_start():
+    """The untrained model's 6.2 nats/token falling 10 % a step from step 12 fires at step 16 (mean of the last 5,
+    4.57 < 0.8 × 6.2; step 15: 5.08), long before any absolute floor; an SFT model's answers at ~0.04 nats/token
+    from the start (below the floor 0.1, noisy) never fire: nothing fell."""
+    fall = [{"entropy": 6.2 if s < 12 else 6.2 * 0.9 ** (s - 11)} for s in range(40)]
+    assert fired(feed(fall), "entropy_collapse") == [(16, "warn")]
+    rng = random.Random(0)
+    low = [{"entropy": max(0.0, 0.04 + rng.gauss(0, 0.01))} for _ in range(300)]
+    assert fired(feed(low), "entropy_collapse") == []
+
+
+def test_entropy_collapse_needs_a_fall_still_going_or_the_floor():
+    """Below 0.8 × the start but settled (the last 5 no lower than the 5 before): quiet above the floor 0.1, fires
+    below it once below half the start too; a noisy decline to half the start over 300 steps (a policy sharpening as
+    it learns) stays quiet."""
+    from align.monitor import check_collapse
+
+    params = {"window": 5, "ref_window": 10, "max_ratio": 0.8, "min_fall": 0.1, "min_z": 4.0, "min_value": 0.1,
+              "floor_ratio": 0.5}
+    assert not check_collapse([1.0] * 10 + [0.5] * 10 + [0.2] * 12, **params).fired
+    settled = check_collapse([1.0] * 10 + [0.5] * 10 + [0.09] * 12, **params)
+    assert settled.fired and "floor" in settled.detail
+    # an SFT model's ~0.12 nats/token settling at 0.095: under the floor and 0.8 x its start, not halved: quiet
+    assert not check_collapse([0.12] * 10 + [0.095] * 12, **params).fired
+    assert not check_collapse([1.0] * 10 + [0.01] * 4, **params).fired  # fewer than ref_window + window values
+    assert check_collapse([1.0] * 10 + [0.01] * 5, **params).fired
+    rng = random.Random(1)
+    slow = [{"entropy": 1.0 - 0.5 * s / 300 + rng.gauss(0, 0.05)} for s in range(300)]
+    assert fired(feed(slow), "entropy_collapse") == []
 
 
 def test_thresholds_are_strict_at_the_boundary():
     """A window mean exactly at a threshold does not fire (values exact in binary: 0.5, 0.125)."""
-    assert fired(feed([{"kl": 0.5}] * 30), "kl_high") == []  # mean 0.5, not > 0.5
-    assert fired(feed([{"kl": 0.5}] * 29 + [{"kl": 0.5078125}]), "kl_high") == [(29, "warn")]  # mean 0.50078125
-    low = RLMonitor(overrides={"entropy_collapse": {"min_value": 0.125}})
-    assert fired(feed([{"entropy": 0.125}] * 30, low), "entropy_collapse") == []  # mean 0.125, not < 0.125
-    low = RLMonitor(overrides={"entropy_collapse": {"min_value": 0.125}})
-    assert fired(feed([{"entropy": 0.125}] * 29 + [{"entropy": 0.046875}], low), "entropy_collapse") == [(29, "warn")]
+    assert fired(feed([{"kl": 0.5}] * 30), "kl_high") == []  # median 0.5, not > 0.5
+    assert fired(feed([{"kl": 0.5}] * 28 + [{"kl": 0.5078125}] * 2), "kl_high") == [(29, "warn")]
+    # a window mean (check_above: clip_high's, rollout_mismatch's)
+    def mean_above():
+        return RLMonitor(rules=[Rule("mean_above", "kl", check_above, "warn", 10, params={"max_value": 0.5})])
+
+    assert fired(feed([{"kl": 0.5}] * 30, mean_above()), "mean_above") == []  # mean 0.5, not > 0.5
+    assert fired(feed([{"kl": 0.5}] * 29 + [{"kl": 0.5078125}], mean_above()), "mean_above") == [(29, "warn")]
+    # entropy: 1.0 for 10 steps, then 0.75 (exactly max_ratio 0.75 x the start: quiet) or 0.7421875 (fires at step
+    # 14, once the last 5 are all below it and the fall from the 5 before shows)
+    ratio = {"entropy_collapse": {"max_ratio": 0.75}}
+    assert fired(feed(flat_then("entropy", 1.0, 0.75, 10, 20), RLMonitor(overrides=ratio)), "entropy_collapse") == []
+    assert fired(feed(flat_then("entropy", 1.0, 0.7421875, 10, 20), RLMonitor(overrides=ratio)),
+                 "entropy_collapse") == [(14, "warn")]
 
 
 def test_clip_high():
@@ -337,15 +396,15 @@ def test_a_run_shorter_than_the_window_is_judged_as_a_whole_at_its_end():
 def test_debounce_reports_start_and_recurrence():
     stream = flat_then("kl", 0.05, 2.0) + [{"kl": 0.05}] * 30 + [{"kl": 2.0}] * 20
     m = feed(stream)
-    assert fired(m, "kl_high") == [(22, "warn"), (72, "warn")]
+    assert fired(m, "kl_high") == [(21, "warn"), (71, "warn")]
     assert fired(m, "kl_spike") == [(20, "warn"), (70, "warn")]  # the jumps themselves, at once
     assert m.summary()["counts"] == {"kl_high": 2, "kl_spike": 2}
-    assert m.summary()["first_step"] == {"kl_high": 22, "kl_spike": 20}
+    assert m.summary()["first_step"] == {"kl_high": 21, "kl_spike": 20}
 
 
 def test_steps_without_the_metric_do_not_clear_a_firing_rule():
     stream = flat_then("kl", 0.05, 2.0) + [{"loss": 1.0}] * 5 + [{"kl": 2.0}] * 5
-    assert fired(feed(stream), "kl_high") == [(22, "warn")]
+    assert fired(feed(stream), "kl_high") == [(21, "warn")]
 
 
 def test_update_returns_only_new_events():
@@ -353,11 +412,10 @@ def test_update_returns_only_new_events():
     for s in range(20):
         assert m.update(s, {"kl": 0.05}) == []
     assert [e.rule for e in m.update(20, {"kl": 2.0})] == ["kl_spike"]
-    assert m.update(21, {"kl": 2.0}) == []
-    (event,) = m.update(22, {"kl": 2.0})
+    (event,) = m.update(21, {"kl": 2.0})
     assert isinstance(event, Event) and event.rule == "kl_high" and event.threshold == 0.5
     assert "KL coefficient" in event.message and "kl_high" in str(event)
-    assert m.update(23, {"kl": 2.0}) == []
+    assert m.update(22, {"kl": 2.0}) == []
     assert not m.should_stop()
 
 
@@ -371,7 +429,7 @@ def test_overrides_change_threshold_severity_window_and_enable():
     stream = flat_then("kl", 0.05, 2.0)
     assert fired(feed(stream, RLMonitor(overrides={"kl_high": {"max_value": 5.0}})), "kl_high") == []
     m = feed(stream, RLMonitor(overrides={"kl_high": {"severity": "stop"}}))
-    assert fired(m, "kl_high")[0] == (22, "stop") and m.should_stop()
+    assert fired(m, "kl_high")[0] == (21, "stop") and m.should_stop()
     assert fired(feed(stream, RLMonitor(overrides={"kl_high": {"window": 1}})), "kl_high") == [(20, "warn")]
     assert fired(feed(stream, RLMonitor(overrides={"kl_high": {"enabled": False}})), "kl_high") == []
     m = feed([{"loss": float("nan")}], RLMonitor(overrides={"nan": {"severity": "warn"}}))
