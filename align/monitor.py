@@ -390,7 +390,7 @@ def default_rules(precision: str = "fp32") -> list:
                      "check for extreme rewards/advantages."),
         # the median of the last 3: fires once 2 of 3 steps are over the limit (a sustained rise, as soon as it holds;
         # a 10-step mean waited 13-14 steps on a KL rising from 0); one jump is kl_spike's. 0.5 nats/token is ~8 nats
-        # on a 16-token answer, 4x the adaptive controller's target per episode; healthy runs stay under 0.04.
+        # on a 16-token answer, 4x the adaptive controller's target per episode; healthy runs stay under 0.06.
         Rule("kl_high", "kl", check_median_above, "warn", 3, params={"max_value": 0.5}, remedy=KL_REMEDY,
              message="KL to the reference is high: the policy is drifting away. "
                      "Raise the KL coefficient (or lower the KL target), lower the LR."),

@@ -60,12 +60,12 @@ def grpo(seed: int, lr: float, steps: int = 15, *extra, reward: str = "", model:
             "--lr", str(lr), "--warmup-steps", "0", *extra]
 
 
-def grpo_chain(seed: int, lr: float, steps: int = 200) -> list[str]:
+def grpo_chain(seed: int, lr: float, steps: int = 200, *extra) -> list[str]:
     """The chain's GRPO (verifier reward, T 1, z-score advantages) from its SFT model at 8 prompts x 8 samples, the
     held-out greedy pass rate on 100 problems every 25 steps."""
     return ["grpo", "--model", "@sft", "--data", ARITH, "--eval-data", ARITH_TEST, "--eval-samples", "100",
             "--eval-k", "1", "--eval-every", "25", "--max-steps", str(steps), "--prompts-per-step", "8",
-            "--num-generations", "8", "--seed", str(seed), "--lr", str(lr)]
+            "--num-generations", "8", "--seed", str(seed), "--lr", str(lr), *extra]
 
 
 def ppo(seed: int, lr: float, steps: int = 15, *extra, rm: str = "@rm", prompts: int = 16,
@@ -138,6 +138,7 @@ RUNS = {
     "grpo-chain-s0-lr5e-5": Run(grpo_chain(0, 5e-5)),
     "grpo-chain-s1-lr5e-5": Run(grpo_chain(1, 5e-5)),
     "grpo-chain-s2-lr1e-4": Run(grpo_chain(2, 1e-4)),
+    "grpo-chain-s3-lr5e-5-beta": Run(grpo_chain(3, 5e-5, 200, "--beta", "0.04")),  # logs the KL the others do not
     "ppo-chain-s0-lr3e-5": Run(ppo(0, 3e-5, 60, *CHAIN_PPO)),
     "ppo-chain-s1-lr3e-5": Run(ppo(1, 3e-5, 60, *CHAIN_PPO)),
     "ppo-chain-s2-lr6e-5": Run(ppo(2, 6e-5, 60, *CHAIN_PPO)),
@@ -213,7 +214,8 @@ def replay(d: Path) -> tuple[list, int, list]:
 def score(out: Path, names: list[str]) -> dict:
     """Per rule: detections, delays, false alarms; per failure: its lead; per run: the first event of each rule."""
     enabled = {r.name for r in default_rules() if r.enabled}
-    table = {r.name: {"detected": 0, "delays": [], "false": 0} for r in default_rules()}
+    rules = default_rules()
+    table = {r.name: {"detected": 0, "delays": [], "false": 0, "watched": 0} for r in rules}
     healthy: dict[str, int] = {}
     leads, runs = [], []
     for name in names:
@@ -231,6 +233,9 @@ def score(out: Path, names: list[str]) -> dict:
         runs.append((name, r, onset, steps, ", ".join(f"{k}@{s}" for k, s in first.items()) or "-"))
         if r.label is None:
             healthy[r.stage] = healthy.get(r.stage, 0) + steps
+            rows = [row for step, row in by_step(out / name).items() if step > 0]
+            for rule in rules:  # the healthy steps that logged the rule's metrics
+                table[rule.name]["watched"] += sum(any(k in row for k in rule.keys) for row in rows)
             for e in events:
                 table[e.rule]["false"] += 1
             continue
@@ -275,13 +280,14 @@ def render(s: dict) -> str:
         evals = "-" if x["evals"] is None else str(x["evals"])
         lines.append(f"| {x['run']} | {x['onset']} | {', '.join(f'`{k}`' for k in r.rules)} | {rule} | {lead} | "
                      f"{evals} |")
-    lines += ["", "| rule | on by default | detections (failure runs) | mean delay from onset (steps) | false alarms "
-              "(healthy runs) | per 1,000 healthy steps |", "|---|---|---|---|---|---|"]
+    lines += ["", "| rule | on by default | detections (failure runs) | mean delay from onset (steps) | healthy steps "
+              "that logged its metric | false alarms (healthy runs) | per 1,000 healthy steps |",
+              "|---|---|---|---|---|---|---|"]
     n_fail = len(s["leads"])
     for rule, t in s["rules"].items():
         delay = f"{sum(t['delays']) / len(t['delays']):.1f}" if t["delays"] else "-"
         on = "yes" if rule in s["enabled"] else "no"
-        lines.append(f"| `{rule}` | {on} | {t['detected']} / {n_fail} | {delay} | {t['false']} | "
+        lines.append(f"| `{rule}` | {on} | {t['detected']} / {n_fail} | {delay} | {t['watched']} | {t['false']} | "
                      f"{1000 * t['false'] / hs:.2f} |")
     lines += ["", "Runs (first event of each rule, at its step):", "",
               "| run | failure (onset step) | steps | events |", "|---|---|---|---|"]
