@@ -99,6 +99,10 @@ def ds_config(*, zero_stage: int, micro_batch: int, grad_accum: int, world_size:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronizes the device at the start of every forward
+        # from the third optimizer step on: a drained GPU queue per micro-batch, which a launch-bound step (short
+        # sequences, a large model) pays as idle GPU time. align times its phases itself.
+        "timers": {"throughput": {"enabled": False}},
     }
     if precision == "bf16-pure" and dtype == torch.bfloat16:
         if zero_stage == 0:  # no ZeRO optimizer: AdamW steps the bf16 module itself (bf16 grads and moments)
