@@ -41,15 +41,20 @@ def world() -> int:
     return int(os.environ.get("ALIGN_GLOBAL_WORLD") or runtime.world_size())
 
 
+def require_trainers(n_decoders: int, total: int) -> None:
+    """A UserError unless `n_decoders` of `total` processes leave at least one to train."""
+    if n_decoders >= total:
+        raise UserError(f"--rollout-gpus {n_decoders} leaves no process to train: start more than {n_decoders} "
+                        f"processes (--nproc {n_decoders + 1} or more), or --rollout-gpus 0.", option="rollout_gpus")
+
+
 def split(n_decoders: int) -> bool:
     """Take this process's role: True for a decoder. Rewrites RANK / WORLD_SIZE to the role's own group (before
     anything reads them: call it first)."""
     if "ALIGN_GLOBAL_RANK" in os.environ:  # split already (this process runs a second stage)
         return int(os.environ["ALIGN_GLOBAL_RANK"]) >= world() - n_decoders
     total, rank = runtime.world_size(), runtime.rank()
-    if n_decoders >= total:
-        raise UserError(f"--rollout-gpus {n_decoders} leaves no process to train: start more than {n_decoders} "
-                        f"processes (--nproc {n_decoders + 1} or more), or --rollout-gpus 0.", option="rollout_gpus")
+    require_trainers(n_decoders, total)
     trainers = total - n_decoders
     decoder = rank >= trainers
     os.environ.update(ALIGN_GLOBAL_RANK=str(rank), ALIGN_GLOBAL_WORLD=str(total),

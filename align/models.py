@@ -270,6 +270,23 @@ def with_saved_adapter(model, source: ModelSource):
     return model
 
 
+DROPOUT_ATTRS = ("attention_dropout", "hidden_dropout", "dropout", "attn_dropout", "resid_dropout")  # rates kept
+# as module attributes (transformers' attention modules pass attention_dropout to SDPA while training)
+
+
+def uses_dropout(module) -> bool:
+    """Whether a training forward of `module` draws random numbers: a dropout module with p > 0, or a dropout rate
+    > 0 kept as an attribute (DROPOUT_ATTRS, what disable_dropout zeroes)."""
+    import torch
+
+    for m in module.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if any(isinstance(getattr(m, a, None), float) and getattr(m, a) > 0 for a in DROPOUT_ATTRS):
+            return True
+    return False
+
+
 def disable_dropout(model):
     """Dropout off in every module (every nn.Dropout and the attention / hidden dropout rates models keep as
     attributes), as TRL does by default for RL and preference training: two passes over the same tokens with
@@ -280,7 +297,7 @@ def disable_dropout(model):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-        for attr in ("attention_dropout", "hidden_dropout", "dropout", "attn_dropout", "resid_dropout"):
+        for attr in DROPOUT_ATTRS:
             if isinstance(getattr(m, attr, None), float):
                 setattr(m, attr, 0.0)
     for key in ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",

@@ -187,12 +187,16 @@ class DPO:
         return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length, held_out=path != self.cfg.data)
 
     @torch.no_grad()
+    def chunked_logps(self, model, examples: list[dict], batch_size: int) -> torch.Tensor:
+        """[2, len(examples)] (chosen, rejected) log-probs of this rank's `examples`, `batch_size` pairs a forward."""
+        device = self.run.dist.device
+        return torch.cat([pair_logps(model, D.to_device(D.collate_pairs(mb, self.tok.pad_token_id), device))
+                          for mb in chunks(examples, batch_size)], dim=1)
+
     def logps_of(self, model, examples: list[dict], batch_size: int = 32) -> torch.Tensor:
         """[len(examples), 2] (chosen, rejected) log-probs, split over the ranks, in order on every rank."""
-        dist = self.run.dist
-        parts = [pair_logps(model, D.to_device(D.collate_pairs(mb, self.tok.pad_token_id), dist.device)).t().float().cpu()
-                 for mb in chunks(runtime.shard(examples, dist, pad=True), batch_size)]
-        return runtime.gather(torch.cat(parts), len(examples))
+        mine = self.chunked_logps(model, runtime.shard(examples, self.run.dist, pad=True), batch_size)
+        return runtime.gather(mine.t().float().cpu(), len(examples))
 
     def precompute_reference(self) -> None:
         """--precompute-ref: the reference's log-probs of every pair any step uses (the same set on a resumed run,
@@ -213,15 +217,11 @@ class DPO:
         without a reference): precomputed (--precompute-ref), else forwards of up to DPO_REF_TOKENS tokens each,
         however small the policy's micro-batches are — a frozen forward keeps no activations, and at short pairs
         the step's reference is then one forward of large matmuls instead of one of small ones per micro-batch."""
-        device = self.run.dist.device
         if self.cfg.reference_free:
             return None
         if self.ref_train is not None:
-            return torch.stack([self.ref_train[i] for i in idx]).t().to(device)
-        longest = max(len(e["prompt_ids"]) + max(len(e["chosen_ids"]), len(e["rejected_ids"])) for e in pairs)
-        rows = max(self.micro, DPO_REF_TOKENS // (2 * longest))
-        return torch.cat([pair_logps(self.reference, D.to_device(D.collate_pairs(mb, self.tok.pad_token_id), device))
-                          for mb in chunks(pairs, rows)], dim=1)
+            return torch.stack([self.ref_train[i] for i in idx]).t().to(self.run.dist.device)
+        return self.chunked_logps(self.reference, pairs, max(self.micro, DPO_REF_TOKENS // (2 * longest_row(pairs))))
 
     def objective(self, pairs: Pairs):
         """(loss per pair, reward of chosen, of rejected) of --loss."""

@@ -109,11 +109,9 @@ class GRPOConfig(RLConfig):
         if objectives.get("policy_loss", self.policy_loss).on_policy and (self.num_iterations != 1 or self.beta):
             name = "--reinforce" if self.reinforce else f"--loss {self.loss}"
             raise UserError(f"{name} is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
-        world = int(os.environ.get("ALIGN_GLOBAL_WORLD") or os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes)
-        if self.rollout_gpus and self.rollout_gpus >= world:
-            raise UserError(f"--rollout-gpus {self.rollout_gpus} leaves no process to train: start more than "
-                            f"{self.rollout_gpus} processes (--nproc {self.rollout_gpus + 1} or more).",
-                            option="rollout_gpus")
+        if self.rollout_gpus:
+            disagg.require_trainers(self.rollout_gpus, int(os.environ.get("ALIGN_GLOBAL_WORLD") or
+                                                           os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes))
         self.ks()
         parse_rewards(self.reward)  # an unknown reward or a bad weight fails here, before --out is touched
 

@@ -168,6 +168,8 @@ def test_checkpointed_blocks_save_the_rng_state_only_when_they_draw_random_numbe
     saved for it (saving it when nothing is random cost ~50 s of compile on the GPU's first step)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from align.models import uses_dropout
+
     seen = []
     import torch.utils.checkpoint as C
 
@@ -179,7 +181,7 @@ def test_checkpointed_blocks_save_the_rng_state_only_when_they_draw_random_numbe
                                          num_key_value_heads=2, intermediate_size=64, vocab_size=101,
                                          attention_dropout=p)).train()
         b = build.blocks(m)[0]
-        assert build.uses_dropout(b) == (p > 0)
+        assert uses_dropout(b) == (p > 0)
         b.forward = build._recomputed(b, b.forward)
         m(input_ids=torch.randint(3, 101, (2, 8)), use_cache=False).logits.sum().backward()
     assert seen == [False, True]

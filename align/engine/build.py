@@ -212,6 +212,8 @@ def _recomputed(block: torch.nn.Module, forward):
     second Python forward per block, as transformers' own checkpointing wrapper costs."""
     from torch.utils.checkpoint import checkpoint
 
+    from align.models import uses_dropout
+
     rng = uses_dropout(block)  # else no RNG state to save: inside a compiled block with dynamic shapes, saving it
     # put CPU tensors (torch.get_rng_state) into the graph and cost ~50 s of C++ compile on the first step (H200)
 
@@ -221,17 +223,6 @@ def _recomputed(block: torch.nn.Module, forward):
         return forward(*args, **kwargs)
 
     return run
-
-
-def uses_dropout(block: torch.nn.Module) -> bool:
-    """Whether a training forward of `block` draws random numbers: a Dropout module with p > 0, or an attention
-    dropout rate > 0 (transformers' attention modules keep it as `attention_dropout`)."""
-    for m in block.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
-            return True
-        if float(getattr(m, "attention_dropout", 0) or 0) > 0:
-            return True
-    return False
 
 
 def eager():
