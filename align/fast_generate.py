@@ -7,9 +7,13 @@ Why: batched RL rollouts of small models are bound by kernel launches and Python
 CUDA-graph replay: embedding, every layer, the LM head, sampling (temperature / top-k / top-p), EOS tracking
 and all cache / position bookkeeping run on the device, with no host work between tokens.
 
-* The inference copy is unsharded, in the compute dtype, with q/k/v and gate/up fused into one matrix each.
-  Its tensors keep their addresses for the life of the process; `load_weights` copies the current (ZeRO-3
-  gathered) weights in before each rollout, so the captured graphs replay after every optimizer step.
+* Weights: when the policy's own tensors are what decoding needs — unsharded (not ZeRO-3), on the device, in
+  the compute dtype, no LoRA adapters to merge — the decoder reads them in place: no second copy of the model
+  during the rollout, and each optimizer step (in place) is what the next rollout's graphs replay with.
+  Otherwise (ZeRO-3, bf16-mixed's fp32 weights, LoRA, or ALIGN_FAST_DECODER_COPY=1) it keeps an inference
+  copy, unsharded, in the compute dtype, with q/k/v and gate/up fused into one matrix each, whose tensors keep
+  their addresses for the life of the process; `load_weights` copies the current (ZeRO-3 gathered, LoRA
+  merged) weights in before each rollout.
 * Attention reads the grouped KV heads directly ([B, KV, G, D] x [B, KV, L, D]): no copy of K/V per query head.
 * Prompts are left-padded; the prefill runs eagerly; decode stops early once every row has emitted EOS (checked
   every `check_every` tokens on a GPU, every token on a CPU).
@@ -40,6 +44,20 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # computed by t
 
 def enabled_by_env() -> bool:
     return os.environ.get("ALIGN_FAST_GENERATION", "1").lower() not in ("0", "false", "no", "off")
+
+
+def copy_reason(module, device, dtype) -> str | None:
+    """Why the decoder needs its own copy of the module's weights (None: it can decode from them in place)."""
+    if os.environ.get("ALIGN_FAST_DECODER_COPY", "0").lower() not in ("0", "false", "no", "off", ""):
+        return "ALIGN_FAST_DECODER_COPY"
+    if is_peft(module) or any(hasattr(m, "get_delta_weight") for m in module.modules()):
+        return "LoRA: the decoder decodes W + (α/r) B A"
+    for p in module.parameters():
+        if hasattr(p, "ds_id"):
+            return "ZeRO-3: the weights are gathered only for the copy"
+        if p.dtype != dtype or p.device != torch.device(device):
+            return f"weights in {p.dtype} on {p.device}, decoding in {dtype} on {device}"
+    return None
 
 
 def bare(module):
@@ -194,22 +212,27 @@ class FastDecoder:
                 shapes[i, "o_b"] = (self.hidden,)
             if self.mlp_bias:
                 shapes[i, "gu_b"], shapes[i, "down_b"] = (2 * inter,), (self.hidden,)
-        # every weight a view of ONE buffer (offsets 64-element aligned), so that `release` can hand the whole
-        # inference copy back to the allocator between rollouts and `load_weights` take it again in one piece
-        align = lambda n: -(-n // 64) * 64  # noqa: E731
-        offsets, total = {}, 0
-        for k, shp in shapes.items():
-            offsets[k] = total
-            total += align(math.prod(shp))
-        self._wbuf = torch.empty(total, **e)
-        view = {k: self._wbuf[o : o + math.prod(shapes[k])].view(shapes[k]) for k, o in offsets.items()}
-        self.embed, self.norm = view["embed"], view["norm"]
-        self.head = self.embed if self.tied else view["head"]
         self.layers = [{} for _ in range(self.n_layers)]
-        for k, t in view.items():
-            if isinstance(k, tuple):
-                self.layers[k[0]][k[1]] = t
-        self._wptr = self._wbuf.data_ptr()
+        self.copy_reason = copy_reason(module, self.device, self.dtype)
+        self._bound = None  # shared weights: the module tensors' addresses the decoder last read
+        if self.copy_reason is None:
+            self._wbuf = None
+        else:
+            # every weight a view of ONE buffer (offsets 64-element aligned), so that `release` can hand the whole
+            # inference copy back to the allocator between rollouts and `load_weights` take it again in one piece
+            align = lambda n: -(-n // 64) * 64  # noqa: E731
+            offsets, total = {}, 0
+            for k, shp in shapes.items():
+                offsets[k] = total
+                total += align(math.prod(shp))
+            self._wbuf = torch.empty(total, **e)
+            view = {k: self._wbuf[o : o + math.prod(shapes[k])].view(shapes[k]) for k, o in offsets.items()}
+            self.embed, self.norm = view["embed"], view["norm"]
+            self.head = self.embed if self.tied else view["head"]
+            for k, t in view.items():
+                if isinstance(k, tuple):
+                    self.layers[k[0]][k[1]] = t
+            self._wptr = self._wbuf.data_ptr()
         self.recaptures = 0  # CUDA graphs re-captured because a buffer came back at another address
         self._side = None  # the warm-up stream of every capture
         self.bucket = int(os.environ.get("ALIGN_DECODE_BUCKET", 256)) if self.use_graphs else 1  # see attn_len
@@ -219,10 +242,17 @@ class FastDecoder:
         self._compiled = None
 
     # ------------------------------------------------------------------ weights
+    @property
+    def shares_weights(self) -> bool:
+        return self._wbuf is None
+
     @torch.no_grad()
     def load_weights(self, module) -> None:
-        """Copy the module's current weights in (call with ZeRO-3 params gathered), into the buffer `release`
-        gave back if it did; a LoRA layer's as merged, W + (α/r) B A."""
+        """The module's current weights for the next rollout: read in place (`shares_weights`), else copied in
+        (call with ZeRO-3 params gathered), into the buffer `release` gave back if it did; a LoRA layer's as
+        merged, W + (α/r) B A."""
+        if self.shares_weights:
+            return self._bind(module)
         self._take_weights()
         mm = module.model
         self.embed.copy_(mm.embed_tokens.weight)
@@ -255,7 +285,44 @@ class FastDecoder:
                 L["gu_b"][inter:].copy_(m.up_proj.bias)
                 L["down_b"].copy_(m.down_proj.bias)
 
+    def _bind(self, module) -> None:
+        """Point the decoder at the module's own tensors (q/k/v and gate/up as separate matrices). Rebound only
+        when a tensor moved (the captured graphs hold addresses: they are re-captured then); an optimizer step
+        writes in place, so a bound decoder reads each step's weights without any copy."""
+        mm = module.model
+        named = {"embed": mm.embed_tokens.weight, "norm": mm.norm.weight}
+        if not self.tied:
+            named["head"] = module.lm_head.weight
+        for i, layer in enumerate(mm.layers):
+            a, m = layer.self_attn, layer.mlp
+            lin = {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": m.gate_proj, "up": m.up_proj,
+                   "down": m.down_proj}
+            for k, linear in lin.items():
+                named[i, k] = linear.weight
+                if linear.bias is not None:
+                    named[i, f"{k}_b"] = linear.bias
+            named[i, "ln1"], named[i, "ln2"] = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            if self.qk_norm:
+                named[i, "qn"], named[i, "kn"] = a.q_norm.weight, a.k_norm.weight
+        ptrs = tuple(t.data_ptr() for t in named.values())
+        if ptrs == self._bound:
+            return
+        if self._bound is not None and self._graphs:
+            self._graphs = {}
+            self.recaptures += 1
+        self._bound = ptrs
+        self.embed, self.norm = named["embed"].detach(), named["norm"].detach()
+        self.head = self.embed if self.tied else named["head"].detach()
+        for L in self.layers:
+            L.clear()
+        for k, t in named.items():
+            if isinstance(k, tuple):
+                self.layers[k[0]][k[1]] = t.detach()
+
     def weight_bytes(self) -> int:
+        """Bytes of the decoder's own weight copy (0: it reads the module's)."""
+        if self.shares_weights:
+            return 0
         n = self.embed.numel() + (0 if self.tied else self.head.numel()) + self.norm.numel()
         n += sum(t.numel() for L in self.layers for t in L.values())
         return n * self.embed.element_size()
@@ -296,7 +363,7 @@ class FastDecoder:
         needs the memory: at 0.5B the weights alone are 0.9 GiB): the tensors stay (no recompile), their storage
         goes. `load_weights` and the next `generate` take it back (the cache zeroed) and re-capture the graphs
         only if the allocator placed a buffer elsewhere."""
-        if self._wbuf.untyped_storage().nbytes():
+        if self._wbuf is not None and self._wbuf.untyped_storage().nbytes():
             self._wptr = self._wbuf.data_ptr()
             self._wbuf.untyped_storage().resize_(0)
         if self._shape_key is None or self._released:
@@ -343,9 +410,17 @@ class FastDecoder:
             return q, k
         return _rms(q, L["qn"], self.eps), _rms(k, L["kn"], self.eps)
 
+    def _qkv(self, L, h):
+        """q, k, v of h: one fused matmul on the decoder's copy, three on the module's own weights."""
+        if "qkv" in L:
+            return F.linear(h, L["qkv"], L.get("qkv_b")).split([self.nq, self.nk, self.nk], dim=-1)
+        return tuple(F.linear(h, L[k], L.get(f"{k}_b")) for k in ("q", "k", "v"))
+
     def _mlp(self, L, h):
-        gu = F.linear(h, L["gu"], L.get("gu_b"))
-        g, u = gu.split(self.inter, dim=-1)
+        if "gu" in L:
+            g, u = F.linear(h, L["gu"], L.get("gu_b")).split(self.inter, dim=-1)
+        else:
+            g, u = F.linear(h, L["gate"], L.get("gate_b")), F.linear(h, L["up"], L.get("up_b"))
         return F.linear(F.silu(g) * u, L["down"], L.get("down_b"))
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -362,8 +437,7 @@ class FastDecoder:
         x = F.embedding(ids, self.embed)
         for li, L in enumerate(self.layers):
             h = _rms(x, L["ln1"], self.eps)
-            qkv = F.linear(h, L["qkv"], L.get("qkv_b"))
-            q, k, v = qkv.split([self.nq, self.nk, self.nk], dim=-1)
+            q, k, v = self._qkv(L, h)
             q, k = self._qk(L, q.view(B, P, self.n_heads, self.head_dim), k.view(B, P, self.n_kv, self.head_dim))
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(B, P, self.n_kv, self.head_dim).transpose(1, 2)
@@ -395,8 +469,7 @@ class FastDecoder:
         slots (`bias` is attn_bias[:, :n], n > widx)."""
         B, n, G = x.shape[0], bias.shape[1], self.n_heads // self.n_kv
         h = _rms(x, L["ln1"], self.eps)
-        qkv = F.linear(h, L["qkv"], L.get("qkv_b"))
-        q, k, v = qkv.split([self.nq, self.nk, self.nk], dim=-1)
+        q, k, v = self._qkv(L, h)
         q, k = self._qk(L, q.view(B, self.n_heads, self.head_dim), k.view(B, self.n_kv, self.head_dim))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         kc.index_copy_(2, self.widx, k[:, :, None])

@@ -51,7 +51,11 @@ def stale_decoder(onset: int):
 @contextlib.contextmanager
 def stale_fast_decoder(onset: int):
     """The fast decoder (align.fast_generate, forced on CPU) stops refreshing its weight copy from its `onset`-th
-    load on (0-based): every later rollout decodes with the weights of load onset − 1."""
+    load on (0-based): every later rollout decodes with the weights of load onset − 1. The decoder is made to
+    keep a copy (ALIGN_FAST_DECODER_COPY), as it does under ZeRO-3, LoRA or bf16-mixed: one that reads the
+    policy's own tensors cannot go stale."""
+    import os
+
     import align.generation as G
     from align.fast_generate import FastDecoder
 
@@ -73,10 +77,15 @@ def stale_fast_decoder(onset: int):
         return use_fast(module, device, synced_gpus, True if fast is None else fast, length)
 
     FastDecoder.load_weights, G.use_fast_path = keep_copy, use_fast_path
+    before, os.environ["ALIGN_FAST_DECODER_COPY"] = os.environ.get("ALIGN_FAST_DECODER_COPY"), "1"
     try:
         yield
     finally:
         FastDecoder.load_weights, G.use_fast_path = load, use_fast
+        if before is None:
+            os.environ.pop("ALIGN_FAST_DECODER_COPY")
+        else:
+            os.environ["ALIGN_FAST_DECODER_COPY"] = before
 
 
 @contextlib.contextmanager

@@ -59,10 +59,19 @@ def make(kind: str, tied: bool):
 PROMPTS = [[1, 5, 9, 11], [1, 7], [1, 30, 31, 32, 33, 34, 35], [1, 40, 41]]
 
 
+@pytest.fixture(params=["shared", "copy"])
+def weights(request, monkeypatch):
+    """The decoder reading the module's own tensors (the default where it can), or keeping its fused copy (as
+    under ZeRO-3, LoRA, bf16-mixed)."""
+    if request.param == "copy":
+        monkeypatch.setenv("ALIGN_FAST_DECODER_COPY", "1")
+    return request.param
+
+
 @pytest.mark.parametrize("kind,tied", [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", True),
                                        ("qwen3", False), ("llama3", False), ("llama-yarn", True),
                                        ("llama-linear", True), ("mistral", False), ("mistral-window", False)])
-def test_greedy_matches_hf_generate(kind, tied):
+def test_greedy_matches_hf_generate(kind, tied, weights):
     m = make(kind, tied)
     assert unsupported_reason(m, length=7 + 12) is None
     s = Sampling(max_new_tokens=12, temperature=0.0)
@@ -71,10 +80,11 @@ def test_greedy_matches_hf_generate(kind, tied):
     assert [c.ids for c in fast] == [c.ids for c in plain]
     assert [c.finished for c in fast] == [c.finished for c in plain]
     assert len({tuple(c.ids) for c in plain}) > 1  # the rows differ: a test that can tell prompts apart
+    assert m._align_fast_decoder.shares_weights == (weights == "shared")
 
 
 @pytest.mark.parametrize("kind", ["llama", "llama3", "llama-yarn", "llama-linear", "qwen2", "qwen3", "mistral"])
-def test_prefill_logits_equal_the_hf_forward(kind):
+def test_prefill_logits_equal_the_hf_forward(kind, weights):
     """The decoder's own forward (fused q/k/v, its RoPE, q/k norms, grouped attention) against the HF forward on
     left-padded prompts, logit for logit at each row's last position (fp32)."""
     m = make(kind, tied=False)
@@ -202,7 +212,8 @@ def test_engine_wrapper_is_unwrapped():
     assert [c.ids for c in a] == [c.ids for c in b] and hasattr(m, "_align_fast_decoder")
 
 
-def test_kv_cache_is_freed_between_rollouts_and_comes_back_zeroed():
+def test_kv_cache_is_freed_between_rollouts_and_comes_back_zeroed(monkeypatch):
+    monkeypatch.setenv("ALIGN_FAST_DECODER_COPY", "1")
     m = make("qwen2", True)
     s = Sampling(max_new_tokens=10, temperature=0.0)
     plain = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
@@ -263,3 +274,58 @@ def test_sampling_logprobs_are_the_trainers(fast, temperature, top_k):
     assert trainer[mask].abs().min() > 1e-3  # real log-probs, not zeros compared with zeros
     greedy = generate_local(m, Tok(), PROMPTS, Sampling(max_new_tokens=4, temperature=0.0), 4, "cpu", fast=fast)
     assert all(c.logps is None for c in greedy)
+
+
+def test_the_decoder_reads_the_modules_own_weights_in_place():
+    """Where the module's tensors are what decoding needs (unsharded, on the device, the compute dtype, no LoRA),
+    the decoder holds no copy: its matrices ARE the module's (same storage), an in-place update (an optimizer
+    step) is decoded at once, and a tensor that moved is re-read (the captured graphs dropped: they hold addresses).
+    Releasing the cache between rollouts leaves the module's weights alone."""
+    m = make("qwen2", False)  # q/k/v biases, untied head
+    s = Sampling(max_new_tokens=10, temperature=0.0)
+    generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
+    dec = m._align_fast_decoder
+    assert dec.copy_reason is None and dec.shares_weights and dec.weight_bytes() == 0
+    a = m.model.layers[1].self_attn
+    L = dec.layers[1]
+    assert L["k"].data_ptr() == a.k_proj.weight.data_ptr() and L["k_b"].data_ptr() == a.k_proj.bias.data_ptr()
+    assert dec.head.data_ptr() == m.lm_head.weight.data_ptr() and "qkv" not in L
+    assert m.model.layers[0].mlp.up_proj.weight.untyped_storage().nbytes() > 0  # release() freed only the cache
+    with torch.no_grad():
+        a.v_proj.weight.mul_(-2.0)  # in place, as AdamW steps
+    plain = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
+    assert [c.ids for c in dec_rows(dec, s)] == [c.ids for c in plain]
+    dec._graphs = {"captured": object()}  # as on CUDA: graphs that hold the old addresses
+    with torch.no_grad():
+        m.model.layers[0].mlp.gate_proj.weight.data = -m.model.layers[0].mlp.gate_proj.weight.data.clone()
+    plain = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=False)
+    dec.load_weights(m)
+    assert dec._graphs == {} and dec.recaptures == 1
+    assert [c.ids for c in dec_rows(dec, s)] == [c.ids for c in plain]
+    dec.load_weights(m)  # nothing moved: the graphs stay
+    assert dec.recaptures == 1
+
+
+def dec_rows(dec, s):
+    from align.generation import _decode_chunks
+
+    return _decode_chunks(dec, Tok(), PROMPTS, s, 4)
+
+
+def test_the_decoder_keeps_a_copy_where_it_must(monkeypatch):
+    from align.fast_generate import copy_reason
+
+    m = make("llama", True)
+    assert copy_reason(m, "cpu", torch.float32) is None
+    assert "bfloat16" in copy_reason(m, "cpu", torch.bfloat16)  # bf16-mixed: fp32 weights, bf16 decoding
+    p = next(m.parameters())
+    p.ds_id = 0  # a ZeRO-3 parameter: gathered only for the copy
+    assert "ZeRO-3" in copy_reason(m, "cpu", torch.float32)
+    del p.ds_id
+    monkeypatch.setenv("ALIGN_FAST_DECODER_COPY", "1")
+    assert copy_reason(m, "cpu", torch.float32) == "ALIGN_FAST_DECODER_COPY"
+    monkeypatch.delenv("ALIGN_FAST_DECODER_COPY")
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(make("llama", True), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert "LoRA" in copy_reason(lora.base_model.model, "cpu", torch.float32)

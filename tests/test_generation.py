@@ -28,6 +28,11 @@ def setup(tiny_model_dir):
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     saved = {k: os.environ.get(k) for k in ENV_KEYS}
+    # an earlier test of this process may have initialised the process group and restored these away: runtime.init()
+    # then keeps the group and exports nothing, and ZeRO-3's Init reads LOCAL_RANK
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(runtime.free_port()))
     dist = runtime.init()
     ref = resolve(str(tiny_model_dir))
     tok = load_tokenizer(ref)

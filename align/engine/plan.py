@@ -377,14 +377,26 @@ def _reference(cfg, models: dict, plan: Plan) -> Model | None:
     return Model("reference", models.get("reference", models["policy"]).arch)
 
 
-def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup, phase: str = "rollout") -> None:
-    """The rollout phase's own terms (the decoder's copy, its KV cache, prefill and sampling buffers)."""
+def decoder_copies(lora_r: int, s: Setup) -> bool:
+    """Whether the fast decoder keeps a weight copy of its own (align.fast_generate.copy_reason): under ZeRO-3
+    (gathered weights), LoRA (merged weights) or weights in another dtype than it decodes in (bf16-mixed); else it
+    reads the module's own tensors (ALIGN_FAST_DECODER_COPY=1: a copy all the same)."""
+    forced = os.environ.get("ALIGN_FAST_DECODER_COPY", "0").lower() not in ("0", "false", "no", "off", "")
+    return forced or s.zero_stage == 3 or bool(lora_r) or s.r != s.e
+
+
+def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup, phase: str = "rollout",
+             copies: bool | None = None) -> None:
+    """The rollout phase's own terms (the decoder's copy if it keeps one, its KV cache, prefill and sampling
+    buffers). `copies`: whether the decoder keeps a copy (default: from the policy's LoRA rank and `s`)."""
     a = policy.arch
     why = ("a CPU" if s.device != "cuda" else "--no-gather" if s.sharded_rollout else
            "ALIGN_FAST_GENERATION=0" if not s.fast_decoder else decoder_reason(a, prompt + new))
     fast = why is None
-    if fast:
+    if fast and (decoder_copies(policy.lora_r, s) if copies is None else copies):
         plan.add("rollout: decoder's bf16 copy", n_params(a) * s.e, phase)
+    elif fast:
+        plan.notes.append("rollout: the fast decoder reads the policy's own weights (no copy)")
     else:
         plan.notes.append(f"rollout: transformers' generate ({why}): a KV cache, no inference copy")
     if fast and policy.lora_r and s.zero_stage != 3:  # the frozen base is parked in host memory while decoding
@@ -404,7 +416,8 @@ def _decoder(plan: Plan, policy: Model, decoders: int, samples: int, prompt: int
     one = replace(s, world=1, zero_stage=0)
     adapters = lora_params(policy.arch, policy.lora_r, policy.lora_targets) if policy.lora_r else 0
     plan.add("decoder: policy weights", policy.params * s.r + adapters * 4, DECODER)
-    _rollout(plan, replace(policy, role="decoder", lora_r=0), -(-samples // decoders), prompt, new, one, DECODER)
+    _rollout(plan, replace(policy, role="decoder", lora_r=0), -(-samples // decoders), prompt, new, one, DECODER,
+             copies=decoder_copies(policy.lora_r, one))
     plan.notes.append(f"{DECODER}: each of the {decoders} decoder process(es) (--rollout-gpus); the other "
                       "phases are a trainer's")
 
