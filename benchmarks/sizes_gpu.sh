@@ -15,8 +15,12 @@
 #                                               steps of 64 prompts x 512 new tokens, defaults otherwise
 #   bash benchmarks/sizes_gpu.sh refuse         Llama-3.1-8B GRPO with a deliberately huge batch: the memory plan
 #                                               must stop it (exit 2) before anything is built
+# Every `align` run here is bounded by BENCH_TIMEOUT seconds (the vs_trl harness' runs, and `capped` below): a call
+# that runs out prints what it has instead of nothing (a `timeout` around the whole script with a pipe after it
+# kills the shell, not the python under it, and the call's limit then takes the output with it).
 set -euo pipefail
 export BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}
+capped() { timeout -k 15 "$BENCH_TIMEOUT" "$@" || echo "[exit $?: stopped after BENCH_TIMEOUT=$BENCH_TIMEOUT s or failed] $*"; }
 case "${1:-}" in
 grpo512)
   python3 -m benchmarks.grpo_vs_trl --models "${2:?MODEL}" --steps 4 --out /root/sizes ;;
@@ -38,15 +42,18 @@ ppo)
   name=${2:?MODEL}; lora=(); [ -n "${3:-}" ] && lora=(--lora-r "$3" --lora-alpha $((2 * $3)))
   m=$(python3 -c "from pathlib import Path; from benchmarks import vs_trl as V; print(V.make_model('$name', Path('/root/sizes')))" | tail -1)
   t=$(date +%s)
-  python3 -m align rm train --model "$m" --out /root/ppo/rm-$name --overwrite --eval-data '' --max-steps 2 \
+  capped python3 -m align rm train --model "$m" --out /root/ppo/rm-$name --overwrite --eval-data '' --max-steps 2 \
     --batch-size 32 --micro-batch-size 16 --no-final-checkpoint --max-shard-size 20GB "${lora[@]}"
   echo "rm: $(( $(date +%s) - t )) s"; t=$(date +%s)
-  python3 -m align ppo --model "$m" --reward-model /root/ppo/rm-$name --out /root/ppo/ppo-$name --overwrite \
+  capped python3 -m align ppo --model "$m" --reward-model /root/ppo/rm-$name --out /root/ppo/ppo-$name --overwrite \
     --max-steps 3 --prompts-per-step 64 --max-new-tokens 512 --eval-samples 0 --no-final-checkpoint \
     --max-shard-size 20GB "${lora[@]}"
   echo "ppo: $(( $(date +%s) - t )) s"
   python3 - "$name" <<'PY'
 import json, sys
+import os
+if not os.path.exists(f"/root/ppo/ppo-{sys.argv[1]}/metrics.jsonl"):
+    sys.exit("no PPO metrics: the run did not reach its first step")
 rows = [json.loads(x) for x in open(f"/root/ppo/ppo-{sys.argv[1]}/metrics.jsonl") if '"time/' in x]
 for r in rows:
     print({k: round(v, 3) for k, v in r.items() if isinstance(v, (int, float)) and k.split("/")[0] in
@@ -58,7 +65,7 @@ PY
 refuse)
   m=$(python3 -c "from pathlib import Path; from benchmarks import vs_trl as V; print(V.make_model('llama3.1-8b', Path('/root/sizes')))" | tail -1)
   set +e
-  python3 -m align grpo --model "$m" --out /root/refuse --reward benchmarks/bench_reward.py:noise --eval-data '' \
+  timeout -k 15 "$BENCH_TIMEOUT" python3 -m align grpo --model "$m" --out /root/refuse --reward benchmarks/bench_reward.py:noise --eval-data '' \
     --prompts-per-step 256 --num-generations 16 --max-new-tokens 3840 --micro-batch-size 256
   echo "exit code $? (2 expected); out dir exists: $(test -e /root/refuse && echo yes || echo no)" ;;
 *) sed -n 2,18p "$0"; exit 2 ;;
