@@ -133,7 +133,8 @@ def _significant_drop(before: list, after: list, noise: list, min_drop: float, m
     return drop > min_drop and drop > min_z * stderr, drop
 
 
-LEARNING_WINDOW = 10  # _learning compares the reward's (and the truncated share's) first and last this many steps
+LEARNING_WINDOW = 10  # _learning compares the first and the last this many steps of the reward and truncated share
+MIN_TRUNCATION_RISE = 0.1  # a rise of the truncated share that shows answers running into the limit: a tenth of them
 
 
 def _learning(reward: list, truncated: list, min_z: float, max_truncated: float) -> tuple:
@@ -143,27 +144,31 @@ def _learning(reward: list, truncated: list, min_z: float, max_truncated: float)
     - the reward rose: the mean of its last LEARNING_WINDOW values is above the mean of its first ones by more than
       min_z standard errors (step noise from successive differences over the last NOISE_SPAN windows; half the run
       each while it is shorter than two windows);
-    - the answers end: the share of completions truncated at the token limit (`completions/clipped_ratio`) over the
-      last LEARNING_WINDOW steps is at most max_truncated, or it fell beyond its noise since the start (the policy
-      is learning to finish its answers). A policy collapsing onto output that runs to the limit is in a loop
-      (repetition to the cap), whatever the reward pays for it.
+    - the answers end: the share of completions cut off at the token limit (`completions/clipped_ratio`) over the
+      last LEARNING_WINDOW steps is at most max_truncated, and it did not grow since the start (by more than
+      MIN_TRUNCATION_RISE and beyond its noise). A policy converging onto an answer template ends its answers as
+      before or more often; one collapsing into a loop (a repetition the reward pays for) runs to the limit: nearly
+      every answer, or more and more of them.
 
     Without either series (a stage that does not log them) nothing shows learning: (False, why)."""
     reward, truncated = _finite(reward), _finite(truncated)
-    k = min(LEARNING_WINDOW, len(reward) // 2)
-    if k < 3 or not truncated:
-        return False, "no reward and truncated-answer history to show the run is learning"
+    k, j = min(LEARNING_WINDOW, len(reward) // 2), min(LEARNING_WINDOW, len(truncated) // 2)
+    if k < 3 or j < 3:
+        return False, "too short a reward and truncated-answer history to show that the run is learning"
     first, last = reward[:k], reward[-k:]
     rose, _ = _significant_drop(last, first, reward[-NOISE_SPAN * LEARNING_WINDOW :], 0.0, min_z)
     if not rose:
         return False, f"the reward did not rise beyond its noise ({_mean(first):.3g} -> {_mean(last):.3g})"
-    j = min(LEARNING_WINDOW, max(1, len(truncated) // 2))
-    share = _mean(truncated[-j:])
-    fell, _ = _significant_drop(truncated[:j], truncated[-j:], truncated[-NOISE_SPAN * LEARNING_WINDOW :], 0.0, min_z)
-    if share <= max_truncated or fell:
-        return True, ""
-    return False, (f"the reward rose, but {share:.0%} of the last {j} steps' answers ran to the token limit (a "
-                   f"collapse onto output that does not end)")
+    start, share = _mean(truncated[:j]), _mean(truncated[-j:])
+    if share > max_truncated:
+        return False, (f"the reward rose, but {share:.0%} of the answers of the last {j} steps ran to the token "
+                       f"limit: a collapse onto output that does not end")
+    grew, _ = _significant_drop(truncated[-j:], truncated[:j], truncated[-NOISE_SPAN * LEARNING_WINDOW :],
+                                MIN_TRUNCATION_RISE, min_z)
+    if grew:
+        return False, (f"the reward rose, but the share of answers cut off at the token limit grew ({start:.0%} -> "
+                       f"{share:.0%}): answers that stop ending")
+    return True, ""
 
 
 def _unless_learning(res: Check, reward: list, truncated: list, min_z: float, max_truncated: float) -> Check:
@@ -234,7 +239,7 @@ def check_median_above(xs: list, window: int, max_value: float) -> Check:
 
 def check_collapse(xs: list, reward: list = (), truncated: list = (), *, window: int, ref_window: int,
                    max_ratio: float, min_fall: float, min_z: float, min_value: float, floor_ratio: float,
-                   learning_z: float = math.inf, max_truncated: float = 0.5) -> Check:
+                   learning_z: float = math.inf, max_truncated: float = 0.9) -> Check:
     """A collapse against the run's own start. The mean of the last `window` values is below max_ratio × the mean
     of the first `ref_window` values, and either
 
@@ -287,7 +292,7 @@ def check_held_at_most(xs: list, window: int, max_value: float) -> Check:
 
 
 def check_below_start(xs: list, reward: list = (), truncated: list = (), *, window: int, min_ratio: float,
-                      min_value: float, learning_z: float = math.inf, max_truncated: float = 0.5) -> Check:
+                      min_value: float, learning_z: float = math.inf, max_truncated: float = 0.9) -> Check:
     """Mean of the last `window` values < max(min_value, min_ratio × mean of the first `window` values).
 
     Relative to the run's own start, because absolute diversity depends on the task (arithmetic answers
@@ -358,7 +363,7 @@ def check_drift(xs: list, window: int, max_rel_change: float) -> Check:
 
 def check_length_drift(length: list, terminated: list = (), reward: list = (), truncated: list = (), *,
                        window: int, max_rel_change: float, learning_z: float = math.inf,
-                       max_truncated: float = 0.5) -> Check:
+                       max_truncated: float = 0.9) -> Check:
     """Response length far from the start (check_drift's ratio, c = max_rel_change), judged by direction:
 
     - longer: the mean length of all completions grew x(1+c): length hacking (a reward that pays for length) or
@@ -455,9 +460,9 @@ MISMATCH_TOLERANCE = {"fp32": 1e-3, "16-bit": 0.05}
 KL_REMEDY = {"lr": 0.5, "kl": 2.0}  # the policy drifts too far, too fast: smaller steps, a stronger KL leash
 # the sharpening rules (entropy, distinct-n, shorter answers) also read these, to tell a run that is learning (_learning)
 SHARPENING = ("reward", "completions/clipped_ratio")
-# z 2: a rise a flat reward shows by chance in ~2 % of its windows (a missed warning at worst, not a false one);
-# half the answers truncated: most of them end
-LEARNING = {"learning_z": 2.0, "max_truncated": 0.5}
+# z 2: a rise a flat reward shows by chance in ~2 % of its windows (a missed or later warning at worst, not a false
+# one); 0.9: a run with nine answers in ten cut off at the token limit is not converging onto answers that end
+LEARNING = {"learning_z": 2.0, "max_truncated": 0.9}
 
 
 def mismatch_tolerance(precision: str) -> float:
