@@ -6,7 +6,8 @@ that *started* this step. Rules whose metric is never logged stay silent, so one
 rule set serves SFT, RM, DPO, PPO and GRPO alike.
 
 Metric keys follow TRL naming: loss, grad_norm, kl, reward, entropy, clip_ratio,
-completions/mean_length, distinct_1, distinct_2, logps/chosen, gold_reward.
+completions/mean_length, completions/mean_terminated_length, completions/clipped_ratio, distinct_1, distinct_2,
+logps/chosen, gold_reward.
 
 A rule's check is a pure function `check(*series, window=..., **params) -> Check`, where
 each series is the history (list of floats) of one of the rule's metric keys. Pure Python,
@@ -517,8 +518,8 @@ def default_rules(precision: str = "fp32") -> list:
         # 10 and still falling fast (> 10 % and > 4 SE below the 5 before: healthy sharpening is slow and within its
         # noise), or under the floor 0.1 once halved. On the benchmark's collapses it fires 10 steps after the fall
         # begins (the old "10-step mean < 0.1": 27-29); no healthy run fired, though SFT-start GRPO sat at 0.73x.
-        # quiet while the run is learning (the reward up beyond its noise, z >= 2, and at most half the answers
-        # truncated, or fewer than at the start): a policy sharpening onto the answers the reward pays for
+        # quiet while the run is learning (_learning: the reward up beyond its noise, z >= 2, and the answers end: at
+        # most 9 in 10 cut off, no more than at the start): a policy sharpening onto the answers the reward pays for
         Rule("entropy_collapse", "entropy", check_collapse, "warn", 5, extra=SHARPENING,
              params={"ref_window": 10, "max_ratio": 0.8, "min_fall": 0.1, "min_z": 4.0, "min_value": 0.1,
                      "floor_ratio": 0.5, **LEARNING},
