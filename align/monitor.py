@@ -138,7 +138,7 @@ LEARNING_WINDOW = 10  # _learning compares the first and the last this many step
 MIN_TRUNCATION_RISE = 0.1  # a rise of the truncated share that shows answers running into the limit: a tenth of them
 
 
-def _learning(reward: list, truncated: list, min_z: float, max_truncated: float) -> tuple:
+def _learning(reward: list, truncated: list, min_z: float, max_truncated: float, what: str = "reward") -> tuple:
     """(learning, why): does the run show that it is learning the task, so that a policy growing sharper (lower
     entropy, fewer distinct n-grams, shorter answers) is converging onto answers the reward pays for? Both must hold:
 
@@ -151,7 +151,8 @@ def _learning(reward: list, truncated: list, min_z: float, max_truncated: float)
       before or more often; one collapsing into a loop (a repetition the reward pays for) runs to the limit: nearly
       every answer, or more and more of them.
 
-    Without either series (a stage that does not log them) nothing shows learning: (False, why)."""
+    Without either series (a stage that does not log them) nothing shows learning: (False, why). `what` names the
+    reward in `why`."""
     reward, truncated = _finite(reward), _finite(truncated)
     k, j = min(LEARNING_WINDOW, len(reward) // 2), min(LEARNING_WINDOW, len(truncated) // 2)
     if k < 3 or j < 3:
@@ -159,25 +160,29 @@ def _learning(reward: list, truncated: list, min_z: float, max_truncated: float)
     first, last = reward[:k], reward[-k:]
     rose, _ = _significant_drop(last, first, reward[-NOISE_SPAN * LEARNING_WINDOW :], 0.0, min_z)
     if not rose:
-        return False, f"the reward did not rise beyond its noise ({_mean(first):.3g} -> {_mean(last):.3g})"
+        return False, f"the {what} did not rise beyond its noise ({_mean(first):.3g} -> {_mean(last):.3g})"
     start, share = _mean(truncated[:j]), _mean(truncated[-j:])
     if share > max_truncated:
-        return False, (f"the reward rose, but {share:.0%} of the answers of the last {j} steps ran to the token "
+        return False, (f"the {what} rose, but {share:.0%} of the answers of the last {j} steps ran to the token "
                        f"limit: a collapse onto output that does not end")
     grew, _ = _significant_drop(truncated[-j:], truncated[:j], truncated[-NOISE_SPAN * LEARNING_WINDOW :],
                                 MIN_TRUNCATION_RISE, min_z)
     if grew:
-        return False, (f"the reward rose, but the share of answers cut off at the token limit grew ({start:.0%} -> "
+        return False, (f"the {what} rose, but the share of answers cut off at the token limit grew ({start:.0%} -> "
                        f"{share:.0%}): answers that stop ending")
     return True, ""
 
 
-def _unless_learning(res: Check, reward: list, truncated: list, min_z: float, max_truncated: float) -> Check:
+def _unless_learning(res: Check, reward: list, truncated: list, gold: list, min_z: float,
+                     max_truncated: float) -> Check:
     """A fired `res` of a sharpening rule, or QUIET while the run is learning (_learning); a fired check given the
-    reward history says why learning does not explain it."""
-    if not res.fired or not reward:
+    reward history says why learning does not explain it. The gold reward (a verifier's, logged beside a reward
+    model's proxy) is the evidence where the run logs it: a policy growing confident raises the score of a reward
+    model that pays for confidence, not the verified one."""
+    if not res.fired or not (reward or gold):
         return res
-    learning, why = _learning(reward, truncated, min_z, max_truncated)
+    evidence, what = (gold, "gold reward") if _finite(gold) else (reward, "reward")
+    learning, why = _learning(evidence, truncated, min_z, max_truncated, what)
     return QUIET if learning else res._replace(detail=f"{res.detail}; {why}")
 
 
@@ -238,7 +243,7 @@ def check_median_above(xs: list, window: int, max_value: float) -> Check:
     return QUIET
 
 
-def check_collapse(xs: list, reward: list = (), truncated: list = (), *, window: int, ref_window: int,
+def check_collapse(xs: list, reward: list = (), truncated: list = (), gold: list = (), *, window: int, ref_window: int,
                    max_ratio: float, min_fall: float, min_z: float, min_value: float, floor_ratio: float,
                    learning_z: float = math.inf, max_truncated: float = 0.9) -> Check:
     """A collapse against the run's own start. The mean of the last `window` values is below max_ratio × the mean
@@ -252,8 +257,8 @@ def check_collapse(xs: list, reward: list = (), truncated: list = (), *, window:
     nats/token, an SFT model's arithmetic answers at ~0.15): a run that starts low does not fire until it falls.
     Needs ref_window + window values.
 
-    Given the reward and truncated-share histories, it stays quiet while the run is learning (_learning: the reward
-    rose beyond its noise, z >= learning_z, and the answers end): RL on a verifiable reward trades entropy for
+    Given the reward and truncated-share histories (and the gold reward's, where logged), it stays quiet while the
+    run is learning (_learning: the reward rose beyond its noise, z >= learning_z, and the answers end): RL on a verifiable reward trades entropy for
     reward as the policy converges onto the answers that score (Cui et al. 2025, "The Entropy Mechanism of
     Reinforcement Learning for Reasoning Language Models"), so a low entropy bought with reward, on answers that
     finish, is the task being learned. It still fires on entropy lost without a reward gain (exploration spent for
@@ -271,7 +276,7 @@ def check_collapse(xs: list, reward: list = (), truncated: list = (), *, window:
            f"below the floor {min_value:g} and {floor_ratio:g} x the start")
     res = Check(True, now, max_ratio * ref, f"mean of the last {window} values {now:.4g} < {max_ratio:g} x the "
                                              f"first {ref_window} ({ref:.4g}), {how}")
-    return _unless_learning(res, reward, truncated, learning_z, max_truncated)
+    return _unless_learning(res, reward, truncated, gold, learning_z, max_truncated)
 
 
 def _held(xs: list, window: int, holds, bound: float, what: str) -> Check:
@@ -292,8 +297,9 @@ def check_held_at_most(xs: list, window: int, max_value: float) -> Check:
     return _held(xs, window, lambda x: x <= max_value, max_value, f"<= {max_value:g}")
 
 
-def check_below_start(xs: list, reward: list = (), truncated: list = (), *, window: int, min_ratio: float,
-                      min_value: float, learning_z: float = math.inf, max_truncated: float = 0.9) -> Check:
+def check_below_start(xs: list, reward: list = (), truncated: list = (), gold: list = (), *, window: int,
+                      min_ratio: float, min_value: float, learning_z: float = math.inf,
+                      max_truncated: float = 0.9) -> Check:
     """Mean of the last `window` values < max(min_value, min_ratio × mean of the first `window` values).
 
     Relative to the run's own start, because absolute diversity depends on the task (arithmetic answers
@@ -310,7 +316,7 @@ def check_below_start(xs: list, reward: list = (), truncated: list = (), *, wind
         return QUIET
     res = Check(True, m, floor, f"mean of last {window} values {m:.4g} < {floor:.4g} "
                                 f"({min_ratio:g} x the first {window}: {_mean(xs[:window]):.4g})")
-    return _unless_learning(res, reward, truncated, learning_z, max_truncated)
+    return _unless_learning(res, reward, truncated, gold, learning_z, max_truncated)
 
 
 def check_falling(xs: list, window: int, min_drop: float, min_z: float) -> Check:
@@ -362,8 +368,8 @@ def check_drift(xs: list, window: int, max_rel_change: float) -> Check:
     return QUIET
 
 
-def check_length_drift(length: list, terminated: list = (), reward: list = (), truncated: list = (), *,
-                       window: int, max_rel_change: float, learning_z: float = math.inf,
+def check_length_drift(length: list, terminated: list = (), reward: list = (), truncated: list = (), gold: list = (),
+                       *, window: int, max_rel_change: float, learning_z: float = math.inf,
                        max_truncated: float = 0.9) -> Check:
     """Response length far from the start (check_drift's ratio, c = max_rel_change), judged by direction:
 
@@ -387,7 +393,7 @@ def check_length_drift(length: list, terminated: list = (), reward: list = (), t
         return QUIET
     what = "finished answers' " if finished else ""
     res = shrunk._replace(detail=f"{what}{shrunk.detail}", metric=key)
-    return _unless_learning(res, reward, truncated, learning_z, max_truncated)
+    return _unless_learning(res, reward, truncated, gold, learning_z, max_truncated)
 
 
 def check_diverging(proxy: list, gold: list, window: int, min_slope: float, min_z: float) -> Check:
@@ -460,7 +466,7 @@ MISMATCH_TOLERANCE = {"fp32": 1e-3, "16-bit": 0.05}
 
 KL_REMEDY = {"lr": 0.5, "kl": 2.0}  # the policy drifts too far, too fast: smaller steps, a stronger KL leash
 # the sharpening rules (entropy, distinct-n, shorter answers) also read these, to tell a run that is learning (_learning)
-SHARPENING = ("reward", "completions/clipped_ratio")
+SHARPENING = ("reward", "completions/clipped_ratio", "gold_reward")
 # z 2: a rise a flat reward shows by chance in ~2 % of its windows (a missed or later warning at worst, not a false
 # one); 0.9: a run with nine answers in ten cut off at the token limit is not converging onto answers that end
 LEARNING = {"learning_z": 2.0, "max_truncated": 0.9}

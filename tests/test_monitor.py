@@ -322,6 +322,18 @@ def test_answers_that_stop_ending_are_not_learning():
     assert "grew (" in [e for e in m.events if e.rule == "entropy_collapse"][0].detail
 
 
+def test_the_gold_reward_is_the_evidence_of_learning_where_it_is_logged():
+    """PPO against a reward model that pays for confidence: the proxy rises as the policy sharpens, the verifier's
+    gold reward stays flat. Judged on the gold reward the sharpening rules fire; with the gold rising too, quiet."""
+    stream = sharpening_stream()
+    rng = random.Random(5)
+    flat_gold = [{**row, "gold_reward": 0.3 + rng.gauss(0, 0.02)} for row in stream]
+    m = feed(flat_gold)
+    assert set(first_events(m)) == SHARPENING_RULES
+    assert all("the gold reward did not rise" in e.detail for e in m.events)
+    assert feed([{**row, "gold_reward": row["reward"]} for row in stream]).events == []
+
+
 def test_learning_needs_the_reward_and_the_truncated_share():
     """check_collapse with the reward alone (a stage that does not log the truncated share) cannot tell a loop from a
     template: it fires; with both series it is quiet; with neither (the old call) it fires."""
