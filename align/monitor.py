@@ -6,7 +6,8 @@ that *started* this step. Rules whose metric is never logged stay silent, so one
 rule set serves SFT, RM, DPO, PPO and GRPO alike.
 
 Metric keys follow TRL naming: loss, grad_norm, kl, reward, entropy, clip_ratio,
-completions/mean_length, distinct_1, distinct_2, logps/chosen, gold_reward.
+completions/mean_length, completions/mean_terminated_length, completions/clipped_ratio, distinct_1, distinct_2,
+logps/chosen, gold_reward.
 
 A rule's check is a pure function `check(*series, window=..., **params) -> Check`, where
 each series is the history (list of floats) of one of the rule's metric keys. Pure Python,
@@ -133,6 +134,58 @@ def _significant_drop(before: list, after: list, noise: list, min_drop: float, m
     return drop > min_drop and drop > min_z * stderr, drop
 
 
+LEARNING_WINDOW = 10  # _learning compares the first and the last this many steps of the reward and truncated share
+MIN_TRUNCATION_RISE = 0.1  # a rise of the truncated share that shows answers running into the limit: a tenth of them
+
+
+def _learning(reward: list, truncated: list, min_z: float, max_truncated: float, what: str = "reward") -> tuple:
+    """(learning, why): does the run show that it is learning the task, so that a policy growing sharper (lower
+    entropy, fewer distinct n-grams, shorter answers) is converging onto answers the reward pays for? Both must hold:
+
+    - the reward rose: the mean of its last LEARNING_WINDOW values is above the mean of its first ones by more than
+      min_z standard errors (step noise from successive differences over the last NOISE_SPAN windows; half the run
+      each while it is shorter than two windows);
+    - the answers end: the share of completions cut off at the token limit (`completions/clipped_ratio`) over the
+      last LEARNING_WINDOW steps is at most max_truncated, and it did not grow since the start (by more than
+      MIN_TRUNCATION_RISE and beyond its noise). A policy converging onto an answer template ends its answers as
+      before or more often; one collapsing into a loop (a repetition the reward pays for) runs to the limit: nearly
+      every answer, or more and more of them.
+
+    Without either series (a stage that does not log them) nothing shows learning: (False, why). `what` names the
+    reward in `why`."""
+    reward, truncated = _finite(reward), _finite(truncated)
+    k, j = min(LEARNING_WINDOW, len(reward) // 2), min(LEARNING_WINDOW, len(truncated) // 2)
+    if k < 3 or j < 3:
+        return False, "too short a reward and truncated-answer history to show that the run is learning"
+    first, last = reward[:k], reward[-k:]
+    rose, _ = _significant_drop(last, first, reward[-NOISE_SPAN * LEARNING_WINDOW :], 0.0, min_z)
+    if not rose:
+        return False, f"the {what} did not rise beyond its noise ({_mean(first):.3g} -> {_mean(last):.3g})"
+    start, share = _mean(truncated[:j]), _mean(truncated[-j:])
+    if share > max_truncated:
+        return False, (f"the {what} rose, but {share:.0%} of the answers of the last {j} steps ran to the token "
+                       f"limit: a collapse onto output that does not end")
+    grew, _ = _significant_drop(truncated[-j:], truncated[:j], truncated[-NOISE_SPAN * LEARNING_WINDOW :],
+                                MIN_TRUNCATION_RISE, min_z)
+    if grew:
+        return False, (f"the {what} rose, but the share of answers cut off at the token limit grew ({start:.0%} -> "
+                       f"{share:.0%}): answers that stop ending")
+    return True, ""
+
+
+def _unless_learning(res: Check, reward: list, truncated: list, gold: list, min_z: float,
+                     max_truncated: float) -> Check:
+    """A fired `res` of a sharpening rule, or QUIET while the run is learning (_learning); a fired check given the
+    reward history says why learning does not explain it. The gold reward (a verifier's, logged beside a reward
+    model's proxy) is the evidence where the run logs it: a policy growing confident raises the score of a reward
+    model that pays for confidence, not the verified one."""
+    if not res.fired or not (reward or gold):
+        return res
+    evidence, what = (gold, "gold reward") if _finite(gold) else (reward, "reward")
+    learning, why = _learning(evidence, truncated, min_z, max_truncated, what)
+    return QUIET if learning else res._replace(detail=f"{res.detail}; {why}")
+
+
 # ---------------------------------------------------------------------------------------------
 # checks: pure functions over metric histories
 
@@ -190,8 +243,9 @@ def check_median_above(xs: list, window: int, max_value: float) -> Check:
     return QUIET
 
 
-def check_collapse(xs: list, window: int, ref_window: int, max_ratio: float, min_fall: float, min_z: float,
-                   min_value: float, floor_ratio: float) -> Check:
+def check_collapse(xs: list, reward: list = (), truncated: list = (), gold: list = (), *, window: int, ref_window: int,
+                   max_ratio: float, min_fall: float, min_z: float, min_value: float, floor_ratio: float,
+                   learning_z: float = math.inf, max_truncated: float = 0.9) -> Check:
     """A collapse against the run's own start. The mean of the last `window` values is below max_ratio × the mean
     of the first `ref_window` values, and either
 
@@ -201,7 +255,14 @@ def check_collapse(xs: list, window: int, ref_window: int, max_ratio: float, min
 
     Relative, because the level depends on the task and the start model (an untrained model samples at ~6
     nats/token, an SFT model's arithmetic answers at ~0.15): a run that starts low does not fire until it falls.
-    Needs ref_window + window values."""
+    Needs ref_window + window values.
+
+    Given the reward and truncated-share histories (and the gold reward's, where logged), it stays quiet while the
+    run is learning (_learning: the reward rose beyond its noise, z >= learning_z, and the answers end): RL on a verifiable reward trades entropy for
+    reward as the policy converges onto the answers that score (Cui et al. 2025, "The Entropy Mechanism of
+    Reinforcement Learning for Reasoning Language Models"), so a low entropy bought with reward, on answers that
+    finish, is the task being learned. It still fires on entropy lost without a reward gain (exploration spent for
+    nothing) and on a collapse onto output that runs to the token limit (a repetition loop a reward pays for)."""
     if len(xs) < max(ref_window + window, 2 * window):
         return QUIET
     ref, now, before = _mean(xs[:ref_window]), _mean(xs[-window:]), _mean(xs[-2 * window : -window])
@@ -213,8 +274,9 @@ def check_collapse(xs: list, window: int, ref_window: int, max_ratio: float, min
         return QUIET
     how = (f"still falling ({before:.4g} in the {window} before)" if falling else
            f"below the floor {min_value:g} and {floor_ratio:g} x the start")
-    return Check(True, now, max_ratio * ref, f"mean of the last {window} values {now:.4g} < {max_ratio:g} x the "
-                                              f"first {ref_window} ({ref:.4g}), {how}")
+    res = Check(True, now, max_ratio * ref, f"mean of the last {window} values {now:.4g} < {max_ratio:g} x the "
+                                             f"first {ref_window} ({ref:.4g}), {how}")
+    return _unless_learning(res, reward, truncated, gold, learning_z, max_truncated)
 
 
 def _held(xs: list, window: int, holds, bound: float, what: str) -> Check:
@@ -235,20 +297,26 @@ def check_held_at_most(xs: list, window: int, max_value: float) -> Check:
     return _held(xs, window, lambda x: x <= max_value, max_value, f"<= {max_value:g}")
 
 
-def check_below_start(xs: list, window: int, min_ratio: float, min_value: float) -> Check:
+def check_below_start(xs: list, reward: list = (), truncated: list = (), gold: list = (), *, window: int,
+                      min_ratio: float, min_value: float, learning_z: float = math.inf,
+                      max_truncated: float = 0.9) -> Check:
     """Mean of the last `window` values < max(min_value, min_ratio × mean of the first `window` values).
 
     Relative to the run's own start, because absolute diversity depends on the task (arithmetic answers
-    reuse a dozen tokens). Needs 2 * window values.
+    reuse a dozen tokens). Needs 2 * window values. Given the reward and truncated-share histories, quiet while
+    the run is learning (_learning): a policy that converges onto one answer template the reward pays for, answers
+    that end, reuses few n-grams by design (the same words around a different number); a collapse without a reward
+    gain, or onto output that runs to the token limit, still fires.
     """
     if len(xs) < 2 * window:
         return QUIET
     floor = max(min_value, min_ratio * _mean(xs[:window]))
     m = _mean(xs[-window:])
-    if m < floor:
-        return Check(True, m, floor, f"mean of last {window} values {m:.4g} < {floor:.4g} "
-                                     f"({min_ratio:g} x the first {window}: {_mean(xs[:window]):.4g})")
-    return QUIET
+    if not m < floor:
+        return QUIET
+    res = Check(True, m, floor, f"mean of last {window} values {m:.4g} < {floor:.4g} "
+                                f"({min_ratio:g} x the first {window}: {_mean(xs[:window]):.4g})")
+    return _unless_learning(res, reward, truncated, gold, learning_z, max_truncated)
 
 
 def check_falling(xs: list, window: int, min_drop: float, min_z: float) -> Check:
@@ -298,6 +366,34 @@ def check_drift(xs: list, window: int, max_rel_change: float) -> Check:
         bound = limit if ratio > limit else 1 / limit
         return Check(True, ratio, bound, f"window mean {now:.4g} vs {base:.4g} at the start (x{ratio:.3g})")
     return QUIET
+
+
+def check_length_drift(length: list, terminated: list = (), reward: list = (), truncated: list = (), gold: list = (),
+                       *, window: int, max_rel_change: float, learning_z: float = math.inf,
+                       max_truncated: float = 0.9) -> Check:
+    """Response length far from the start (check_drift's ratio, c = max_rel_change), judged by direction:
+
+    - longer: the mean length of all completions grew x(1+c): length hacking (a reward that pays for length) or
+      EOS lost; answers that grow run into the token limit. Always fires.
+    - shorter: the length of the completions that ended with EOS (`terminated`, TRL's
+      completions/mean_terminated_length; the mean length where it is not logged) fell /(1+c). Truncated answers
+      count at the token limit in the mean, so a policy whose cut-off answers start to finish shortens the mean
+      without any answer getting shorter: the finished ones are the answers' length. Quiet while the run is
+      learning (_learning: the reward rose beyond its noise and the answers end): shorter answers that score
+      better are the policy learning a concise answer. A shortening without a reward gain (answers collapsing to a
+      few tokens, EOS emitted too early) still fires.
+    """
+    grown = check_drift(length, window, max_rel_change)
+    if grown.fired and grown.value > 1:
+        return grown
+    finished = len(terminated) >= 2 * window and _finite(terminated[:window]) and _finite(terminated[-window:])
+    key, xs = ("completions/mean_terminated_length", terminated) if finished else ("", length)
+    shrunk = check_drift(xs, window, max_rel_change)
+    if not (shrunk.fired and shrunk.value < 1):
+        return QUIET
+    what = "finished answers' " if finished else ""
+    res = shrunk._replace(detail=f"{what}{shrunk.detail}", metric=key)
+    return _unless_learning(res, reward, truncated, gold, learning_z, max_truncated)
 
 
 def check_diverging(proxy: list, gold: list, window: int, min_slope: float, min_z: float) -> Check:
@@ -369,6 +465,11 @@ MISMATCH_TOLERANCE = {"fp32": 1e-3, "16-bit": 0.05}
 
 
 KL_REMEDY = {"lr": 0.5, "kl": 2.0}  # the policy drifts too far, too fast: smaller steps, a stronger KL leash
+# the sharpening rules (entropy, distinct-n, shorter answers) also read these, to tell a run that is learning (_learning)
+SHARPENING = ("reward", "completions/clipped_ratio", "gold_reward")
+# z 2: a rise a flat reward shows by chance in ~2 % of its windows (a missed or later warning at worst, not a false
+# one); 0.9: a run with nine answers in ten cut off at the token limit is not converging onto answers that end
+LEARNING = {"learning_z": 2.0, "max_truncated": 0.9}
 
 
 def mismatch_tolerance(precision: str) -> float:
@@ -423,22 +524,28 @@ def default_rules(precision: str = "fp32") -> list:
         # 10 and still falling fast (> 10 % and > 4 SE below the 5 before: healthy sharpening is slow and within its
         # noise), or under the floor 0.1 once halved. On the benchmark's collapses it fires 10 steps after the fall
         # begins (the old "10-step mean < 0.1": 27-29); no healthy run fired, though SFT-start GRPO sat at 0.73x.
-        Rule("entropy_collapse", "entropy", check_collapse, "warn", 5,
+        # quiet while the run is learning (_learning: the reward up beyond its noise, z >= 2, and the answers end: at
+        # most 9 in 10 cut off, no more than at the start): a policy sharpening onto the answers the reward pays for
+        Rule("entropy_collapse", "entropy", check_collapse, "warn", 5, extra=SHARPENING,
              params={"ref_window": 10, "max_ratio": 0.8, "min_fall": 0.1, "min_z": 4.0, "min_value": 0.1,
-                     "floor_ratio": 0.5},
+                     "floor_ratio": 0.5, **LEARNING},
              message="Policy entropy collapsed: the model is becoming deterministic and stops exploring. "
                      "Raise the sampling temperature, add an entropy bonus, lower the LR, train fewer steps."),
         Rule("clip_high", "clip_ratio", check_above, "warn", 10, params={"max_value": 0.3},
              message="Clip fraction is high: policy updates are too large. "
                      "Lower the LR, use fewer PPO epochs per batch, or a smaller clip epsilon."),
-        Rule("length_drift", "completions/mean_length", check_drift, "warn", 10,
-             params={"max_rel_change": 1.0},
-             message="Response length drifted far from the start: length hacking or EOS lost. "
-                     "Add a length penalty, check EOS/stop-token handling and max_new_tokens truncation."),
-        Rule("low_distinct_1", "distinct_1", check_below_start, "warn", 10, params={"min_ratio": 0.5, "min_value": 0.0},
+        # longer: always; shorter (the finished answers): only while the run is not learning
+        Rule("length_drift", "completions/mean_length", check_length_drift, "warn", 10,
+             extra=("completions/mean_terminated_length", *SHARPENING), params={"max_rel_change": 1.0, **LEARNING},
+             message="Response length drifted far from the start: length hacking or EOS lost (longer), answers "
+                     "collapsing without a reward gain (shorter). Add a length penalty, check EOS/stop-token "
+                     "handling and max_new_tokens truncation."),
+        Rule("low_distinct_1", "distinct_1", check_below_start, "warn", 10, extra=SHARPENING,
+             params={"min_ratio": 0.5, "min_value": 0.0, **LEARNING},
              message="Low distinct-1 (unigram diversity): mode collapse. "
                      "Raise the sampling temperature, lower the LR, raise the KL coefficient."),
-        Rule("low_distinct_2", "distinct_2", check_below_start, "warn", 10, params={"min_ratio": 0.5, "min_value": 0.0},
+        Rule("low_distinct_2", "distinct_2", check_below_start, "warn", 10, extra=SHARPENING,
+             params={"min_ratio": 0.5, "min_value": 0.0, **LEARNING},
              message="Low distinct-2 (bigram diversity): mode collapse. "
                      "Raise the sampling temperature, lower the LR, raise the KL coefficient."),
         Rule("chosen_logp_falling", "logps/chosen", check_fell_from_start, "warn", 10,

@@ -4,7 +4,10 @@
 
 Healthy runs, runs that learn: the arithmetic chain's (pipelines/arithmetic.toml) SFT and reward models, trained
 here with its recipe (the PPO and DPO runs start from them), and GRPO, PPO and DPO at several seeds and learning
-rates (the chain's recipes, longer). Runs with a known failure and the step it starts at, read from the run itself
+rates (the chain's recipes, longer); and, replayed from their stored metrics (no training), three GRPO runs of a real
+pretrained model (benchmarks/real_model_runs: SmolLM2-135M-Instruct on reasoning-gym basic_arithmetic, 100 steps,
+whose held-out greedy pass@1 rose 0.07 -> 0.41-0.43 while the policy sharpened onto one answer template). Runs with a
+known failure and the step it starts at, read from the run itself
 (RUNS says how): a stale decoder weight copy or a NaN injected at step k with benchmarks.faults; a reward paid per
 character (answers triple in length); a reward paid per "7" from the untrained model (entropy 6.2 -> below 0.1
 nats), at two seeds; a KL blow-up, at two seeds; held-out degradation without proxy gain (PPO from the SFT model
@@ -110,10 +113,22 @@ class Run:
     heldout: bool = False  # the failure shows in held-out evaluations: its lead is also counted in evaluations
     fault: str = "none"  # benchmarks.faults' fault, injected at 0-based step fault_step
     fault_step: int = 0
+    stored: str = ""  # a metrics.jsonl in the repository (relative to its root): replayed as it is, not trained
 
     @property
     def stage(self) -> str:
         return self.args[0]
+
+    @property
+    def kind(self) -> str:
+        """The run's line in the healthy-steps count: its stage, or "real-model" and its stage for a stored run."""
+        return f"real-model {self.stage.upper()}" if self.stored else self.stage.upper()
+
+
+def metrics_file(name: str, out: Path) -> Path:
+    """Where run `name`'s metrics are: its stored file, or its out directory's metrics.jsonl."""
+    r = RUNS[name]
+    return ROOT / r.stored if r.stored else out / name / "metrics.jsonl"
 
 
 CHAIN_PPO = ["--fixed-kl", "--init-kl-coef", "0.2", "--ptx-coef", "0.5"]  # the arithmetic chain's PPO settings
@@ -145,6 +160,13 @@ RUNS = {
     "dpo-chain-s0-lr1e-4": Run(dpo(0, 1e-4)),
     "dpo-chain-s1-lr1e-4": Run(dpo(1, 1e-4)),
     "dpo-chain-s2-lr5e-5": Run(dpo(2, 5e-5)),
+    # healthy, replayed: GRPO of SmolLM2-135M-Instruct on reasoning-gym basic_arithmetic (100 steps, 16 prompts x 8
+    # samples, <= 64 new tokens, lr 1e-5), recorded by benchmarks/real_model.py. The policy sharpens onto one answer
+    # template as it learns: entropy 1.8 -> 0.1 nats/token, distinct-1 0.15 -> 0.01, mean length 54 -> 14 tokens as
+    # the truncated share falls 0.67 -> 0, the reward 0.003 -> 0.1; held-out greedy pass@1 (the last number) 0.07 ->
+    # 0.41-0.43 on every seed
+    **{f"real-smollm2-grpo-s{s}": Run(["grpo"], stored=f"benchmarks/real_model_runs/seed{s}-metrics.jsonl")
+       for s in range(3)},
     # failures
     "grpo-stale-decoder@6": Run(grpo(0, 5e-5), "stale decoder copy", 6, ("rollout_mismatch",), fault="stale_decoder",
                                 fault_step=5),
@@ -177,6 +199,8 @@ for _name, (_base, _mode) in ON_ALARM.items():
 def run(name: str, out: Path) -> Path:
     """The run's out directory, trained (after the runs it names with "@") unless a finished one is there."""
     r = RUNS[name]
+    if r.stored:
+        return ROOT / r.stored
     args = [str(run(a[1:], out)) if a.startswith("@") else a for a in r.args]
     d = out / name
     art = d / "artifact.json"
@@ -189,19 +213,19 @@ def run(name: str, out: Path) -> Path:
     return d
 
 
-def by_step(d: Path) -> dict:
+def by_step(f: Path) -> dict:
     """A run's metrics.jsonl as {step: metrics}, an evaluation's metrics merged with its step's."""
     steps: dict[int, dict] = {}
-    for line in (d / "metrics.jsonl").read_text().splitlines():
+    for line in f.read_text().splitlines():
         row = json.loads(line)
         steps.setdefault(row.pop("step"), {}).update(row)
     return steps
 
 
-def replay(d: Path) -> tuple[list, int, list]:
-    """(events, training steps, steps with a held-out evaluation) of a run's metrics replayed through the default
-    rules: one update per step, an evaluation's metrics together with its step's (as StageRun feeds them)."""
-    steps = by_step(d)
+def replay(f: Path) -> tuple[list, int, list]:
+    """(events, training steps, steps with a held-out evaluation) of a run's metrics.jsonl replayed through the
+    default rules: one update per step, an evaluation's metrics together with its step's (as StageRun feeds them)."""
+    steps = by_step(f)
     m = RLMonitor()
     for step in sorted(steps):
         m.update(step, steps[step])
@@ -222,18 +246,19 @@ def score(out: Path, names: list[str]) -> dict:
         r = RUNS[name]
         if r.label == "on-alarm":
             continue
-        if not (out / name / "metrics.jsonl").is_file():
+        f = metrics_file(name, out)
+        if not f.is_file():
             runs.append((name, r, 0, 0, "did not run"))
             continue
-        events, steps, evals = replay(out / name)
-        onset = r.onset(by_step(out / name)) if callable(r.onset) else r.onset
+        events, steps, evals = replay(f)
+        onset = r.onset(by_step(f)) if callable(r.onset) else r.onset
         first: dict[str, int] = {}
         for e in events:
             first.setdefault(e.rule, e.step)
         runs.append((name, r, onset, steps, ", ".join(f"{k}@{s}" for k, s in first.items()) or "-"))
         if r.label is None:
-            healthy[r.stage] = healthy.get(r.stage, 0) + steps
-            rows = [row for step, row in by_step(out / name).items() if step > 0]
+            healthy[r.kind] = healthy.get(r.kind, 0) + steps
+            rows = [row for step, row in by_step(f).items() if step > 0]
             for rule in rules:  # the healthy steps that logged the rule's metrics
                 table[rule.name]["watched"] += sum(any(k in row for k in rule.keys) for row in rows)
             for e in events:
@@ -259,7 +284,7 @@ def summary_line(s: dict) -> str:
     found = [x["lead"] for x in s["leads"] if x["lead"] is not None]
     median = f"{statistics.median(found):g}" if found else "-"
     evals = [x["evals"] for x in s["leads"] if x["evals"] is not None]
-    per_stage = ", ".join(f"{k.upper()} {v}" for k, v in s["healthy"].items())
+    per_stage = ", ".join(f"{k} {v}" for k, v in s["healthy"].items())
     worst = max((t["false"], k) for k, t in s["rules"].items() if k in s["enabled"])
     return (f"**Labelled failures detected by their own rules: {len(found)}/{len(s['leads'])}; median lead "
             f"{median} steps after the onset (held-out failures: {', '.join(map(str, evals)) or '-'} held-out "
@@ -292,7 +317,8 @@ def render(s: dict) -> str:
     lines += ["", "Runs (first event of each rule, at its step):", "",
               "| run | failure (onset step) | steps | events |", "|---|---|---|---|"]
     for name, r, onset, steps, events in s["runs"]:
-        lines.append(f"| {name} | {f'{r.label} ({onset})' if r.label else 'healthy'} | {steps} | {events} |")
+        what = f"{r.label} ({onset})" if r.label else "healthy, real model (stored metrics)" if r.stored else "healthy"
+        lines.append(f"| {name} | {what} | {steps} | {events} |")
     return "\n".join(lines)
 
 
@@ -307,7 +333,8 @@ def on_alarm_table(out: Path) -> str:
         if not (d / "artifact.json").is_file():
             continue
         art = json.loads((d / "artifact.json").read_text())
-        evals = [(s, row["eval/pass@1/greedy"]) for s, row in sorted(by_step(d).items()) if "eval/pass@1/greedy" in row]
+        evals = [(s, row["eval/pass@1/greedy"]) for s, row in sorted(by_step(d / "metrics.jsonl").items())
+                 if "eval/pass@1/greedy" in row]
         best_step, best = max(evals, key=lambda e: (e[1], -e[0]))
         what = (f"stopped at step {art['stopped']['step']} ({art['stopped']['rule']}), kept step "
                 f"{art['stopped']['kept']['step']}" if "stopped" in art else "")

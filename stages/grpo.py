@@ -19,6 +19,7 @@ Log-probs are taken at the sampling temperature, as sampled.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -389,6 +390,8 @@ class GRPO:
         stats.mean("frac_reward_zero_std", zero_std.sum(), len(zero_std))
         stats.mean("completions/mean_length", lengths.sum(), n)
         stats.mean("completions/clipped_ratio", n - r.finished.sum(), n)
+        # TRL's name: the mean length of the completions that ended with EOS (NaN when none did)
+        stats.mean("completions/mean_terminated_length", (lengths * r.finished).sum(), r.finished.sum(), math.nan)
         stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/generate"], 1e-9))
         stats.sum("tokens", lengths.sum())  # sampled and trained on: the run logs tokens_per_s of the whole step
         for k, v in r.parts.items():

@@ -22,6 +22,7 @@ Only response tokens (EOS included) enter a loss: prompt, padding and post-EOS p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -404,6 +405,8 @@ class PPO:
             stats.mean("gold_reward", gold.sum(), n)
         stats.mean("kl", ro["kl"].sum(), mask.sum())
         stats.mean("completions/clipped_ratio", n - r.finished.sum(), n)
+        # TRL's name: the mean length of the completions that ended with EOS (NaN when none did)
+        stats.mean("completions/mean_terminated_length", (r.lengths * r.finished).sum(), r.finished.sum(), math.nan)
         stats.value("completions/mean_length", sum(map(len, ids)) / len(ids))
         stats.value("distinct_1", rl.distinct_n(ids, 1))
         stats.value("distinct_2", rl.distinct_n(ids, 2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -90,6 +91,18 @@ def assert_user_error(proc, *needles: str, code: int = 2) -> str:
     # short: the error and at most a couple of library lines (e.g. DeepSpeed's accelerator notice)
     assert len(out.strip().splitlines()) <= 6, out
     return out
+
+
+def assert_terminated_length(row: dict, max_new_tokens: int) -> None:
+    """A GRPO/PPO step's completions/mean_terminated_length is the mean length of the completions that ended with EOS
+    (NaN when none did): the cut-off ones are max_new_tokens long, so the mean length of all of them is
+    clipped·max_new_tokens + (1 − clipped)·terminated."""
+    clipped, term = row["completions/clipped_ratio"], row["completions/mean_terminated_length"]
+    if clipped == 1.0:
+        assert math.isnan(term), row
+        return
+    assert 0 <= term <= max_new_tokens, row
+    assert row["completions/mean_length"] == pytest.approx(clipped * max_new_tokens + (1 - clipped) * term), row
 
 
 def assert_same_training(one: Path, two: Path, base: Path, rel: float = 1e-4, weights_rel: float = 1e-3,

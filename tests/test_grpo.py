@@ -12,7 +12,7 @@ import time
 import pytest
 
 from align.runtime import free_port
-from tests.conftest import assert_same_training, parity_reward, small_sft
+from tests.conftest import assert_same_training, assert_terminated_length, parity_reward, small_sft
 
 SHORT = ["--max-steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
          "--eval-samples", "4", "--eval-k", "1,2", "--micro-batch-size", "8"]
@@ -53,8 +53,11 @@ def test_two_process_zero3_grpo_run(grpo_runs):
     steps = [r for r in metric_rows(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for key in ("reward", "reward_std", "frac_reward_zero_std", "clip_ratio/low", "clip_ratio/high", "entropy",
-                "completions/mean_length", "completions/clipped_ratio", "rewards/math", "distinct_1", "signal_frac"):
+                "completions/mean_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+                "rewards/math", "distinct_1", "signal_frac"):
         assert key in steps[0], key
+    for row in steps:
+        assert_terminated_length(row, 8)
     assert "kl" not in steps[0]  # beta 0: no reference model, no KL
     evals = [r for r in metric_rows(out) if "eval/pass@1/greedy" in r]
     assert [r["step"] for r in evals] == [0, 2] and "eval/pass@2" in evals[0]

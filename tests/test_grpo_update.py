@@ -1,6 +1,7 @@
 """GRPO's update against a loss written out by hand: log-probs at the sampling temperature (the policy gradient
 of samples drawn at T is that of log softmax(z / T)), token-mean REINFORCE over the kept tokens only."""
 
+import math
 
 import pytest
 import torch
@@ -152,3 +153,15 @@ def test_distillation_pulls_the_policy_to_the_teacher_even_without_reward_signal
     unset_hf_deepspeed_config()
     assert keep.sum() == 0 and (adv == 0).all()  # no reward signal: only the teacher moves the policy
     assert gaps[2] < gaps[1] < gaps[0], gaps
+
+
+def test_a_stats_mean_over_nothing_is_its_empty_value():
+    """completions/mean_terminated_length is a mean over the completions that ended: NaN when none did (0.0 stays the
+    default of an empty mean), summed over micro-batches like any mean."""
+    stats = Stats()
+    stats.mean("none_ended", torch.tensor(0.0), torch.tensor(0.0), math.nan)
+    stats.mean("default", 0.0, 0.0)
+    stats.mean("two_ended", torch.tensor(6.0), torch.tensor(2.0), math.nan)
+    stats.mean("two_ended", torch.tensor(4.0), torch.tensor(0.0), math.nan)
+    out = stats.reduce("cpu")
+    assert math.isnan(out["none_ended"]) and out["default"] == 0.0 and out["two_ended"] == 5.0

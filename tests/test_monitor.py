@@ -3,6 +3,7 @@
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -241,6 +242,151 @@ def test_low_diversity_is_judged_against_the_start_not_the_previous_window():
     window before it (floor 0.5 x 0.46 = 0.23 at step 26) it would never fire."""
     stream = [{"distinct_1": 0.6}] * 10 + [{"distinct_1": 0.4}] * 10 + [{"distinct_1": 0.25}] * 10
     assert fired(feed(stream), "low_distinct_1") == [(26, "warn")]
+
+
+# --- a policy sharpening as it learns vs. a collapse -------------------------------------------------------------
+
+SHARPENING_RULES = {"entropy_collapse", "length_drift", "low_distinct_1", "low_distinct_2"}
+NO_LEARNING_GATE = {name: {"learning_z": math.inf} for name in SHARPENING_RULES}  # the rules as they were
+REAL_RUNS = Path(__file__).resolve().parent.parent / "benchmarks/real_model_runs"
+
+
+def sharpening_stream(gain=0.095, truncated=(0.65, 0.0), finished=(33.0, 13.5), n=100, max_new=64, seed=0):
+    """GRPO converging onto one answer template, shaped like the stored real-model runs: with progress p (a logistic
+    centred on step 40, 6 steps wide) the entropy falls 1.8 -> 0.1, distinct-1 0.15 -> 0.012, distinct-2 0.45 -> 0.06,
+    the reward rises 0.005 -> 0.005 + gain, the truncated share and the finished answers' length go from -> to, and
+    the mean length is truncated·max_new + (1 − truncated)·finished (NaN finished length when none end). Noisy."""
+    rng = random.Random(seed)
+    rows = []
+    for s in range(n):
+        p = 1 / (1 + math.exp(-(s - 40) / 6))
+        cut = min(1.0, max(0.0, truncated[0] + (truncated[1] - truncated[0]) * p + rng.gauss(0, 0.03)))
+        done = finished[0] + (finished[1] - finished[0]) * p + rng.gauss(0, 1.0)
+        rows.append({"entropy": 1.8 - 1.7 * p + rng.gauss(0, 0.05),
+                     "reward": max(0.0, 0.005 + gain * p + rng.gauss(0, 0.005 + 0.015 * p)),
+                     "completions/clipped_ratio": cut,
+                     "completions/mean_terminated_length": done if cut < 1 else math.nan,
+                     "completions/mean_length": cut * max_new + (1 - cut) * (done if cut < 1 else 0.0),
+                     "distinct_1": 0.15 - 0.138 * p + rng.gauss(0, 0.008),
+                     "distinct_2": 0.45 - 0.39 * p + rng.gauss(0, 0.02)})
+    return rows
+
+
+def first_events(monitor):
+    """{rule: step of its first event}."""
+    first = {}
+    for e in monitor.events:
+        first.setdefault(e.rule, e.step)
+    return first
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_policy_sharpening_while_the_reward_rises_on_answers_that_end_raises_nothing(seed):
+    """The case the rules used to fire on: entropy, distinct-n and the answers' length all fall as the policy
+    converges onto one template, while the reward rises and the cut-off answers start to finish. Without the learning
+    test the four rules fire (entropy first, at step ~34, as the fall is fastest); with it, no rule fires."""
+    stream = sharpening_stream(seed=seed)
+    assert feed(stream).events == []
+    ungated = first_events(feed(stream, RLMonitor(overrides=NO_LEARNING_GATE)))
+    assert set(ungated) == SHARPENING_RULES and 30 <= ungated["entropy_collapse"] <= 40
+
+
+def test_the_same_sharpening_without_a_reward_gain_fires():
+    """Entropy and diversity lost, and the finished answers shortened, with the reward flat: exploration spent for
+    nothing. Every sharpening rule fires, entropy_collapse where it fired without the learning test."""
+    m = feed(sharpening_stream(gain=0.0))
+    first = first_events(m)
+    assert set(first) == SHARPENING_RULES
+    assert first["entropy_collapse"] == first_events(feed(sharpening_stream(), RLMonitor(overrides=NO_LEARNING_GATE)))[
+        "entropy_collapse"]
+    assert all("did not rise beyond its noise" in e.detail for e in m.events)
+    (length,) = [e for e in m.events if e.rule == "length_drift"][:1]
+    assert length.metric == "completions/mean_terminated_length"  # judged on the answers that ended
+
+
+def test_a_collapse_onto_answers_that_run_to_the_token_limit_fires_while_the_reward_rises():
+    """The benchmark's reward paid per "7": the untrained model's answers never end (truncated share 1.0), the
+    reward rises as the policy repeats one token to the limit. The reward gain does not excuse it."""
+    m = feed(sharpening_stream(truncated=(1.0, 1.0)))
+    first = first_events(m)
+    assert {"entropy_collapse", "low_distinct_1", "low_distinct_2"} <= set(first) and 30 <= first["entropy_collapse"] <= 40
+    assert "ran to the token limit" in m.events[0].detail
+
+
+def test_answers_that_stop_ending_are_not_learning():
+    """From answers that end (an SFT start) into a loop: the truncated share grows 0 -> 0.6, below the 0.9 of
+    "nearly all", but it grew: the sharpening rules fire although the reward rises."""
+    m = feed(sharpening_stream(truncated=(0.0, 0.6), finished=(14.0, 14.0)))
+    first = first_events(m)
+    assert {"entropy_collapse", "low_distinct_1", "low_distinct_2"} <= set(first)
+    assert "grew (" in [e for e in m.events if e.rule == "entropy_collapse"][0].detail
+
+
+def test_the_gold_reward_is_the_evidence_of_learning_where_it_is_logged():
+    """PPO against a reward model that pays for confidence: the proxy rises as the policy sharpens, the verifier's
+    gold reward stays flat. Judged on the gold reward the sharpening rules fire; with the gold rising too, quiet."""
+    stream = sharpening_stream()
+    rng = random.Random(5)
+    flat_gold = [{**row, "gold_reward": 0.3 + rng.gauss(0, 0.02)} for row in stream]
+    m = feed(flat_gold)
+    assert set(first_events(m)) == SHARPENING_RULES
+    assert all("the gold reward did not rise" in e.detail for e in m.events)
+    assert feed([{**row, "gold_reward": row["reward"]} for row in stream]).events == []
+
+
+def test_learning_needs_the_reward_and_the_truncated_share():
+    """check_collapse with the reward alone (a stage that does not log the truncated share) cannot tell a loop from a
+    template: it fires; with both series it is quiet; with neither (the old call) it fires."""
+    from align.monitor import check_collapse
+
+    params = {"window": 5, "ref_window": 10, "max_ratio": 0.8, "min_fall": 0.1, "min_z": 4.0, "min_value": 0.1,
+              "floor_ratio": 0.5, "learning_z": 2.0, "max_truncated": 0.9}
+    entropy = [1.0] * 20 + [0.5] * 5
+    reward = [0.0, 0.01] * 10 + [0.5] * 5  # up 0.5, step noise ~0.007
+    assert not check_collapse(entropy, reward, [0.2] * 25, **params).fired
+    assert check_collapse(entropy, reward, [], **params).fired
+    assert check_collapse(entropy, **params).fired
+    assert check_collapse(entropy, [0.0, 0.01] * 12 + [0.0], [0.2] * 25, **params).fired  # no reward gain
+    assert check_collapse(entropy, reward, [0.95] * 25, **params).fired  # nearly every answer cut off
+
+
+def test_length_drift_judges_a_shortening_on_the_finished_answers():
+    """Mean length 54 -> 14 only because cut-off answers (64 tokens) start to finish at their usual 14 tokens: no
+    answer got shorter, quiet even with a flat reward; the finished answers themselves halving with a flat reward
+    fires (on their series), and is quiet while the reward rises; a growth fires whatever the reward does."""
+    from align.monitor import check_length_drift
+
+    params = {"window": 10, "max_rel_change": 1.0, "learning_z": 2.0, "max_truncated": 0.9}
+    flat, rising = [0.1, 0.12] * 15, [0.1, 0.12] * 5 + [0.5, 0.52] * 10
+    cut = [0.8] * 10 + [0.0] * 20
+    mean = [c * 64 + (1 - c) * 14 for c in cut]
+    assert not check_length_drift(mean, [14.0] * 30, flat, cut, **params).fired
+    assert check_length_drift(mean, [], flat, cut, **params).fired  # without the finished length: the mean halved
+    shorter = [30.0] * 10 + [12.0] * 20
+    res = check_length_drift(shorter, shorter, flat, [0.0] * 30, **params)
+    assert res.fired and res.metric == "completions/mean_terminated_length" and res.value == pytest.approx(0.4)
+    assert not check_length_drift(shorter, shorter, rising, [0.0] * 30, **params).fired
+    longer = [15.0] * 10 + [48.0] * 20
+    assert check_length_drift(longer, longer, rising, [0.0] * 10 + [1.0] * 20, **params).fired
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_stored_real_model_grpo_runs_raise_no_event(seed):
+    """SmolLM2-135M-Instruct GRPO on reasoning-gym basic_arithmetic (benchmarks/real_model_runs; held-out greedy pass@1
+    0.07 -> 0.41-0.43) replayed step by step through the default rules: no event of any rule. Without the learning
+    test the four sharpening rules fire on every seed (entropy_collapse from step 30-36)."""
+    steps = {}
+    for line in (REAL_RUNS / f"seed{seed}-metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row.pop("step"), {}).update(row)
+    monitors = RLMonitor(), RLMonitor(overrides=NO_LEARNING_GATE)
+    for m in monitors:
+        for step in sorted(steps):
+            m.update(step, steps[step])
+        m.end(max(steps))
+    assert monitors[0].events == []
+    first = first_events(monitors[1])
+    assert set(first) == SHARPENING_RULES and 30 <= first["entropy_collapse"] <= 36
 
 
 def test_chosen_logp_falling():

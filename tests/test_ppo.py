@@ -14,7 +14,7 @@ import torch
 
 from align.errors import UserError
 from align.runtime import free_port
-from tests.conftest import assert_same_training, assert_user_error, run_align
+from tests.conftest import assert_same_training, assert_terminated_length, assert_user_error, run_align
 
 SHORT = ["--max-steps", "2", "--prompts-per-step", "8", "--minibatch-size", "4", "--micro-batch-size", "2",
          "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"]
@@ -80,6 +80,8 @@ def test_two_process_zero3_ppo_ptx_run(two_proc_run):
                 "entropy", "clip_ratio", "val/clipfrac", "policy/approxkl", "val/explained_variance",
                 "completions/mean_length", "distinct_1", "distinct_2", "loss/policy", "loss/value", "loss/ptx"):
         assert key in steps[0] and steps[0][key] == steps[0][key], key  # present and not NaN
+    for row in steps:
+        assert_terminated_length(row, 8)
     assert 0.0 <= steps[0]["gold_reward"] <= 1.0
     assert "eval/pass@1/greedy" in evals[0] and "start/reward" in art["metrics"]
     assert (out / "report.png").stat().st_size > 5000 and (out / "checkpoints" / "step2" / "value").is_dir()

@@ -25,6 +25,7 @@ class Stats:
         self._sums: dict[str, list] = {}  # name -> [kind, sums...]: "mean" [Σ total, Σ count], "sum" [Σ total],
         #                                   "std" [Σx, Σx², n]
         self._values: dict[str, float] = {}
+        self._empty: dict[str, float] = {}  # a mean's value over a count of 0, where not 0.0
 
     def _add(self, name: str, kind: str, *parts) -> None:
         have = self._sums.setdefault(name, [kind] + [0.0] * len(parts))
@@ -33,9 +34,12 @@ class Stats:
         for i, p in enumerate(parts, 1):
             have[i] = have[i] + _scalar(p)
 
-    def mean(self, name: str, total, count=1.0) -> None:
-        """Accumulate `total` (a sum over this micro-batch) and its `count`: the metric is Σ total / Σ count."""
+    def mean(self, name: str, total, count=1.0, empty: float = 0.0) -> None:
+        """Accumulate `total` (a sum over this micro-batch) and its `count`: the metric is Σ total / Σ count, and
+        `empty` where Σ count is 0 (math.nan: a mean over nothing, e.g. of the completions that ended when none did)."""
         self._add(name, "mean", total, count)
+        if empty != 0.0:
+            self._empty[name] = empty
 
     def sum(self, name: str, total) -> None:
         """Accumulate `total`: the metric is its sum over every micro-batch and rank."""
@@ -64,7 +68,7 @@ class Stats:
                     i += 1
                 elif kind == "mean":
                     total, count = sums[i : i + 2]
-                    out[n] = total / count if count else 0.0
+                    out[n] = total / count if count else self._empty.get(n, 0.0)
                     i += 2
                 else:
                     s, s2, k = sums[i : i + 3]
