@@ -370,23 +370,29 @@ def test_length_drift_judges_a_shortening_on_the_finished_answers():
     assert check_length_drift(longer, longer, rising, [0.0] * 10 + [1.0] * 20, **params).fired
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_stored_real_model_grpo_runs_raise_no_event(seed):
+@pytest.mark.parametrize("run,precision,collapse_at", [
+    ("seed0-metrics.jsonl", "fp32", (30, 36)), ("seed1-metrics.jsonl", "fp32", (30, 36)),
+    ("seed2-metrics.jsonl", "fp32", (30, 36)),
+    # recorded after the rules were set, on other data and seeds, held-out pass@1 every 10 steps, bf16
+    ("fresh/rA-seed3-metrics.jsonl", "bf16-pure", (10, 20)), ("fresh/rB-seed4-metrics.jsonl", "bf16-pure", (10, 20))])
+def test_the_stored_real_model_grpo_runs_raise_no_event(run, precision, collapse_at):
     """SmolLM2-135M-Instruct GRPO on reasoning-gym basic_arithmetic (benchmarks/real_model_runs; held-out greedy pass@1
-    0.07 -> 0.41-0.43) replayed step by step through the default rules: no event of any rule. Without the learning
-    test the four sharpening rules fire on every seed (entropy_collapse from step 30-36)."""
+    0.07 -> 0.41-0.43, and in the two later runs 0.115 -> 0.725 and 0.055 -> 0.395) replayed step by step through the
+    default rules: no event of any rule (the held-out ones and rollout_mismatch included). Without the learning test
+    the four sharpening rules fire on every run."""
     steps = {}
-    for line in (REAL_RUNS / f"seed{seed}-metrics.jsonl").read_text().splitlines():
+    for line in (REAL_RUNS / run).read_text().splitlines():
         row = json.loads(line)
         steps.setdefault(row.pop("step"), {}).update(row)
     monitors = RLMonitor(), RLMonitor(overrides=NO_LEARNING_GATE)
     for m in monitors:
+        m.set_precision(precision)
         for step in sorted(steps):
             m.update(step, steps[step])
         m.end(max(steps))
     assert monitors[0].events == []
     first = first_events(monitors[1])
-    assert set(first) == SHARPENING_RULES and 30 <= first["entropy_collapse"] <= 36
+    assert set(first) == SHARPENING_RULES and collapse_at[0] <= first["entropy_collapse"] <= collapse_at[1]
 
 
 def test_chosen_logp_falling():
@@ -653,7 +659,8 @@ def test_heldout_degradation_fires_without_a_proxy_gain():
 
 
 def test_rollout_mismatch_threshold_follows_the_precision():
-    """fp32: 1e-3 nats/token; 16-bit: 0.05. A user override wins over the precision's default."""
+    """fp32: 1e-3 nats/token; 16-bit: 0.1 (a jump needs to clear a fifth of it). A user override wins over the
+    precision's default."""
     stream = [{"rollout/logp_abs_diff": 2e-6}] * 3 + [{"rollout/logp_abs_diff": 0.01}]
     m = RLMonitor()
     m.set_precision("fp32")
@@ -664,3 +671,31 @@ def test_rollout_mismatch_threshold_follows_the_precision():
     m = RLMonitor(overrides={"rollout_mismatch": {"max_value": 0.005}})
     m.set_precision("bf16-pure")
     assert fired(feed(stream, m), "rollout_mismatch") == [(3, "warn")]
+
+
+@pytest.mark.parametrize("run,fires_at", [("healthy-metrics.jsonl", None), ("stale-at-6-metrics.jsonl", 7)])
+def test_rollout_mismatch_on_the_gpu_runs(run, fires_at):
+    """benchmarks/monitor_gpu.sh on one H200 (bf16, the fast decoder, 135M shape): the healthy run's gap (4-5e-3) is
+    quiet; the run whose decoder copy stops being refreshed after its 6th load fires at its first stale rollout
+    (step 7: 0.089, 18x the previous median, under the 0.1 ceiling: the jump test finds it)."""
+    m = RLMonitor()
+    m.set_precision("bf16-pure")
+    for line in (REAL_RUNS.parent / "monitor_gpu_runs" / run).read_text().splitlines():
+        row = json.loads(line)
+        m.update(row.pop("step"), row)
+    assert [e.step for e in m.events if e.rule == "rollout_mismatch"][:1] == ([fires_at] if fires_at else [])
+    assert all(e.rule == "rollout_mismatch" for e in m.events)
+
+
+def test_rollout_mismatch_jump_needs_history_and_the_floor():
+    """A 16-bit gap that steps up 5x fires once it is above a fifth of the ceiling; a rise within the floor, or before
+    three values of history, does not; a healthy real model's 0.04 at 2 nats/token is no alarm."""
+    def run(values):
+        m = RLMonitor()
+        m.set_precision("bf16")
+        return fired(feed([{"rollout/logp_abs_diff": v} for v in values], m), "rollout_mismatch")
+    assert run([0.004] * 5 + [0.03]) == [(5, "warn")]
+    assert run([0.002] * 5 + [0.015]) == []  # x7.5 but under the floor (0.02)
+    assert run([0.004, 0.004, 0.03]) == []  # two values of history
+    assert run([0.041, 0.039, 0.039, 0.040, 0.038, 0.028, 0.013, 0.006, 0.013, 0.005]) == []
+    assert run([0.02] * 4 + [0.11]) == [(4, "warn")]  # the ceiling
