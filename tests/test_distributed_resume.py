@@ -1,0 +1,17 @@
+"""Exact resume of two-process runs (the one-process matrix and the rest of resume: test_resume.py): a run SIGKILLed
+after a checkpoint and resumed ends with the weights and metrics of the uninterrupted run. A file of its own so that
+the test runner's workers (one file each at a time) can run it beside test_resume.py."""
+
+import pytest
+
+from tests.test_resume import check_resume, stage_inputs
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_model_dir, tiny_reward_model_dir, tmp_path_factory):
+    return stage_inputs(tiny_model_dir, tiny_reward_model_dir, tmp_path_factory.mktemp("resume_data"))
+
+
+@pytest.mark.parametrize("stage", ["sft", "grpo", "grpo-stale"])  # grpo-stale: 1 trainer + 1 decoder rank
+def test_two_process_resume_after_sigkill_equals_an_uninterrupted_run(stage, inputs, tmp_path):
+    check_resume(stage, inputs, tmp_path, nproc=2)
