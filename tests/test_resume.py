@@ -177,11 +177,6 @@ def check_resume(stage, inputs, tmp_path, nproc=1):
     assert comparable(step_lines(out), resumed_at) == comparable(step_lines(ref), resumed_at)
 
 
-@pytest.mark.parametrize("stage", list(STAGES))
-def test_resume_after_sigkill_equals_an_uninterrupted_run(stage, inputs, tmp_path):
-    check_resume(stage, inputs, tmp_path)
-
-
 def test_resume_applies_a_new_lr_and_refuses_other_changes_before_touching_the_artifact(inputs, tmp_path):
     """A --resume never silently ignores a setting: a new --lr is applied from the resume point on (the optimiser
     state holds the old one); a setting that changes the run's path is refused, named, with the artifact left as
