@@ -46,9 +46,14 @@ def enabled_by_env() -> bool:
     return os.environ.get("ALIGN_FAST_GENERATION", "1").lower() not in ("0", "false", "no", "off")
 
 
+def copy_forced() -> bool:
+    """ALIGN_FAST_DECODER_COPY=1: the decoder keeps its own weight copy even where it could read the module's."""
+    return os.environ.get("ALIGN_FAST_DECODER_COPY", "0").lower() not in ("0", "false", "no", "off", "")
+
+
 def copy_reason(module, device, dtype) -> str | None:
     """Why the decoder needs its own copy of the module's weights (None: it can decode from them in place)."""
-    if os.environ.get("ALIGN_FAST_DECODER_COPY", "0").lower() not in ("0", "false", "no", "off", ""):
+    if copy_forced():
         return "ALIGN_FAST_DECODER_COPY"
     if is_peft(module) or any(hasattr(m, "get_delta_weight") for m in module.modules()):
         return "LoRA: the decoder decodes W + (α/r) B A"

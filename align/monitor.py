@@ -258,8 +258,8 @@ def check_collapse(xs: list, reward: list = (), truncated: list = (), gold: list
     Needs ref_window + window values.
 
     Given the reward and truncated-share histories (and the gold reward's, where logged), it stays quiet while the
-    run is learning (_learning: the reward rose beyond its noise, z >= learning_z, and the answers end): RL on a verifiable reward trades entropy for
-    reward as the policy converges onto the answers that score (Cui et al. 2025, "The Entropy Mechanism of
+    run is learning (_learning: the reward rose beyond its noise, z >= learning_z, and the answers end): RL on a
+    verifiable reward trades entropy for reward as the policy converges onto the answers that score (Cui et al. 2025, "The Entropy Mechanism of
     Reinforcement Learning for Reasoning Language Models"), so a low entropy bought with reward, on answers that
     finish, is the task being learned. It still fires on entropy lost without a reward gain (exploration spent for
     nothing) and on a collapse onto output that runs to the token limit (a repetition loop a reward pays for)."""
@@ -484,6 +484,7 @@ def mismatch_tolerance(precision: str) -> float:
 def default_rules(precision: str = "fp32") -> list:
     """The default rule set (fresh objects; names are public API and used as override keys). `precision` sets the
     thresholds that depend on it (rollout_mismatch)."""
+    mismatch = mismatch_tolerance(precision)
     return [
         Rule("nan", "loss", check_nonfinite, "stop", 1, extra=("grad_norm",),
              message="NaN/inf in loss or grad_norm: most often a learning rate too high for this model and data "
@@ -577,8 +578,7 @@ def default_rules(precision: str = "fp32") -> list:
                      "policy is getting worse at the task (over-optimisation, forgetting, too large a step). Keep "
                      "the best evaluation's model (--on-alarm stop), lower the LR, raise the KL coefficient."),
         Rule("rollout_mismatch", "rollout/logp_abs_diff", check_spike, "warn", 10, remedy={},
-             params={"max_value": mismatch_tolerance(precision), "factor": MISMATCH_JUMP, "min_history": 3,
-                     "min_value": mismatch_tolerance(precision) / 5},
+             params={"max_value": mismatch, "factor": MISMATCH_JUMP, "min_history": 3, "min_value": mismatch / 5},
              message="The decoder's sampling log-probs differ from the trainer's by more than numeric precision "
                      "explains: the rollouts come from another policy than the one trained (a stale or wrongly "
                      "loaded decoder weight copy, a sampling bug). Check the weight refresh before each rollout; "

@@ -381,8 +381,9 @@ def decoder_copies(lora_r: int, s: Setup) -> bool:
     """Whether the fast decoder keeps a weight copy of its own (align.fast_generate.copy_reason): under ZeRO-3
     (gathered weights), LoRA (merged weights) or weights in another dtype than it decodes in (bf16-mixed); else it
     reads the module's own tensors (ALIGN_FAST_DECODER_COPY=1: a copy all the same)."""
-    forced = os.environ.get("ALIGN_FAST_DECODER_COPY", "0").lower() not in ("0", "false", "no", "off", "")
-    return forced or s.zero_stage == 3 or bool(lora_r) or s.r != s.e
+    from align.fast_generate import copy_forced
+
+    return copy_forced() or s.zero_stage == 3 or bool(lora_r) or s.r != s.e
 
 
 def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup, phase: str = "rollout",
