@@ -117,23 +117,35 @@ def parse_number(s):
     return None if value is None else float(value)
 
 
+def _decimal_places(s) -> int | None:
+    """Decimal places of a number written as a decimal ('68' 0, '-1,234.50' 2); None for a fraction ('1/3')."""
+    s = str(s).strip()
+    if "/" in s:
+        return None
+    head, dot, tail = s.partition(".")
+    return len(re.sub(r"\D", "", tail)) if dot else 0
+
+
 def math_reward(completion, answer, tol=1e-6):
     """1.0 if the completion's extracted answer equals the reference answer, else 0.0.
 
-    Exact on fractions first, then within tol * max(1, |answer|). The reference may be a number
-    string or a full solution ending in '#### N'; a reference with no number raises UserError.
+    Exact on fractions first, then |pred - answer| <= min(tol * max(1, |answer|), 0.5 * 10^-d) where d is the
+    reference's decimal places: the relative tolerance absorbs float formatting ('0.3333333' for 1/3), and never
+    exceeds half a unit of the reference's last digit, so 521219525 is not 521219524 and 2.5 is not 2.4. The
+    reference may be a number string or a full solution ending in '#### N'; a reference with no number raises
+    UserError.
     """
-    want = _fraction(answer)
-    if want is None:
-        want = _fraction(extract_answer(str(answer)))
+    ref = answer if _fraction(answer) is not None else extract_answer(str(answer))
+    want = _fraction(ref)
     if want is None:
         raise UserError(f"reference answer {answer!r} is not a number; fix the dataset's answer column")
     pred = _fraction(extract_answer(completion))
     if pred is None:
         return 0.0
-    if pred == want or abs(float(pred) - float(want)) <= tol * max(1.0, abs(float(want))):
-        return 1.0
-    return 0.0
+    bound = tol * max(1.0, abs(float(want)))
+    if (d := _decimal_places(ref)) is not None:
+        bound = min(bound, 0.5 * 10.0 ** -d)
+    return 1.0 if pred == want or abs(float(pred) - float(want)) <= bound else 0.0
 
 
 def parse_int_list(text):

@@ -44,6 +44,9 @@ class DataMakeConfig(Options):
     data: str = opt("", "prefs --from-model: verifiable prompts {prompt, answer} to sample on.", path=True)
     samples: int = opt(8, "prefs --from-model: completions sampled per prompt (a pair needs a correct and an "
                                "incorrect one).", ge=2)
+    max_samples: int = opt(0, "prefs --from-model: prompts with no pair after --samples (all correct or all wrong) "
+                              "are sampled again, --samples at a time, up to this many per prompt; 0 = no second "
+                              "round.", ge=0)
     max_new_tokens: int = opt(128, "prefs --from-model: longest completion.", ge=1)
     temperature: float = opt(1.0, "prefs --from-model: sampling temperature.", gt=0)
     verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).")
@@ -167,7 +170,9 @@ def pick_pair(rng: random.Random, texts: list[str], correct: list[bool]) -> tupl
 
 def _model_pairs(cfg: DataMakeConfig) -> dict:
     """K samples per prompt from the model, graded by the verifier, one (correct, incorrect) pair per prompt that
-    has both; with --test-n, the last pairs (their prompts) are the held-out split."""
+    has both; with --max-samples, K more at a time for the prompts that have no pair yet (a model that is rarely
+    right finds its rare right answers there), up to that many per prompt. With --test-n, the last pairs (their
+    prompts) are the held-out split."""
     import torch
 
     from align import data as D
@@ -191,24 +196,35 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
     model = load_causal_lm(source, tok, dtype, cfg.seed).to(device)
     torch.manual_seed(cfg.seed)
     prompts = D.encode_prompts(tok, [r["prompt"] for r in rows])
-    info(f"data make prefs: {len(rows)} prompts x {cfg.samples} samples from {cfg.from_model}")
-    todo = [p for p in prompts for _ in range(cfg.samples)]
-    with TrainProgress("sample", len(todo)) as bar:
-        outs = generate_local(model, tok, todo, Sampling(cfg.max_new_tokens, cfg.temperature, seed=cfg.seed),
-                              cfg.batch_size, device, on_batch=bar.advance)
-    rng, pairs, n_correct = random.Random(cfg.seed), [], 0
-    for i, row in enumerate(rows):
-        texts = [o.text for o in outs[i * cfg.samples:(i + 1) * cfg.samples]]
-        correct = [verify(check, row, t) for t in texts]
-        n_correct += sum(correct)
-        pair = pick_pair(rng, texts, correct)
+    cap = max(cfg.max_samples, cfg.samples)
+    info(f"data make prefs: {len(rows)} prompts x {cfg.samples} samples from {cfg.from_model}"
+         + (f", up to {cap} for a prompt with no pair yet" if cap > cfg.samples else ""))
+    texts, correct = [[] for _ in rows], [[] for _ in rows]
+    todo, rounds = list(range(len(rows))), 0
+    while todo:  # round r samples --samples more of every prompt still without a pair
+        batch = [prompts[i] for i in todo for _ in range(cfg.samples)]
+        with TrainProgress("sample" if not rounds else f"resample {len(todo)}", len(batch)) as bar:
+            outs = generate_local(model, tok, batch, Sampling(cfg.max_new_tokens, cfg.temperature, seed=cfg.seed + rounds),
+                                  cfg.batch_size, device, on_batch=bar.advance)
+        for j, i in enumerate(todo):
+            for o in outs[j * cfg.samples:(j + 1) * cfg.samples]:
+                texts[i].append(o.text)
+                correct[i].append(verify(check, rows[i], o.text))
+        rounds += 1
+        todo = [i for i in todo if len(set(correct[i])) < 2 and len(texts[i]) + cfg.samples <= cap]
+    rng, pairs = random.Random(cfg.seed), []
+    for row, t, c in zip(rows, texts, correct):
+        pair = pick_pair(rng, t, c)
         if pair:
             pairs.append({"prompt": row["prompt"], "chosen": pair[0], "rejected": pair[1], "answer": row["answer"]})
+    drawn, n_correct = sum(map(len, texts)), sum(map(sum, correct))
     if len(pairs) <= cfg.test_n:
         raise UserError(f"only {len(pairs)} of {len(rows)} prompts had both a correct and an incorrect sample: too "
-                        "few for the requested split. Sample more (--samples, --n) or use an easier task.")
+                        "few for the requested split. Sample more (--samples, --max-samples, --n) or use an easier "
+                        "task.")
     test = pairs[len(pairs) - cfg.test_n:] if cfg.test_n else None
     from align.artifacts import describe_inputs
 
     return _write(cfg, pairs[:len(pairs) - cfg.test_n], test, describe_inputs(source, cfg.data), prompts=len(rows),
-                  sample_accuracy=n_correct / (len(rows) * cfg.samples))
+                  sample_accuracy=n_correct / drawn, samples=drawn,
+                  first_round_accuracy=sum(sum(c[:cfg.samples]) for c in correct) / (len(rows) * cfg.samples))

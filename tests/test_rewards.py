@@ -104,6 +104,15 @@ def test_math_reward_tolerance_and_bad_reference():
     assert math_reward("#### 0.3333333", "1/3") == 1.0  # within 1e-6
     assert math_reward("#### 0.33", "1/3", tol=0.01) == 1.0
     assert math_reward("#### 0.33", "1/3") == 0.0
+    # the relative tolerance never exceeds half a unit of the reference's last digit: large numbers stay exact
+    assert math_reward("#### 521219525", "521219524") == 0.0  # 1e-6 relative would be +-521
+    assert math_reward("#### 521,219,525.263", "521219524.221") == 0.0
+    assert math_reward("#### 521,219,524.221", "521219524.221") == 1.0
+    assert math_reward("#### 521219524.2210001", "521219524.221") == 1.0
+    assert math_reward("#### 793546073", "#### 793546072") == 0.0
+    assert math_reward("#### 68.00001", "68") == 1.0  # float formatting of a small number still passes
+    assert math_reward("#### 3.1415926", "3.14159") == 1.0
+    assert math_reward("#### 2.4", "2.5", tol=0.1) == 0.0  # 0.1 * 2.5 > 0.1, but 2.4 is not 2.5 written to 1 place
     with pytest.raises(UserError, match="answer"):
         math_reward("#### 1", "n/a")
 

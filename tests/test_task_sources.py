@@ -114,6 +114,32 @@ def test_prefs_from_model_pairs_a_correct_with_an_incorrect_sample(tmp_path, tin
     assert D.load_rows(out, "preference")  # readable as rm / dpo training data
 
 
+RARE = '''
+def first_char_rare(prompt, completion, **row):
+    """Correct when the completion's first character's code point is a multiple of 5: a rare right answer."""
+    return float(bool(completion) and ord(completion[0]) % 5 == 0)
+'''
+
+
+def test_prefs_from_model_samples_again_where_a_prompt_has_no_pair(tmp_path, tiny_model_dir):
+    """--max-samples: a prompt whose first --samples completions are all wrong (or all right) is sampled again,
+    --samples at a time, until it has a pair or reaches the cap; the first round is the same as without it."""
+    (tmp_path / "v.py").write_text(RARE)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Tell me about {i}.", "answer": "x"}) + "\n" for i in range(24)))
+    common = dict(task="prefs", from_model=str(tiny_model_dir), data=str(data), samples=2, max_new_tokens=4,
+                  verifier=f"{tmp_path / 'v.py'}:first_char_rare", seed=3)
+    once = run(DataMakeConfig(**common, out=str(tmp_path / "once.jsonl")))
+    more = run(DataMakeConfig(**common, max_samples=10, out=str(tmp_path / "more.jsonl")))
+    assert once["samples"] == 48 and once["first_round_accuracy"] == more["first_round_accuracy"]
+    assert 48 < more["samples"] <= 240 and more["samples"] % 2 == 0
+    once_pairs, more_pairs = _read(tmp_path / "once.jsonl"), _read(tmp_path / "more.jsonl")
+    assert len(more_pairs) > len(once_pairs)
+    assert {p["prompt"] for p in once_pairs} <= {p["prompt"] for p in more_pairs}
+    for p in more_pairs:
+        assert ord(p["chosen"][0]) % 5 == 0 and not (p["rejected"] and ord(p["rejected"][0]) % 5 == 0)
+
+
 def test_prefs_from_model_refuses_what_cannot_pair(tmp_path, tiny_model_dir):
     with pytest.raises(UserError, match="--data"):
         run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), out=str(tmp_path / "x.jsonl")))

@@ -1,0 +1,186 @@
+"""The pretrained pipeline (`pipelines/pretrained.toml`) on several reasoning-gym tasks, only the task changed, each
+beside GRPO alone from the base model given as many policy-training steps as the chain's DPO + PPO + GRPO stages.
+
+Every run goes at once on one GPU (a 135M model leaves most of an H200 idle): per task one `align pipeline run` of
+the chain and one of a two-stage pipeline (the same `tasks` stage, then the chain's `grpo` stage with the base model
+and the summed step count). Rerun the command to continue: complete stages are skipped, an interrupted one resumes
+from its checkpoint. At the end, one table: held-out greedy pass@1 after every stage, the reward model's held-out
+pair accuracy, GRPO alone, RLMonitor events, and the checks (every stage >= its input - 2 points, RM >= 0.75, the
+chain's final model >= GRPO alone).
+
+    python -m benchmarks.pretrained_tasks --model /root/smollm2 --out /root/pt [--tasks add,pm,leg] [--limit 540]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = ROOT / "pipelines" / "pretrained.toml"
+FLAT = ["allow_parentheses=false", "allow_negation=false"]
+# name: (reasoning-gym task, its parameters). Base greedy pass@1 of SmolLM2-135M-Instruct on 200 held-out problems
+# (`math` verifier, 64 new tokens) in benchmarks/RESULTS.md.
+TASKS = {
+    "add": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=2", "max_digits=2", "operators=['+']", *FLAT]),
+    "pm": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=2", "max_digits=2", "operators=['+','-']", *FLAT]),
+    "chain": ("rg:chain_sum", []),
+    "add3": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=3", "max_digits=1", "operators=['+']", *FLAT]),
+    "legs": ("rg:leg_counting", ["min_animals=1", "max_animals=2", "max_instances=3"]),
+}
+MODEL_KEYS = ["stages.eval_base.model", "stages.prefs.from_model", "stages.rm.model", "stages.dpo.model"]
+POLICY_STAGES = ["dpo", "ppo", "grpo"]
+
+
+def toml_value(v) -> str:
+    """A TOML literal for the values a stage table holds (str, bool, int, float, lists of them)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML literal for {v!r}")
+
+
+def task_overrides(name: str) -> list[str]:
+    task, params = TASKS[name]
+    return [f"stages.tasks.task={json.dumps(task)}", f"stages.tasks.param={toml_value(params)}"]
+
+
+def grpo_alone_toml(pipe: dict, name: str, model: str, out: Path) -> str:
+    """A pipeline of the chain's `tasks` stage (this task) and its `grpo` stage from the base model, with as many
+    steps as DPO + PPO + GRPO have together."""
+    stages = pipe["stages"]
+    steps = sum(int(stages[s]["max_steps"]) for s in POLICY_STAGES)
+    tasks = dict(stages["tasks"], task=TASKS[name][0], param=TASKS[name][1])
+    grpo = dict(stages["grpo"], model=model, max_steps=steps)
+    lines = [f"# GRPO alone from the base model, {steps} steps (= {' + '.join(POLICY_STAGES)} of the chain)",
+             "[pipeline]", f"out = {toml_value(str(out))}", "", "[stages.tasks]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in tasks.items()]
+    lines += ["", "[stages.grpo_alone]", 'stage = "grpo"']
+    lines += [f"{k} = {toml_value(v)}" for k, v in grpo.items() if k != "stage"]
+    return "\n".join(lines) + "\n"
+
+
+def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
+    pipe = tomllib.loads(Path(args.pipeline).read_text())
+    runs = []
+    for name in args.tasks:
+        d = out / name
+        d.mkdir(parents=True, exist_ok=True)
+        chain = [sys.executable, "-m", "align", "pipeline", "run", str(args.pipeline), "--set", f"pipeline.out={d / 'chain'}",
+                 *[a for k in MODEL_KEYS for a in ("--set", f"{k}={args.model}")],
+                 *[a for o in task_overrides(name) for a in ("--set", o)]]
+        alone_file = d / "alone.toml"
+        alone_file.write_text(grpo_alone_toml(pipe, name, args.model, (d / "alone").resolve()))
+        alone = [sys.executable, "-m", "align", "pipeline", "run", str(alone_file)]
+        for kind, cmd in (("chain", chain), ("alone", alone)):
+            log = open(d / f"{kind}.log", "a")
+            runs.append((f"{name}/{kind}", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                             start_new_session=True, cwd=ROOT)))
+    return runs
+
+
+def wait_all(runs, limit: float) -> None:
+    """Wait for every run; at `limit` seconds send SIGTERM (a stage checkpoints and exits) and wait 60 s more."""
+    t0 = time.monotonic()
+    while any(p.poll() is None for _, p in runs):
+        if limit and time.monotonic() - t0 > limit:
+            for _, p in runs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            for _, p in runs:
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(5)
+    for name, p in runs:
+        print(f"{name}: exit {p.returncode} after {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def artifact(d: Path) -> dict:
+    try:
+        return json.loads((d / "artifact.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def summarise(names, out: Path) -> dict:
+    rows = {}
+    for name in names:
+        c, a = out / name / "chain", out / name / "alone"
+        art = {s: artifact(c / s) for s in ["eval_base", "prefs", "rm", "dpo", "ppo", "grpo"]}
+        alone = artifact(a / "grpo_alone")
+        # a stage that did not complete has no result (a failed one may hold its start metrics)
+        m = {s: v.get("metrics", {}) if v.get("status") == "complete" else {} for s, v in art.items()}
+        alone_m = alone.get("metrics", {}) if alone.get("status") == "complete" else {}
+        row = {"task": " ".join([TASKS[name][0], *TASKS[name][1]]),
+               "base": m["eval_base"].get("pass@1/greedy"),
+               "rm_heldout_accuracy": m["rm"].get("eval/accuracy"),
+               "dpo": m["dpo"].get("pass@1/policy"),
+               "ppo": m["ppo"].get("eval/pass@1/greedy"),
+               "grpo": m["grpo"].get("eval/pass@1/greedy"),
+               "grpo_alone": alone_m.get("eval/pass@1/greedy"),
+               "pairs": (art["prefs"].get("metrics") or {}).get("rows"),
+               "status": {s: v.get("status", "-") for s, v in art.items()} | {"grpo_alone": alone.get("status", "-")},
+               "health": {s: (v.get("health") or {}).get("counts", {}) for s, v in
+                          [*[(s, art[s]) for s in POLICY_STAGES], ("grpo_alone", alone)]},
+               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("grpo_alone", alone)]}}
+        chain = [row["base"], row["dpo"], row["ppo"], row["grpo"]]
+        if None not in chain and row["grpo_alone"] is not None and row["rm_heldout_accuracy"] is not None:
+            row["checks"] = {"every stage >= input - 2 points": all(b >= a - 0.02 + 1e-9 for a, b in zip(chain, chain[1:])),
+                             "rm held-out accuracy >= 0.75": row["rm_heldout_accuracy"] >= 0.75,
+                             "final >= GRPO alone": row["grpo"] >= row["grpo_alone"]}
+        rows[name] = row
+    return rows
+
+
+def table(rows) -> str:
+    f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = ["| task | base | pairs | RM acc | dpo | ppo | grpo (final) | GRPO alone | events | checks |",
+             "|---" * 10 + "|"]
+    for name, r in rows.items():
+        events = "; ".join(f"{s}: {', '.join(f'{k} {n}' for k, n in c.items())}" for s, c in r["health"].items() if c)
+        checks = ", ".join(k for k, ok in r.get("checks", {}).items() if not ok) or ("all met" if "checks" in r else "-")
+        if checks != "all met" and "checks" in r:
+            checks = "unmet: " + checks
+        lines.append(f"| {name}: {r['task']} | {f(r['base'])} | {r['pairs'] or '-'} | {f(r['rm_heldout_accuracy'])} | "
+                     f"{f(r['dpo'])} | "
+                     f"{f(r['ppo'])} | {f(r['grpo'])} | {f(r['grpo_alone'])} | {events or 'none'} | {checks} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="The base model's directory (e.g. /root/smollm2).")
+    ap.add_argument("--out", required=True, help="Folder of the runs: OUT/TASK/{chain,alone}.")
+    ap.add_argument("--pipeline", default=str(PIPELINE), help="The chain's pipeline file.")
+    ap.add_argument("--tasks", default="pm,add,add3", help=f"Comma-separated, of {', '.join(TASKS)}.")
+    ap.add_argument("--limit", type=float, default=0, help="Stop the runs gracefully after this many seconds.")
+    ap.add_argument("--summary-only", action="store_true", help="Only print the table of what is there.")
+    args = ap.parse_args()
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    if unknown := [t for t in args.tasks if t not in TASKS]:
+        sys.exit(f"error: unknown task {unknown}; choose from {', '.join(TASKS)}")
+    out = Path(args.out).resolve()
+    args.pipeline = str(Path(args.pipeline).resolve())
+    if not args.summary_only:
+        wait_all(launch(args, out), args.limit)
+    rows = summarise(args.tasks, out)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
