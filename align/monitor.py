@@ -251,7 +251,10 @@ def check_collapse(xs: list, reward: list = (), truncated: list = (), gold: list
 
     - still falling fast: below the mean of the `window` values before it by more than min_fall of that mean and by
       more than min_z standard errors (step noise from successive differences over the last NOISE_SPAN windows), or
-    - below the absolute floor min_value and below floor_ratio × the start (a slower fall that ended near-greedy).
+    - below the absolute floor min_value, from a start at least min_value / floor_ratio (a slower fall that ended
+      near-greedy: fell by floor_ratio or more, into the floor). A stage that starts near-greedy (a policy already
+      trained by RL: entropy ~0.15 nats/token) and sharpens further has no exploration to lose on this path; a fast
+      fall (the first) still fires there.
 
     Relative, because the level depends on the task and the start model (an untrained model samples at ~6
     nats/token, an SFT model's arithmetic answers at ~0.15): a run that starts low does not fire until it falls.
@@ -270,10 +273,10 @@ def check_collapse(xs: list, reward: list = (), truncated: list = (), gold: list
         return QUIET
     noise = xs[-NOISE_SPAN * window :]
     falling, drop = _significant_drop(xs[-2 * window : -window], xs[-window:], noise, min_fall * before, min_z)
-    if not (falling or (now < min_value and now < floor_ratio * ref)):
+    if not (falling or (now < min_value and ref >= min_value / floor_ratio)):
         return QUIET
     how = (f"still falling ({before:.4g} in the {window} before)" if falling else
-           f"below the floor {min_value:g} and {floor_ratio:g} x the start")
+           f"below the floor {min_value:g}, from a start above {min_value / floor_ratio:g}")
     res = Check(True, now, max_ratio * ref, f"mean of the last {window} values {now:.4g} < {max_ratio:g} x the "
                                              f"first {ref_window} ({ref:.4g}), {how}")
     return _unless_learning(res, reward, truncated, gold, learning_z, max_truncated)
@@ -527,8 +530,9 @@ def default_rules(precision: str = "fp32") -> list:
                      "or use an easier task, more --num-generations, or a reward that gives partial credit."),
         # relative to the run's start (its level depends on task and model): the last 5 steps below 0.8x the first
         # 10 and still falling fast (> 10 % and > 4 SE below the 5 before: healthy sharpening is slow and within its
-        # noise), or under the floor 0.1 once halved. On the benchmark's collapses it fires 10 steps after the fall
-        # begins (the old "10-step mean < 0.1": 27-29); no healthy run fired, though SFT-start GRPO sat at 0.73x.
+        # noise), or under the floor 0.1 from a start above 0.2 (0.1 / floor_ratio). On the benchmark's collapses it
+        # fires 10 steps after the fall begins (the old "10-step mean < 0.1": 27-29); no healthy run fired, though
+        # SFT-start GRPO sat at 0.73x.
         # quiet while the run is learning (_learning: the reward up beyond its noise, z >= 2, and the answers end: at
         # most 9 in 10 cut off, no more than at the start): a policy sharpening onto the answers the reward pays for
         Rule("entropy_collapse", "entropy", check_collapse, "warn", 5, extra=SHARPENING,

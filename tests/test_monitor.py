@@ -190,6 +190,11 @@ def test_entropy_collapse_needs_a_fall_still_going_or_the_floor():
     assert settled.fired and "floor" in settled.detail
     # an SFT model's ~0.12 nats/token settling at 0.095: under the floor and 0.8 x its start, not halved: quiet
     assert not check_collapse([0.12] * 10 + [0.095] * 12, **params).fired
+    # a start near-greedy (0.15 < 0.1 / 0.5: a policy RL already sharpened) halved slowly into the floor: quiet on
+    # the floor path; from 0.25 (above 0.2) the same settling fires; a fast fall from 0.15 still fires
+    assert not check_collapse([0.15] * 10 + [0.1] * 5 + [0.07] * 10, **params).fired
+    assert check_collapse([0.25] * 10 + [0.1] * 5 + [0.07] * 10, **params).fired
+    assert check_collapse([0.15] * 10 + [0.12] * 5 + [0.03] * 5, **params).fired
     assert not check_collapse([1.0] * 10 + [0.01] * 4, **params).fired  # fewer than ref_window + window values
     assert check_collapse([1.0] * 10 + [0.01] * 5, **params).fired
     rng = random.Random(1)
@@ -393,6 +398,25 @@ def test_the_stored_real_model_grpo_runs_raise_no_event(run, precision, collapse
     assert monitors[0].events == []
     first = first_events(monitors[1])
     assert set(first) == SHARPENING_RULES and collapse_at[0] <= first["entropy_collapse"] <= collapse_at[1]
+
+
+@pytest.mark.parametrize("task,heldout", [("add", (0.555, 0.70, 0.755)), ("aiw", (0.23, 0.965, 1.0))])
+def test_the_pretrained_recipes_grpo_stage_raises_no_event(task, heldout):
+    """pipelines/pretrained.toml's GRPO stage (from its PPO stage's policy, entropy ~0.15 nats/token at the start)
+    on two tasks (benchmarks/real_model_runs/pretrained, one H200, bf16): held-out greedy pass@1 at steps 0/50/100
+    rose on both; replayed through the default rules, no event. The `add` run fired entropy_collapse's floor path
+    (0.15 -> 0.05) at steps 21/38/47 before that path asked for a start above the floor / floor_ratio."""
+    steps = {}
+    for line in (REAL_RUNS / "pretrained" / f"{task}-grpo-metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row.pop("step"), {}).update(row)
+    assert tuple(round(steps[s]["eval/pass@1/greedy"], 3) for s in (0, 50, 100)) == heldout
+    m = RLMonitor()
+    m.set_precision("bf16-pure")
+    for step in sorted(steps):
+        m.update(step, steps[step])
+    m.end(max(steps))
+    assert m.events == []
 
 
 def test_chosen_logp_falling():
