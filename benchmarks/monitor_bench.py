@@ -176,6 +176,13 @@ RUNS = {
                                      precision="bf16-pure"),
     "real-smollm2-grpo-plusminus-s4": Run(["grpo"], stored="benchmarks/real_model_runs/fresh/rB-seed4-metrics.jsonl",
                                           precision="bf16-pure"),
+    # pipelines/pretrained.toml's GRPO stage (from its PPO stage's policy: entropy ~0.15 nats/token at the start), one
+    # H200, bf16, held-out greedy pass@1 at steps 0/50/100: `add` (0.555 -> 0.70 -> 0.755) fired entropy_collapse's
+    # floor path (0.15 -> 0.05) until that path asked for a start above 0.2: design data for that change; `aiw`
+    # (0.23 -> 0.965 -> 1.0) was quiet before and after it. pm (0.32 -> 0.37 -> 0.36: it did not learn) is not here.
+    **{f"real-smollm2-pretrained-grpo-{t}": Run(
+        ["grpo"], stored=f"benchmarks/real_model_runs/pretrained/{t}-grpo-metrics.jsonl", precision="bf16-pure")
+       for t in ("add", "aiw")},
     # failures
     "grpo-stale-decoder@6": Run(grpo(0, 5e-5), "stale decoder copy", 6, ("rollout_mismatch",), fault="stale_decoder",
                                 fault_step=5),
