@@ -12,6 +12,7 @@ p·G + g, which is what `grouped()` undoes.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -93,6 +94,19 @@ def record_mismatch(stats, mb: dict, trainer_logp, prefix: str = "rollout/") -> 
         abs_sum, kl_sum, n = rl.rollout_mismatch(mb["sampler_logp"], trainer_logp, mb["response_mask"])
         stats.mean(f"{prefix}logp_abs_diff", abs_sum, n)
         stats.mean(f"{prefix}kl", kl_sum, n)
+
+
+def record_completions(stats, r: Rollout) -> None:
+    """The completions' metrics, TRL's names, over every rank's completions: completions/mean_length, the share cut
+    off at the token limit (completions/clipped_ratio), the mean length of those that ended with EOS
+    (completions/mean_terminated_length, NaN when none did), and distinct_1/2 of all of them (gathered)."""
+    ids = [x for part in runtime.all_gather_objects([c.ids for c in r.completions]) for x in part]
+    lengths, n = r.lengths, r.lengths.numel()
+    stats.mean("completions/mean_length", lengths.sum(), n)
+    stats.mean("completions/clipped_ratio", n - r.finished.sum(), n)
+    stats.mean("completions/mean_terminated_length", (lengths * r.finished).sum(), r.finished.sum(), math.nan)
+    stats.value("distinct_1", rl.distinct_n(ids, 1))
+    stats.value("distinct_2", rl.distinct_n(ids, 2))
 
 
 def select(batch: dict, idx) -> dict:

@@ -19,7 +19,6 @@ Log-probs are taken at the sampling temperature, as sampled.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, replace
 
@@ -43,7 +42,7 @@ from align.objectives.advantages import zero_spread
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import Rollout, record_mismatch, sample, select, timed
+from align.rollout import Rollout, record_completions, record_mismatch, sample, select, timed
 
 
 @dataclass
@@ -383,21 +382,15 @@ class GRPO:
 
     def record(self, r: Rollout, zero_std: torch.Tensor, stats: Stats, times: dict) -> None:
         """The step's rollout metrics (TRL's names), reduced over the ranks with the update's."""
-        ids = [x for part in runtime.all_gather_objects([c.ids for c in r.completions]) for x in part]
-        lengths, n = r.lengths, r.rewards.numel()
+        lengths = r.lengths
         stats.mean("reward", (r.rewards * r.valid).sum(), r.valid.sum())  # skipped samples have no reward
         stats.std("reward_std", r.rewards[r.valid.bool()])
         stats.mean("frac_reward_zero_std", zero_std.sum(), len(zero_std))
-        stats.mean("completions/mean_length", lengths.sum(), n)
-        stats.mean("completions/clipped_ratio", n - r.finished.sum(), n)
-        # TRL's name: the mean length of the completions that ended with EOS (NaN when none did)
-        stats.mean("completions/mean_terminated_length", (lengths * r.finished).sum(), r.finished.sum(), math.nan)
+        record_completions(stats, r)
         stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/generate"], 1e-9))
         stats.sum("tokens", lengths.sum())  # sampled and trained on: the run logs tokens_per_s of the whole step
         for k, v in r.parts.items():
             stats.mean(f"rewards/{k}", sum(v), len(v))
-        stats.value("distinct_1", rl.distinct_n(ids, 1))
-        stats.value("distinct_2", rl.distinct_n(ids, 2))
         for k, v in times.items():
             stats.value(k, v)
 

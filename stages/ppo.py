@@ -22,7 +22,6 @@ Only response tokens (EOS included) enter a loss: prompt, padding and post-EOS p
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from align.paths import DATA_DIR
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
                                 score_ids)
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import Rollout, record_mismatch, sample, select, timed
+from align.rollout import Rollout, record_completions, record_mismatch, sample, select, timed
 
 DEFAULT_SFT, DEFAULT_RM = "runs/arithmetic/sft", "runs/arithmetic/rm"  # pipelines/arithmetic.toml's, as --data's default
 
@@ -399,17 +398,11 @@ class PPO:
     def record(self, r: Rollout, proxy, gold, batch: dict, ro: dict, stats: Stats) -> None:
         mask, n = batch["response_mask"], len(proxy)
         record_mismatch(stats, batch, ro["old_logp"])
-        ids = [x for part in runtime.all_gather_objects([c.ids for c in r.completions]) for x in part]
         stats.mean("reward", proxy.sum(), n)
         if self.gold_fn is not None:
             stats.mean("gold_reward", gold.sum(), n)
         stats.mean("kl", ro["kl"].sum(), mask.sum())
-        stats.mean("completions/clipped_ratio", n - r.finished.sum(), n)
-        # TRL's name: the mean length of the completions that ended with EOS (NaN when none did)
-        stats.mean("completions/mean_terminated_length", (r.lengths * r.finished).sum(), r.finished.sum(), math.nan)
-        stats.value("completions/mean_length", sum(map(len, ids)) / len(ids))
-        stats.value("distinct_1", rl.distinct_n(ids, 1))
-        stats.value("distinct_2", rl.distinct_n(ids, 2))
+        record_completions(stats, r)
         stats.value("val/explained_variance", rl.explained_variance(ro["old_values"], ro["returns"], mask,
                                                                     reduce=runtime.all_reduce_sum))
 
