@@ -65,12 +65,17 @@ def _json_or_none(line: str):
         return None
 
 
-def git_commit() -> str | None:
+def git_commit(root: Path | None = None) -> str | None:
+    """The commit of the align checkout that runs (None outside a git checkout), with "-dirty" appended when its
+    tracked files differ from that commit (as `git describe --dirty`): an artifact made by edited code says so."""
+    cwd = root or Path(__file__).parent
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-        )
-        return out.stdout.strip() or None
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=cwd)
+        sha = out.stdout.strip()
+        if not sha:
+            return None
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, timeout=5, cwd=cwd)
+        return sha + ("-dirty" if dirty.returncode == 1 else "")
     except (OSError, subprocess.SubprocessError):
         return None
 

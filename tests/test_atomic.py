@@ -47,3 +47,25 @@ def test_a_writer_killed_mid_write_never_leaves_a_torn_file(tmp_path):
         assert obj["payload"] == [obj["version"]] * 250_000
 
     killed_mid_write(tmp_path / "artifact.json", WRITER, whole)
+
+
+def test_git_commit_says_when_the_code_differs_from_its_commit(tmp_path):
+    """artifact.json's git_commit: the checkout's HEAD, "-dirty" when a tracked file was edited since (an artifact
+    made by uncommitted code says so), None outside a git checkout."""
+    from align.artifacts import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert git_commit(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "a")
+    sha = git_commit(tmp_path)
+    assert sha and len(sha) == 40 and "dirty" not in sha
+    (tmp_path / "untracked.txt").write_text("not tracked: not dirty\n")
+    assert git_commit(tmp_path) == sha
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == sha + "-dirty"
