@@ -218,7 +218,8 @@ def check_spike(xs: list, window: int, factor: float, max_value: float, min_hist
     limit = max(min_value, jump)
     if x > limit:
         floor = f" and > {min_value:g}" if min_value else ""
-        return Check(True, x, limit, f"latest {x:.4g} > {factor:g} x median of the previous {len(prev)} ({jump:.4g}){floor}")
+        return Check(True, x, limit, f"latest {x:.4g} > {factor:g} x the median of the previous {len(prev)} "
+                                     f"({factor:g} x {jump / factor:.4g} = {jump:.4g}){floor}")
     return QUIET
 
 
