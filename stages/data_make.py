@@ -186,6 +186,9 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
         raise UserError(f"--from-model makes preference pairs: use `align data make prefs`, not {cfg.task!r}.")
     if not cfg.data:
         raise UserError("prefs --from-model needs --data: a verifiable JSONL file {prompt, answer}.")
+    if 0 < cfg.max_samples < 2 * cfg.samples:
+        raise UserError(f"--max-samples {cfg.max_samples} leaves no second round of --samples {cfg.samples}: give "
+                        f"at least {2 * cfg.samples}, or 0 for none.")
     rows = D.load_rows(cfg.data, "verifiable", limit=cfg.n)
     check = verifier_fn(guess_verifier(rows) if cfg.verifier == "auto" else cfg.verifier)
     quiet_libraries()

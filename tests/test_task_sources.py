@@ -143,6 +143,9 @@ def test_prefs_from_model_samples_again_where_a_prompt_has_no_pair(tmp_path, tin
 def test_prefs_from_model_refuses_what_cannot_pair(tmp_path, tiny_model_dir):
     with pytest.raises(UserError, match="--data"):
         run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), out=str(tmp_path / "x.jsonl")))
+    with pytest.raises(UserError, match="--max-samples 10 leaves no second round of --samples 8"):
+        run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), data="x.jsonl", max_samples=10,
+                           out=str(tmp_path / "x.jsonl")))
     with pytest.raises(UserError, match="--samples must be >= 2"):
         DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), data="x.jsonl", samples=1,
                        out=str(tmp_path / "x.jsonl")).validate()
