@@ -187,6 +187,33 @@ def test_the_pretrained_pipeline_is_valid_and_resolves_stage_files():
     assert P.resolve(p, p.stage("grpo"))["verifier"] == "math"
 
 
+def test_the_pretrained_benchmark_changes_only_the_task_and_gives_grpo_alone_the_chain_s_steps(tmp_path):
+    """benchmarks.pretrained_tasks: the chain is pipelines/pretrained.toml with the task's two keys overridden; the
+    baseline is a valid two-stage pipeline (the same tasks stage, the chain's grpo stage from the base model with
+    DPO + PPO + GRPO's steps)."""
+    import tomllib
+
+    from align import pipeline as P
+    from benchmarks import pretrained_tasks as PT
+    from tests.conftest import ROOT
+
+    chain, problems = P.parse(ROOT / "pipelines/pretrained.toml", PT.task_overrides("legs"))
+    assert not problems
+    assert chain.stage("tasks").values["task"] == "rg:leg_counting"
+    assert chain.stage("tasks").values["param"] == PT.TASKS["legs"][1]
+    pipe = tomllib.loads((ROOT / "pipelines/pretrained.toml").read_text())
+    f = tmp_path / "alone.toml"
+    (tmp_path / "base").mkdir()
+    f.write_text(PT.grpo_alone_toml(pipe, "aiw", str(tmp_path / "base"), tmp_path / "out"))
+    alone, problems = P.parse(f)
+    assert not problems and [s.name for s in alone.stages] == ["tasks", "grpo_alone"]
+    grpo = alone.stage("grpo_alone").values
+    want = {k: v for k, v in pipe["stages"]["grpo"].items() if k not in ("stage", "model", "max_steps")}
+    assert {k: grpo[k] for k in want} == want and grpo["model"] == str(tmp_path / "base")
+    assert grpo["max_steps"] == sum(pipe["stages"][s]["max_steps"] for s in ("dpo", "ppo", "grpo")) == 310
+    assert alone.stage("tasks").values["task"] == "rg:aiw"
+
+
 def test_a_data_stage_feeds_later_stages_in_a_pipeline(tmp_path, tiny_model_dir):
     """tasks (reasoning-gym rows) -> prefs (pairs the model samples) -> rm, each an artifact; `@NAME` reads a
     data artifact's data.jsonl and `@NAME/test.jsonl` its held-out file."""
