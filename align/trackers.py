@@ -6,8 +6,9 @@ MLflow: tags and a health.jsonl artifact).
 
 Local by default, inside the run directory, with no network: TensorBoard event files in OUT/tensorboard/, W&B
 offline in OUT/wandb/ (WANDB_MODE=online streams to wandb.ai), Trackio's store in OUT/trackio/ (unless TRACKIO_DIR
-is set), an MLflow file store in OUT/mlruns/ (unless MLFLOW_TRACKING_URI is set). A fresh run replaces those folders,
-a --resume adds a new tracker run beside them.
+is set), an MLflow file store in OUT/mlruns/ (unless MLFLOW_TRACKING_URI is set). A fresh run replaces those folders;
+a --resume continues the same tracker run (W&B and MLflow by the run id kept in OUT/trackers.json, Trackio by the
+run's name, TensorBoard in the same folder), so its curves go on from the checkpoint's step.
 
 Only rank 0 logs (the ArtifactWriter that feeds them writes on rank 0 only). Each tracker is an optional extra
 (`pip install 'align[wandb]'`); a missing one is refused when the config is checked, before anything runs. A
@@ -107,6 +108,8 @@ class Tracker:
 
     def __init__(self, out: Path, run_name: str, stage: str):
         self.out, self.run_name, self.stage = out, run_name, stage
+        self.resume_id: str | None = None  # the tracker run a --resume continues (set before start)
+        self.run_id: str | None = None  # this tracker's run id once started (kept for a later --resume)
 
     def start(self, config: dict, lineage: dict) -> None: ...
 
@@ -156,10 +159,12 @@ class WandB(Tracker):
         import wandb
 
         self.wandb = wandb
+        resume = dict(id=self.resume_id, resume="allow") if self.resume_id else {}
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=self.run_name,
                               job_type=self.stage, dir=str(self.out), mode=os.environ.get("WANDB_MODE") or "offline",
-                              config={**config, "lineage": lineage},
+                              config={**config, "lineage": lineage}, **resume,
                               settings=wandb.Settings(console="off", silent=True, save_code=False))
+        self.run_id = self.run.id
 
     def log(self, step, values):
         self.run.log(values, step=step)
@@ -187,10 +192,13 @@ class Trackio(Tracker):
 
         self.trackio = trackio
         wanted = dict(embed=False, auto_log_gpu=False, auto_log_cpu=False)  # no dashboard server, no sampler thread
+        if self.resume_id:
+            wanted["resume"] = "allow"  # the run of this name, continued
         known = inspect.signature(trackio.init).parameters
         with contextlib.redirect_stdout(io.StringIO()):  # its banner; the run's own console says where OUT is
             trackio.init(project=PROJECT, name=self.run_name, group=self.stage, config={**config, "lineage": lineage},
                          **{k: v for k, v in wanted.items() if k in known})
+        self.run_id = self.run_name
 
     def log(self, step, values):
         self.trackio.log(values, step=step)
@@ -221,11 +229,23 @@ class MLflow(Tracker):
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
         exp = self.client.get_experiment_by_name(name)
         eid = exp.experiment_id if exp else self.client.create_experiment(name)
+        if self.resume_id and self._exists(self.resume_id):
+            self.id = self.run_id = self.resume_id  # continued: its parameters are logged already (MLflow keeps
+            self.client.update_run(self.id, status="RUNNING")  # a parameter's first value)
+            return
         self.id = self.client.create_run(eid, run_name=self.run_name, tags={"align.stage": self.stage}).info.run_id
+        self.run_id = self.id
         params = [Param(mlflow_name(k), str(v)[: self.PARAM_MAX])
                   for k, v in {**flat(config), **flat(lineage, "lineage.")}.items()]
         for i in range(0, len(params), 100):  # log_batch takes 100 parameters at a time
             self.client.log_batch(self.id, params=params[i : i + 100])
+
+    def _exists(self, run_id: str) -> bool:
+        try:
+            self.client.get_run(run_id)
+            return True
+        except Exception:  # a store without it (another MLFLOW_TRACKING_URI): a new run
+            return False
 
     def log(self, step, values):
         from mlflow.entities import Metric
@@ -253,6 +273,8 @@ class Trackers:
     may still refuse the run and put --out back as it was). A tracker that raises is warned about once and
     dropped; the others and the run carry on."""
 
+    IDS = "trackers.json"  # {tracker: run id} in the run directory, for a --resume to continue
+
     def __init__(self, names: list[str], out: Path, record: dict, resume: bool = False):
         out = Path(out)
         self.pending = [BACKENDS[n](out, out.name, record.get("stage", "")) for n in names]
@@ -267,11 +289,24 @@ class Trackers:
 
         pending, self.pending = self.pending, []
         lineage = lineage_params(self.record, chain(self.out, self.record))
+        ids = self._ids() if self.resume else {}
         for t in pending:
             if not self.resume and t.local and not os.environ.get(t.elsewhere):
                 shutil.rmtree(self.out / t.local, ignore_errors=True)  # a replaced run's curves
+            t.resume_id = ids.get(t.name)
             if self._call(t, "start", self.record.get("config", {}), lineage):
                 self.active.append(t)
+        ids.update({t.name: t.run_id for t in self.active if t.run_id})
+        from align.artifacts import write_json_atomic
+
+        write_json_atomic(self.out / self.IDS, ids)
+
+    def _ids(self) -> dict:
+        try:
+            ids = json.loads((self.out / self.IDS).read_text())
+            return ids if isinstance(ids, dict) else {}
+        except (OSError, ValueError):
+            return {}
 
     def _call(self, t: Tracker, method: str, *args) -> bool:
         try:

@@ -169,6 +169,46 @@ def test_mlflow_file_store(run, monkeypatch):
     assert [e["rule"] for e in jsonl(Path(events))] == ["grad_explode"]
 
 
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    """--resume continues the tracker runs of the interrupted run: one MLflow run and one Trackio run with every
+    step, W&B's offline runs under one run id (synced, one run), TensorBoard in the same folder."""
+    names = [n for n in INSTALLED if n != "tensorboard"]
+    if not names:
+        pytest.skip("no tracker installed")
+    for k in ("WANDB_MODE", "TRACKIO_DIR", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    i = ARGS.index("--max-steps")
+    out, args = tmp_path / "sft", ARGS[:i] + ARGS[i + 2:]
+    for steps, more in (("2", []), ("4", ["--resume"])):
+        proc = run_align("sft", "--out", out, "--report-to", ",".join(names), "--max-steps", steps, "--save-every",
+                         "2", "--schedule", "constant", *args, *more)
+        assert proc.returncode == 0, output(proc)[-3000:]
+    ids = json.loads((out / "trackers.json").read_text())
+    assert set(ids) == set(names)
+    want = sorted(expected(out)["loss"])
+    assert want == [1, 2, 3, 4]
+    if "mlflow" in names:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=(out / "mlruns").as_uri())
+        (found,) = client.search_runs([client.get_experiment_by_name("align").experiment_id])
+        assert found.info.run_id == ids["mlflow"] and found.info.status == "FINISHED"
+        assert sorted(m.step for m in client.get_metric_history(found.info.run_id, "loss")) == want
+    if "trackio" in names:
+        code = ("import json, sys\nfrom trackio.sqlite_storage import SQLiteStorage as S\n"
+                "print(json.dumps([r['step'] for r in S.get_logs('align', sys.argv[1]) if 'loss' in r]))")
+        proc = subprocess.run([sys.executable, "-c", code, out.name], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TRACKIO_DIR": str(out / "trackio")})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert sorted(json.loads(proc.stdout.strip().splitlines()[-1])) == want
+    if "wandb" in names:
+        runs = sorted((out / "wandb").glob("offline-run-*"))
+        heads = [r.run for d in runs for r in wandb_records(next(d.glob("run-*.wandb")))
+                 if r.WhichOneof("record_type") == "run"]
+        assert len(runs) == 2 and {h.run_id for h in heads} == {ids["wandb"]}
+
+
 # ----------------------------------------------------------------------------------- choosing and failing
 
 
