@@ -171,7 +171,7 @@ def test_mlflow_file_store(run, monkeypatch):
 
 def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
     """--resume continues the tracker runs of the interrupted run: one MLflow run and one Trackio run with every
-    step, W&B's offline runs under one run id (synced, one run), TensorBoard in the same folder."""
+    step, W&B's offline runs under one run id, TensorBoard in the same folder."""
     names = [n for n in INSTALLED if n != "tensorboard"]
     if not names:
         pytest.skip("no tracker installed")
