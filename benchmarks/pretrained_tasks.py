@@ -8,7 +8,8 @@ from its checkpoint. At the end, one table: held-out greedy pass@1 after every s
 pair accuracy, GRPO alone, RLMonitor events, and the checks (every stage >= its input - 2 points, RM >= 0.75, the
 chain's final model >= GRPO alone).
 
-    python -m benchmarks.pretrained_tasks --model /root/smollm2 --out /root/pt [--tasks add,pm,leg] [--limit 540]
+    python -m benchmarks.pretrained_tasks --model /root/smollm2 --out /root/pt [--tasks add,pm,aiw] [--limit 540]
+        [--set stages.grpo.max_steps=200 ...]   (a variant of the recipe, for the chain and GRPO alone alike)
 """
 from __future__ import annotations
 
@@ -72,15 +73,28 @@ def grpo_alone_toml(pipe: dict, name: str, model: str, out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def recipe(path: str, overrides: list[str]) -> dict:
+    """The chain's pipeline file as a dict, with the --set overrides a variant of the recipe gives (the same ones
+    go to the chain's `align pipeline run`, so GRPO alone gets the variant's step count and GRPO settings)."""
+    from align.pipeline import apply_overrides
+
+    pipe = tomllib.loads(Path(path).read_text())
+    problems, _ = apply_overrides(pipe, overrides)
+    if problems:
+        sys.exit(f"error: {problems[0].message} ({problems[0].origin})")
+    return pipe
+
+
 def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
-    pipe = tomllib.loads(Path(args.pipeline).read_text())
+    pipe = recipe(args.pipeline, args.set)
     runs = []
     for name in args.tasks:
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
-        chain = [sys.executable, "-m", "align", "pipeline", "run", str(args.pipeline), "--set", f"pipeline.out={d / 'chain'}",
+        chain = [sys.executable, "-m", "align", "pipeline", "run", str(args.pipeline),
+                 "--set", f"pipeline.out={d / 'chain'}",
                  *[a for k in MODEL_KEYS for a in ("--set", f"{k}={args.model}")],
-                 *[a for o in task_overrides(name) for a in ("--set", o)]]
+                 *[a for o in [*args.set, *task_overrides(name)] for a in ("--set", o)]]
         alone_file = d / "alone.toml"
         alone_file.write_text(grpo_alone_toml(pipe, name, args.model, (d / "alone").resolve()))
         alone = [sys.executable, "-m", "align", "pipeline", "run", str(alone_file)]
@@ -150,7 +164,8 @@ def summarise(names, out: Path) -> dict:
                "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("grpo_alone", alone)]}}
         chain = [row["base"], row["dpo"], row["ppo"], row["grpo"]]
         if None not in chain and row["grpo_alone"] is not None and row["rm_heldout_accuracy"] is not None:
-            row["checks"] = {"every stage >= input - 2 points": all(b >= a - 0.02 + 1e-9 for a, b in zip(chain, chain[1:])),
+            steps_ok = all(b >= a - 0.02 + 1e-9 for a, b in zip(chain, chain[1:]))
+            row["checks"] = {"every stage >= input - 2 points": steps_ok,
                              "rm held-out accuracy >= 0.75": row["rm_heldout_accuracy"] >= 0.75,
                              "final >= GRPO alone": row["grpo"] >= row["grpo_alone"]}
         rows[name] = row
@@ -163,7 +178,8 @@ def table(rows) -> str:
              "|---" * 10 + "|"]
     for name, r in rows.items():
         events = "; ".join(f"{s}: {', '.join(f'{k} {n}' for k, n in c.items())}" for s, c in r["health"].items() if c)
-        checks = ", ".join(k for k, ok in r.get("checks", {}).items() if not ok) or ("all met" if "checks" in r else "-")
+        unmet = ", ".join(k for k, ok in r.get("checks", {}).items() if not ok)
+        checks = unmet or ("all met" if "checks" in r else "-")
         if checks != "all met" and "checks" in r:
             checks = "unmet: " + checks
         lines.append(f"| {name}: {r['task']} | {f(r['base'])} | {r['pairs'] or '-'} | {f(r['rm_heldout_accuracy'])} | "
@@ -178,6 +194,9 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="Folder of the runs: OUT/TASK/{chain,alone}.")
     ap.add_argument("--pipeline", default=str(PIPELINE), help="The chain's pipeline file.")
     ap.add_argument("--tasks", default="pm,add,aiw", help=f"Comma-separated, of {', '.join(TASKS)}.")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="A variant of the recipe: override a key of the pipeline file (as `align pipeline run "
+                         "--set`), for the chain and GRPO alone alike, e.g. --set stages.grpo.max_steps=200.")
     ap.add_argument("--limit", type=float, default=0, help="Stop the runs gracefully after this many seconds.")
     ap.add_argument("--summary-only", action="store_true", help="Only print the table of what is there.")
     args = ap.parse_args()

@@ -212,6 +212,12 @@ def test_the_pretrained_benchmark_changes_only_the_task_and_gives_grpo_alone_the
     assert {k: grpo[k] for k in want} == want and grpo["model"] == str(tmp_path / "base")
     assert grpo["max_steps"] == sum(pipe["stages"][s]["max_steps"] for s in ("dpo", "ppo", "grpo")) == 310
     assert alone.stage("tasks").values["task"] == "rg:aiw"
+    # a variant of the recipe (--set) reaches GRPO alone too: its steps follow the chain's
+    variant = PT.recipe(str(ROOT / "pipelines/pretrained.toml"), ["stages.grpo.max_steps=200", "stages.grpo.lr=2e-5"])
+    f.write_text(PT.grpo_alone_toml(variant, "aiw", str(tmp_path / "base"), tmp_path / "out"))
+    alone, problems = P.parse(f)
+    assert not problems and alone.stage("grpo_alone").values["max_steps"] == 410
+    assert alone.stage("grpo_alone").values["lr"] == 2e-5
 
 
 def test_a_data_stage_feeds_later_stages_in_a_pipeline(tmp_path, tiny_model_dir):
