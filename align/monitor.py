@@ -263,10 +263,11 @@ def check_collapse(xs: list, reward: list = (), truncated: list = (), gold: list
 
     Given the reward and truncated-share histories (and the gold reward's, where logged), it stays quiet while the
     run is learning (_learning: the reward rose beyond its noise, z >= learning_z, and the answers end): RL on a
-    verifiable reward trades entropy for reward as the policy converges onto the answers that score (Cui et al. 2025, "The Entropy Mechanism of
-    Reinforcement Learning for Reasoning Language Models"), so a low entropy bought with reward, on answers that
-    finish, is the task being learned. It still fires on entropy lost without a reward gain (exploration spent for
-    nothing) and on a collapse onto output that runs to the token limit (a repetition loop a reward pays for)."""
+    verifiable reward trades entropy for reward as the policy converges onto the answers that score (Cui et al.
+    2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models"), so a low entropy bought
+    with reward, on answers that finish, is the task being learned. It still fires on entropy lost without a reward
+    gain (exploration spent for nothing) and on a collapse onto output that runs to the token limit (a repetition
+    loop a reward pays for)."""
     if len(xs) < max(ref_window + window, 2 * window):
         return QUIET
     ref, now, before = _mean(xs[:ref_window]), _mean(xs[-window:]), _mean(xs[-2 * window : -window])

@@ -122,7 +122,7 @@ def _decimal_places(s) -> int | None:
     s = str(s).strip()
     if "/" in s:
         return None
-    head, dot, tail = s.partition(".")
+    _, dot, tail = s.partition(".")
     return len(re.sub(r"\D", "", tail)) if dot else 0
 
 
@@ -135,8 +135,11 @@ def math_reward(completion, answer, tol=1e-6):
     reference may be a number string or a full solution ending in '#### N'; a reference with no number raises
     UserError.
     """
-    ref = answer if _fraction(answer) is not None else extract_answer(str(answer))
+    ref = answer
     want = _fraction(ref)
+    if want is None:  # a full solution: its answer
+        ref = extract_answer(str(answer))
+        want = _fraction(ref)
     if want is None:
         raise UserError(f"reference answer {answer!r} is not a number; fix the dataset's answer column")
     pred = _fraction(extract_answer(completion))

@@ -101,10 +101,11 @@ def record_completions(stats, r: Rollout) -> None:
     off at the token limit (completions/clipped_ratio), the mean length of those that ended with EOS
     (completions/mean_terminated_length, NaN when none did), and distinct_1/2 of all of them (gathered)."""
     ids = [x for part in runtime.all_gather_objects([c.ids for c in r.completions]) for x in part]
-    lengths, n = r.lengths, r.lengths.numel()
+    lengths, finished = r.lengths, r.finished  # properties: each builds its tensor
+    n = lengths.numel()
     stats.mean("completions/mean_length", lengths.sum(), n)
-    stats.mean("completions/clipped_ratio", n - r.finished.sum(), n)
-    stats.mean("completions/mean_terminated_length", (lengths * r.finished).sum(), r.finished.sum(), math.nan)
+    stats.mean("completions/clipped_ratio", n - finished.sum(), n)
+    stats.mean("completions/mean_terminated_length", (lengths * finished).sum(), finished.sum(), math.nan)
     stats.value("distinct_1", rl.distinct_n(ids, 1))
     stats.value("distinct_2", rl.distinct_n(ids, 2))
 

@@ -28,6 +28,7 @@ import shutil
 import time
 from pathlib import Path
 
+from align.artifacts import write_json_atomic
 from align.console import warn
 from align.errors import UserError
 
@@ -297,8 +298,6 @@ class Trackers:
             if self._call(t, "start", self.record.get("config", {}), lineage):
                 self.active.append(t)
         ids.update({t.name: t.run_id for t in self.active if t.run_id})
-        from align.artifacts import write_json_atomic
-
         write_json_atomic(self.out / self.IDS, ids)
 
     def _ids(self) -> dict:

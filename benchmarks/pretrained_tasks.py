@@ -23,6 +23,9 @@ import time
 import tomllib
 from pathlib import Path
 
+from align.artifacts import read_artifact
+from align.pipeline import apply_overrides, toml_value
+
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "pretrained.toml"
 FLAT = ["allow_parentheses=false", "allow_negation=false"]
@@ -38,19 +41,6 @@ TASKS = {
 }
 MODEL_KEYS = ["stages.eval_base.model", "stages.prefs.from_model", "stages.rm.model", "stages.dpo.model"]
 POLICY_STAGES = ["dpo", "ppo", "grpo"]
-
-
-def toml_value(v) -> str:
-    """A TOML literal for the values a stage table holds (str, bool, int, float, lists of them)."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML literal for {v!r}")
 
 
 def task_overrides(name: str) -> list[str]:
@@ -76,8 +66,6 @@ def grpo_alone_toml(pipe: dict, name: str, model: str, out: Path) -> str:
 def recipe(path: str, overrides: list[str]) -> dict:
     """The chain's pipeline file as a dict, with the --set overrides a variant of the recipe gives (the same ones
     go to the chain's `align pipeline run`, so GRPO alone gets the variant's step count and GRPO settings)."""
-    from align.pipeline import apply_overrides
-
     pipe = tomllib.loads(Path(path).read_text())
     problems, _ = apply_overrides(pipe, overrides)
     if problems:
@@ -134,19 +122,12 @@ def wait_all(runs, limit: float) -> None:
             os.killpg(p.pid, signal.SIGKILL)
 
 
-def artifact(d: Path) -> dict:
-    try:
-        return json.loads((d / "artifact.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def summarise(names, out: Path) -> dict:
     rows = {}
     for name in names:
         c, a = out / name / "chain", out / name / "alone"
-        art = {s: artifact(c / s) for s in ["eval_base", "prefs", "rm", "dpo", "ppo", "grpo"]}
-        alone = artifact(a / "grpo_alone")
+        art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", "dpo", "ppo", "grpo"]}
+        alone = read_artifact(a / "grpo_alone") or {}
         # a stage that did not complete has no result (a failed one may hold its start metrics)
         m = {s: v.get("metrics", {}) if v.get("status") == "complete" else {} for s, v in art.items()}
         alone_m = alone.get("metrics", {}) if alone.get("status") == "complete" else {}

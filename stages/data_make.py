@@ -207,8 +207,8 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
     while todo:  # round r samples --samples more of every prompt still without a pair
         batch = [prompts[i] for i in todo for _ in range(cfg.samples)]
         with TrainProgress("sample" if not rounds else f"resample {len(todo)}", len(batch)) as bar:
-            outs = generate_local(model, tok, batch, Sampling(cfg.max_new_tokens, cfg.temperature, seed=cfg.seed + rounds),
-                                  cfg.batch_size, device, on_batch=bar.advance)
+            sampling = Sampling(cfg.max_new_tokens, cfg.temperature, seed=cfg.seed + rounds)
+            outs = generate_local(model, tok, batch, sampling, cfg.batch_size, device, on_batch=bar.advance)
         for j, i in enumerate(todo):
             for o in outs[j * cfg.samples:(j + 1) * cfg.samples]:
                 texts[i].append(o.text)
