@@ -80,19 +80,35 @@ def _dataset(task: str, size: int, seed: int, params: dict):
         raise UserError(f"rg:{task}: bad --param ({type(e).__name__}: {e}).") from None
 
 
+def problem_key(prompt: str, metadata: dict | None) -> str:
+    """What makes two items the same problem: the expression when the task's metadata has one (basic_arithmetic's
+    natural format words one expression four ways, "What is 3 + 4?" / "Compute 3 + 4."), else the prompt."""
+    expression = (metadata or {}).get("expression")
+    return "expr:" + "".join(expression.split()) if isinstance(expression, str) else prompt
+
+
+def row_keys(rows: list[dict]) -> set:
+    """The prompts and problem keys of rows (a split to keep out of another, by wording and by problem)."""
+    return {r["prompt"] for r in rows} | {problem_key(r["prompt"], r.get("rg_metadata")) for r in rows}
+
+
 def make_rows(task: str, n: int, seed: int, params: dict | None = None, exclude: set | None = None) -> list[dict]:
-    """n rows of a reasoning-gym task with distinct prompts, none in `exclude` (small task spaces repeat prompts:
-    more items are drawn until n distinct ones are found, or the task is reported too small)."""
+    """n rows of a reasoning-gym task with distinct problems (problem_key), none whose prompt or problem is in
+    `exclude` (small task spaces repeat problems: more items are drawn until n distinct ones are found, or the task
+    is reported too small)."""
     check_task(task)
     params, seen, rows, found = dict(params or {}), set(exclude or ()), [], -1
     size = max(2 * n, 16)
-    while len(rows) > found:  # stop once drawing 4x more items finds no new prompt: the task space is exhausted
+    while len(rows) > found or found <= 0 < len(seen) and size < 64 * max(2 * n, 16):
+        # stop once drawing 4x more items finds no new problem (the space is exhausted); a first pass that finds
+        # nothing outside `exclude` draws more before giving up
         found = len(rows)
         rows, taken = [], set(seen)
         for entry in _dataset(task, size, seed, params):
-            if entry["question"] in taken:
+            key = problem_key(entry["question"], entry.get("metadata"))
+            if entry["question"] in taken or key in taken:
                 continue
-            taken.add(entry["question"])
+            taken.add(key)
             meta = _jsonable(entry.get("metadata", {}))
             rows.append({"prompt": entry["question"], "answer": str(entry["answer"]),
                          "completion": str(meta.get("answer_cot") or entry["answer"]),
@@ -100,7 +116,7 @@ def make_rows(task: str, n: int, seed: int, params: dict | None = None, exclude:
             if len(rows) == n:
                 return rows
         size *= 4
-    raise UserError(f"rg:{task}: only {len(rows)} distinct prompts{' outside the training split' if seen else ''} "
+    raise UserError(f"rg:{task}: only {len(rows)} distinct problems{' outside the training split' if seen else ''} "
                     f"among {size // 4} items; ask for fewer rows or widen the task with --param.")
 
 

@@ -34,6 +34,10 @@ FLAT = ["allow_parentheses=false", "allow_negation=false"]
 TASKS = {
     "add": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=2", "max_digits=2", "operators=['+']", *FLAT]),
     "pm": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=2", "max_digits=2", "operators=['+','-']", *FLAT]),
+    # the same sums asked four ways ("What is 23 + 45?", "Compute ..."): the splits share no expression
+    "nat": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=2", "max_digits=2", "operators=['+']", *FLAT,
+                                    "format_style=natural"]),
+    "circuit": ("rg:circuit_logic", ["min_terms=2", "max_terms=3", "max_inputs=3"]),  # the output bit, 0 or 1
     "chain": ("rg:chain_sum", []),
     "aiw": ("rg:aiw", []),  # "Alice has 3 brothers and 2 sisters. How many sisters does her brother have?"
     "legs": ("rg:leg_counting", ["min_animals=1", "max_animals=2", "max_instances=3"]),

@@ -47,6 +47,9 @@ class DataMakeConfig(Options):
     max_samples: int = opt(0, "prefs --from-model: prompts with no pair after --samples (all correct or all wrong) "
                               "are sampled again, --samples at a time, up to this many per prompt; 0 = no second "
                               "round.", ge=0)
+    pairs_per_prompt: int = opt(1, "prefs --from-model: up to this many (correct, incorrect) pairs per training prompt, "
+                                   "each pairing a different incorrect (or correct) sample; held-out prompts keep "
+                                   "one.", ge=1)
     max_new_tokens: int = opt(128, "prefs --from-model: longest completion.", ge=1)
     temperature: float = opt(1.0, "prefs --from-model: sampling temperature.", gt=0)
     verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).")
@@ -84,7 +87,12 @@ def excluded_prompts(cfg: DataMakeConfig) -> set:
     rows = read_rows(cfg.exclude)
     if rows and not any(k in rows[0] for k in ("prompt", "text")):
         raise UserError(f"--exclude {cfg.exclude}: its rows have no 'prompt' (or 'text') column to leave out.")
-    return {tasks.row_key(r) for r in rows}
+    keys = {tasks.row_key(r) for r in rows}
+    if rows and "rg_metadata" in rows[0]:  # reasoning-gym rows: their problems too, however they are worded
+        from align import rgym
+
+        keys |= rgym.row_keys(rows)
+    return keys
 
 
 def flaw_summary(rows: list[dict]) -> dict:
@@ -154,7 +162,7 @@ def _reasoning_gym(cfg: DataMakeConfig, params: dict, excluded: set) -> dict:
     name = cfg.task[3:]
     rows = rgym.make_rows(name, cfg.n, cfg.seed, params, exclude=excluded)
     test = rgym.make_rows(name, cfg.test_n, cfg.seed + 1_000_003, params,
-                          exclude=excluded | {r["prompt"] for r in rows}) if cfg.test_n else None
+                          exclude=excluded | rgym.row_keys(rows)) if cfg.test_n else None
     return _write(cfg, rows, test)
 
 
@@ -166,6 +174,27 @@ def pick_pair(rng: random.Random, texts: list[str], correct: list[bool]) -> tupl
     if not good or not bad:
         return None
     return rng.choice(good), rng.choice(bad)
+
+
+def pick_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int = 1) -> list[tuple[str, str]]:
+    """Up to k distinct (chosen, rejected) pairs of one prompt: the first is pick_pair's; the others pair the
+    distinct correct and incorrect texts in a shuffled order, cycling the shorter side (a prompt with one right
+    answer among eight samples gives it against up to k different wrong ones: InstructGPT's several comparisons
+    per prompt). [] when the samples are all correct or all wrong."""
+    first = pick_pair(rng, texts, correct)
+    if first is None:
+        return []
+    pairs = [first]
+    if k > 1:
+        good = list(dict.fromkeys(t for t, c in zip(texts, correct) if c))
+        bad = list(dict.fromkeys(t for t, c in zip(texts, correct) if not c))
+        rng.shuffle(good)
+        rng.shuffle(bad)
+        for i in range(max(len(good), len(bad))):
+            pair = (good[i % len(good)], bad[i % len(bad)])
+            if len(pairs) < k and pair not in pairs:
+                pairs.append(pair)
+    return pairs
 
 
 def _model_pairs(cfg: DataMakeConfig) -> dict:
@@ -215,19 +244,22 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
                 correct[i].append(verify(check, rows[i], o.text))
         rounds += 1
         todo = [i for i in todo if len(set(correct[i])) < 2 and len(texts[i]) + cfg.samples <= cap]
-    rng, pairs = random.Random(cfg.seed), []
+    rng, per_prompt = random.Random(cfg.seed), []
     for row, t, c in zip(rows, texts, correct):
-        pair = pick_pair(rng, t, c)
-        if pair:
-            pairs.append({"prompt": row["prompt"], "chosen": pair[0], "rejected": pair[1], "answer": row["answer"]})
+        picked = pick_pairs(rng, t, c, cfg.pairs_per_prompt)
+        if picked:
+            per_prompt.append([{"prompt": row["prompt"], "chosen": a, "rejected": b, "answer": row["answer"]}
+                               for a, b in picked])
     drawn, n_correct = sum(map(len, texts)), sum(map(sum, correct))
-    if len(pairs) <= cfg.test_n:
-        raise UserError(f"only {len(pairs)} of {len(rows)} prompts had both a correct and an incorrect sample: too "
-                        "few for the requested split. Sample more (--samples, --max-samples, --n) or use an easier "
-                        "task.")
-    test = pairs[len(pairs) - cfg.test_n:] if cfg.test_n else None
+    if len(per_prompt) <= cfg.test_n:
+        raise UserError(f"only {len(per_prompt)} of {len(rows)} prompts had both a correct and an incorrect sample: "
+                        "too few for the requested split. Sample more (--samples, --max-samples, --n) or use an "
+                        "easier task.")
+    cut = len(per_prompt) - cfg.test_n  # the held-out split: the last prompts with a pair, one pair each
+    pairs = [p for group in per_prompt[:cut] for p in group]
+    test = [group[0] for group in per_prompt[cut:]] if cfg.test_n else None
     from align.artifacts import describe_inputs
 
-    return _write(cfg, pairs[:len(pairs) - cfg.test_n], test, describe_inputs(source, cfg.data), prompts=len(rows),
-                  sample_accuracy=n_correct / drawn, samples=drawn,
+    return _write(cfg, pairs, test, describe_inputs(source, cfg.data), prompts=len(rows),
+                  prompts_with_pairs=len(per_prompt), sample_accuracy=n_correct / drawn, samples=drawn,
                   first_round_accuracy=sum(sum(c[:cfg.samples]) for c in correct) / (len(rows) * cfg.samples))

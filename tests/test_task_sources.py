@@ -9,7 +9,7 @@ import pytest
 
 from align.errors import UserError
 from align.rewards import guess_verifier, parse_rewards, row_fields, verifier_fn, verify
-from stages.data_make import DataMakeConfig, pick_pair, run
+from stages.data_make import DataMakeConfig, pick_pair, pick_pairs, run
 
 rg = pytest.importorskip("reasoning_gym")  # the `tasks` extra; the test extra installs it
 
@@ -55,8 +55,29 @@ def test_rg_splits_share_no_prompt_even_when_the_task_space_repeats(tmp_path):
 
     raw = rgym._dataset("basic_arithmetic", 200, 0, rgym.parse_params(params))
     assert len({e["question"] for e in raw}) < 150  # the check above was needed: the task repeats prompts
-    with pytest.raises(UserError, match="distinct prompts"):
+    with pytest.raises(UserError, match="distinct problems"):
         run(DataMakeConfig(task="rg:basic_arithmetic", n=500, seed=0, param=params, out=str(tmp_path / "x.jsonl")))
+
+
+def test_rg_splits_share_no_problem_however_it_is_worded(tmp_path):
+    """basic_arithmetic's natural format asks one expression four ways ("What is 3 + 4?", "Compute 3 + 4."): the
+    held-out split (and --exclude) leave out the training split's expressions, not only its prompts."""
+    params = ["min_terms=2", "max_terms=2", "min_digits=1", "max_digits=1", "operators=['+']",
+              "allow_parentheses=false", "allow_negation=false", "format_style=natural"]
+    out = tmp_path / "d.jsonl"
+    summary = run(DataMakeConfig(task="rg:basic_arithmetic", n=70, test_n=30, seed=0, param=params, out=str(out)))
+    expr = lambda rows: [r["rg_metadata"]["expression"] for r in rows]  # noqa: E731
+    train, test = _read(out), _read(summary["test_out"])
+    assert len(set(expr(train))) == 70 and len(set(expr(test))) == 30 and not set(expr(train)) & set(expr(test))
+    assert len({r["prompt"].split(" ", 1)[0] for r in train}) > 1  # worded several ways
+    fresh = run(DataMakeConfig(task="rg:basic_arithmetic", n=12, seed=5, param=params, exclude=str(out),
+                               out=str(tmp_path / "fresh.jsonl")))
+    assert fresh["rows"] == 12 and not set(expr(_read(tmp_path / "fresh.jsonl"))) & set(expr(train))
+    from align import rgym
+
+    raw = rgym._dataset("basic_arithmetic", 400, 0, rgym.parse_params(params))
+    by_prompt, by_expr = {e["question"] for e in raw}, {e["metadata"]["expression"] for e in raw}
+    assert len(by_prompt) > len(by_expr) + 50  # prompts alone would have let the same sums into both splits
 
 
 def test_rg_bad_task_and_bad_param_are_user_errors(tmp_path):
@@ -87,6 +108,21 @@ def test_pick_pair_needs_a_correct_and_an_incorrect_sample():
         assert chosen in ("a", "c") and rejected in ("b", "d")
 
 
+def test_pick_pairs_pairs_distinct_samples_up_to_k():
+    import random
+
+    texts, correct = ["a", "b", "c", "b", "d"], [True, False, False, False, False]
+    assert pick_pairs(random.Random(0), texts, [True] * 5, 3) == []
+    assert pick_pairs(random.Random(0), texts, correct, 1) == [pick_pair(random.Random(0), texts, correct)]
+    three = pick_pairs(random.Random(0), texts, correct, 3)
+    assert len(three) == 3 == len(set(three)) and {c for c, _ in three} == {"a"}
+    assert sorted(pick_pairs(random.Random(0), texts, correct, 10)) == [("a", "b"), ("a", "c"), ("a", "d")]
+    both = pick_pairs(random.Random(1), ["x", "y", "z", "w"], [True, True, False, False], 9)
+    assert len(both) in (2, 3) and len(set(both)) == len(both)  # the first pair, then a matching of the two sides
+    for c, r in both:
+        assert c in "xy" and r in "zw"
+
+
 VERIFIER = '''
 def first_char_even(prompt, completion, **row):
     """Correct when the completion's first character has an even code point: about half of random text."""
@@ -112,6 +148,18 @@ def test_prefs_from_model_pairs_a_correct_with_an_incorrect_sample(tmp_path, tin
     from align import data as D
 
     assert D.load_rows(out, "preference")  # readable as rm / dpo training data
+    more = run(DataMakeConfig(task="prefs", from_model=str(tiny_model_dir), data=str(data), samples=6,
+                              max_new_tokens=6, verifier=f"{tmp_path / 'v.py'}:first_char_even", test_n=3,
+                              pairs_per_prompt=3, out=str(tmp_path / "more.jsonl"), seed=1))
+    many, many_test = _read(tmp_path / "more.jsonl"), _read(more["test_out"])
+    assert more["prompts_with_pairs"] == summary["prompts_with_pairs"] == len(pairs) + 3
+    assert len(many) > len(pairs) and len(many_test) == 3 == len({p["prompt"] for p in many_test})
+    by_prompt = {}
+    for p in many:
+        by_prompt.setdefault(p["prompt"], []).append((p["chosen"], p["rejected"]))
+        assert ord(p["chosen"][0]) % 2 == 0 and not (p["rejected"] and ord(p["rejected"][0]) % 2 == 0)
+    assert all(len(v) == len(set(v)) <= 3 for v in by_prompt.values()) and max(map(len, by_prompt.values())) > 1
+    assert not set(by_prompt) & {p["prompt"] for p in many_test}
 
 
 RARE = '''
@@ -216,7 +264,7 @@ def test_the_pretrained_benchmark_changes_only_the_task_and_gives_grpo_alone_the
     variant = PT.recipe(str(ROOT / "pipelines/pretrained.toml"), ["stages.grpo.max_steps=200", "stages.grpo.lr=2e-5"])
     f.write_text(PT.grpo_alone_toml(variant, "aiw", str(tmp_path / "base"), tmp_path / "out"))
     alone, problems = P.parse(f)
-    assert not problems and alone.stage("grpo_alone").values["max_steps"] == 410
+    assert not problems and alone.stage("grpo_alone").values["max_steps"] == 260
     assert alone.stage("grpo_alone").values["lr"] == 2e-5
 
 
