@@ -73,11 +73,58 @@ def _jsonable(x):
     return json.loads(json.dumps(x, default=repr))
 
 
+def _enum_of(hint):
+    """The Enum class a config field's type names (TaskType, list[TaskType], Optional[...]), or None."""
+    import enum
+    import typing
+
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint
+    for arg in typing.get_args(hint):
+        found = _enum_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _coerce_enums(task: str, params: dict) -> dict:
+    """--param values for a config field of Enum type given as their string values (task_types=['friends'] for
+    aiw's list[TaskType]) become the Enum members the task expects."""
+    import typing
+
+    from reasoning_gym.factory import DATASETS
+
+    hints = typing.get_type_hints(DATASETS[task][1])
+    out = dict(params)
+    for key, value in params.items():
+        kind = _enum_of(hints.get(key))
+        if kind is None:
+            continue
+        try:
+            out[key] = [kind(v) for v in value] if isinstance(value, (list, tuple)) else kind(value)
+        except ValueError:
+            raise UserError(f"rg:{task}: --param {key}: {value!r} is not among "
+                            f"{[m.value for m in kind]}.") from None
+    return out
+
+
 def _dataset(task: str, size: int, seed: int, params: dict):
     try:
-        return _rg().create_dataset(task, size=size, seed=seed, **params)
+        return _rg().create_dataset(task, size=size, seed=seed, **_coerce_enums(task, params))
     except (TypeError, ValueError, AssertionError) as e:
         raise UserError(f"rg:{task}: bad --param ({type(e).__name__}: {e}).") from None
+
+
+def _items(task: str, size: int, seed: int, params: dict):
+    """The task's items; an option combination that only fails while items are made (aiw's task_type_weights of
+    another length than task_types) is a bad --param too."""
+    dataset = _dataset(task, size, seed, params)
+    for i in range(len(dataset)):
+        try:
+            item = dataset[i]
+        except (TypeError, ValueError, AssertionError, AttributeError, KeyError, IndexError) as e:
+            raise UserError(f"rg:{task}: bad --param: making item {i} failed ({type(e).__name__}: {e}).") from None
+        yield item
 
 
 def problem_key(prompt: str, metadata: dict | None) -> str:
@@ -104,7 +151,7 @@ def make_rows(task: str, n: int, seed: int, params: dict | None = None, exclude:
         # nothing outside `exclude` draws more before giving up
         found = len(rows)
         rows, taken = [], set(seen)
-        for entry in _dataset(task, size, seed, params):
+        for entry in _items(task, size, seed, params):
             key = problem_key(entry["question"], entry.get("metadata"))
             if entry["question"] in taken or key in taken:
                 continue

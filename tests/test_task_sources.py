@@ -80,6 +80,21 @@ def test_rg_splits_share_no_problem_however_it_is_worded(tmp_path):
     assert len(by_prompt) > len(by_expr) + 50  # prompts alone would have let the same sums into both splits
 
 
+def test_rg_enum_params_are_given_by_their_values(tmp_path):
+    """aiw's task_types is a list of an Enum: --param task_types=['friends'] names its members by value."""
+    out = tmp_path / "f.jsonl"
+    run(DataMakeConfig(task="rg:aiw", n=12, seed=0, param=["task_types=['friends']", "task_type_weights=[1.0]"],
+                       out=str(out)))
+    rows = _read(out)
+    assert {r["rg_metadata"]["task_type"] for r in rows} == {"friends"} and all("friends" in r["prompt"] for r in rows)
+    with pytest.raises(UserError, match=r"task_types: \['enemies'\] is not among \['siblings', 'friends'"):
+        run(DataMakeConfig(task="rg:aiw", n=5, param=["task_types=['enemies']"], out=str(tmp_path / "x.jsonl")))
+    # a combination the config accepts but its items cannot be made from: a user error too, nothing written
+    with pytest.raises(UserError, match="bad --param: making item 0 failed"):
+        run(DataMakeConfig(task="rg:aiw", n=5, param=["task_types=['friends']"], out=str(tmp_path / "x.jsonl")))
+    assert not (tmp_path / "x.jsonl").exists()
+
+
 def test_rg_bad_task_and_bad_param_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="Did you mean basic_arithmetic"):
         run(DataMakeConfig(task="rg:basic_arithmetc", n=5, out=str(tmp_path / "x.jsonl")))
