@@ -38,10 +38,10 @@ from typing import Callable
 from align.errors import UserError
 
 # A number: optional sign (only where it cannot be a binary minus), an integer with optional
-# thousands groups or a decimal, then an optional "/denominator".
+# thousands groups or a decimal, then an optional exponent ("4.9558e+02") or "/denominator".
 _INT = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"
 _NUM_RE = re.compile(
-    rf"(?:(?<![\w)\]}}.])[-+])?(?<![\d.])(?:{_INT}(?:\.\d+)?|\.\d+)(?:/\d+(?:\.\d+)?)?"
+    rf"(?:(?<![\w)\]}}.])[-+])?(?<![\d.])(?:{_INT}(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+(?!\w|\.\d)|/\d+(?:\.\d+)?)?"
 )
 _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _LIST_INT_RE = re.compile(r"(?<![\d.])-?\d+")
@@ -95,12 +95,12 @@ def extract_answer(text):
 
 
 def _fraction(s):
-    """Exact Fraction for a number string like '-1,234.5', '$68', '3/4' or '50%'; None if not one."""
+    """Exact Fraction for a number string like '-1,234.5', '$68', '3/4', '50%' or '4.9e+02'; None if not one."""
     if s is None:
         return None
     s = str(s).strip().replace("\u2212", "-").replace(",", "").replace("$", "")
     s = s.rstrip(".").removesuffix("%").strip()
-    if not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+(?:\.\d+)?)?", s):
+    if not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+|/\d+(?:\.\d+)?)?", s):
         return None
     try:
         if "/" in s:
@@ -118,12 +118,14 @@ def parse_number(s):
 
 
 def _decimal_places(s) -> int | None:
-    """Decimal places of a number written as a decimal ('68' 0, '-1,234.50' 2); None for a fraction ('1/3')."""
+    """Decimal places of a number written as a decimal ('68' 0, '-1,234.50' 2, '4.95577e+02' 3); None for a
+    fraction ('1/3')."""
     s = str(s).strip()
     if "/" in s:
         return None
+    s, _, exponent = s.lower().partition("e")  # 4.95577e+02: 5 places of the mantissa, 3 of the number
     _, dot, tail = s.partition(".")
-    return len(re.sub(r"\D", "", tail)) if dot else 0
+    return max(0, (len(re.sub(r"\D", "", tail)) if dot else 0) - int(exponent or 0))
 
 
 def math_reward(completion, answer, tol=1e-6):

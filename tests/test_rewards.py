@@ -117,6 +117,19 @@ def test_math_reward_tolerance_and_bad_reference():
         math_reward("#### 1", "n/a")
 
 
+def test_math_reward_reads_scientific_notation():
+    """'4.955770000000000e+02' is 495.577 (reasoning-gym's number_format writes its candidates so; a model that
+    copies the right one is right), not the '02' after its 'e'."""
+    assert extract_answer("The largest is 4.955770000000000e+02.") == "4.955770000000000e+02"
+    assert math_reward("The largest is 4.955770000000000e+02.", "495.577") == 1.0
+    assert math_reward("The largest is 4.955770000000000e+02", "495.578") == 0.0
+    assert math_reward("5.68050999999999e+02", "568.051") == 1.0  # float formatting, within the tolerance
+    assert math_reward("so 2e-3", "0.002") == 1.0 and math_reward("1.5E3 units", "1500") == 1.0
+    assert math_reward("#### 495.577", "4.95577e+02") == 1.0 and math_reward("#### 495.58", "4.95577e+02") == 0.0
+    assert parse_number("7e5") == 700000.0 and parse_number("e5") is None
+    assert extract_answer("it is 3e") == "3" and extract_answer("7e5.3") == "5.3"  # no digits after e; not 7e5
+
+
 def test_parse_int_list():
     assert parse_int_list("1 3 7 9") == [1, 3, 7, 9]
     assert parse_int_list("1, 3, -2, 7.") == [1, 3, -2, 7]
