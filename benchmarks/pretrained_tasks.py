@@ -38,6 +38,9 @@ TASKS = {
     "nat": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=2", "max_digits=2", "operators=['+']", *FLAT,
                                     "format_style=natural"]),
     "circuit": ("rg:circuit_logic", ["min_terms=2", "max_terms=3", "max_inputs=3"]),  # the output bit, 0 or 1
+    # "pick the largest/smallest of: 526.007000 5.26274e+02 ...": 2-5 candidates up to 1e9, or 2 up to 1,000
+    "numfmt": ("rg:number_format", []),
+    "numfmt2": ("rg:number_format", ["min_num_candidates=2", "max_num_candidates=2", "min_n=10", "max_n=1000"]),
     "chain": ("rg:chain_sum", []),
     "aiw": ("rg:aiw", []),  # "Alice has 3 brothers and 2 sisters. How many sisters does her brother have?"
     "legs": ("rg:leg_counting", ["min_animals=1", "max_animals=2", "max_instances=3"]),

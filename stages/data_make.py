@@ -50,6 +50,8 @@ class DataMakeConfig(Options):
     pairs_per_prompt: int = opt(1, "prefs --from-model: up to this many (correct, incorrect) pairs per training prompt, "
                                    "each pairing a different incorrect (or correct) sample; held-out prompts keep "
                                    "one.", ge=1)
+    match_length: bool = opt(False, "prefs --from-model: pair each right answer with the wrong ones closest to it in "
+                                    "length (a reward model or DPO then cannot prefer the right side by its length).")
     max_new_tokens: int = opt(128, "prefs --from-model: longest completion.", ge=1)
     temperature: float = opt(1.0, "prefs --from-model: sampling temperature.", gt=0)
     verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).")
@@ -176,11 +178,14 @@ def pick_pair(rng: random.Random, texts: list[str], correct: list[bool]) -> tupl
     return rng.choice(good), rng.choice(bad)
 
 
-def pick_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int = 1) -> list[tuple[str, str]]:
+def pick_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int = 1,
+               match_length: bool = False) -> list[tuple[str, str]]:
     """Up to k distinct (chosen, rejected) pairs of one prompt: the first is pick_pair's; the others pair the
     distinct correct and incorrect texts in a shuffled order, cycling the shorter side (a prompt with one right
     answer among eight samples gives it against up to k different wrong ones: InstructGPT's several comparisons
     per prompt). [] when the samples are all correct or all wrong."""
+    if match_length:
+        return _length_matched_pairs(rng, texts, correct, k)
     first = pick_pair(rng, texts, correct)
     if first is None:
         return []
@@ -194,6 +199,32 @@ def pick_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int
             pair = (good[i % len(good)], bad[i % len(bad)])
             if len(pairs) < k and pair not in pairs:
                 pairs.append(pair)
+    return pairs
+
+
+def pair_lengths(pairs: list[dict]) -> dict:
+    """Mean characters of the chosen and the rejected sides: how much length alone separates the pairs."""
+    if not pairs:
+        return {}
+    return {"chosen_mean_chars": round(sum(len(p["chosen"]) for p in pairs) / len(pairs), 1),
+            "rejected_mean_chars": round(sum(len(p["rejected"]) for p in pairs) / len(pairs), 1)}
+
+
+def _length_matched_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int) -> list[tuple[str, str]]:
+    """Up to k distinct pairs, the distinct right answers in a shuffled order (cycling), each against the not yet
+    paired wrong answer closest to it in length (ties at random): length-balanced pairs (Singhal et al. 2023: a
+    reward model learns whatever separates its pairs, length first)."""
+    good = list(dict.fromkeys(t for t, c in zip(texts, correct) if c))
+    bad = list(dict.fromkeys(t for t, c in zip(texts, correct) if not c))
+    if not good or not bad:
+        return []
+    rng.shuffle(good)
+    pairs = []
+    for i in range(max(len(good), len(bad))):
+        g = good[i % len(good)]
+        left = [b for b in bad if (g, b) not in pairs]
+        if left and len(pairs) < k:
+            pairs.append((g, min(left, key=lambda b: (abs(len(b) - len(g)), rng.random()))))
     return pairs
 
 
@@ -246,7 +277,7 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
         todo = [i for i in todo if len(set(correct[i])) < 2 and len(texts[i]) + cfg.samples <= cap]
     rng, per_prompt = random.Random(cfg.seed), []
     for row, t, c in zip(rows, texts, correct):
-        picked = pick_pairs(rng, t, c, cfg.pairs_per_prompt)
+        picked = pick_pairs(rng, t, c, cfg.pairs_per_prompt, cfg.match_length)
         if picked:
             per_prompt.append([{"prompt": row["prompt"], "chosen": a, "rejected": b, "answer": row["answer"]}
                                for a, b in picked])
@@ -261,5 +292,5 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
     from align.artifacts import describe_inputs
 
     return _write(cfg, pairs, test, describe_inputs(source, cfg.data), prompts=len(rows),
-                  prompts_with_pairs=len(per_prompt), sample_accuracy=n_correct / drawn, samples=drawn,
+                  prompts_with_pairs=len(per_prompt), **pair_lengths(pairs), sample_accuracy=n_correct / drawn, samples=drawn,
                   first_round_accuracy=sum(sum(c[:cfg.samples]) for c in correct) / (len(rows) * cfg.samples))

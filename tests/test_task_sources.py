@@ -138,6 +138,17 @@ def test_pick_pairs_pairs_distinct_samples_up_to_k():
         assert c in "xy" and r in "zw"
 
 
+def test_length_matched_pairs_take_the_wrong_answers_closest_in_length():
+    import random
+
+    texts, correct = ["aaaa", "b", "bbbbb", "b" * 20, "bb"], [True, False, False, False, False]
+    assert pick_pairs(random.Random(0), texts, correct, 2, match_length=True) == [("aaaa", "bbbbb"), ("aaaa", "bb")]
+    assert pick_pairs(random.Random(0), texts, correct, 9, match_length=True)[-1] == ("aaaa", "b" * 20)
+    assert pick_pairs(random.Random(0), texts, [False] * 5, 2, match_length=True) == []
+    two = pick_pairs(random.Random(3), ["xx", "yyyyyy", "z", "wwwwwww"], [True, True, False, False], 2, match_length=True)
+    assert sorted(two) == [("xx", "z"), ("yyyyyy", "wwwwwww")]
+
+
 VERIFIER = '''
 def first_char_even(prompt, completion, **row):
     """Correct when the completion's first character has an even code point: about half of random text."""
@@ -168,6 +179,7 @@ def test_prefs_from_model_pairs_a_correct_with_an_incorrect_sample(tmp_path, tin
                               pairs_per_prompt=3, out=str(tmp_path / "more.jsonl"), seed=1))
     many, many_test = _read(tmp_path / "more.jsonl"), _read(more["test_out"])
     assert more["prompts_with_pairs"] == summary["prompts_with_pairs"] == len(pairs) + 3
+    assert summary["chosen_mean_chars"] == round(sum(len(p["chosen"]) for p in pairs) / len(pairs), 1)
     assert len(many) > len(pairs) and len(many_test) == 3 == len({p["prompt"] for p in many_test})
     by_prompt = {}
     for p in many:
