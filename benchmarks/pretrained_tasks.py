@@ -10,6 +10,7 @@ chain's final model >= GRPO alone).
 
     python -m benchmarks.pretrained_tasks --model /root/smollm2 --out /root/pt [--tasks add,pm,aiw] [--limit 540]
         [--set stages.grpo.max_steps=200 ...]   (a variant of the recipe, for the chain and GRPO alone alike)
+        [--variant 'matched:stages.prefs.match_length=true' ...]   (a second chain per task, sharing GRPO alone)
 """
 from __future__ import annotations
 
@@ -86,18 +87,39 @@ def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
     for name in args.tasks:
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
-        chain = [sys.executable, "-m", "align", "pipeline", "run", str(args.pipeline),
-                 "--set", f"pipeline.out={d / 'chain'}",
-                 *[a for k in MODEL_KEYS for a in ("--set", f"{k}={args.model}")],
-                 *[a for o in [*args.set, *task_overrides(name)] for a in ("--set", o)]]
         alone_file = d / "alone.toml"
         alone_file.write_text(grpo_alone_toml(pipe, name, args.model, (d / "alone").resolve()))
-        alone = [sys.executable, "-m", "align", "pipeline", "run", str(alone_file)]
-        for kind, cmd in (("chain", chain), ("alone", alone)):
+        commands = {"alone": [sys.executable, "-m", "align", "pipeline", "run", str(alone_file)]}
+        for variant, extra in [("", []), *args.variant]:
+            commands[chain_dir(variant)] = [
+                sys.executable, "-m", "align", "pipeline", "run", str(args.pipeline),
+                "--set", f"pipeline.out={d / chain_dir(variant)}",
+                *[a for k in MODEL_KEYS for a in ("--set", f"{k}={args.model}")],
+                *[a for o in [*args.set, *extra, *task_overrides(name)] for a in ("--set", o)]]
+        for kind, cmd in commands.items():
             log = open(d / f"{kind}.log", "a")
             runs.append((f"{name}/{kind}", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                                              start_new_session=True, cwd=ROOT)))
     return runs
+
+
+def chain_dir(variant: str) -> str:
+    return f"chain-{variant}" if variant else "chain"
+
+
+def parse_variant(spec: str, pipeline: str, base: list[str]) -> tuple[str, list[str]]:
+    """NAME:KEY=VALUE[;KEY=VALUE...] -> (NAME, overrides): a second chain beside the recipe's, sharing its GRPO alone,
+    so it may not change what GRPO alone runs (the grpo stage, or the policy stages' step counts)."""
+    name, colon, rest = spec.partition(":")
+    if not colon or not name.isidentifier() or not rest:
+        sys.exit(f"error: --variant {spec!r}: write NAME:KEY=VALUE[;KEY=VALUE...]")
+    overrides = [o for o in rest.split(";") if o]
+    first, second = recipe(pipeline, base), recipe(pipeline, [*base, *overrides])
+    if first["stages"]["grpo"] != second["stages"]["grpo"] or any(
+            first["stages"][s].get("max_steps") != second["stages"][s].get("max_steps") for s in POLICY_STAGES):
+        sys.exit(f"error: --variant {name}: it changes GRPO alone's run (the grpo stage or a policy stage's "
+                 "max_steps); run it with --set and its own --out instead.")
+    return name, overrides
 
 
 def group_alive(pgid: int) -> bool:
@@ -129,10 +151,10 @@ def wait_all(runs, limit: float) -> None:
             os.killpg(p.pid, signal.SIGKILL)
 
 
-def summarise(names, out: Path) -> dict:
+def summarise(names, out: Path, variants=("",)) -> dict:
     rows = {}
-    for name in names:
-        c, a = out / name / "chain", out / name / "alone"
+    for name, variant in [(n, v) for n in names for v in variants]:
+        c, a = out / name / chain_dir(variant), out / name / "alone"
         art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", "dpo", "ppo", "grpo"]}
         alone = read_artifact(a / "grpo_alone") or {}
         # a stage that did not complete has no result (a failed one may hold its start metrics)
@@ -156,7 +178,7 @@ def summarise(names, out: Path) -> dict:
             row["checks"] = {"every stage >= input - 2 points": steps_ok,
                              "rm held-out accuracy >= 0.75": row["rm_heldout_accuracy"] >= 0.75,
                              "final >= GRPO alone": row["grpo"] >= row["grpo_alone"]}
-        rows[name] = row
+        rows[f"{name} ({variant})" if variant else name] = row
     return rows
 
 
@@ -185,6 +207,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="A variant of the recipe: override a key of the pipeline file (as `align pipeline run "
                          "--set`), for the chain and GRPO alone alike, e.g. --set stages.grpo.max_steps=200.")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[;KEY=VALUE]",
+                    help="Another chain beside the recipe's, per task, in OUT/TASK/chain-NAME, sharing GRPO alone, "
+                         "e.g. --variant 'matched:stages.prefs.match_length=true'.")
     ap.add_argument("--limit", type=float, default=0, help="Stop the runs gracefully after this many seconds.")
     ap.add_argument("--summary-only", action="store_true", help="Only print the table of what is there.")
     args = ap.parse_args()
@@ -193,9 +218,10 @@ def main() -> None:
         sys.exit(f"error: unknown task {unknown}; choose from {', '.join(TASKS)}")
     out = Path(args.out).resolve()
     args.pipeline = str(Path(args.pipeline).resolve())
+    args.variant = [parse_variant(v, args.pipeline, args.set) for v in args.variant]
     if not args.summary_only:
         wait_all(launch(args, out), args.limit)
-    rows = summarise(args.tasks, out)
+    rows = summarise(args.tasks, out, ["", *(v for v, _ in args.variant)])
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
 

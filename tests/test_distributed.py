@@ -82,8 +82,7 @@ def test_generation_does_not_depend_on_the_number_of_processes_or_the_batch_size
     comes from the seed and its index: align/sampling.py)."""
     _, _, two = runs
     outs = {}
-    for name, nproc, extra in (("one", 1, []), ("one_bs5", 1, ["--batch-size", "5"]),
-                               ("two", 2, ["--batch-size", "5"]), ("two_nogather", 2, ["--no-gather"])):
+    for name, nproc, extra in (("one", 1, []), ("two", 2, ["--batch-size", "5"]), ("two_nogather", 2, ["--no-gather"])):
         out = tmp_path / name
         run(align_cmd("eval", str(two), "--out", str(out), "--k", "1,4", "--limit", "24", "--max-new-tokens", "12",
                       "--temperature", "1.0", *extra, nproc=nproc))
@@ -94,7 +93,7 @@ def test_generation_does_not_depend_on_the_number_of_processes_or_the_batch_size
     greedy, samples, passk = outs["one"]
     assert len(greedy) == 24 and all(len(s) == 4 for s in samples) and {"pass@1", "pass@4"} <= set(passk)
     assert len({x for s in samples for x in s}) > 24  # really sampling: a problem's samples differ
-    assert outs["one"] == outs["one_bs5"] == outs["two"] == outs["two_nogather"]
+    assert outs["one"] == outs["two"] == outs["two_nogather"]  # batch 5 against the default 64; gathered or not
 
 
 def test_launch_env_gives_each_process_its_share_of_cores(monkeypatch):

@@ -293,6 +293,15 @@ def test_the_pretrained_benchmark_changes_only_the_task_and_gives_grpo_alone_the
     alone, problems = P.parse(f)
     assert not problems and alone.stage("grpo_alone").values["max_steps"] == 260
     assert alone.stage("grpo_alone").values["lr"] == 2e-5
+    # --variant: a second chain sharing GRPO alone, so it may not change what GRPO alone runs
+    path = str(ROOT / "pipelines/pretrained.toml")
+    assert PT.parse_variant("matched:stages.prefs.match_length=true;stages.rm.lr=1e-5", path, []) == (
+        "matched", ["stages.prefs.match_length=true", "stages.rm.lr=1e-5"])
+    for bad in ("fast:stages.grpo.lr=2e-5", "short:stages.dpo.max_steps=20", "no-colon", "1x:stages.rm.lr=1"):
+        with pytest.raises(SystemExit):
+            PT.parse_variant(bad, path, [])
+    rows = PT.summarise(["aiw"], tmp_path / "none", ["", "matched"])
+    assert list(rows) == ["aiw", "aiw (matched)"] and rows["aiw (matched)"]["grpo"] is None
 
 
 def test_a_data_stage_feeds_later_stages_in_a_pipeline(tmp_path, tiny_model_dir):
