@@ -47,9 +47,9 @@ class DataMakeConfig(Options):
     max_samples: int = opt(0, "prefs --from-model: prompts with no pair after --samples (all correct or all wrong) "
                               "are sampled again, --samples at a time, up to this many per prompt; 0 = no second "
                               "round.", ge=0)
-    pairs_per_prompt: int = opt(1, "prefs --from-model: up to this many (correct, incorrect) pairs per training prompt, "
-                                   "each pairing a different incorrect (or correct) sample; held-out prompts keep "
-                                   "one.", ge=1)
+    pairs_per_prompt: int = opt(1, "prefs --from-model: up to this many (correct, incorrect) pairs per training "
+                                   "prompt, each pairing a different incorrect (or correct) sample; held-out prompts "
+                                   "keep one.", ge=1)
     match_length: bool = opt(False, "prefs --from-model: pair each right answer with the wrong ones closest to it in "
                                     "length (a reward model or DPO then cannot prefer the right side by its length).")
     max_new_tokens: int = opt(128, "prefs --from-model: longest completion.", ge=1)
@@ -229,10 +229,10 @@ def _length_matched_pairs(rng: random.Random, texts: list[str], correct: list[bo
 
 
 def _model_pairs(cfg: DataMakeConfig) -> dict:
-    """K samples per prompt from the model, graded by the verifier, one (correct, incorrect) pair per prompt that
-    has both; with --max-samples, K more at a time for the prompts that have no pair yet (a model that is rarely
-    right finds its rare right answers there), up to that many per prompt. With --test-n, the last pairs (their
-    prompts) are the held-out split."""
+    """K samples per prompt from the model, graded by the verifier, up to --pairs-per-prompt (correct, incorrect)
+    pairs per prompt that has both; with --max-samples, K more at a time for the prompts that have no pair yet (a
+    model that is rarely right finds its rare right answers there), up to that many per prompt. With --test-n, the
+    last prompts with a pair are the held-out split, one pair each."""
     import torch
 
     from align import data as D
@@ -292,5 +292,6 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
     from align.artifacts import describe_inputs
 
     return _write(cfg, pairs, test, describe_inputs(source, cfg.data), prompts=len(rows),
-                  prompts_with_pairs=len(per_prompt), **pair_lengths(pairs), sample_accuracy=n_correct / drawn, samples=drawn,
+                  prompts_with_pairs=len(per_prompt), **pair_lengths(pairs), sample_accuracy=n_correct / drawn,
+                  samples=drawn,
                   first_round_accuracy=sum(sum(c[:cfg.samples]) for c in correct) / (len(rows) * cfg.samples))

@@ -145,7 +145,8 @@ def test_length_matched_pairs_take_the_wrong_answers_closest_in_length():
     assert pick_pairs(random.Random(0), texts, correct, 2, match_length=True) == [("aaaa", "bbbbb"), ("aaaa", "bb")]
     assert pick_pairs(random.Random(0), texts, correct, 9, match_length=True)[-1] == ("aaaa", "b" * 20)
     assert pick_pairs(random.Random(0), texts, [False] * 5, 2, match_length=True) == []
-    two = pick_pairs(random.Random(3), ["xx", "yyyyyy", "z", "wwwwwww"], [True, True, False, False], 2, match_length=True)
+    two = pick_pairs(random.Random(3), ["xx", "yyyyyy", "z", "wwwwwww"], [True, True, False, False], 2,
+                     match_length=True)
     assert sorted(two) == [("xx", "z"), ("yyyyyy", "wwwwwww")]
 
 
