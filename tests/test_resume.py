@@ -1,6 +1,6 @@
 """Exact resume, for every training stage: a run killed with SIGKILL at a random step after its first checkpoint
 and resumed with --resume ends with the weights of an uninterrupted run of the same seed and writes the same
-metrics.jsonl rows after the resume point (1 process for every stage, 2 processes for sft and grpo; grpo-stale:
+metrics.jsonl rows after the resume point (1 process for every stage, 2 processes for grpo; grpo-stale:
 rollouts sampled ahead of their step, in one process and on a decoder rank)."""
 
 from __future__ import annotations
