@@ -145,10 +145,10 @@ def make_rows(task: str, n: int, seed: int, params: dict | None = None, exclude:
     is reported too small)."""
     check_task(task)
     params, seen, rows, found = dict(params or {}), set(exclude or ()), [], -1
-    size = max(2 * n, 16)
-    while len(rows) > found or found <= 0 < len(seen) and size < 64 * max(2 * n, 16):
-        # stop once drawing 4x more items finds no new problem (the space is exhausted); a first pass that finds
-        # nothing outside `exclude` draws more before giving up
+    size = first = max(2 * n, 16)
+    # stop once drawing 4x more items finds no new problem (the space is exhausted); while nothing outside
+    # `exclude` has been found, draw more (up to 64x the first pass) before giving up
+    while len(rows) > found or (not rows and seen and size < 64 * first):
         found = len(rows)
         rows, taken = [], set(seen)
         for entry in _items(task, size, seed, params):

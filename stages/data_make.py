@@ -89,12 +89,11 @@ def excluded_prompts(cfg: DataMakeConfig) -> set:
     rows = read_rows(cfg.exclude)
     if rows and not any(k in rows[0] for k in ("prompt", "text")):
         raise UserError(f"--exclude {cfg.exclude}: its rows have no 'prompt' (or 'text') column to leave out.")
-    keys = {tasks.row_key(r) for r in rows}
-    if rows and "rg_metadata" in rows[0]:  # reasoning-gym rows: their problems too, however they are worded
+    if rows and "rg_metadata" in rows[0]:  # reasoning-gym rows: their prompts and problems, however worded
         from align import rgym
 
-        keys |= rgym.row_keys(rows)
-    return keys
+        return rgym.row_keys(rows)
+    return {tasks.row_key(r) for r in rows}
 
 
 def flaw_summary(rows: list[dict]) -> dict:
@@ -168,11 +167,17 @@ def _reasoning_gym(cfg: DataMakeConfig, params: dict, excluded: set) -> dict:
     return _write(cfg, rows, test)
 
 
+def _sides(texts: list[str], correct: list[bool], distinct: bool = False) -> tuple[list[str], list[str]]:
+    """(the correct texts, the incorrect ones), in order; `distinct`: each text once."""
+    good = [t for t, c in zip(texts, correct) if c]
+    bad = [t for t, c in zip(texts, correct) if not c]
+    return (list(dict.fromkeys(good)), list(dict.fromkeys(bad))) if distinct else (good, bad)
+
+
 def pick_pair(rng: random.Random, texts: list[str], correct: list[bool]) -> tuple[str, str] | None:
     """(chosen, rejected): a correct and an incorrect completion of one prompt, drawn at random; None when the
     samples are all correct or all wrong (no preference to learn from them)."""
-    good = [t for t, c in zip(texts, correct) if c]
-    bad = [t for t, c in zip(texts, correct) if not c]
+    good, bad = _sides(texts, correct)
     if not good or not bad:
         return None
     return rng.choice(good), rng.choice(bad)
@@ -191,8 +196,7 @@ def pick_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int
         return []
     pairs = [first]
     if k > 1:
-        good = list(dict.fromkeys(t for t, c in zip(texts, correct) if c))
-        bad = list(dict.fromkeys(t for t, c in zip(texts, correct) if not c))
+        good, bad = _sides(texts, correct, distinct=True)
         rng.shuffle(good)
         rng.shuffle(bad)
         for i in range(max(len(good), len(bad))):
@@ -214,8 +218,7 @@ def _length_matched_pairs(rng: random.Random, texts: list[str], correct: list[bo
     """Up to k distinct pairs, the distinct right answers in a shuffled order (cycling), each against the not yet
     paired wrong answer closest to it in length (ties at random): length-balanced pairs (Singhal et al. 2023: a
     reward model learns whatever separates its pairs, length first)."""
-    good = list(dict.fromkeys(t for t, c in zip(texts, correct) if c))
-    bad = list(dict.fromkeys(t for t, c in zip(texts, correct) if not c))
+    good, bad = _sides(texts, correct, distinct=True)
     if not good or not bad:
         return []
     rng.shuffle(good)
