@@ -31,26 +31,26 @@ from benchmarks import vs_trl as V
 KEYS = ["time/step", "tokens", "time/generate", "time/update", "time/wait", "rollout/staleness"]
 
 
-def command(model: Path, a, gpus: int, decoders: int, out: Path) -> list[str]:
+def command(model: Path, a, gpus: int, decoders: int, out: Path, extra: str = "") -> list[str]:
     """The harness' command on `gpus` processes with `gpus` × --prompts per step (rounded down to a multiple of the
-    trainers); with `decoders` > 0 the last ones decode (staleness 1, TIS)."""
+    trainers); with `decoders` > 0 the last ones decode (staleness 1, TIS); `extra`: more flags (a sync variant)."""
     trainers = gpus - decoders
     prompts = a.prompts * gpus // trainers * trainers
     cmd = H.ours_command(model, a, gpus, out, prompts)
     cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, prompts * a.generations // trainers))
     if decoders:
         cmd += ["--rollout-gpus", str(decoders), "--max-staleness", "1", "--tis-cap", "2"]
-    return cmd
+    return cmd + extra.split()
 
 
-def measure(model: Path, a, gpus: int, decoders: int, out: Path) -> dict | None:
-    cmd = command(model, a, gpus, decoders, out)
+def measure(model: Path, a, gpus: int, decoders: int, out: Path, extra: str = "") -> dict | None:
+    cmd = command(model, a, gpus, decoders, out, extra)
     if not V.run(cmd, out.parent / (out.name + ".log"), gpus=gpus):
         return None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     med = V.median_rows([r for r in rows if "tokens" in r], KEYS)
     art = json.loads((out / "artifact.json").read_text())
-    return {**med, "gpus": gpus, "decoders": decoders, "throughput": med["tokens"] / med["time/step"],
+    return {**med, "gpus": gpus, "decoders": decoders, "extra": extra, "throughput": med["tokens"] / med["time/step"],
             "peak_per_rank": art["metrics"]["peak_memory_gib_per_rank"], "cmd": " ".join(cmd)}
 
 
@@ -63,6 +63,7 @@ def decoder_counts(spec: str, gpus: int) -> list[int]:
 
 def row(d: dict, base: dict) -> str:
     mode = f"{d['decoders']} decode + {d['gpus'] - d['decoders']} train, K=1" if d["decoders"] else "sync, data-parallel"
+    mode += f" `{d['extra']}`" if d.get("extra") else ""
     return (f"| {d['gpus']} | {mode} | {d['tokens']:,.0f} | {d['time/step']:.3f} | {d['throughput']:,.0f} | "
             f"{d['throughput'] / base['throughput']:.2f} | {d['time/generate']:.3f} | {d['time/update']:.3f} | "
             f"{d.get('time/wait', 0.0):.3f} | {', '.join(f'{m:.1f}' for m in d['peak_per_rank'])} |")
@@ -75,6 +76,8 @@ def main() -> None:
     ap.add_argument("--gpus", default="2,4,8", help="GPU counts to compare with the 1-GPU run")
     ap.add_argument("--rollout-gpus", default="1,half", help="decoder counts per GPU count: numbers, half, quarter")
     ap.add_argument("--multi-extra", default="", help="extra flags for the runs on several GPUs (sync and async)")
+    ap.add_argument("--sync-variants", default="", help="more synchronous runs on several GPUs, ';'-separated "
+                    "flag sets, e.g. '--zero-stage 0' (replicas, compiled)")
     a = ap.parse_args()
     root = V.out_root(a.out, "align-async-scaling-")
     H.long_prompts(a, root)
@@ -88,6 +91,11 @@ def main() -> None:
         for gpus in [int(g) for g in a.gpus.split(",")]:
             for decoders in [0, *decoder_counts(a.rollout_gpus, gpus)]:
                 d = measure(model, a, gpus, decoders, root / f"{name}-g{gpus}-r{decoders}")
+                if d:
+                    lines.append(row(d, base))
+                    results.append({**d, "model": name})
+            for extra in [v.strip() for v in a.sync_variants.split(";") if v.strip()]:
+                d = measure(model, a, gpus, 0, root / f"{name}-g{gpus}-sync{len(results)}", extra)
                 if d:
                     lines.append(row(d, base))
                     results.append({**d, "model": name})

@@ -97,7 +97,8 @@ def test_compile_applies_to_one_gpu_process_with_whole_parameters_only():
     assert build.compiles(True, cuda, 0, 1)
     assert not build.compiles(True, cuda, 3, 1)  # ZeRO-3's gather hooks on each block
     assert not build.compiles(True, cuda, 2, 1)  # one GPU keeps ZeRO-2 only with an offload: eager (not measured)
-    assert not build.compiles(True, cuda, 0, 2)  # several processes: eager (not measured compiled)
+    assert build.compiles(True, cuda, 0, 2)  # replicas on several GPUs: each compiles its own copy
+    assert not build.compiles(True, cuda, 3, 2)
     assert not build.compiles(True, cpu, 0, 1) and not build.compiles(False, cuda, 0, 1)
 
 

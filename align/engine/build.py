@@ -171,11 +171,12 @@ def set_block_leaves(model: torch.nn.Module) -> None:
 
 def compiles(asked: bool, device: torch.device, zero_stage: int, world_size: int) -> bool:
     """Whether a run's engines compile their blocks (`compile_blocks`): asked for (--compile, the default), on a
-    GPU (inductor's CPU code takes minutes to build on a small machine for steps that take milliseconds), in a
-    one-process ZeRO-0 run — the one-GPU default, and the case measured (ZeRO-3's gather hooks on each block
-    would break the compiled graph; ZeRO-1/2 on one GPU, i.e. with an offload, and several processes run
-    eagerly)."""
-    return asked and device.type == "cuda" and zero_stage == 0 and world_size == 1
+    GPU (inductor's CPU code takes minutes to build on a small machine for steps that take milliseconds), under
+    ZeRO-0 — the one-GPU default, and replicas on several GPUs (each process compiles its own copy; DeepSpeed
+    all-reduces the gradients after the backward, outside the compiled blocks). ZeRO-3's gather hooks on each
+    block would break the compiled graph; ZeRO-1/2 run eagerly (not measured compiled). `world_size` is kept for
+    the callers' sake: it no longer decides."""
+    return asked and device.type == "cuda" and zero_stage == 0
 
 
 def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
