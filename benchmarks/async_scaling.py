@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--gpus", default="2,4,8", help="GPU counts to compare with the 1-GPU run")
     ap.add_argument("--rollout-gpus", default="1,half", help="decoder counts per GPU count: numbers, half, quarter")
     ap.add_argument("--multi-extra", default="", help="extra flags for the runs on several GPUs (sync and async)")
+    ap.add_argument("--skip-default-sync", action="store_true", help="leave out the synchronous run at the "
+                    "default engine on several GPUs (ZeRO-3)")
     ap.add_argument("--sync-variants", default="", help="more synchronous runs on several GPUs, ';'-separated "
                     "flag sets, e.g. '--zero-stage 0' (replicas, compiled)")
     a = ap.parse_args()
@@ -89,7 +91,7 @@ def main() -> None:
             raise SystemExit("the 1-GPU run failed: see its log")
         lines = [row(base, base)]
         for gpus in [int(g) for g in a.gpus.split(",")]:
-            for decoders in [0, *decoder_counts(a.rollout_gpus, gpus)]:
+            for decoders in [0, *decoder_counts(a.rollout_gpus, gpus)][1 if a.skip_default_sync else 0:]:
                 d = measure(model, a, gpus, decoders, root / f"{name}-g{gpus}-r{decoders}")
                 if d:
                     lines.append(row(d, base))
