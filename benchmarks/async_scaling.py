@@ -34,12 +34,14 @@ KEYS = ["time/step", "tokens", "time/generate", "time/update", "time/wait", "rol
 def command(model: Path, a, gpus: int, decoders: int, out: Path, extra: str = "") -> list[str]:
     """The harness' command on `gpus` processes with `gpus` × --prompts per step (rounded down to a multiple of the
     trainers); with `decoders` > 0 the last ones decode (staleness 1, TIS); `extra`: more flags (a sync variant)."""
-    trainers = gpus - decoders
+    trainers = gpus - max(decoders, 0) if decoders >= 0 else gpus - gpus // 2  # -1: the default (auto) split
     prompts = a.prompts * gpus // trainers * trainers
     cmd = H.ours_command(model, a, gpus, out, prompts)
     cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, prompts * a.generations // trainers))
-    if decoders:
+    if decoders > 0:
         cmd += ["--rollout-gpus", str(decoders), "--max-staleness", "1", "--tis-cap", "2"]
+    elif decoders == 0:  # the synchronous run (on several GPUs the default is auto: -1)
+        cmd += ["--rollout-gpus", "0"]
     return cmd + extra.split()
 
 
@@ -62,7 +64,8 @@ def decoder_counts(spec: str, gpus: int) -> list[int]:
 
 
 def row(d: dict, base: dict) -> str:
-    mode = f"{d['decoders']} decode + {d['gpus'] - d['decoders']} train, K=1" if d["decoders"] else "sync, data-parallel"
+    mode = (f"{d['decoders']} decode + {d['gpus'] - d['decoders']} train, K=1" if d["decoders"] > 0
+            else "the defaults (no flags)" if d["decoders"] < 0 else "sync, data-parallel")
     mode += f" `{d['extra']}`" if d.get("extra") else ""
     return (f"| {d['gpus']} | {mode} | {d['tokens']:,.0f} | {d['time/step']:.3f} | {d['throughput']:,.0f} | "
             f"{d['throughput'] / base['throughput']:.2f} | {d['time/generate']:.3f} | {d['time/update']:.3f} | "
@@ -78,6 +81,8 @@ def main() -> None:
     ap.add_argument("--multi-extra", default="", help="extra flags for the runs on several GPUs (sync and async)")
     ap.add_argument("--skip-default-sync", action="store_true", help="leave out the synchronous run at the "
                     "default engine on several GPUs (ZeRO-3)")
+    ap.add_argument("--with-default", action="store_true", help="also run the plain command (its defaults) on "
+                    "several GPUs")
     ap.add_argument("--sync-variants", default="", help="more synchronous runs on several GPUs, ';'-separated "
                     "flag sets, e.g. '--zero-stage 0' (replicas, compiled)")
     a = ap.parse_args()
@@ -93,6 +98,11 @@ def main() -> None:
         for gpus in [int(g) for g in a.gpus.split(",")]:
             for decoders in [0, *decoder_counts(a.rollout_gpus, gpus)][1 if a.skip_default_sync else 0:]:
                 d = measure(model, a, gpus, decoders, root / f"{name}-g{gpus}-r{decoders}")
+                if d:
+                    lines.append(row(d, base))
+                    results.append({**d, "model": name})
+            if a.with_default:
+                d = measure(model, a, gpus, -1, root / f"{name}-g{gpus}-default")
                 if d:
                     lines.append(row(d, base))
                     results.append({**d, "model": name})

@@ -265,7 +265,7 @@ def main() -> None:
                 if on:
                     rows.append(scaling_row(n, on, o))
                     results[f"ours-{name}-n{n}-{scaling}"] = on
-            engine = a.multi_extra or "ZeRO-3 (default)"
+            engine = a.multi_extra or "the defaults (on GPUs: half decode, one step off)"
             report += [f"\n{scaling} scaling, ours, {name}, N processes with {engine} (throughput = completion tokens "
                        "per step time)",
                        "| GPUs | tokens per GPU per step | step (s) | tokens/s | vs 1 GPU | generate (s) | update (s) | "

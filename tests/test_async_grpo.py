@@ -98,3 +98,29 @@ def test_a_stale_step_is_the_off_policy_step_with_truncated_importance_weights(t
     assert "rollout/logp_abs_diff" not in got  # RLMonitor's rollout_mismatch judges fresh rollouts only
     assert got["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7) and loss.item() != 0
     assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
+
+
+@pytest.mark.parametrize("env, over, cuda, want", [
+    ({"WORLD_SIZE": "2"}, {}, True, (1, 1, 2.0)),  # 2 GPUs: 1 decodes, 1 trains, one step off with TIS
+    ({"WORLD_SIZE": "8"}, {"max_staleness": 2, "tis_cap": 5.0}, True, (4, 2, 5.0)),  # what the user set is kept
+    ({}, {"nproc": 4}, True, (2, 1, 2.0)),  # the launcher's process (--nproc) resolves it as its workers will
+    ({"WORLD_SIZE": "2"}, {"nnodes": 2, "node_rank": 0}, True, (0, 0, 0.0)),  # several machines: not measured
+    ({"WORLD_SIZE": "2"}, {}, False, (0, 0, 0.0)),  # CPUs: every process samples and trains
+    ({"WORLD_SIZE": "1"}, {}, True, (0, 0, 0.0)),  # one GPU
+    ({"WORLD_SIZE": "2"}, {"rollout_gpus": 0}, True, (0, 0, 0.0)),  # asked: synchronous
+    ({"WORLD_SIZE": "4"}, {"rollout_gpus": 1}, True, (1, 0, 0.0)),  # asked: its own staleness (0)
+])
+def test_rollout_gpus_auto_resolves_before_the_roles_are_split(monkeypatch, env, over, cuda, want):
+    """--rollout-gpus -1 (the default) becomes a number in the config every process builds: half the processes
+    decode on several GPUs of one machine (staleness 1, TIS cap 2 where left at 0), else 0."""
+    from stages.grpo import GRPOConfig
+
+    for k in ("WORLD_SIZE", "ALIGN_GLOBAL_WORLD"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = GRPOConfig(**over)
+    assert cfg.rollout_gpus == -1 or "rollout_gpus" in over
+    cfg.validate()
+    assert (cfg.rollout_gpus, cfg.max_staleness, cfg.tis_cap) == want

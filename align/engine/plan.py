@@ -636,11 +636,14 @@ def flags(change: dict) -> str:
 
 def _changes(stage: str, cfg, device: Device, data: Data):
     """Candidate changes in the order to try them, families of (change, device), each from its least drastic
-    value: a smaller micro-batch (sft: no held-out loss), gradient checkpointing, LoRA, optimizer offload, fewer
+    value: no decoder ranks, a smaller micro-batch (sft: no held-out loss), gradient checkpointing, LoRA, optimizer offload, fewer
     rollout rows or new tokens, more processes."""
     def variant(**change):
         return change, device
 
+    decoders = getattr(cfg, "rollout_gpus", 0)  # --nproc counts them too
+    if decoders > 0:  # every process trains (synchronous): the model's state shared by all of them
+        yield [({"rollout_gpus": 0}, replace(device, world=device.world + decoders))]
     micro, n = micro_rows(stage, cfg, device.world, data.prompt(cfg) + getattr(cfg, "max_new_tokens", 0))
     yield [variant(micro_batch_size=d) for d in range(micro - 1, 0, -1) if n % d == 0]
     if stage == "sft" and cfg.eval_data:
@@ -660,7 +663,6 @@ def _changes(stage: str, cfg, device: Device, data: Data):
                for p in fewer]
         yield [variant(max_new_tokens=t) for t in (cfg.max_new_tokens >> k for k in range(1, 6)) if t >= 16]
     more = {"zero_stage": 3} if cfg.zero_stage == 0 else {}
-    decoders = getattr(cfg, "rollout_gpus", 0)  # --nproc counts them too
     yield [({"nproc": device.world * k + decoders, **more}, replace(device, world=device.world * k)) for k in (2, 4, 8)]
 
 
