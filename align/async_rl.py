@@ -66,7 +66,7 @@ class LocalSampler:
     def receive(self, step: int) -> tuple[list[Completion], float, float]:
         return self.done.pop(step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass
 
 

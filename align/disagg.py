@@ -125,6 +125,15 @@ class Bridge:
         """Rank 0's `tensor` into every rank's (same shape and dtype, on this rank's device)."""
         self.weights_pg.broadcast(tensor, 0).wait()
 
+    def abort(self) -> None:
+        """Drop the bridge at once, pending operations or not (ProcessGroup.abort; shutdown where a backend has no
+        abort)."""
+        for pg in {id(p): p for p in (self.pg, self.weights_pg)}.values():
+            try:
+                getattr(pg, "abort", pg.shutdown)()
+            except Exception:  # nothing left to drop
+                pass
+
     def close(self) -> None:
         for pg in {id(p): p for p in (self.pg, self.weights_pg)}.values():
             try:
@@ -265,15 +274,22 @@ class RemoteSampler:
         return (runtime.shard(every, self.dist), max(a["seconds"] for a in answers),
                 min(a["idle"] for a in answers))
 
-    def close(self) -> None:
-        """Tell the decoders to stop (trainer 0) and close the bridge."""
+    def close(self, failed: bool = False) -> None:
+        """Tell the decoders to stop (trainer 0) and close the bridge. `failed` (the run is failing): abort the
+        bridge instead. A decoder may be mid-exchange (answering a rollout, taking weights) and would never match
+        a "stop": that broadcast would block until --dist-timeout, in C, where no signal reaches the handler, and
+        the launcher's SIGKILL would come before the run could write its failure. The decoders learn of it when
+        the bridge's connections close."""
         if self.bridge is None:
             return
-        try:
-            self.bridge.send({"op": "stop"})
-        except Exception:  # a decoder already gone, or the bridge broken mid-message: the run's error says why
-            pass
-        self.bridge.close()
+        if failed:
+            self.bridge.abort()
+        else:
+            try:
+                self.bridge.send({"op": "stop"})
+            except Exception:  # a decoder already gone, or the bridge broken mid-message: the run's error says why
+                pass
+            self.bridge.close()
         self.bridge = None
 
 

@@ -450,10 +450,10 @@ class GRPO:
     def output(self) -> Output:
         return Output(self.policy.eng, self.tok, extra={"rollout_gpus": self.cfg.rollout_gpus} if self.cfg.rollout_gpus else {})
 
-    def close(self) -> None:
-        """The decoder ranks stop (--rollout-gpus)."""
+    def close(self, failed: bool = False) -> None:
+        """The decoder ranks stop (--rollout-gpus); `failed`: the bridge is dropped without a word to them."""
         if self.rollouts is not None:
-            self.rollouts.sampler.close()
+            self.rollouts.sampler.close(failed)
 
 
 def run(cfg: GRPOConfig) -> dict:

@@ -128,3 +128,31 @@ def test_a_killed_rank_fails_the_run_at_once_and_resume_continues(tiny_model_dir
     assert "resumed from the checkpoint at step" in " ".join(resumed.split())
     assert json.loads((out / "artifact.json").read_text())["status"] == "complete"
     assert [r["step"] for r in rows(out) if "loss" in r][-1] == 6
+
+
+def test_a_failing_run_drops_the_bridge_without_a_stop_message():
+    """A run that fails (a trainer gone mid-collective) aborts the bridge: a decoder may be mid-exchange and would
+    never match a "stop", and that broadcast would block in C past the launcher's SIGKILL, before the run could
+    write its failure. A run that ends well says "stop" first."""
+    from align import disagg
+
+    said = []
+
+    class Bridge:
+        def send(self, msg):
+            said.append(("send", msg))
+
+        def abort(self):
+            said.append(("abort",))
+
+        def close(self):
+            said.append(("close",))
+
+    sampler = disagg.RemoteSampler.__new__(disagg.RemoteSampler)
+    sampler.bridge = Bridge()
+    sampler.close(failed=True)
+    assert said == [("abort",)] and sampler.bridge is None
+    said.clear()
+    sampler.bridge = Bridge()
+    sampler.close()
+    assert said == [("send", {"op": "stop"}), ("close",)] and sampler.bridge is None

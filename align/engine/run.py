@@ -581,9 +581,11 @@ def train(cfg, stage: str, algorithm) -> dict:
     """Run a training stage: `algorithm(cfg, run)` builds it, the run trains it, saves it and says how it went."""
     with StageRun(cfg, stage) as run:
         algo = algorithm(cfg, run)
+        close = getattr(algo, "close", lambda failed=False: None)  # what it holds beside its engines (decoder ranks)
         try:
             run.fit(algo)
-        finally:
-            if hasattr(algo, "close"):  # what it holds beside its engines (GRPO's decoder ranks)
-                algo.close()
+        except BaseException:
+            close(failed=True)  # no goodbye: a peer may be mid-exchange, and the failure must be written first
+            raise
+        close()
         return run.finish(algo)
