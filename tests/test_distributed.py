@@ -53,6 +53,25 @@ def runs(tmp_path_factory):
     return root, one, two
 
 
+def test_replicas_on_two_processes_match_one_process(tmp_path):
+    """--zero-stage 0 on 2 processes (replicas: each holds the whole model and optimizer, DeepSpeed all-reduces the
+    gradients; the fast synchronous choice on GPUs for a model that fits one) trains as one process does: the
+    same losses and, at the end, the same saved weights."""
+    from safetensors.torch import load_file
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    run(align_cmd("sft", "--out", str(one), "--zero-stage", "0", *SFT_ARGS))
+    run(align_cmd("sft", "--out", str(two), "--zero-stage", "0", *SFT_ARGS, nproc=2))
+    a, b = losses(one), losses(two)
+    assert len(a) == len(b) == STEPS and a[-1] < a[0]
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-4 * max(1.0, abs(x)), (a, b)
+    art = json.loads((two / "artifact.json").read_text())
+    assert art["world_size"] == 2 and art["status"] == "complete"
+    wa, wb = (load_file(d / "model" / "model.safetensors") for d in (one, two))
+    assert wa.keys() == wb.keys() and all((wa[k] - wb[k]).abs().max() <= 1e-4 for k in wa)
+
+
 def test_two_processes_match_one_process_loss_curve(runs):
     _, one, two = runs
     a, b = losses(one), losses(two)
