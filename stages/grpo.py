@@ -141,6 +141,7 @@ class GRPO:
     eval_at_start = True
 
     def __init__(self, cfg: GRPOConfig, run):
+        cfg.resolve_rollout_gpus()  # a config built without validate() (in-process callers)
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model)
         self.reward_fns = parse_rewards(cfg.reward)
@@ -457,6 +458,7 @@ class GRPO:
 
 
 def run(cfg: GRPOConfig) -> dict:
+    cfg.resolve_rollout_gpus()
     if cfg.rollout_gpus and not cfg.plan and disagg.split(cfg.rollout_gpus):  # --plan: one process plans them all
         return decoder(cfg)
     return train(cfg, "grpo", GRPO)

@@ -228,6 +228,24 @@ def test_smallest_change_in_order():
     assert P.smallest_change("grpo", cfg, big, P.Device("cuda", 1 * P.GiB), P.Data(100)) is None
 
 
+def test_decoder_ranks_are_the_first_thing_given_up_when_a_trainer_does_not_fit():
+    """GRPO's default on 2 GPUs (1 decoder + 1 trainer) puts an 8B model's whole training state on one trainer
+    (~61 GiB); synchronous ZeRO-3 over both GPUs holds half of it (~48 GiB). Between the two, the check's first
+    suggestion is --rollout-gpus 0, ahead of a smaller micro-batch or LoRA."""
+    llama8b = {"policy": P.Model("policy", P.arch(dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=128256)))}
+    flags = {"model": "x", "nproc": 2, "gradient_checkpointing": True, "micro_batch_size": 4}
+    split = build(GRPOConfig, None, {**flags, "rollout_gpus": 1})
+    sync = build(GRPOConfig, None, {**flags, "rollout_gpus": 0})
+    one_trainer = P.estimate("grpo", split, llama8b, P.Device("cuda", 1e12, 1), P.Data(100)).peak
+    both_train = P.estimate("grpo", sync, llama8b, P.Device("cuda", 1e12, 2), P.Data(100)).peak
+    assert both_train < 0.85 * one_trainer
+    between = P.Device("cuda", (one_trainer + both_train) / 2, 1)
+    change, plan = P.smallest_change("grpo", split, llama8b, between, P.Data(100))
+    assert change == "--rollout-gpus 0" and plan.fits
+
+
 def test_real_8b_grpo_against_its_measured_peaks(monkeypatch):
     """benchmarks/RESULTS.md, "GRPO at Llama-3.1-8B, 4K-token sequences" (one H200): 8 prompts x G 8, ~250-380
     prompt tokens + 3,840 new, micro-batch 4, gradient checkpointing: steady steps peaked at 95.4 GiB in the

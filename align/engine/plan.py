@@ -459,6 +459,11 @@ def longest_row(examples: list[dict]) -> int | None:
     return max(map(tokens, examples), default=None)
 
 
+def decoders_of(cfg) -> int:
+    """GRPO's decoder processes (--rollout-gpus; its auto value -1 is resolved when the config is validated)."""
+    return max(getattr(cfg, "rollout_gpus", 0), 0)
+
+
 def micro_rows(stage: str, cfg, world: int, longest: int = 0) -> tuple[int, int]:
     """(the update's micro-batch per process, the batch per process and step it must divide), as the stage
     computes them: rows, or pairs in rm and dpo (2 rows each)."""
@@ -551,8 +556,8 @@ def _grpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
     frozen = ([ref] if ref else []) + _frozen(plan, models, ("teacher", "reward model"), s)
     if ref:
         plan.add("reference: weights", model_state(ref, s)["weights"])
-    if getattr(cfg, "rollout_gpus", 0):
-        _decoder(plan, policy, cfg.rollout_gpus, cfg.prompts_per_step * cfg.num_generations, prompt,
+    if decoders_of(cfg):
+        _decoder(plan, policy, decoders_of(cfg), cfg.prompts_per_step * cfg.num_generations, prompt,
                  cfg.max_new_tokens, s)
     else:
         _rollout(plan, policy, n, prompt, cfg.max_new_tokens, s)
@@ -601,7 +606,7 @@ def estimate(stage: str, cfg, models: dict[str, Model], device: Device, data: Da
     value, teacher) to its Model (frozen; the stage decides what it trains); `data`, the lengths of the data."""
     s = setup(cfg, device)
     phases = PHASES[stage]
-    if stage == "grpo" and getattr(cfg, "rollout_gpus", 0):  # decoding on processes of its own
+    if stage == "grpo" and decoders_of(cfg):  # decoding on processes of its own
         phases = (DECODER, *phases[1:])
     if stage == "dpo":
         live = not cfg.reference_free  # the reference's forwards of a step run before the policy's micro-batches
@@ -641,8 +646,8 @@ def _changes(stage: str, cfg, device: Device, data: Data):
     def variant(**change):
         return change, device
 
-    decoders = getattr(cfg, "rollout_gpus", 0)  # --nproc counts them too
-    if decoders > 0:  # every process trains (synchronous): the model's state shared by all of them
+    decoders = decoders_of(cfg)  # --nproc counts them too
+    if decoders:  # every process trains (synchronous): the model's state shared by all of them
         yield [({"rollout_gpus": 0}, replace(device, world=device.world + decoders))]
     micro, n = micro_rows(stage, cfg, device.world, data.prompt(cfg) + getattr(cfg, "max_new_tokens", 0))
     yield [variant(micro_batch_size=d) for d in range(micro - 1, 0, -1) if n % d == 0]
@@ -753,7 +758,7 @@ def device_for(cfg) -> Device:
     from align.fast_generate import enabled_by_env
 
     # the trainers (--rollout-gpus: a trainer's WORLD_SIZE counts the trainers, align.disagg)
-    world = int(os.environ.get("WORLD_SIZE") or cfg.nproc * cfg.nnodes - getattr(cfg, "rollout_gpus", 0))
+    world = int(os.environ.get("WORLD_SIZE") or cfg.nproc * cfg.nnodes - decoders_of(cfg))
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     fake = os.environ.get(ENV_BUDGET)
     if fake:
