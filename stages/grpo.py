@@ -203,6 +203,9 @@ class GRPO:
             info(f"--max-staleness {cfg.max_staleness} without --tis-cap: the stale samples' loss is not reweighted by "
                  "π_train / π_sampler")
         if cfg.rollout_gpus:
+            info(f"rollouts: {cfg.rollout_gpus} of {disagg.world()} processes decode, the others train; each step trains "
+                 f"on a rollout {cfg.max_staleness} update(s) old (--max-staleness), TIS cap {cfg.tis_cap:g} "
+                 "(--rollout-gpus 0: every process samples and trains, on-policy)")
             sampler = disagg.RemoteSampler(self.policy.eng, self.run.dist, self.step_prompts, self.sampling_of,
                                            cfg.num_generations)
         else:
