@@ -90,6 +90,24 @@ def read_artifact(path: Path) -> dict | None:
         raise UserError(f"{f}:{e.lineno}: artifact.json is not valid JSON; rerun the stage that wrote it.") from None
 
 
+def fail_if_running(out: Path, since: float, reason: str) -> bool:
+    """The launcher's backstop: artifact.json in `out`, written since `since` (this launch) and still "running"
+    after its processes ended badly, is marked failed with `reason` (no rank lived to say why: e.g. the
+    launcher SIGKILLed ranks still blocked in a collective with a dead peer). True when it did."""
+    f = Path(out) / ARTIFACT_FILE
+    try:
+        if f.stat().st_mtime < since:
+            return False
+        record = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    if record.get("status") != "running":
+        return False
+    record.update(status="failed", reason=reason)
+    write_json_atomic(f, record)
+    return True
+
+
 def verify_artifact(path: Path) -> dict:
     """Return the artifact record of a complete, untampered artifact; else a UserError saying what to do."""
     path = Path(path)

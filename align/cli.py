@@ -57,10 +57,21 @@ def relaunch(cfg, stage: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "align", *argv]
     console.print(f"[dim]launching {nproc} process(es){f' on node {cfg.node_rank} of {nnodes}' if nnodes > 1 else ''}: "
                   f"torchrun {' '.join(launch)} -m align {' '.join(argv)}[/]")
+    import time
+
+    started = time.time()
     proc = subprocess.Popen(cmd, env=launch_env(nproc), preexec_fn=die_with_parent)
     signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signal.SIGTERM))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches torchrun and the workers themselves
-    raise SystemExit(proc.wait())
+    code = proc.wait()
+    if code and getattr(cfg, "out", None) and cfg.node_rank == 0:
+        from align.artifacts import fail_if_running
+
+        if fail_if_running(Path(cfg.out), started, f"the run's processes ended with exit code {code} before rank 0 "
+                           "could say why (a process was killed or lost, and the launcher stopped the others); see "
+                           "the log above. --resume continues from the latest checkpoint."):
+            console.print(f"[red]{cfg.out}: marked failed (artifact.json still said running)[/]")
+    raise SystemExit(code)
 
 
 def literal(text: str) -> str:

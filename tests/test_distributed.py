@@ -167,3 +167,33 @@ def test_a_node_rank_outside_nnodes_is_refused():
 
     with pytest.raises(UserError, match=r"--node-rank must be in 0\.\.1"):
         StageConfig(nnodes=2, node_rank=2)
+
+
+def test_the_launcher_marks_a_run_failed_when_no_rank_lived_to_say_why(tmp_path):
+    """`align sft --nproc 2` with both workers SIGKILLed mid-run (as torchrun does to ranks still blocked in a
+    collective 30 s after a peer died): nobody in the run can write its failure, so the launching process marks
+    artifact.json failed instead of leaving it "running"."""
+    import signal
+    import time
+
+    from tests.conftest import processes_mentioning
+
+    out = tmp_path / "killed"
+    args = ["sft", "--out", str(out), "--nproc", "2", *SFT_ARGS]
+    args[args.index("--max-steps") + 1] = "100000"
+    env = {**os.environ, "ALIGN_DIST_TIMEOUT": "120"}
+    proc = subprocess.Popen([sys.executable, "-m", "align", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not (out / "metrics.jsonl").exists():
+        time.sleep(0.1)
+    assert proc.poll() is None and json.loads((out / "artifact.json").read_text())["status"] == "running"
+    workers = [p for p in processes_mentioning(str(out)) if "TORCHELASTIC_RUN_ID" in open(f"/proc/{p}/environ").read()]
+    assert len(workers) == 2
+    for p in workers:
+        os.kill(p, signal.SIGKILL)
+    said, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, said[-3000:]
+    art = json.loads((out / "artifact.json").read_text())
+    assert art["status"] == "failed" and "before rank 0 could say why" in art["reason"], said[-3000:]
+    assert "marked failed" in " ".join(said.split())
