@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,23 @@ def test_decoder_ranks_are_the_first_thing_given_up_when_a_trainer_does_not_fit(
     between = P.Device("cuda", (one_trainer + both_train) / 2, 1)
     change, plan = P.smallest_change("grpo", split, llama8b, between, P.Data(100))
     assert change == "--rollout-gpus 0" and plan.fits
+
+
+def test_replicas_are_suggested_where_the_training_state_fits_each_gpu():
+    """Several GPU processes under ZeRO-3 (the default) for a model whose whole training state fits each GPU: the
+    plan says --zero-stage 0 would hold it (faster: compiled blocks, no gathers). Not on one GPU, a CPU, ZeRO-0
+    already, or where the replicas' peak passes 80 % of the free memory."""
+    cfg = build(SFTConfig, None, {"model": "x", "nproc": 2})
+    policy = {"policy": P.Model("policy", A)}
+    two = P.Device("cuda", 1e12, 2, True, True, "test")
+    hint = P.replicas_hint("sft", cfg, policy, two)
+    assert hint and "--zero-stage 0" in hint and "2 processes" in hint
+    assert P.replicas_hint("sft", cfg, policy, P.Device("cuda", 1e12, 1, True, True, "test")) is None
+    assert P.replicas_hint("sft", cfg, policy, P.Device("cpu", 1e12, 2, False, False, "test")) is None
+    assert P.replicas_hint("sft", build(SFTConfig, None, {"model": "x", "nproc": 2, "zero_stage": 0}), policy, two) is None
+    peak = P.estimate("sft", replace(cfg, zero_stage=0), policy, two).peak
+    assert P.replicas_hint("sft", cfg, policy, P.Device("cuda", peak / 0.79, 2, True, True, "test"))
+    assert P.replicas_hint("sft", cfg, policy, P.Device("cuda", peak / 0.81, 2, True, True, "test")) is None
 
 
 def test_real_8b_grpo_against_its_measured_peaks(monkeypatch):
