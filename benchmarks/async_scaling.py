@@ -1,16 +1,18 @@
-"""GRPO on several GPUs: synchronous data-parallel against decoder ranks with staleness 1, weak scaling.
+"""GRPO on several GPUs: synchronous data-parallel against decoder ranks with staleness 1, weak and strong scaling.
 
     python -m benchmarks.async_scaling --models 0.5b --gpus 2,4,8 --steps 6 [--rollout-gpus 1,half]
+        [--scaling weak,strong] [--with-default] [--sync-variants "--zero-stage 0"] [--skip-default-sync]
 
 The batch shape is benchmarks.grpo_vs_trl's harness (a random-init bf16 model, arithmetic prompts, G = 8, 512 new
 tokens, micro 16, gradient checkpointing, a noise reward so every group keeps its variance); --prompts (8) is the
-prompts per step of ONE GPU, and a run on N GPUs takes N × as many (weak scaling: every GPU's share of the work
-stays the 1-GPU run's). For every N:
+prompts per step of ONE GPU. Weak scaling (the default reading): a run on N GPUs takes N × as many, so every GPU's
+share of the work stays the 1-GPU run's; strong scaling: the N GPUs split the 1-GPU run's prompts. For every N:
 
-- sync: `align grpo` on N processes, every one sampling and training (ZeRO-3), the rollout from the current
-  weights;
+- sync: `align grpo --rollout-gpus 0` on N processes, every one sampling and training (ZeRO-3 unless a
+  --sync-variants flag set says otherwise, e.g. --zero-stage 0: replicas), the rollout from the current weights;
 - async, for each --rollout-gpus R: the last R processes decode, the other N − R train, `--max-staleness 1
-  --tis-cap 2` (the rollout of step t + 1 is sampled while step t trains).
+  --tis-cap 2` (the rollout of step t + 1 is sampled while step t trains);
+- --with-default: the command with no flag of either kind (GRPO's own default on N GPUs).
 
 The throughput is sampled completion tokens per second of wall time per step (the `tokens` and `time/step` each
 run logs: every GPU together), median of steps 2..S (step 1 compiles the decoder); "vs 1 GPU" divides it by the
@@ -31,11 +33,12 @@ from benchmarks import vs_trl as V
 KEYS = ["time/step", "tokens", "time/generate", "time/update", "time/wait", "rollout/staleness"]
 
 
-def command(model: Path, a, gpus: int, decoders: int, out: Path, extra: str = "") -> list[str]:
-    """The harness' command on `gpus` processes with `gpus` × --prompts per step (rounded down to a multiple of the
-    trainers); with `decoders` > 0 the last ones decode (staleness 1, TIS); `extra`: more flags (a sync variant)."""
-    trainers = gpus - max(decoders, 0) if decoders >= 0 else gpus - gpus // 2  # -1: the default (auto) split
-    prompts = a.prompts * gpus // trainers * trainers
+def command(model: Path, a, gpus: int, decoders: int, out: Path, extra: str = "", scaling: str = "weak") -> list[str]:
+    """The harness' command on `gpus` processes: `decoders` > 0 of them decode (staleness 1, TIS), 0: the
+    synchronous run, -1: no flag (the default split); `extra`: more flags. Prompts per step: `gpus` × --prompts
+    (weak scaling) or --prompts (strong), rounded down to a multiple of the trainers."""
+    trainers = gpus - decoders if decoders >= 0 else gpus - gpus // 2  # -1: the default (auto) split
+    prompts = (a.prompts * gpus if scaling == "weak" else a.prompts) // trainers * trainers
     cmd = H.ours_command(model, a, gpus, out, prompts)
     cmd[cmd.index("--micro-batch-size") + 1] = str(min(a.micro_batch_size, prompts * a.generations // trainers))
     if decoders > 0:
@@ -45,15 +48,25 @@ def command(model: Path, a, gpus: int, decoders: int, out: Path, extra: str = ""
     return cmd + extra.split()
 
 
-def measure(model: Path, a, gpus: int, decoders: int, out: Path, extra: str = "") -> dict | None:
-    cmd = command(model, a, gpus, decoders, out, extra)
+def measure(model: Path, a, gpus: int, decoders: int, out: Path, extra: str = "", scaling: str = "weak") -> dict | None:
+    cmd = command(model, a, gpus, decoders, out, extra, scaling)
     if not V.run(cmd, out.parent / (out.name + ".log"), gpus=gpus):
         return None
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     med = V.median_rows([r for r in rows if "tokens" in r], KEYS)
     art = json.loads((out / "artifact.json").read_text())
-    return {**med, "gpus": gpus, "decoders": decoders, "extra": extra, "throughput": med["tokens"] / med["time/step"],
-            "peak_per_rank": art["metrics"]["peak_memory_gib_per_rank"], "cmd": " ".join(cmd)}
+    return {**med, "gpus": gpus, "decoders": decoders, "extra": extra, "scaling": scaling,
+            "throughput": med["tokens"] / med["time/step"], "peak_per_rank": art["metrics"]["peak_memory_gib_per_rank"],
+            "cmd": " ".join(cmd)}
+
+
+def runs_on(a, gpus: int) -> list[tuple[int, str]]:
+    """(decoders, extra flags) of every run on `gpus` GPUs: the synchronous default engine (unless
+    --skip-default-sync), each --rollout-gpus count, the plain command (--with-default), each --sync-variants."""
+    runs = [] if a.skip_default_sync else [(0, "")]
+    runs += [(n, "") for n in decoder_counts(a.rollout_gpus, gpus)]
+    runs += [(-1, "")] if a.with_default else []
+    return runs + [(0, v.strip()) for v in a.sync_variants.split(";") if v.strip()]
 
 
 def decoder_counts(spec: str, gpus: int) -> list[int]:
@@ -81,6 +94,8 @@ def main() -> None:
     ap.add_argument("--multi-extra", default="", help="extra flags for the runs on several GPUs (sync and async)")
     ap.add_argument("--skip-default-sync", action="store_true", help="leave out the synchronous run at the "
                     "default engine on several GPUs (ZeRO-3)")
+    ap.add_argument("--scaling", default="weak", help="weak (prompts per step grow with the GPUs), strong (the "
+                    "1-GPU run's prompts split over them), or both: weak,strong")
     ap.add_argument("--with-default", action="store_true", help="also run the plain command (its defaults) on "
                     "several GPUs")
     ap.add_argument("--sync-variants", default="", help="more synchronous runs on several GPUs, ';'-separated "
@@ -94,28 +109,20 @@ def main() -> None:
         base = measure(model, a, 1, 0, root / f"{name}-g1-sync")
         if base is None:
             raise SystemExit("the 1-GPU run failed: see its log")
-        lines = [row(base, base)]
-        for gpus in [int(g) for g in a.gpus.split(",")]:
-            for decoders in [0, *decoder_counts(a.rollout_gpus, gpus)][1 if a.skip_default_sync else 0:]:
-                d = measure(model, a, gpus, decoders, root / f"{name}-g{gpus}-r{decoders}")
-                if d:
-                    lines.append(row(d, base))
-                    results.append({**d, "model": name})
-            if a.with_default:
-                d = measure(model, a, gpus, -1, root / f"{name}-g{gpus}-default")
-                if d:
-                    lines.append(row(d, base))
-                    results.append({**d, "model": name})
-            for extra in [v.strip() for v in a.sync_variants.split(";") if v.strip()]:
-                d = measure(model, a, gpus, 0, root / f"{name}-g{gpus}-sync{len(results)}", extra)
-                if d:
-                    lines.append(row(d, base))
-                    results.append({**d, "model": name})
         results.append({**base, "model": name})
-        report += [f"\n### GRPO {name}: {a.prompts} prompts per GPU x G={a.generations}, {a.max_new_tokens} new "
-                   f"tokens (weak scaling); median of steps 2..{a.steps}",
-                   "| GPUs | mode | tokens per step | step (s) | tokens/s | vs 1 GPU | generate (s) | update (s) | "
-                   "wait (s) | peak GiB per trainer |", "|---|---|---|---|---|---|---|---|---|---|", *lines]
+        for scaling in a.scaling.split(","):
+            lines = [row(base, base)]
+            for gpus in [int(g) for g in a.gpus.split(",")]:
+                for i, (decoders, extra) in enumerate(runs_on(a, gpus)):
+                    d = measure(model, a, gpus, decoders, root / f"{name}-{scaling}-g{gpus}-{i}", extra, scaling)
+                    if d:
+                        lines.append(row(d, base))
+                        results.append({**d, "model": name})
+            per = f"{a.prompts} prompts per GPU" if scaling == "weak" else f"{a.prompts} prompts over all GPUs"
+            report += [f"\n### GRPO {name}: {per} x G={a.generations}, {a.max_new_tokens} new tokens ({scaling} "
+                       f"scaling); median of steps 2..{a.steps}",
+                       "| GPUs | mode | tokens per step | step (s) | tokens/s | vs 1 GPU | generate (s) | update (s) | "
+                       "wait (s) | peak GiB per trainer |", "|---|---|---|---|---|---|---|---|---|---|", *lines]
     print("\n".join(report))
     V.write_json(root / "async_scaling.json", {"results": results, "argv": sys.argv})
 
