@@ -379,9 +379,19 @@ def test_reward_model_and_ppo_with_lora(tmp_path, tiny_model_dir):
 
 
 def test_bad_lora_flags_exit_2(tmp_path):
+    """Through the CLI: exit 2 and the flag named; the other config-level refusals in-process (the same check)."""
+    from align.config import build
+    from align.errors import UserError
+    from stages.grpo import GRPOConfig
+    from stages.sft import SFTConfig
+
     assert_user_error(run_align("sft", "--lora-r", "-1", "--out", tmp_path / "sft"), "--lora-r")
-    assert_user_error(run_align("grpo", "--lora-r", "4", "--lora-dropout", "1.5", "--out", tmp_path / "g"),
-                      "--lora-dropout")
+    with pytest.raises(UserError, match="--lora-dropout"):
+        build(GRPOConfig, None, {"lora_r": 4, "lora_dropout": 1.5})
+    with pytest.raises(UserError, match="--lora-r"):  # --no-merge keeps an adapter: there must be one
+        build(SFTConfig, None, {"merge": False})
+    with pytest.raises(UserError, match="preset"):  # an adapter over a random init could not be merged later
+        build(SFTConfig, None, {"model": "tiny", "lora_r": 4, "merge": False})
     said = assert_user_error(run_align("sft", "--lora-r", "4", "--lora-targets", "embed_tokens,q_proj", "--max-steps",
                                        "1", "--data", ARITH, "--out", tmp_path / "e"), "embeddings")
     assert "embed_tokens" in said
@@ -405,7 +415,8 @@ def test_a_lora_run_resumes_exactly(tmp_path):
 def test_no_merge_keeps_the_adapter_alone_and_later_stages_merge_it_into_its_base(tmp_path, tiny_model_dir):
     """--no-merge: model/ holds the config, tokenizer and adapter but no weights; loading the artifact (any stage)
     merges the adapter into the run's --model and gives the weights the --merge run saved; a reward model's
-    score head comes from the adapter. A changed base, a preset base and --no-merge without --lora-r: exit 2."""
+    score head comes from the adapter. A changed base is refused (a preset base and --no-merge without --lora-r:
+    test_bad_lora_flags_exit_2)."""
     import shutil
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -449,6 +460,3 @@ def test_no_merge_keeps_the_adapter_alone_and_later_stages_merge_it_into_its_bas
     (base / "config.json").write_text((base / "config.json").read_text() + "\n")  # the base changed since
     with pytest.raises(UserError, match="has changed since the adapter was trained"):
         resolve(str(tmp_path / "alone"))
-    assert_user_error(run_align("sft", "--no-merge", "--out", tmp_path / "x"), "--lora-r")
-    assert_user_error(run_align("sft", "--model", "tiny", "--lora-r", "4", "--no-merge", "--out", tmp_path / "y"),
-                      "preset")
