@@ -128,17 +128,18 @@ class Bridge:
     def abort(self) -> None:
         """Drop the bridge at once, pending operations or not (ProcessGroup.abort; shutdown where a backend has no
         abort)."""
-        for pg in {id(p): p for p in (self.pg, self.weights_pg)}.values():
-            try:
-                getattr(pg, "abort", pg.shutdown)()
-            except Exception:  # nothing left to drop
-                pass
+        self._end(lambda pg: getattr(pg, "abort", pg.shutdown)())
 
     def close(self) -> None:
+        self._end(lambda pg: pg.shutdown())  # a gloo group left alive aborts the process at interpreter teardown
+
+    def _end(self, how) -> None:
+        """`how` on each of the bridge's groups (one when the weights share it); a peer already gone leaves nothing
+        to end cleanly."""
         for pg in {id(p): p for p in (self.pg, self.weights_pg)}.values():
             try:
-                pg.shutdown()  # a gloo group left alive aborts the process at interpreter teardown
-            except Exception:  # a peer already gone: nothing to close cleanly
+                how(pg)
+            except Exception:
                 pass
 
 

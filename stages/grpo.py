@@ -113,10 +113,14 @@ class GRPOConfig(RLConfig):
             raise UserError(f"{name} is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
         self.resolve_rollout_gpus()
         if self.rollout_gpus:
-            disagg.require_trainers(self.rollout_gpus, int(os.environ.get("ALIGN_GLOBAL_WORLD") or
-                                                           os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes))
+            disagg.require_trainers(self.rollout_gpus, self.launched_world())
         self.ks()
         parse_rewards(self.reward)  # an unknown reward or a bad weight fails here, before --out is touched
+
+    def launched_world(self) -> int:
+        """Every process of the run, trainers and decoders: the launcher's count (kept in ALIGN_GLOBAL_WORLD once
+        the roles are split), else the one --nproc × --nnodes will start."""
+        return int(os.environ.get("ALIGN_GLOBAL_WORLD") or os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes)
 
     def resolve_rollout_gpus(self) -> None:
         """--rollout-gpus -1 (auto) becomes a number: on W >= 2 GPU processes of one machine, W // 2 decoders
@@ -126,7 +130,7 @@ class GRPOConfig(RLConfig):
             return
         import torch
 
-        world = int(os.environ.get("ALIGN_GLOBAL_WORLD") or os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes)
+        world = self.launched_world()
         self.rollout_gpus = world // 2 if world >= 2 and self.nnodes == 1 and torch.cuda.is_available() else 0
         if self.rollout_gpus:
             self.max_staleness = self.max_staleness or 1

@@ -68,6 +68,18 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def worker_pid(out, rank: int) -> int:
+    """The worker process of launcher rank `rank` of the run writing `out`."""
+    for pid in processes_mentioning(str(out)):
+        try:
+            env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if env.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in env:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
 def run_align(*args, env: dict | None = None, timeout: float = 300, cwd: str | Path | None = None):
     """`python -m align ARGS` in a fresh process; returns the CompletedProcess (text, captured)."""
     child = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}

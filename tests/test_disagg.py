@@ -14,7 +14,7 @@ import time
 import pytest
 
 from align.runtime import free_port
-from tests.conftest import _DIST_ENV, assert_same_training, parity_reward, processes_mentioning, small_sft
+from tests.conftest import _DIST_ENV, assert_same_training, parity_reward, small_sft, worker_pid
 
 ARGS = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--micro-batch-size", "8",
         "--eval-samples", "4", "--eval-k", "1", "--lr", "3e-3", "--warmup-steps", "0", "--reward", "math", *small_sft()]
@@ -90,18 +90,6 @@ def test_staleness_1_with_decoder_ranks_is_the_one_process_algorithm(runs, tiny_
     got = rows(runs / "stale_disagg")
     assert [r["rollout/staleness"] for r in got if "rollout/staleness" in r] == [0, 1, 1]
     assert all(r["time/wait"] >= 0 and r["time/wait_decoder"] >= 0 for r in got if "loss" in r)
-
-
-def worker_pid(out, rank: int) -> int:
-    """The worker process of launcher rank `rank` of the run writing `out`."""
-    for pid in processes_mentioning(str(out)):
-        try:
-            env = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if env.get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in env:
-            return pid
-    raise AssertionError(f"no worker of rank {rank} found")
 
 
 @pytest.mark.parametrize("victim, nproc, rank, reason", [

@@ -40,6 +40,13 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+def assert_same_curve(a: list[float], b: list[float], rel: float = 1e-4) -> None:
+    """Both runs logged STEPS losses, equal step by step within `rel` (float reduction order aside)."""
+    assert len(a) == len(b) == STEPS, (a, b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * max(1.0, abs(x)), (a, b)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
@@ -63,9 +70,8 @@ def test_replicas_on_two_processes_match_one_process(tmp_path):
     run(align_cmd("sft", "--out", str(one), "--zero-stage", "0", *SFT_ARGS))
     run(align_cmd("sft", "--out", str(two), "--zero-stage", "0", *SFT_ARGS, nproc=2))
     a, b = losses(one), losses(two)
-    assert len(a) == len(b) == STEPS and a[-1] < a[0]
-    for x, y in zip(a, b):
-        assert abs(x - y) <= 1e-4 * max(1.0, abs(x)), (a, b)
+    assert_same_curve(a, b)
+    assert a[-1] < a[0]
     art = json.loads((two / "artifact.json").read_text())
     assert art["world_size"] == 2 and art["status"] == "complete"
     wa, wb = (load_file(d / "model" / "model.safetensors") for d in (one, two))
@@ -75,10 +81,8 @@ def test_replicas_on_two_processes_match_one_process(tmp_path):
 def test_two_processes_match_one_process_loss_curve(runs):
     _, one, two = runs
     a, b = losses(one), losses(two)
-    assert len(a) == len(b) == STEPS
     # Same global batches, loss normalised by the global token count: only float reduction order differs.
-    for x, y in zip(a, b):
-        assert abs(x - y) <= 1e-4 * max(1.0, abs(x)), (a, b)
+    assert_same_curve(a, b)
     assert a[-1] < a[0]  # and it is learning
 
 
@@ -155,10 +159,7 @@ def test_two_nodes_of_one_process_match_one_node_of_two(runs):
     logs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(x[-3000:] for x in logs)
     assert "on node 1 of 2" in logs[1]
-    a, b = losses(two), losses(out)
-    assert len(a) == len(b) == STEPS
-    for x, y in zip(a, b):
-        assert abs(x - y) <= 1e-6 * max(1.0, abs(x)), (a, b)
+    assert_same_curve(losses(two), losses(out), rel=1e-6)
 
 
 def test_a_node_rank_outside_nnodes_is_refused():
@@ -176,7 +177,7 @@ def test_the_launcher_marks_a_run_failed_when_no_rank_lived_to_say_why(tmp_path)
     import signal
     import time
 
-    from tests.conftest import processes_mentioning
+    from tests.conftest import worker_pid
 
     out = tmp_path / "killed"
     args = ["sft", "--out", str(out), "--nproc", "2", *SFT_ARGS]
@@ -188,10 +189,8 @@ def test_the_launcher_marks_a_run_failed_when_no_rank_lived_to_say_why(tmp_path)
     while time.time() < deadline and proc.poll() is None and not (out / "metrics.jsonl").exists():
         time.sleep(0.1)
     assert proc.poll() is None and json.loads((out / "artifact.json").read_text())["status"] == "running"
-    workers = [p for p in processes_mentioning(str(out)) if "TORCHELASTIC_RUN_ID" in open(f"/proc/{p}/environ").read()]
-    assert len(workers) == 2
-    for p in workers:
-        os.kill(p, signal.SIGKILL)
+    for pid in [worker_pid(out, rank) for rank in (0, 1)]:
+        os.kill(pid, signal.SIGKILL)
     said, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0, said[-3000:]
     art = json.loads((out / "artifact.json").read_text())

@@ -641,8 +641,8 @@ def flags(change: dict) -> str:
 
 def _changes(stage: str, cfg, device: Device, data: Data):
     """Candidate changes in the order to try them, families of (change, device), each from its least drastic
-    value: no decoder ranks, a smaller micro-batch (sft: no held-out loss), gradient checkpointing, LoRA, optimizer offload, fewer
-    rollout rows or new tokens, more processes."""
+    value: no decoder ranks, a smaller micro-batch (sft: no held-out loss), gradient checkpointing, LoRA, optimizer
+    offload, fewer rollout rows or new tokens, more processes."""
     def variant(**change):
         return change, device
 
