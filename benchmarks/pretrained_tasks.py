@@ -1,7 +1,7 @@
 """The pretrained pipeline (`pipelines/pretrained.toml`) on several reasoning-gym tasks, only the task changed, each
 beside GRPO alone from the base model given as many policy-training steps as the chain's DPO + PPO + GRPO stages.
 
-Every run goes at once on one GPU (a 135M model leaves most of an H200 idle): per task one `align pipeline run` of
+Every run goes at once, each on one GPU (a 135M model leaves most of an H200 idle; several GPUs share the runs out): per task one `align pipeline run` of
 the chain and one of a two-stage pipeline (the same `tasks` stage, then the chain's `grpo` stage with the base model
 and the summed step count). Rerun the command to continue: complete stages are skipped, an interrupted one resumes
 from its checkpoint. At the end, one table: held-out greedy pass@1 after every stage, the reward model's held-out
@@ -81,10 +81,20 @@ def recipe(path: str, overrides: list[str]) -> dict:
     return pipe
 
 
+def gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
+    """Start every task's runs. On a machine with several GPUs each run gets one (CUDA_VISIBLE_DEVICES), spread so
+    that a task's chain and its GRPO alone sit on different GPUs where there are two or more."""
     pipe = recipe(args.pipeline, args.set)
-    runs = []
-    for name in args.tasks:
+    runs, gpus = [], gpu_count()
+    for t, name in enumerate(args.tasks):
         d = out / name
         d.mkdir(parents=True, exist_ok=True)
         alone_file = d / "alone.toml"
@@ -96,9 +106,10 @@ def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
                 "--set", f"pipeline.out={d / chain_dir(variant)}",
                 *[a for k in MODEL_KEYS for a in ("--set", f"{k}={args.model}")],
                 *[a for o in [*args.set, *extra, *task_overrides(name)] for a in ("--set", o)]]
-        for kind, cmd in commands.items():
+        for k, (kind, cmd) in enumerate(commands.items()):
             log = open(d / f"{kind}.log", "a")
-            runs.append((f"{name}/{kind}", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str((t + k) % gpus)) if gpus > 1 else None
+            runs.append((f"{name}/{kind}", subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                                              start_new_session=True, cwd=ROOT)))
     return runs
 
