@@ -147,10 +147,10 @@ def math_reward(completion, answer, tol=1e-6):
     pred = _fraction(extract_answer(completion))
     if pred is None:
         return 0.0
-    bound = tol * max(1.0, abs(float(want)))
+    bound = Fraction(tol) * max(1, abs(want))  # exact: '1e400' is a number a float cannot hold
     if (d := _decimal_places(ref)) is not None:
-        bound = min(bound, 0.5 * 10.0 ** -d)
-    return 1.0 if pred == want or abs(float(pred) - float(want)) <= bound else 0.0
+        bound = min(bound, Fraction(1, 2) / Fraction(10) ** d)
+    return 1.0 if abs(pred - want) <= bound else 0.0
 
 
 def parse_int_list(text):

@@ -185,7 +185,7 @@ def summarise(names, out: Path, variants=("",)) -> dict:
                "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("grpo_alone", alone)]}}
         chain = [row["base"], row["dpo"], row["ppo"], row["grpo"]]
         if None not in chain and row["grpo_alone"] is not None and row["rm_heldout_accuracy"] is not None:
-            steps_ok = all(b >= a - 0.02 + 1e-9 for a, b in zip(chain, chain[1:]))
+            steps_ok = all(b >= a - 0.02 - 1e-9 for a, b in zip(chain, chain[1:]))
             row["checks"] = {"every stage >= input - 2 points": steps_ok,
                              "rm held-out accuracy >= 0.75": row["rm_heldout_accuracy"] >= 0.75,
                              "final >= GRPO alone": row["grpo"] >= row["grpo_alone"]}

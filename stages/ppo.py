@@ -71,7 +71,7 @@ class PPOConfig(RLConfig):
     ptx_max_length: int = opt(128, "Max tokens per pretraining text (cut on the right).", ge=1)
     minibatch_size: int = opt(32, "Episodes per optimiser step (all processes).", ge=1)
     ppo_epochs: int = opt(4, "Passes over each rollout batch.", ge=1)
-    max_prompt_length: int = opt(128, "Prompts longer than this many tokens are dropped (all of them: exit 2).",
+    max_prompt_length: int = opt(512, "Prompts longer than this many tokens are dropped (all of them: exit 2).",
                                    ge=1)
     vf_lr: float = opt(3e-4, "Value network learning rate (its own AdamW).", gt=0)
     cliprange: float = opt(0.2, "ε of the clipped surrogate.", gt=0)

@@ -130,6 +130,14 @@ def test_math_reward_reads_scientific_notation():
     assert extract_answer("it is 3e") == "3" and extract_answer("7e5.3") == "5.3"  # no digits after e; not 7e5
 
 
+def test_math_reward_compares_numbers_no_float_can_hold():
+    """A sampled '1e400' (seen on number_format) is a wrong answer, not an OverflowError that kills the evaluation;
+    the comparison is exact, so numbers past a float's range still compare by value."""
+    assert math_reward("The largest is 1e400", "526.007") == 0.0
+    assert math_reward("so 1e400", "1e400") == 1.0 and math_reward("so 1e400", "1.000001e400") == 0.0
+    assert math_reward("-1e999", "5") == 0.0 and math_reward("5", "1e999") == 0.0
+
+
 def test_parse_int_list():
     assert parse_int_list("1 3 7 9") == [1, 3, 7, 9]
     assert parse_int_list("1, 3, -2, 7.") == [1, 3, -2, 7]
