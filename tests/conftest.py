@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,13 +81,155 @@ def worker_pid(out, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} found")
 
 
-def run_align(*args, env: dict | None = None, timeout: float = 300, cwd: str | Path | None = None):
-    """`python -m align ARGS` in a fresh process; returns the CompletedProcess (text, captured)."""
-    child = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+def align_env(env: dict | None = None) -> dict:
+    """The environment of an `align` process a test starts: this one's without the distributed variables (a child
+    must start its own group), wide lines, and `env`."""
+    child = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and k != "PYTEST_CURRENT_TEST"}
     child["COLUMNS"] = "500"  # rich wraps at the terminal width: keep each message on one line
     child.update(env or {})
-    return subprocess.run([sys.executable, "-m", "align", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=child, cwd=str(cwd) if cwd else None)
+    return child
+
+
+def run_align(*args, env: dict | None = None, timeout: float = 300, cwd: str | Path | None = None,
+              fresh: bool = False):
+    """`python -m align ARGS` in a process of its own; returns the CompletedProcess (text, captured). The process
+    is an AlignProcess (forked, the imports paid once per test worker) unless `fresh` or `env` asks for a new
+    interpreter (a variable may be read at import time: HF_HUB_OFFLINE)."""
+    if fresh or env:
+        return subprocess.run([sys.executable, "-m", "align", *map(str, args)], capture_output=True, text=True,
+                              timeout=timeout, env=align_env(env), cwd=str(cwd) if cwd else None)
+    proc = AlignProcess(args, align_env(), cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# What every `align` process imports: ~3.5 s of CPU before it does anything, most of a tiny stage's run.
+PRELOAD = ["torch", "transformers", "deepspeed", "align.cli", "stages.sft", "stages.eval", "stages.rm", "stages.dpo",
+           "stages.grpo", "stages.ppo", "stages.model_init", "tests.conftest"]
+
+
+@functools.lru_cache(maxsize=None)
+def align_processes():
+    """A multiprocessing fork server (one per test process) that imported PRELOAD once, started in an environment
+    without the variables read at import time that a run sets for itself (rich's COLUMNS, the distributed ones).
+    A process forked from it has the boundary of a new interpreter (its own distributed group, memory, signals,
+    exit code and output), as `align pipeline run` starts its stages (align/pipeline.py: stage_processes)."""
+    import ctypes
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    getenv = ctypes.CDLL(None).getenv  # the process's environment, which a library may have set past os.environ
+    getenv.restype = ctypes.c_char_p
+    keys = (*_DIST_ENV, "COLUMNS", "LINES", "PYTEST_CURRENT_TEST")
+    saved = {k: getenv(k.encode()) for k in keys}
+    try:
+        for k in keys:
+            os.unsetenv(k)
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is not None:
+                os.putenv(k, v.decode())
+    return ctx
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _align_fork_server():
+    """The fork server, started before a test could start multiprocessing's (one per process, which a pipeline run
+    in a test's own process and tests/test_disk.py use too) in the environment of its moment."""
+    align_processes()
+
+
+def _forked_align(argv: list[str], env: dict, cwd: str | None, stdout: str, stderr: str | None) -> None:
+    """In the forked process: what `python -m align ARGV` does in a new one, its output written to files (stderr
+    None: into stdout's), its exit code (SystemExit's; 1 and a traceback for an uncaught exception) the process's."""
+    import runpy
+    import threading
+    import traceback
+
+    for fd, path in ((1, stdout), (2, stderr)):
+        if path is None:
+            os.dup2(1, fd)
+            continue
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd:
+        os.chdir(cwd)
+    sys.path.insert(0, os.getcwd())  # as `python -m` puts it first
+    sys.argv = ["align", *argv]
+    code = 0
+    try:
+        runpy.run_module("align", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for t in threading.enumerate():  # the interpreter's exit waits for them
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code & 0xFF)
+
+
+class AlignProcess:
+    """`python -m align ARGS` forked from `align_processes`' server, with the part of subprocess.Popen's interface
+    the tests use (args, pid, poll, wait, communicate, kill, send_signal, returncode; text output): `env` is its
+    whole environment (None: this process's), stdout and stderr captured apart or, `stderr_to_stdout`, together."""
+
+    def __init__(self, args, env: dict | None = None, cwd: str | Path | None = None, stderr_to_stdout: bool = False):
+        argv = [str(a) for a in args]
+        self.args = [sys.executable, "-m", "align", *argv]
+        self._dir = Path(tempfile.mkdtemp(prefix="align-run-"))
+        self._files = [self._dir / "stdout", None if stderr_to_stdout else self._dir / "stderr"]
+        env = dict(os.environ if env is None else env)
+        self._proc = align_processes().Process(target=_forked_align, args=(
+            argv, env, str(cwd) if cwd else None, *(str(f) if f else None for f in self._files)))
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None):
+        self.wait(timeout)
+        said = tuple(f.read_text(errors="replace") if f and f.exists() else None for f in self._files)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return said
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(9)
 
 
 def output(proc) -> str:
