@@ -18,11 +18,11 @@ import pytest
 from safetensors.torch import load_file
 
 from align.runtime import free_port
-from tests.conftest import _DIST_ENV, ROOT, parity_reward, processes_mentioning
+from tests.conftest import _DIST_ENV, ROOT, AlignProcess, parity_reward, processes_mentioning
 
-STEPS = 10
+STEPS = 6
 ARITH = ROOT / "data/arithmetic/train.jsonl"
-COMMON = ["--max-steps", str(STEPS), "--warmup-steps", "2", "--eval-every", "5", "--save-every", "1"]
+COMMON = ["--max-steps", str(STEPS), "--warmup-steps", "2", "--eval-every", "3", "--save-every", "1"]
 STAGES = {
     "sft": ["sft", "--batch-size", "8", "--lr", "3e-3", "--eval-samples", "4", "--max-new-tokens", "4"],
     "rm": ["rm", "train", "--batch-size", "8", "--lr", "3e-3", "--normalize-samples", "8"],
@@ -54,11 +54,21 @@ def command(args, nproc):
 
 
 def start(args, nproc=1):
+    """A run in a new process group (a killed run: kill_at ends the group, wait_gone finds its processes by --out)."""
+    return subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env(), start_new_session=True)
+
+
+def launch(args, nproc=1):
+    """A run that is not killed: one process forked with the imports done (tests/conftest.py: AlignProcess), or
+    torchrun's."""
+    return AlignProcess(args, env(), stderr_to_stdout=True) if nproc == 1 else start(args, nproc)
+
+
+def env() -> dict:
     # one OpenMP thread each: the uninterrupted and the doomed run share the machine's cores
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-    env.update(OMP_NUM_THREADS="1", ALIGN_DIST_TIMEOUT="120")
-    return subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    return {**{k: v for k, v in os.environ.items() if k not in _DIST_ENV}, "OMP_NUM_THREADS": "1",
+            "ALIGN_DIST_TIMEOUT": "120"}
 
 
 def finish(proc, code: int = 0) -> str:
@@ -151,7 +161,7 @@ def killed_run(args, out, nproc):
 def check_resume(stage, inputs, tmp_path, nproc=1):
     ref, out = tmp_path / "uninterrupted", tmp_path / "killed"
     args = [*(ONE_PROCESS if nproc == 1 else TWO_PROCESS)[stage], *inputs[stage], *COMMON]
-    uninterrupted = start([*args, "--out", str(ref)], nproc)
+    uninterrupted = launch([*args, "--out", str(ref)], nproc)
     art, resumed_at = killed_run(args, out, nproc)
     finish(uninterrupted)
     # SIGKILL: nothing could mark it failed; 2 processes: the workers outlive the killed torchrun long enough to
@@ -163,10 +173,10 @@ def check_resume(stage, inputs, tmp_path, nproc=1):
     assert 1 <= resumed_at < STEPS
     assert not (out / "model").exists()
     if stage == "sft":  # an incomplete artifact is refused as an input
-        refused = finish(start(["eval", str(out), "--out", str(tmp_path / "eval")]), code=2)
+        refused = finish(launch(["eval", str(out), "--out", str(tmp_path / "eval")]), code=2)
         assert "incomplete" in refused and "Traceback" not in refused
 
-    said = finish(start([*args, "--out", str(out), "--resume"], nproc))
+    said = finish(launch([*args, "--out", str(out), "--resume"], nproc))
     assert f"resumed from the checkpoint at step {resumed_at}" in " ".join(said.split())
     assert json.loads((out / "artifact.json").read_text())["status"] == "complete"
     a, b = weights(ref), weights(out)
@@ -184,14 +194,14 @@ def test_resume_applies_a_new_lr_and_refuses_other_changes_before_touching_the_a
     out = tmp_path / "sft"
     args = [*STAGES["sft"], *inputs["sft"], "--max-steps", "2", "--eval-every", "0", "--schedule", "constant",
             "--warmup-steps", "0", "--out", str(out)]
-    finish(start(args))
+    finish(launch(args))
     before = (out / "artifact.json").read_text()
-    proc = start([*args, "--resume", "--batch-size", "4"])
+    proc = launch([*args, "--resume", "--batch-size", "4"])
     said = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2 and "--batch-size 8 -> 4" in " ".join(said.split()) and "Traceback" not in said
     assert (out / "artifact.json").read_text() == before
 
-    said = finish(start([*args, "--resume", "--lr", "1e-3", "--max-steps", "3"]))
+    said = finish(launch([*args, "--resume", "--lr", "1e-3", "--max-steps", "3"]))
     assert "--lr 0.003 -> 0.001 from step 2 on" in " ".join(said.split())
     assert [r["lr"] for r in step_lines(out) if "lr" in r] == [3e-3, 3e-3, 1e-3]
 
@@ -199,7 +209,7 @@ def test_resume_applies_a_new_lr_and_refuses_other_changes_before_touching_the_a
 def test_checkpoint_holds_rng_algorithm_and_monitor_state(inputs, tmp_path):
     """What a checkpoint holds besides DeepSpeed's engine state: each rank's RNG, the run's own state."""
     out = tmp_path / "sft"
-    finish(start([*STAGES["sft"], *inputs["sft"], "--max-steps", "2", "--eval-every", "0", "--out", str(out)]))
+    finish(launch([*STAGES["sft"], *inputs["sft"], "--max-steps", "2", "--eval-every", "0", "--out", str(out)]))
     step = out / "checkpoints" / "step2"
     state = json.loads((step / "state.json").read_text())
     assert state["step"] == 2 and state["config"]["lr"] == 3e-3 and state["last"]["loss"] > 0
@@ -216,10 +226,10 @@ def test_a_new_max_steps_on_resume_continues_a_constant_schedule_and_is_refused_
     artifact.json; otherwise exit 2 names the two ways on, with nothing touched."""
     base = [*STAGES["sft"], *inputs["sft"], "--eval-every", "0", "--warmup-steps", "1"]
     constant, short, full = [*base, "--schedule", "constant"], tmp_path / "short", tmp_path / "full"
-    finish(start([*constant, "--max-steps", "2", "--out", str(short)]))
-    said = finish(start([*constant, "--max-steps", "4", "--out", str(short), "--resume"]))
+    finish(launch([*constant, "--max-steps", "2", "--out", str(short)]))
+    said = finish(launch([*constant, "--max-steps", "4", "--out", str(short), "--resume"]))
     assert "--max-steps 2 -> 4: the learning rate is constant" in " ".join(said.split())
-    finish(start([*constant, "--max-steps", "4", "--out", str(full)]))
+    finish(launch([*constant, "--max-steps", "4", "--out", str(full)]))
     art = json.loads((short / "artifact.json").read_text())
     assert art["status"] == "complete" and art["metrics"]["steps"] == 4
     assert art["resumed"] == [{"step": 2, "max_steps": 2}]
@@ -228,13 +238,13 @@ def test_a_new_max_steps_on_resume_continues_a_constant_schedule_and_is_refused_
 
     def refused(args, out, *needles):
         before = (out / "artifact.json").read_text()
-        said = " ".join(finish(start([*args, "--out", str(out), "--resume"]), code=2).split())
+        said = " ".join(finish(launch([*args, "--out", str(out), "--resume"]), code=2).split())
         assert "Traceback" not in said and all(n in said for n in needles), said
         assert (out / "artifact.json").read_text() == before
 
     refused([*constant, "--max-steps", "3"], short, "--max-steps 4 -> 3: the checkpoint is at step 4, past the new "
             "end", "Resume with --max-steps 4, or start over with --max-steps 3 (without --resume)")
     cosine = tmp_path / "cosine"
-    finish(start([*base, "--max-steps", "2", "--out", str(cosine)]))
+    finish(launch([*base, "--max-steps", "2", "--out", str(cosine)]))
     refused([*base, "--max-steps", "4"], cosine, "--max-steps 2 -> 4: the checkpoint is at step 2 of a cosine "
             "learning-rate schedule over 2 steps", "Resume with --max-steps 2, or start over with --max-steps 4")
