@@ -14,22 +14,24 @@ import time
 import pytest
 
 from align.runtime import free_port
-from tests.conftest import _DIST_ENV, assert_same_training, parity_reward, small_sft, worker_pid
+from tests.conftest import _DIST_ENV, AlignProcess, assert_same_training, parity_reward, small_sft, worker_pid
 
 ARGS = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--micro-batch-size", "8",
         "--eval-samples", "4", "--eval-k", "1", "--lr", "3e-3", "--warmup-steps", "0", "--reward", "math", *small_sft()]
 
 
 def command(args, nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "align", *map(str, args)]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
             "-m", "align", *map(str, args)]
 
 
 def start(args, nproc: int = 1, timeout: int = 60):
+    """One process: forked with the imports done (tests/conftest.py: AlignProcess); more: torchrun's, in a new
+    process group."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env.update(ALIGN_DIST_TIMEOUT=str(timeout), COLUMNS="300")
+    if nproc == 1:
+        return AlignProcess(args, env, stderr_to_stdout=True)
     return subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
 
