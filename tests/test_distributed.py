@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import small_sft
+from tests.conftest import AlignProcess, small_sft
 
 STEPS = 8
 SFT_ARGS = ["--max-steps", str(STEPS), "--batch-size", "8", "--eval-every", "0", "--eval-samples", "16",
@@ -27,10 +27,20 @@ def align_cmd(*args, nproc: int = 1) -> list[str]:
             "-m", "align", *args]
 
 
-def run(cmd, timeout=600):
+def env() -> dict:
     # A rank that waits for a peer which never comes fails after 120 s instead of gloo's 30 minutes.
-    env = {**os.environ, "ALIGN_DIST_TIMEOUT": "120"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    return {**os.environ, "ALIGN_DIST_TIMEOUT": "120"}
+
+
+def run(cmd, timeout=600):
+    """`cmd` (align_cmd's) to its end, exit 0: one process forked with the imports done (tests/conftest.py:
+    AlignProcess), torchrun's in new interpreters."""
+    if cmd[1:3] == ["-m", "align"]:
+        proc = AlignProcess(cmd[3:], env())
+        out, err = proc.communicate(timeout=timeout)
+        proc = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -102,10 +112,12 @@ def test_each_rank_holds_only_its_shard(runs):
 def test_generation_does_not_depend_on_the_number_of_processes_or_the_batch_size(runs, tmp_path):
     """`align eval` with one seed: the same greedy answers, the same samples and so the same sampled pass@k for
     any --nproc and --batch-size, ZeRO-3 weights gathered for generation or not (each prompt's sampling noise
-    comes from the seed and its index: align/sampling.py)."""
+    comes from the seed and its index: align/sampling.py). One run of two processes, batches of 5 (against the
+    default 64) and the ZeRO-3 shards not gathered, against one process: a dependence on any of the three shows;
+    two processes gathering the weights against one: test_lora.py's --no-merge test (`align eval --nproc 2`)."""
     _, _, two = runs
     outs = {}
-    for name, nproc, extra in (("one", 1, []), ("two", 2, ["--batch-size", "5"]), ("two_nogather", 2, ["--no-gather"])):
+    for name, nproc, extra in (("one", 1, []), ("two", 2, ["--batch-size", "5", "--no-gather"])):
         out = tmp_path / name
         run(align_cmd("eval", str(two), "--out", str(out), "--k", "1,4", "--limit", "24", "--max-new-tokens", "12",
                       "--temperature", "1.0", *extra, nproc=nproc))
@@ -116,7 +128,7 @@ def test_generation_does_not_depend_on_the_number_of_processes_or_the_batch_size
     greedy, samples, passk = outs["one"]
     assert len(greedy) == 24 and all(len(s) == 4 for s in samples) and {"pass@1", "pass@4"} <= set(passk)
     assert len({x for s in samples for x in s}) > 24  # really sampling: a problem's samples differ
-    assert outs["one"] == outs["two"] == outs["two_nogather"]  # batch 5 against the default 64; gathered or not
+    assert outs["one"] == outs["two"]
 
 
 def test_launch_env_gives_each_process_its_share_of_cores(monkeypatch):
@@ -151,11 +163,9 @@ def test_two_nodes_of_one_process_match_one_node_of_two(runs):
 
     root, _, two = runs
     out, port = root / "nodes", free_port()
-    env = {**os.environ, "ALIGN_DIST_TIMEOUT": "120"}
-    nodes = [subprocess.Popen([sys.executable, "-m", "align", "sft", "--out", str(out), "--deepspeed", str(root / "ds.json"),
-                               *SFT_ARGS, "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
-                               "--master-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for r in (0, 1)]
+    nodes = [AlignProcess(["sft", "--out", str(out), "--deepspeed", str(root / "ds.json"), *SFT_ARGS, "--nnodes", "2",
+                           "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", str(port)], env(),
+                          stderr_to_stdout=True) for r in (0, 1)]
     logs = [p.communicate(timeout=600)[0] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(x[-3000:] for x in logs)
     assert "on node 1 of 2" in logs[1]
@@ -182,9 +192,7 @@ def test_the_launcher_marks_a_run_failed_when_no_rank_lived_to_say_why(tmp_path)
     out = tmp_path / "killed"
     args = ["sft", "--out", str(out), "--nproc", "2", *SFT_ARGS]
     args[args.index("--max-steps") + 1] = "100000"
-    env = {**os.environ, "ALIGN_DIST_TIMEOUT": "120"}
-    proc = subprocess.Popen([sys.executable, "-m", "align", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, start_new_session=True)
+    proc = AlignProcess(args, env(), stderr_to_stdout=True)  # the launcher; torchrun's workers are new interpreters
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and not (out / "metrics.jsonl").exists():
         time.sleep(0.1)
