@@ -33,6 +33,33 @@ def logits(model, ids):
         return model(input_ids=ids).logits
 
 
+RM = ["rm", "train", "--lora-r", "4", "--max-steps", "4", "--batch-size", "8", "--lr", "3e-3", "--eval-every", "0",
+      "--normalize-samples", "8", "--data", small_data()["prefs"], "--eval-data", small_data()["prefs_test"]]
+
+
+@pytest.fixture(scope="module")
+def sft_runs(tmp_path_factory, tiny_model_dir):
+    """A base model (the tiny one, copied: a test changes it) and the LoRA SFT run on it, the adapter merged
+    (merged/, what it printed) and kept alone (alone/, --no-merge): (root, base, printed)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("lora")
+    base = root / "base"
+    shutil.copytree(tiny_model_dir, base)
+    said = ok(run_align(*SFT, "--model", base, "--out", root / "merged")).stdout
+    ok(run_align(*SFT, "--model", base, "--out", root / "alone", "--no-merge"))
+    return root, base, said
+
+
+@pytest.fixture(scope="module")
+def rm_runs(sft_runs):
+    """A LoRA reward model of the base, the adapter merged (rm-merged/) and kept alone (rm-alone/): root."""
+    root, base, _ = sft_runs
+    ok(run_align(*RM, "--model", base, "--out", root / "rm-merged"))
+    ok(run_align(*RM, "--model", base, "--out", root / "rm-alone", "--no-merge"))
+    return root
+
+
 def test_merge_is_w_plus_scaled_b_a():
     W, A, B = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [-1.0]])
     state = {"base_model.model.layer.q.base_layer.weight": W, "base_model.model.layer.q.base_layer.bias": torch.ones(2),
@@ -44,16 +71,16 @@ def test_merge_is_w_plus_scaled_b_a():
     assert out["layer.q.bias"].tolist() == [1.0, 1.0] and out["norm.weight"].tolist() == [0.5, 0.5]
 
 
-def test_sft_trains_the_adapter_and_saves_the_merged_model_beside_it(tmp_path, tiny_model_dir):
+def test_sft_trains_the_adapter_and_saves_the_merged_model_beside_it(sft_runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "sft"
-    said = ok(run_align(*SFT, "--model", tiny_model_dir, "--out", out)).stdout
+    root, base_dir, said = sft_runs
+    out = root / "merged"
     assert "LoRA r 4" in said and "the base frozen" in said
     merged = AutoModelForCausalLM.from_pretrained(out / "model")  # plain transformers, no peft
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out / "model" / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "model" / "adapter")
     ids = torch.tensor([[1, 5, 9, 11, 20, 31]])
     torch.testing.assert_close(logits(merged, ids), logits(adapted, ids), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(logits(merged, ids), logits(base, ids), atol=1e-3)  # the adapter learned something
@@ -356,16 +383,13 @@ def test_two_process_zero3_lora_sft(tmp_path, tiny_model_dir):
     assert torch.isfinite(logits(merged, torch.tensor([[1, 5, 9]]))).all()
 
 
-def test_reward_model_and_ppo_with_lora(tmp_path, tiny_model_dir):
+def test_reward_model_and_ppo_with_lora(tmp_path, tiny_model_dir, rm_runs):
     """rm train: adapters on the body, the new score head trained in full; the merged model scores as the
     adapter on its base does. ppo: policy and value get adapters, the reference is the policy with them off."""
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
-    rm = tmp_path / "rm"
-    ok(run_align("rm", "train", "--model", tiny_model_dir, "--lora-r", "4", "--max-steps", "4", "--batch-size", "8",
-                 "--lr", "3e-3", "--eval-every", "0", "--normalize-samples", "8", "--data", small_data()["prefs"],
-                 "--eval-data", small_data()["prefs_test"], "--out", rm))
+    rm = rm_runs / "rm-merged"  # a LoRA reward model of a copy of tiny_model_dir
     ids = torch.tensor([[1, 5, 9, 11, 20, 31]])
     merged = AutoModelForSequenceClassification.from_pretrained(rm / "model")
     adapted = PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1),
@@ -412,51 +436,47 @@ def test_a_lora_run_resumes_exactly(tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_no_merge_keeps_the_adapter_alone_and_later_stages_merge_it_into_its_base(tmp_path, tiny_model_dir):
+def test_no_merge_keeps_the_adapter_alone_and_later_stages_merge_it_into_its_base(tmp_path, sft_runs, rm_runs):
     """--no-merge: model/ holds the config, tokenizer and adapter but no weights; loading the artifact (any stage)
     merges the adapter into the run's --model and gives the weights the --merge run saved; a reward model's
     score head comes from the adapter. A changed base is refused (a preset base and --no-merge without --lora-r:
     test_bad_lora_flags_exit_2)."""
-    import shutil
-
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from align.errors import UserError
     from align.models import load_causal_lm, load_tokenizer, resolve
     from align.reward_model import load_reward_model
 
-    base = tmp_path / "base"
-    shutil.copytree(tiny_model_dir, base)
-    ok(run_align(*SFT, "--model", base, "--out", tmp_path / "merged"))
-    ok(run_align(*SFT, "--model", base, "--out", tmp_path / "alone", "--no-merge"))
-    alone = tmp_path / "alone" / "model"
+    runs, base, _ = sft_runs
+    alone = runs / "alone" / "model"
     assert not list(alone.glob("*.safetensors")) and (alone / "adapter" / "adapter_model.safetensors").is_file()
-    source = resolve(str(tmp_path / "alone"))
+    source = resolve(str(runs / "alone"))
     loaded = load_causal_lm(source, load_tokenizer(source), torch.float32).state_dict()
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "model").state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(runs / "merged" / "model").state_dict()
     assert loaded.keys() == saved.keys()
     for k in saved:
         torch.testing.assert_close(loaded[k], saved[k], rtol=0, atol=1e-6)
     assert not torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"],
                            AutoModelForCausalLM.from_pretrained(base).state_dict()["model.layers.0.self_attn.q_proj.weight"])
     # a later stage loads it, under ZeRO-3 on two processes (align eval: the same samples as the merged model in one
-    # process: generation does not depend on the process count, test_distributed)
+    # process: generation does not depend on the process count, test_distributed, which leaves to this check its
+    # case of two processes gathering the ZeRO-3 weights for generation)
     for name, nproc in (("alone", "2"), ("merged", "1")):
-        ok(run_align("eval", tmp_path / name, "--data", small_data()["arith_test"], "--k", "1,2", "--limit", "8",
+        ok(run_align("eval", runs / name, "--data", small_data()["arith_test"], "--k", "1,2", "--limit", "8",
                      "--max-new-tokens", "6", "--nproc", nproc, "--out", tmp_path / f"eval-{name}"))
     assert (tmp_path / "eval-alone" / "samples.jsonl").read_text() == (tmp_path / "eval-merged" / "samples.jsonl").read_text()
 
-    rm = ["rm", "train", "--model", base, "--lora-r", "4", "--max-steps", "2", "--batch-size", "8", "--lr", "3e-3",
-          "--eval-every", "0", "--normalize-samples", "8", "--data", small_data()["prefs"], "--eval-data", ""]
-    ok(run_align(*rm, "--out", tmp_path / "rm-merged"))
-    ok(run_align(*rm, "--out", tmp_path / "rm-alone", "--no-merge"))
-    rm_source = resolve(str(tmp_path / "rm-alone"), expect="reward")
+    rm_source = resolve(str(rm_runs / "rm-alone"), expect="reward")
     got = load_reward_model(rm_source, load_tokenizer(rm_source), torch.float32)
-    want = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm-merged" / "model")
+    want = AutoModelForSequenceClassification.from_pretrained(rm_runs / "rm-merged" / "model")
     for k, v in want.state_dict().items():
         torch.testing.assert_close(got.state_dict()[k], v, rtol=0, atol=1e-6)
     assert got.config.align_reward_offset == want.config.align_reward_offset
 
-    (base / "config.json").write_text((base / "config.json").read_text() + "\n")  # the base changed since
-    with pytest.raises(UserError, match="has changed since the adapter was trained"):
-        resolve(str(tmp_path / "alone"))
+    config = (base / "config.json").read_text()
+    (base / "config.json").write_text(config + "\n")  # the base changed since
+    try:
+        with pytest.raises(UserError, match="has changed since the adapter was trained"):
+            resolve(str(runs / "alone"))
+    finally:
+        (base / "config.json").write_text(config)  # for the module's other tests
