@@ -92,33 +92,47 @@ def align_env(env: dict | None = None) -> dict:
 
 def run_align(*args, env: dict | None = None, timeout: float = 300, cwd: str | Path | None = None,
               fresh: bool = False):
-    """`python -m align ARGS` in a process of its own; returns the CompletedProcess (text, captured). The process
-    is an AlignProcess (forked, the imports paid once per test worker) unless `fresh` or `env` asks for a new
-    interpreter (a variable may be read at import time: HF_HUB_OFFLINE)."""
-    if fresh or env:
-        return subprocess.run([sys.executable, "-m", "align", *map(str, args)], capture_output=True, text=True,
-                              timeout=timeout, env=align_env(env), cwd=str(cwd) if cwd else None)
-    proc = AlignProcess(args, align_env(), cwd=cwd)
+    """`python -m align ARGS` in a process of its own (an AlignProcess; `fresh`: always a new interpreter);
+    returns the CompletedProcess (text, captured)."""
+    return run_command([sys.executable, "-m", "align", *map(str, args)], align_env(env), timeout, cwd, fresh)
+
+
+def run_command(cmd: list[str], env: dict, timeout: float = 600, cwd: str | Path | None = None,
+                fresh: bool = False) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout), a `python -m align`
+    command run as an AlignProcess unless `fresh`."""
+    if fresh or cmd[:3] != [sys.executable, "-m", "align"]:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=str(cwd) if cwd else None)
+    proc = AlignProcess(cmd[3:], env, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
         raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 # What every `align` process imports: ~3.5 s of CPU before it does anything, most of a tiny stage's run.
 PRELOAD = ["torch", "transformers", "deepspeed", "align.cli", "stages.sft", "stages.eval", "stages.rm", "stages.dpo",
            "stages.grpo", "stages.ppo", "stages.model_init", "tests.conftest"]
+# Variables an `align` process reads once it runs, never at import: a process forked from the fork server sees
+# them as a new interpreter would, whatever the server's were; and those that an `align` process sets in itself
+# (with setdefault, to one value), which a test process that ran a stage or a library in-process holds too.
+RUN_TIME_ENV = {"COLUMNS", "LINES", "ALIGN_DIST_TIMEOUT", "ALIGN_DEVICE_MEMORY_BYTES", "PYTEST_CURRENT_TEST", *_DIST_ENV,
+                "DS_ACCELERATOR", "TRANSFORMERS_NO_ADVISORY_WARNINGS",  # align.runtime
+                "TORCHINDUCTOR_CACHE_DIR", "MLFLOW_ALLOW_FILE_STORE",  # align.compile_cache, align.trackers
+                "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_DUPLICATE_LIB_OK"}  # DeepSpeed's and scikit-learn's imports
+_SERVER_ENV: dict[str, str] = {}  # the fork server's environment
 
 
 @functools.lru_cache(maxsize=None)
 def align_processes():
     """A multiprocessing fork server (one per test process) that imported PRELOAD once, started in an environment
-    without the variables read at import time that a run sets for itself (rich's COLUMNS, the distributed ones).
-    A process forked from it has the boundary of a new interpreter (its own distributed group, memory, signals,
-    exit code and output), as `align pipeline run` starts its stages (align/pipeline.py: stage_processes)."""
+    without the variables of RUN_TIME_ENV (rich fixes its width at import when COLUMNS is set). A process forked
+    from it has the boundary of a new interpreter (its own distributed group, memory, signals, exit code and
+    output), as `align pipeline run` starts its stages (align/pipeline.py: stage_processes)."""
     import ctypes
     import multiprocessing
     from multiprocessing import forkserver
@@ -127,10 +141,10 @@ def align_processes():
     ctx.set_forkserver_preload(PRELOAD)
     getenv = ctypes.CDLL(None).getenv  # the process's environment, which a library may have set past os.environ
     getenv.restype = ctypes.c_char_p
-    keys = (*_DIST_ENV, "COLUMNS", "LINES", "PYTEST_CURRENT_TEST")
-    saved = {k: getenv(k.encode()) for k in keys}
+    saved = {k: getenv(k.encode()) for k in RUN_TIME_ENV}
+    _SERVER_ENV.update({k: v for k, v in os.environ.items() if k not in RUN_TIME_ENV})
     try:
-        for k in keys:
+        for k in RUN_TIME_ENV:
             os.unsetenv(k)
         forkserver.ensure_running()
     finally:
@@ -191,34 +205,50 @@ def _forked_align(argv: list[str], env: dict, cwd: str | None, stdout: str, stde
 
 
 class AlignProcess:
-    """`python -m align ARGS` forked from `align_processes`' server, with the part of subprocess.Popen's interface
-    the tests use (args, pid, poll, wait, communicate, kill, send_signal, returncode; text output): `env` is its
-    whole environment (None: this process's), stdout and stderr captured apart or, `stderr_to_stdout`, together."""
+    """`python -m align ARGS` with the part of subprocess.Popen's interface the tests use (args, pid, poll, wait,
+    communicate, kill, send_signal, returncode; text output; stdout and stderr piped apart or, `stderr_to_stdout`,
+    together; `env` its whole environment, None: this process's). Forked from `align_processes`' server, which paid
+    the imports, where that is what a new interpreter would be (`env` differs from the server's only in
+    RUN_TIME_ENV); else a new interpreter (subprocess.Popen)."""
 
     def __init__(self, args, env: dict | None = None, cwd: str | Path | None = None, stderr_to_stdout: bool = False):
         argv = [str(a) for a in args]
         self.args = [sys.executable, "-m", "align", *argv]
+        env = dict(os.environ if env is None else env)
+        self.returncode, self._popen, self._dir = None, None, None
+        align_processes()
+        if any(env.get(k) != _SERVER_ENV.get(k) for k in set(env) | set(_SERVER_ENV) if k not in RUN_TIME_ENV):
+            self._popen = subprocess.Popen(self.args, stdout=subprocess.PIPE, text=True, env=env,
+                                           stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE,
+                                           cwd=str(cwd) if cwd else None)
+            self.pid = self._popen.pid
+            return
         self._dir = Path(tempfile.mkdtemp(prefix="align-run-"))
         self._files = [self._dir / "stdout", None if stderr_to_stdout else self._dir / "stderr"]
-        env = dict(os.environ if env is None else env)
         self._proc = align_processes().Process(target=_forked_align, args=(
             argv, env, str(cwd) if cwd else None, *(str(f) if f else None for f in self._files)))
         self._proc.start()
         self.pid = self._proc.pid
-        self.returncode = None
 
     def poll(self):
         if self.returncode is None:
-            self.returncode = self._proc.exitcode
+            self.returncode = self._popen.poll() if self._popen else self._proc.exitcode
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        if self._popen:
+            self.returncode = self._popen.wait(timeout)
+            return self.returncode
         self._proc.join(timeout)
         if self.poll() is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
     def communicate(self, timeout: float | None = None):
+        if self._popen:
+            said = self._popen.communicate(timeout=timeout)
+            self.returncode = self._popen.returncode
+            return said
         self.wait(timeout)
         said = tuple(f.read_text(errors="replace") if f and f.exists() else None for f in self._files)
         shutil.rmtree(self._dir, ignore_errors=True)

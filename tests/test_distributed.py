@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import AlignProcess, small_sft
+from tests.conftest import AlignProcess, run_command, small_sft
 
 STEPS = 8
 SFT_ARGS = ["--max-steps", str(STEPS), "--batch-size", "8", "--eval-every", "0", "--eval-samples", "16",
@@ -33,14 +32,7 @@ def env() -> dict:
 
 
 def run(cmd, timeout=600):
-    """`cmd` (align_cmd's) to its end, exit 0: one process forked with the imports done (tests/conftest.py:
-    AlignProcess), torchrun's in new interpreters."""
-    if cmd[1:3] == ["-m", "align"]:
-        proc = AlignProcess(cmd[3:], env())
-        out, err = proc.communicate(timeout=timeout)
-        proc = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    else:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
+    proc = run_command(cmd, env(), timeout)  # one process: forked with the imports done (conftest: AlignProcess)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
 

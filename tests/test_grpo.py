@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
 from align.runtime import free_port
-from tests.conftest import assert_same_training, assert_terminated_length, parity_reward, small_sft
+from tests.conftest import (assert_same_training, assert_terminated_length, parity_reward, run_command,
+                            small_sft)
 
 SHORT = ["--max-steps", "2", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8",
          "--eval-samples", "4", "--eval-k", "1,2", "--micro-batch-size", "8"]
@@ -27,8 +27,7 @@ def align(*args, nproc=1):
 
 
 def run(cmd):
-    env = {**os.environ, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return run_command(cmd, {**os.environ, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"}, timeout=600)
 
 
 def metric_rows(out):

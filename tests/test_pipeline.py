@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from align import pipeline as P
 from align.errors import UserError
+from tests.conftest import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "COLUMNS": "200"}  # rich wraps long error lines at the terminal width
@@ -30,8 +30,7 @@ def problems(path: Path) -> list[str]:
 
 
 def align_cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "align", *map(str, args)], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    return run_command([sys.executable, "-m", "align", *map(str, args)], ENV, 300, cwd)  # forked: conftest.AlignProcess
 
 
 # ------------------------------------------------------------------------------------------ validation

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from align.errors import UserError
 from align.runtime import free_port
-from tests.conftest import assert_same_training, assert_terminated_length, assert_user_error, run_align
+from tests.conftest import assert_same_training, assert_terminated_length, assert_user_error, run_align, run_command
 
 SHORT = ["--max-steps", "2", "--prompts-per-step", "8", "--minibatch-size", "4", "--micro-batch-size", "2",
          "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"]
@@ -50,9 +49,8 @@ def runs(files):
                                                  f"--master_port={free_port()}"])):
         args = base_args(files, files["dir"] / name)
         args[args.index("--model") + 1] = str(files["policy"])  # saved weights: the updates can be measured
-        proc = subprocess.run([sys.executable, *launch, "-m", "align", "ppo", *args, "--ptx-coef", "0.1",
-                               "--kl-horizon", "100", "--init-kl-coef", "0.05"], capture_output=True, text=True,
-                              timeout=600, env={**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
+        proc = run_command([sys.executable, *launch, "-m", "align", "ppo", *args, "--ptx-coef", "0.1", "--kl-horizon",
+                            "100", "--init-kl-coef", "0.05"], {**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return files["dir"] / "ppo1", files["dir"] / "ppo2"
 

@@ -4,6 +4,7 @@ message; SIGTERM / SIGINT leave a failed artifact that says why (exact resume af
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import small_sft
+from tests.conftest import run_command, small_sft
 
 ARGS = ["--max-steps", "40", "--batch-size", "8", "--eval-every", "0", "--eval-samples", "4", "--max-new-tokens", "4",
         "--lr", "3e-3", "--warmup-steps", "2", *small_sft()]
@@ -25,8 +26,7 @@ def test_monitor_stop_checkpoints_fails_the_artifact_and_exits_nonzero(tmp_path)
     rules = tmp_path / "rules.toml"
     rules.write_text('[grad_explode]\nmax_value = 1e-9\nseverity = "stop"\n')  # any gradient "explodes"
     out = tmp_path / "sft"
-    proc = subprocess.run(align("sft", "--out", str(out), "--monitor", str(rules), *ARGS),
-                          capture_output=True, text=True)
+    proc = run_command(align("sft", "--out", str(out), "--monitor", str(rules), *ARGS), dict(os.environ))
     assert proc.returncode == 1
     assert "grad_explode" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
     art = json.loads((out / "artifact.json").read_text())
@@ -61,6 +61,6 @@ def test_a_stopped_run_checkpoints_says_so_and_resumes(tmp_path, sig, code, reas
     assert art["status"] == "failed" and art["metrics"]["loss"] > 0
     assert art["reason"] == f"{reason} at step {step}; checkpoint saved: continue with --resume"
     if sig == signal.SIGTERM:
-        resumed = subprocess.run(align(*args, "--max-steps", str(step + 1), "--resume"), capture_output=True, text=True)
+        resumed = run_command(align(*args, "--max-steps", str(step + 1), "--resume"), dict(os.environ))
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         assert f"resumed from the checkpoint at step {step}" in " ".join(resumed.stdout.split())
