@@ -99,12 +99,12 @@ def run_align(*args, env: dict | None = None, timeout: float = 300, cwd: str | P
 
 def run_command(cmd: list[str], env: dict, timeout: float = 600, cwd: str | Path | None = None,
                 fresh: bool = False) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout), a `python -m align`
-    command run as an AlignProcess unless `fresh`."""
-    if fresh or cmd[:3] != [sys.executable, "-m", "align"]:
+    """subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout), `python -m M ...`
+    for a module M of FORKED run as an AlignProcess unless `fresh`."""
+    if fresh or cmd[:2] != [sys.executable, "-m"] or cmd[2] not in FORKED:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=str(cwd) if cwd else None)
-    proc = AlignProcess(cmd[3:], env, cwd=cwd)
+    proc = AlignProcess(cmd[3:], env, cwd=cwd, module=cmd[2])
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -114,6 +114,9 @@ def run_command(cmd: list[str], env: dict, timeout: float = 600, cwd: str | Path
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+# The modules run_command forks (`python -m M`): the CLI, and the CLI with a fault injected into align (patches of
+# module and class attributes looked up when called: the same in a process that imported align before).
+FORKED = ("align", "benchmarks.faults")
 # What every `align` process imports: ~3.5 s of CPU before it does anything, most of a tiny stage's run.
 PRELOAD = ["torch", "transformers", "deepspeed", "align.cli", "stages.sft", "stages.eval", "stages.rm", "stages.dpo",
            "stages.grpo", "stages.ppo", "stages.model_init", "tests.conftest"]
@@ -161,8 +164,8 @@ def _align_fork_server():
     align_processes()
 
 
-def _forked_align(argv: list[str], env: dict, cwd: str | None, stdout: str, stderr: str | None) -> None:
-    """In the forked process: what `python -m align ARGV` does in a new one, its output written to files (stderr
+def _forked_align(module: str, argv: list[str], env: dict, cwd: str | None, stdout: str, stderr: str | None) -> None:
+    """In the forked process: what `python -m MODULE ARGV` does in a new one, its output written to files (stderr
     None: into stdout's), its exit code (SystemExit's; 1 and a traceback for an uncaught exception) the process's."""
     import runpy
     import threading
@@ -182,10 +185,10 @@ def _forked_align(argv: list[str], env: dict, cwd: str | None, stdout: str, stde
     if cwd:
         os.chdir(cwd)
     sys.path.insert(0, os.getcwd())  # as `python -m` puts it first
-    sys.argv = ["align", *argv]
+    sys.argv = [module, *argv]
     code = 0
     try:
-        runpy.run_module("align", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code
     except BaseException:
@@ -205,15 +208,16 @@ def _forked_align(argv: list[str], env: dict, cwd: str | None, stdout: str, stde
 
 
 class AlignProcess:
-    """`python -m align ARGS` with the part of subprocess.Popen's interface the tests use (args, pid, poll, wait,
+    """`python -m align ARGS` (or `python -m MODULE ARGS`, a module of FORKED) with the part of subprocess.Popen's interface the tests use (args, pid, poll, wait,
     communicate, kill, send_signal, returncode; text output; stdout and stderr piped apart or, `stderr_to_stdout`,
     together; `env` its whole environment, None: this process's). Forked from `align_processes`' server, which paid
     the imports, where that is what a new interpreter would be (`env` differs from the server's only in
     RUN_TIME_ENV); else a new interpreter (subprocess.Popen)."""
 
-    def __init__(self, args, env: dict | None = None, cwd: str | Path | None = None, stderr_to_stdout: bool = False):
+    def __init__(self, args, env: dict | None = None, cwd: str | Path | None = None, stderr_to_stdout: bool = False,
+                 module: str = "align"):
         argv = [str(a) for a in args]
-        self.args = [sys.executable, "-m", "align", *argv]
+        self.args = [sys.executable, "-m", module, *argv]
         env = dict(os.environ if env is None else env)
         self.returncode, self._popen, self._dir = None, None, None
         align_processes()
@@ -226,7 +230,7 @@ class AlignProcess:
         self._dir = Path(tempfile.mkdtemp(prefix="align-run-"))
         self._files = [self._dir / "stdout", None if stderr_to_stdout else self._dir / "stderr"]
         self._proc = align_processes().Process(target=_forked_align, args=(
-            argv, env, str(cwd) if cwd else None, *(str(f) if f else None for f in self._files)))
+            module, argv, env, str(cwd) if cwd else None, *(str(f) if f else None for f in self._files)))
         self._proc.start()
         self.pid = self._proc.pid
 

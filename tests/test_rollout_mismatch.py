@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import parity_reward, small_data
+from tests.conftest import parity_reward, run_command, small_data
 
 GRPO = ["grpo", "--model", "tiny", "--max-steps", "4", "--prompts-per-step", "4", "--num-generations", "4",
         "--max-new-tokens", "8", "--eval-data", "", "--warmup-steps", "0"]
@@ -17,13 +17,12 @@ GRPO = ["grpo", "--model", "tiny", "--max-steps", "4", "--prompts-per-step", "4"
 
 def run_with_fault(fault: str, onset: int, args: list[str]):
     import os
-    import subprocess
 
     env = {**os.environ, "COLUMNS": "500"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    return subprocess.run([sys.executable, "-m", "benchmarks.faults", fault, str(onset), *map(str, args)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    # forked with the imports done (tests/conftest.py: AlignProcess)
+    return run_command([sys.executable, "-m", "benchmarks.faults", fault, str(onset), *map(str, args)], env)
 
 
 def rows(out, name):
