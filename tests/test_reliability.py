@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (_DIST_ENV, assert_user_error, output, processes_mentioning, run_align, small_data,
-                            small_sft)
+from tests.conftest import (_DIST_ENV, AlignProcess, align_env, assert_user_error, output, processes_mentioning,
+                            run_align, small_data, small_sft)
 
 FAST = ["--batch-size", "8", "--eval-every", "0", "--eval-samples", "4", "--max-new-tokens", "4", "--lr", "3e-3",
         *small_sft()]
@@ -64,7 +64,8 @@ def test_killing_the_launcher_of_a_two_process_run_leaves_no_process_behind(tiny
 
 def test_a_second_run_into_a_locked_out_exits_2_naming_the_holder(tiny_model_dir, tmp_path):
     out = tmp_path / "sft"
-    first = popen("sft", "--model", tiny_model_dir, "--out", out, *FAST, "--max-steps", "100000")
+    first = AlignProcess(["sft", "--model", tiny_model_dir, "--out", out, *FAST, "--max-steps", "100000"],
+                         align_env({"ALIGN_DIST_TIMEOUT": "120"}), stderr_to_stdout=True)  # forked: conftest
     try:
         wait_for_steps(first, out)
         said = assert_user_error(run_align("sft", "--model", tiny_model_dir, "--out", out, *FAST, "--max-steps", "1"),
