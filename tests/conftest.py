@@ -167,6 +167,7 @@ def _align_fork_server():
 def _forked_align(module: str, argv: list[str], env: dict, cwd: str | None, stdout: str, stderr: str | None) -> None:
     """In the forked process: what `python -m MODULE ARGV` does in a new one, its output written to files (stderr
     None: into stdout's), its exit code (SystemExit's; 1 and a traceback for an uncaught exception) the process's."""
+    import atexit
     import runpy
     import threading
     import traceback
@@ -199,9 +200,10 @@ def _forked_align(module: str, argv: list[str], env: dict, cwd: str | None, stdo
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    for t in threading.enumerate():  # the interpreter's exit waits for them
+    for t in threading.enumerate():  # the interpreter's exit: it waits for them, then runs the atexit functions
         if t is not threading.main_thread() and not t.daemon:
             t.join()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code & 0xFF)
