@@ -1,7 +1,7 @@
 """Exact resume: a run of every stage SIGKILLed after a checkpoint and resumed ends with the weights and metrics of
 the uninterrupted run, in one process and in two (the resume rules — a new lr, refused changes, the checkpoint's
 contents, a new --max-steps — and the helpers: test_resume.py). A file of its own so that the test runner's workers
-(one file each at a time) spread the two files' ~7 minutes."""
+(one file each at a time) spread the two files' ~3 minutes."""
 
 import pytest
 
