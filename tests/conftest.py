@@ -210,9 +210,9 @@ def _forked_align(module: str, argv: list[str], env: dict, cwd: str | None, stdo
 
 
 class AlignProcess:
-    """`python -m align ARGS` (or `python -m MODULE ARGS`, a module of FORKED) with the part of subprocess.Popen's interface the tests use (args, pid, poll, wait,
-    communicate, kill, send_signal, returncode; text output; stdout and stderr piped apart or, `stderr_to_stdout`,
-    together; `env` its whole environment, None: this process's). Forked from `align_processes`' server, which paid
+    """`python -m align ARGS` (or `python -m MODULE ARGS`, a module of FORKED) with the part of subprocess.Popen's
+    interface the tests use (args, pid, poll, wait, communicate, kill, send_signal, returncode; text output; stdout
+    and stderr piped apart or, `stderr_to_stdout`, together; `env` its whole environment, None: this process's). Forked from `align_processes`' server, which paid
     the imports, where that is what a new interpreter would be (`env` differs from the server's only in
     RUN_TIME_ENV); else a new interpreter (subprocess.Popen)."""
 
