@@ -94,6 +94,10 @@ def extract_answer(text):
     return found[-1] if found else None
 
 
+# Beyond these a string is no answer a verifier compares: exact arithmetic on it would stall the reward.
+_MAX_DIGITS, _MAX_EXPONENT = 1000, 1000
+
+
 def _fraction(s):
     """Exact Fraction for a number string like '-1,234.5', '$68', '3/4', '50%' or '4.9e+02'; None if not one."""
     if s is None:
@@ -102,6 +106,9 @@ def _fraction(s):
     s = s.rstrip(".").removesuffix("%").strip()
     if not re.fullmatch(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+|/\d+(?:\.\d+)?)?", s):
         return None
+    mantissa, _, exponent = s.lower().partition("e")
+    if len(mantissa) > _MAX_DIGITS or abs(int(exponent or 0)) > _MAX_EXPONENT:
+        return None  # '1e99999999' would take seconds to expand exactly, 5,000 digits raise in int()
     try:
         if "/" in s:
             num, den = s.split("/")
@@ -143,7 +150,8 @@ def math_reward(completion, answer, tol=1e-6):
         ref = extract_answer(str(answer))
         want = _fraction(ref)
     if want is None:
-        raise UserError(f"reference answer {answer!r} is not a number; fix the dataset's answer column")
+        raise UserError(f"reference answer {answer!r} is not a number (or has more than {_MAX_DIGITS} digits or an "
+                        f"exponent beyond ±{_MAX_EXPONENT}); fix the dataset's answer column")
     pred = _fraction(extract_answer(completion))
     if pred is None:
         return 0.0

@@ -138,6 +138,19 @@ def test_math_reward_compares_numbers_no_float_can_hold():
     assert math_reward("-1e999", "5") == 0.0 and math_reward("5", "1e999") == 0.0
 
 
+def test_math_reward_refuses_numbers_too_large_to_compare():
+    """A sampled '9.78e+99999999' (seen on number_format: the exact value has 10^8 digits and stalled the reward past
+    its 30 s limit) or a 5,000-digit run (int() refuses it) is no answer: 0, at once; the reference itself must be a
+    comparable number."""
+    from align.rewards import _fraction
+    assert _fraction("9.78e+99999999") is None and _fraction("1" * 5000) is None and _fraction("2e-5000") is None
+    assert math_reward("The largest is 9.78e+99999999", "978739397.626") == 0.0
+    assert math_reward("978739397.626000\n" + "9" * 5000, "978739397.626") == 0.0
+    assert math_reward("so 1e1000", "1e1000") == 1.0 and _fraction("1" * 1000) == int("1" * 1000)
+    with pytest.raises(UserError, match="more than 1000"):
+        math_reward("5", "1e1001")
+
+
 def test_parse_int_list():
     assert parse_int_list("1 3 7 9") == [1, 3, 7, 9]
     assert parse_int_list("1, 3, -2, 7.") == [1, 3, -2, 7]
