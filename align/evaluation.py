@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from pathlib import Path
 
 from align import runtime
 from align.console import TrainProgress, warn
@@ -12,6 +15,8 @@ from align.models import context_length
 from align.passk import mean_pass_at_k
 from align.errors import UserError
 from align.rewards import guess_verifier, verifier_fn, verify
+
+EVAL_SAMPLES = "eval_samples.jsonl"  # a training stage's latest held-out evaluation, one problem a line
 
 
 def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=(1,), samples: int = 0,
@@ -58,6 +63,20 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
             passk = mean_pass_at_k(ns, cs, ks)
         metrics.update({k: v for k, v in passk.items() if v is not None})
     return metrics, records
+
+
+def save_eval_samples(out: str | Path, step: int, records: list[dict], dist: runtime.Dist) -> None:
+    """A training stage's latest held-out evaluation, one problem a line ({"step", "prompt", "answer", "greedy",
+    "greedy_correct"}, with "samples" and "n_correct" where it sampled), to OUT/eval_samples.jsonl on the main rank:
+    written whole and renamed over the previous one, so the file always holds one complete evaluation."""
+    if not dist.is_main:
+        return
+    path = Path(out) / EVAL_SAMPLES
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        for rec in records:
+            f.write(json.dumps({"step": step, **rec}) + "\n")
+    os.replace(tmp, path)
 
 
 def fitting(rows: list[dict], prompt_ids: list[list[int]], context: int | None, new_tokens: int, where: str = ""):

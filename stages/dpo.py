@@ -37,7 +37,7 @@ from align.engine.plan import DPO_REF_TOKENS, longest_row
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting, fitting_rows
+from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
 from align.generation import Sampling, generate_on_rank
 from align.logprobs import logprobs
 from align.losses import IGNORE, rpo_nll
@@ -267,8 +267,9 @@ class DPO:
         cfg = self.cfg
         metrics = self.held_out() if step > 0 and self.eval_examples else {}
         if self.verifiable and step in (0, cfg.max_steps):
-            m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist, verifier=cfg.verifier,
-                                   sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
+            m, recs = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist, verifier=cfg.verifier,
+                                      sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
+            save_eval_samples(self.run.out, step, recs, self.run.dist)
             metrics["eval/pass@1/greedy"] = m["pass@1/greedy"]
             metrics["eval/pass@1/greedy_stderr"] = m["pass@1/greedy_stderr"]
             metrics["eval/problems"] = float(m["problems"])

@@ -34,7 +34,7 @@ from align.engine.build import Optim, rows_within
 from align.engine.run import Output, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting, fitting_rows
+from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
 from align.generation import Sampling
 from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
@@ -443,9 +443,10 @@ class GRPO:
         if not self.eval_rows:
             return {}
         ks = self.cfg.ks()
-        m, _ = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
-                               sampling=replace(self.sampling, seed=self.cfg.seed), gather=self.cfg.gather,
-                               verifier=self.cfg.verifier)
+        m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
+                                  sampling=replace(self.sampling, seed=self.cfg.seed), gather=self.cfg.gather,
+                                  verifier=self.cfg.verifier)
+        save_eval_samples(self.run.out, step, recs, self.run.dist)
         return {f"eval/{k}": v for k, v in m.items()}
 
     def final_metrics(self, last: dict, start: dict) -> dict:

@@ -36,7 +36,7 @@ from align.engine.build import Optim
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting, fitting_rows
+from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
 from align.generation import Sampling
 from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
@@ -415,6 +415,7 @@ class PPO:
                                   sampling=Sampling(self.cfg.max_new_tokens, 0.0), gather=self.cfg.gather,
                                   verifier=self.cfg.verifier)
         r = score(self.rm, self.rm_tok, [x["prompt"] for x in recs], [x["greedy"] for x in recs], 64)
+        save_eval_samples(self.run.out, step, [{**x, "rm_score": v} for x, v in zip(recs, r.tolist())], self.run.dist)
         # held-out gold (verified greedy answers) and proxy (the RM's score of the same answers), watched by
         # RLMonitor's reward_hacking_heldout with the KL per episode of the latest batch (0 before training)
         kl = self.run.monitor.history.get("objective/kl", [0.0])[-1] if step else 0.0

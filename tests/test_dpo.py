@@ -71,6 +71,9 @@ def test_artifact_reports_pass_at_1_of_policy_and_reference(dpo):
     m = art["metrics"]
     assert 0 <= m["pass@1/policy"] <= 1 and 0 <= m["pass@1/reference"] <= 1
     assert 0 <= m["eval/rewards/accuracies"] <= 1
+    answers = [json.loads(x) for x in (live / "eval_samples.jsonl").read_text().splitlines()]  # the final pass@1's
+    assert len(answers) == 8 and {a["step"] for a in answers} == {3}
+    assert sum(a["greedy_correct"] for a in answers) / 8 == m["pass@1/policy"]
 
 
 def test_precomputed_reference_and_zero_2_give_the_same_losses(dpo):

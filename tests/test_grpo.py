@@ -61,6 +61,10 @@ def test_two_process_zero3_grpo_run(grpo_runs):
     evals = [r for r in metric_rows(out) if "eval/pass@1/greedy" in r]
     assert [r["step"] for r in evals] == [0, 2] and "eval/pass@2" in evals[0]
     assert "start/pass@1/greedy" in art["metrics"] and "gain/pass@1/greedy" in art["metrics"]
+    answers = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]  # the last evaluation
+    assert len(answers) == 4 and {a["step"] for a in answers} == {2} and all(len(a["samples"]) == 2 for a in answers)
+    assert sum(a["greedy_correct"] for a in answers) / 4 == evals[-1]["eval/pass@1/greedy"]
+    assert not list(out.glob("eval_samples.jsonl.tmp*"))
 
 
 def test_two_processes_match_one_process(grpo_runs, tiny_model_dir):

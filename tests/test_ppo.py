@@ -84,6 +84,11 @@ def test_two_process_zero3_ppo_ptx_run(two_proc_run):
     assert "eval/pass@1/greedy" in evals[0] and "start/reward" in art["metrics"]
     assert (out / "report.png").stat().st_size > 5000 and (out / "checkpoints" / "step2" / "value").is_dir()
     assert art["inputs"]["reward_model"]["spec"] == art["inputs"]["value_model"]["spec"]  # V starts from the RM
+    # the last held-out evaluation, one problem a line, its greedy answers scored as eval/pass@1/greedy and eval/reward
+    answers = [json.loads(x) for x in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(answers) == 4 and {a["step"] for a in answers} == {2}
+    assert sum(a["greedy_correct"] for a in answers) / 4 == evals[-1]["eval/pass@1/greedy"]
+    assert abs(sum(a["rm_score"] for a in answers) / 4 - evals[-1]["eval/reward"]) < 1e-5
 
 
 def test_kl_controller_in_the_run_follows_the_formula(two_proc_run):
