@@ -25,6 +25,7 @@ import tomllib
 from pathlib import Path
 
 from align.artifacts import read_artifact
+from align.evaluation import EVAL_SAMPLES
 from align.pipeline import apply_overrides, toml_value
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,6 +163,24 @@ def wait_all(runs, limit: float) -> None:
             os.killpg(p.pid, signal.SIGKILL)
 
 
+def paired_difference(a: Path, b: Path) -> dict | None:
+    """Held-out pass@1 of run `a` minus run `b` on the problems both evaluated last (their eval_samples.jsonl,
+    matched by prompt), with the paired standard error sd(d)/sqrt(n) of the per-problem differences d = a_i - b_i
+    in {-1, 0, 1}: both runs answer the same problems, so the noise of drawing 200 of them cancels and what is left
+    is the runs' disagreement. None where either file is missing."""
+    try:
+        ra, rb = ({json.loads(x)["prompt"]: json.loads(x)["greedy_correct"] for x in f.read_text().splitlines() if x}
+                  for f in (a / EVAL_SAMPLES, b / EVAL_SAMPLES))
+    except OSError:
+        return None
+    d = [int(ra[p]) - int(rb[p]) for p in ra if p in rb]
+    if len(d) < 2:
+        return None
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / (len(d) - 1)
+    return {"delta": mean, "se": (var / len(d)) ** 0.5, "n": len(d), "a_only": d.count(1), "b_only": d.count(-1)}
+
+
 def summarise(names, out: Path, variants=("",)) -> dict:
     rows = {}
     for name, variant in [(n, v) for n in names for v in variants]:
@@ -182,7 +201,8 @@ def summarise(names, out: Path, variants=("",)) -> dict:
                "status": {s: v.get("status", "-") for s, v in art.items()} | {"grpo_alone": alone.get("status", "-")},
                "health": {s: (v.get("health") or {}).get("counts", {}) for s, v in
                           [*[(s, art[s]) for s in POLICY_STAGES], ("grpo_alone", alone)]},
-               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("grpo_alone", alone)]}}
+               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("grpo_alone", alone)]},
+               "final_minus_alone": paired_difference(c / "grpo", a / "grpo_alone")}
         chain = [row["base"], row["dpo"], row["ppo"], row["grpo"]]
         if None not in chain and row["grpo_alone"] is not None and row["rm_heldout_accuracy"] is not None:
             steps_ok = all(b >= a - 0.02 - 1e-9 for a, b in zip(chain, chain[1:]))
@@ -195,17 +215,19 @@ def summarise(names, out: Path, variants=("",)) -> dict:
 
 def table(rows) -> str:
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = ["| task | base | pairs | RM acc | dpo | ppo | grpo (final) | GRPO alone | events | checks |",
-             "|---" * 10 + "|"]
+    lines = ["| task | base | pairs | RM acc | dpo | ppo | grpo (final) | GRPO alone | final − alone (paired s.e.) "
+             "| events | checks |", "|---" * 11 + "|"]
     for name, r in rows.items():
         events = "; ".join(f"{s}: {', '.join(f'{k} {n}' for k, n in c.items())}" for s, c in r["health"].items() if c)
         unmet = ", ".join(k for k, ok in r.get("checks", {}).items() if not ok)
         checks = unmet or ("all met" if "checks" in r else "-")
         if checks != "all met" and "checks" in r:
             checks = "unmet: " + checks
+        d = r.get("final_minus_alone")
+        diff = f"{d['delta']:+.3f} ({d['se']:.3f})" if d else "-"
         lines.append(f"| {name}: {r['task']} | {f(r['base'])} | {r['pairs'] or '-'} | {f(r['rm_heldout_accuracy'])} | "
-                     f"{f(r['dpo'])} | "
-                     f"{f(r['ppo'])} | {f(r['grpo'])} | {f(r['grpo_alone'])} | {events or 'none'} | {checks} |")
+                     f"{f(r['dpo'])} | {f(r['ppo'])} | {f(r['grpo'])} | {f(r['grpo_alone'])} | {diff} | "
+                     f"{events or 'none'} | {checks} |")
     return "\n".join(lines)
 
 

@@ -11,4 +11,4 @@ for f in /root/pt/*/*.log; do echo "== $f"; grep -v -E "it/s\]|Loading weights|^
   | grep -E "^(>|error|RLMonitor|health)|pass@1|accuracy|pairs|samples" | tail -12; done | tail -c 7000
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
 mkdir -p "$OUT" && (cd /root/pt && tar czf "$OUT/pt.tgz" summary.json */alone.toml */*.log $(ls -d */*/*/artifact.json \
-  */*/*/metrics.jsonl */*/*/health.jsonl 2>/dev/null))
+  */*/*/metrics.jsonl */*/*/health.jsonl */*/*/eval_samples.jsonl 2>/dev/null))

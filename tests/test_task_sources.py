@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -350,3 +351,22 @@ normalize_samples = 4
     assert rm["config"]["eval_data"] == str(runs / "prefs" / "test.jsonl")
     again = run_align("pipeline", "run", toml, timeout=600)  # all up to date: nothing reruns
     assert again.returncode == 0 and output(again).count("up to date, skipped") == 3, output(again)[-3000:]
+
+
+def test_paired_difference_of_two_runs_on_the_same_held_out_problems(tmp_path):
+    """chain − alone on the problems both answered (matched by prompt): d = [1, 0, 0, -1, 1] → mean 0.2, sample
+    sd sqrt(0.7), s.e. sqrt(0.7 / 5); a problem only one run answered does not count; a run without the file: None."""
+    from benchmarks.pretrained_tasks import paired_difference
+
+    def answers(folder, correct):
+        folder.mkdir()
+        (folder / "eval_samples.jsonl").write_text("".join(
+            json.dumps({"step": 9, "prompt": p, "greedy_correct": c}) + "\n" for p, c in correct.items()))
+        return folder
+
+    a = answers(tmp_path / "a", {"p1": True, "p2": True, "p3": False, "p4": False, "p5": True, "only-a": True})
+    b = answers(tmp_path / "b", {"p1": False, "p2": True, "p3": False, "p4": True, "p5": False})
+    d = paired_difference(a, b)
+    assert d["n"] == 5 and d["a_only"] == 2 and d["b_only"] == 1
+    assert abs(d["delta"] - 0.2) < 1e-12 and abs(d["se"] - math.sqrt(0.7 / 5)) < 1e-12
+    assert paired_difference(a, tmp_path / "missing") is None
