@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 from align import runtime
@@ -15,6 +13,7 @@ from align.models import context_length
 from align.passk import mean_pass_at_k
 from align.errors import UserError
 from align.rewards import guess_verifier, verifier_fn, verify
+from align.tasks import write_jsonl
 
 EVAL_SAMPLES = "eval_samples.jsonl"  # a training stage's latest held-out evaluation, one problem a line
 
@@ -69,14 +68,8 @@ def save_eval_samples(out: str | Path, step: int, records: list[dict], dist: run
     """A training stage's latest held-out evaluation, one problem a line ({"step", "prompt", "answer", "greedy",
     "greedy_correct"}, with "samples" and "n_correct" where it sampled), to OUT/eval_samples.jsonl on the main rank:
     written whole and renamed over the previous one, so the file always holds one complete evaluation."""
-    if not dist.is_main:
-        return
-    path = Path(out) / EVAL_SAMPLES
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        for rec in records:
-            f.write(json.dumps({"step": step, **rec}) + "\n")
-    os.replace(tmp, path)
+    if dist.is_main:
+        write_jsonl([{"step": step, **rec} for rec in records], Path(out) / EVAL_SAMPLES)
 
 
 def fitting(rows: list[dict], prompt_ids: list[list[int]], context: int | None, new_tokens: int, where: str = ""):

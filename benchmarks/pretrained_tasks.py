@@ -169,7 +169,7 @@ def paired_difference(a: Path, b: Path) -> dict | None:
     in {-1, 0, 1}: both runs answer the same problems, so the noise of drawing 200 of them cancels and what is left
     is the runs' disagreement. None where either file is missing."""
     try:
-        ra, rb = ({json.loads(x)["prompt"]: json.loads(x)["greedy_correct"] for x in f.read_text().splitlines() if x}
+        ra, rb = ({r["prompt"]: r["greedy_correct"] for r in map(json.loads, f.read_text().splitlines())}
                   for f in (a / EVAL_SAMPLES, b / EVAL_SAMPLES))
     except OSError:
         return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from align import data as D
@@ -15,6 +14,7 @@ from align.generation import Sampling
 from align.models import load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.rewards import REWARDS, verifier_fn
+from align.tasks import write_jsonl
 
 
 @dataclass
@@ -57,7 +57,5 @@ def run(cfg: EvalConfig) -> dict:
                                            verifier=cfg.verifier, batch_size=cfg.batch_size, gather=cfg.gather,
                                            use_evaluate=True, progress="eval")
         if dist.is_main:
-            with open(run.out / "samples.jsonl", "w") as f:
-                for r in records:
-                    f.write(json.dumps(r) + "\n")
+            write_jsonl(records, run.out / "samples.jsonl")
         return run.complete(metrics, f"eval of {cfg.model} on {cfg.data}")
