@@ -10,7 +10,9 @@ chain's final model >= GRPO alone).
 
     python -m benchmarks.pretrained_tasks --model /root/smollm2 --out /root/pt [--tasks add,pm,aiw] [--limit 540]
         [--set stages.grpo.max_steps=200 ...]   (a variant of the recipe, for the chain and GRPO alone alike)
-        [--variant 'matched:stages.prefs.match_length=true' ...]   (a second chain per task, sharing GRPO alone)
+        [--variant 'alike:stages.prefs.pair_by="form"' ...]   (a second chain per task, sharing GRPO alone)
+        [--set order=dpo,grpo,ppo]   (the policy stages in another order, each from the one before it; also in a
+                                      --variant, e.g. --variant 'late_ppo:order=dpo,grpo,ppo')
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ TASKS = {
     "legs": ("rg:leg_counting", ["min_animals=1", "max_animals=2", "max_instances=3"]),
     "letters": ("rg:letter_counting", []),
 }
-MODEL_KEYS = ["stages.eval_base.model", "stages.prefs.from_model", "stages.rm.model", "stages.dpo.model"]
+MODEL_KEYS = ["stages.eval_base.model", "stages.prefs.from_model", "stages.rm.model"]  # + the first policy stage's
 POLICY_STAGES = ["dpo", "ppo", "grpo"]
 
 
@@ -74,12 +76,49 @@ def grpo_alone_toml(pipe: dict, name: str, model: str, out: Path) -> str:
 
 def recipe(path: str, overrides: list[str]) -> dict:
     """The chain's pipeline file as a dict, with the --set overrides a variant of the recipe gives (the same ones
-    go to the chain's `align pipeline run`, so GRPO alone gets the variant's step count and GRPO settings)."""
-    pipe = tomllib.loads(Path(path).read_text())
+    go to the chain's `align pipeline run`, so GRPO alone gets the variant's step count and GRPO settings) and its
+    policy stages in the override `order=` (if any)."""
+    order, overrides = split_order(overrides)
+    pipe = reorder(tomllib.loads(Path(path).read_text()), order)
     problems, _ = apply_overrides(pipe, overrides)
     if problems:
         sys.exit(f"error: {problems[0].message} ({problems[0].origin})")
     return pipe
+
+
+def split_order(overrides: list[str]) -> tuple[list[str], list[str]]:
+    """(the policy stages' order, the other overrides): the benchmark's own key `order=dpo,grpo,ppo` (the last
+    one given wins; none: the file's order) out of a list of --set overrides."""
+    order, rest = POLICY_STAGES, []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() != "order":
+            rest.append(o)
+            continue
+        order = [v.strip() for v in value.strip().strip("\"'").split(",")]
+        if sorted(order) != sorted(POLICY_STAGES):
+            sys.exit(f"error: {o!r}: the order names each of {', '.join(POLICY_STAGES)} once")
+    return order, rest
+
+
+def reorder(pipe: dict, order: list[str]) -> dict:
+    """The pipeline with its policy stages last, in `order`: the first starts from the model the file's first
+    policy stage starts from, each next one from the one before it (`model = "@previous"`)."""
+    stages = pipe["stages"]
+    if order == [s for s in stages if s in POLICY_STAGES]:
+        return pipe
+    start = stages[next(s for s in stages if s in POLICY_STAGES)]["model"]
+    moved = {s: dict(stages[s], model=start if i == 0 else f"@{order[i - 1]}") for i, s in enumerate(order)}
+    return dict(pipe, stages={**{k: v for k, v in stages.items() if k not in POLICY_STAGES}, **moved})
+
+
+def pipeline_toml(pipe: dict) -> str:
+    """A pipeline dict as a TOML file (tables of scalars and lists, as pipeline files are)."""
+    lines = []
+    for table, values in [("pipeline", pipe.get("pipeline", {})), *((f"stages.{k}", v) for k, v in
+                                                                     pipe["stages"].items())]:
+        lines += [f"[{table}]", *(f"{k} = {toml_value(v)}" for k, v in values.items()), ""]
+    return "\n".join(lines)
 
 
 def gpu_count() -> int:
@@ -100,13 +139,19 @@ def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
         d.mkdir(parents=True, exist_ok=True)
         alone_file = d / "alone.toml"
         alone_file.write_text(grpo_alone_toml(pipe, name, args.model, (d / "alone").resolve()))
-        commands = {"alone": [sys.executable, "-m", "align", "pipeline", "run", str(alone_file)]}
+        commands = {} if args.no_alone else {"alone": [sys.executable, "-m", "align", "pipeline", "run",
+                                                        str(alone_file)]}
         for variant, extra in [("", []), *args.variant]:
+            order, overrides = split_order([*args.set, *extra])
+            pipeline = args.pipeline
+            if order != POLICY_STAGES:  # the file with its policy stages reordered, beside the runs
+                pipeline = d / f"{chain_dir(variant)}.toml"
+                pipeline.write_text(pipeline_toml(reorder(tomllib.loads(Path(args.pipeline).read_text()), order)))
             commands[chain_dir(variant)] = [
-                sys.executable, "-m", "align", "pipeline", "run", str(args.pipeline),
+                sys.executable, "-m", "align", "pipeline", "run", str(pipeline),
                 "--set", f"pipeline.out={d / chain_dir(variant)}",
-                *[a for k in MODEL_KEYS for a in ("--set", f"{k}={args.model}")],
-                *[a for o in [*args.set, *extra, *task_overrides(name)] for a in ("--set", o)]]
+                *[a for k in [*MODEL_KEYS, f"stages.{order[0]}.model"] for a in ("--set", f"{k}={args.model}")],
+                *[a for o in [*overrides, *task_overrides(name)] for a in ("--set", o)]]
         for k, (kind, cmd) in enumerate(commands.items()):
             log = open(d / f"{kind}.log", "a")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str((t + k) % gpus)) if gpus > 1 else None
@@ -127,7 +172,8 @@ def parse_variant(spec: str, pipeline: str, base: list[str]) -> tuple[str, list[
         sys.exit(f"error: --variant {spec!r}: write NAME:KEY=VALUE[;KEY=VALUE...]")
     overrides = [o for o in rest.split(";") if o]
     first, second = recipe(pipeline, base), recipe(pipeline, [*base, *overrides])
-    if first["stages"]["grpo"] != second["stages"]["grpo"] or any(
+    grpo = [{k: v for k, v in p["stages"]["grpo"].items() if k != "model"} for p in (first, second)]
+    if grpo[0] != grpo[1] or any(
             first["stages"][s].get("max_steps") != second["stages"][s].get("max_steps") for s in POLICY_STAGES):
         sys.exit(f"error: --variant {name}: it changes GRPO alone's run (the grpo stage or a policy stage's "
                  "max_steps); run it with --set and its own --out instead.")
@@ -142,9 +188,10 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
-def wait_all(runs, limit: float) -> None:
+def wait_all(runs, limit: float, grace: float = 60) -> None:
     """Wait for every run; at `limit` seconds send SIGTERM to each run's process group (the stage in flight finishes
-    its step, checkpoints and marks its artifact) and wait up to 120 s for all of them to exit."""
+    its step, checkpoints and marks its artifact) and give them `grace` seconds in all to exit, then SIGKILL what
+    is left (its stage resumes from its last checkpoint): the runs are over by limit + grace, whatever they do."""
     t0 = time.monotonic()
     while any(p.poll() is None for _, p in runs):
         if limit and time.monotonic() - t0 > limit:
@@ -153,14 +200,14 @@ def wait_all(runs, limit: float) -> None:
                     os.killpg(p.pid, signal.SIGTERM)
             break
         time.sleep(5)
-    for name, p in runs:
-        print(f"{name}: exit {p.wait()} after {time.monotonic() - t0:.0f} s", flush=True)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + grace
     while any(group_alive(p.pid) for _, p in runs) and time.monotonic() < deadline:
         time.sleep(2)  # a stage process outlives its pipeline's while it checkpoints
     for _, p in runs:
         if group_alive(p.pid):
             os.killpg(p.pid, signal.SIGKILL)
+    for name, p in runs:
+        print(f"{name}: exit {p.wait()} after {time.monotonic() - t0:.0f} s", flush=True)
 
 
 def paired_difference(a: Path, b: Path) -> dict | None:
@@ -181,11 +228,17 @@ def paired_difference(a: Path, b: Path) -> dict | None:
     return {"delta": mean, "se": (var / len(d)) ** 0.5, "n": len(d), "a_only": d.count(1), "b_only": d.count(-1)}
 
 
-def summarise(names, out: Path, variants=("",)) -> dict:
+PASS_KEY = {"dpo": "pass@1/policy", "ppo": "eval/pass@1/greedy", "grpo": "eval/pass@1/greedy"}
+
+
+def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> dict:
+    """One row per task and chain: held-out greedy pass@1 after each stage, in the chain's order (`orders`:
+    variant -> its policy stages' order; default the file's), GRPO alone's, and the checks."""
     rows = {}
     for name, variant in [(n, v) for n in names for v in variants]:
+        order = (orders or {}).get(variant, POLICY_STAGES)
         c, a = out / name / chain_dir(variant), out / name / "alone"
-        art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", "dpo", "ppo", "grpo"]}
+        art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", *POLICY_STAGES]}
         alone = read_artifact(a / "grpo_alone") or {}
         # a stage that did not complete has no result (a failed one may hold its start metrics)
         m = {s: v.get("metrics", {}) if v.get("status") == "complete" else {} for s, v in art.items()}
@@ -193,30 +246,30 @@ def summarise(names, out: Path, variants=("",)) -> dict:
         row = {"task": " ".join([TASKS[name][0], *TASKS[name][1]]),
                "base": m["eval_base"].get("pass@1/greedy"),
                "rm_heldout_accuracy": m["rm"].get("eval/accuracy"),
-               "dpo": m["dpo"].get("pass@1/policy"),
-               "ppo": m["ppo"].get("eval/pass@1/greedy"),
-               "grpo": m["grpo"].get("eval/pass@1/greedy"),
+               **{s: m[s].get(PASS_KEY[s]) for s in POLICY_STAGES},
+               "order": order,
+               "final": m[order[-1]].get(PASS_KEY[order[-1]]),
                "grpo_alone": alone_m.get("eval/pass@1/greedy"),
                "pairs": (art["prefs"].get("metrics") or {}).get("rows"),
                "status": {s: v.get("status", "-") for s, v in art.items()} | {"grpo_alone": alone.get("status", "-")},
                "health": {s: (v.get("health") or {}).get("counts", {}) for s, v in
-                          [*[(s, art[s]) for s in POLICY_STAGES], ("grpo_alone", alone)]},
+                          [*[(s, art[s]) for s in order], ("grpo_alone", alone)]},
                "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("grpo_alone", alone)]},
-               "final_minus_alone": paired_difference(c / "grpo", a / "grpo_alone")}
-        chain = [row["base"], row["dpo"], row["ppo"], row["grpo"]]
+               "final_minus_alone": paired_difference(c / order[-1], a / "grpo_alone")}
+        chain = [row["base"], *(row[s] for s in order)]
         if None not in chain and row["grpo_alone"] is not None and row["rm_heldout_accuracy"] is not None:
             steps_ok = all(b >= a - 0.02 - 1e-9 for a, b in zip(chain, chain[1:]))
             row["checks"] = {"every stage >= input - 2 points": steps_ok,
                              "rm held-out accuracy >= 0.75": row["rm_heldout_accuracy"] >= 0.75,
-                             "final >= GRPO alone": row["grpo"] >= row["grpo_alone"]}
+                             "final >= GRPO alone": row["final"] >= row["grpo_alone"]}
         rows[f"{name} ({variant})" if variant else name] = row
     return rows
 
 
 def table(rows) -> str:
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = ["| task | base | pairs | RM acc | dpo | ppo | grpo (final) | GRPO alone | final − alone (paired s.e.) "
-             "| events | checks |", "|---" * 11 + "|"]
+    lines = ["| task | base | pairs | RM acc | policy stages, in order | final | GRPO alone | final − alone (paired "
+             "s.e.) | events | checks |", "|---" * 10 + "|"]
     for name, r in rows.items():
         events = "; ".join(f"{s}: {', '.join(f'{k} {n}' for k, n in c.items())}" for s, c in r["health"].items() if c)
         unmet = ", ".join(k for k, ok in r.get("checks", {}).items() if not ok)
@@ -225,9 +278,9 @@ def table(rows) -> str:
             checks = "unmet: " + checks
         d = r.get("final_minus_alone")
         diff = f"{d['delta']:+.3f} ({d['se']:.3f})" if d else "-"
+        stages = " → ".join(f"{s} {f(r[s])}" for s in r["order"])
         lines.append(f"| {name}: {r['task']} | {f(r['base'])} | {r['pairs'] or '-'} | {f(r['rm_heldout_accuracy'])} | "
-                     f"{f(r['dpo'])} | {f(r['ppo'])} | {f(r['grpo'])} | {f(r['grpo_alone'])} | {diff} | "
-                     f"{events or 'none'} | {checks} |")
+                     f"{stages} | {f(r['final'])} | {f(r['grpo_alone'])} | {diff} | {events or 'none'} | {checks} |")
     return "\n".join(lines)
 
 
@@ -243,6 +296,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[;KEY=VALUE]",
                     help="Another chain beside the recipe's, per task, in OUT/TASK/chain-NAME, sharing GRPO alone, "
                          "e.g. --variant 'matched:stages.prefs.match_length=true'.")
+    ap.add_argument("--no-alone", action="store_true",
+                    help="Run the chains only (GRPO alone from an earlier run of the same recipe and seed compares).")
     ap.add_argument("--limit", type=float, default=0, help="Stop the runs gracefully after this many seconds.")
     ap.add_argument("--summary-only", action="store_true", help="Only print the table of what is there.")
     args = ap.parse_args()
@@ -254,7 +309,9 @@ def main() -> None:
     args.variant = [parse_variant(v, args.pipeline, args.set) for v in args.variant]
     if not args.summary_only:
         wait_all(launch(args, out), args.limit)
-    rows = summarise(args.tasks, out, ["", *(v for v, _ in args.variant)])
+    variants = [("", []), *args.variant]
+    rows = summarise(args.tasks, out, [v for v, _ in variants],
+                     {v: split_order([*args.set, *extra])[0] for v, extra in variants})
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: benchmarks.pretrained_tasks with SmolLM2 from /root/smollm2 (see gpu_smollm2_setup.sh), every
 # run at once on the one GPU. END=SECONDS (since this script started) stops them gracefully before a device call's
-# limit (a stage in flight checkpoints; 90 s are left for that and the copy-out); the same command continues them
+# limit (a stage in flight checkpoints within 60 s, else it is killed; 90 s are left for that and the copy-out); the same command continues them
 # (complete stages skipped). Arguments go to the script (e.g. --tasks pm,add).
 set -uo pipefail
 bash benchmarks/gpu_smollm2_setup.sh

@@ -12,9 +12,13 @@ online / iterative DPO recipes).
 
 from __future__ import annotations
 
+import difflib
 import random
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from align import tasks
 from align.config import SEED_MAX, Options, opt
@@ -50,8 +54,10 @@ class DataMakeConfig(Options):
     pairs_per_prompt: int = opt(1, "prefs --from-model: up to this many (correct, incorrect) pairs per training "
                                    "prompt, each pairing a different incorrect (or correct) sample; held-out prompts "
                                    "keep one.", ge=1)
-    match_length: bool = opt(False, "prefs --from-model: pair each right answer with the wrong ones closest to it in "
-                                    "length (a reward model or DPO then cannot prefer the right side by its length).")
+    pair_by: str = opt("random", "prefs --from-model: which wrong answers a right one is paired with: random; length "
+                                 "(the closest in length: a reward model or DPO cannot prefer the right side by its "
+                                 "length); form (the same form with another number first, then the most alike in "
+                                 "text: minimal pairs).", choices=("random", "length", "form"))
     max_new_tokens: int = opt(128, "prefs --from-model: longest completion.", ge=1)
     temperature: float = opt(1.0, "prefs --from-model: sampling temperature.", gt=0)
     verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).")
@@ -184,13 +190,14 @@ def pick_pair(rng: random.Random, texts: list[str], correct: list[bool]) -> tupl
 
 
 def pick_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int = 1,
-               match_length: bool = False) -> list[tuple[str, str]]:
+               pair_by: str = "random") -> list[tuple[str, str]]:
     """Up to k distinct (chosen, rejected) pairs of one prompt: the first is pick_pair's; the others pair the
     distinct correct and incorrect texts in a shuffled order, cycling the shorter side (a prompt with one right
     answer among eight samples gives it against up to k different wrong ones: InstructGPT's several comparisons
-    per prompt). [] when the samples are all correct or all wrong."""
-    if match_length:
-        return _length_matched_pairs(rng, texts, correct, k)
+    per prompt). pair_by "length" / "form": each right answer against the closest wrong ones instead
+    (_closest_pairs). [] when the samples are all correct or all wrong."""
+    if pair_by != "random":
+        return _closest_pairs(rng, texts, correct, k, PAIR_DISTANCES[pair_by])
     first = pick_pair(rng, texts, correct)
     if first is None:
         return []
@@ -206,6 +213,33 @@ def pick_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int
     return pairs
 
 
+def length_distance(a: str, b: str) -> float:
+    """|len(a) − len(b)| in characters: length-balanced pairs (Singhal et al. 2023: a reward model learns whatever
+    separates its pairs, length first)."""
+    return abs(len(a) - len(b))
+
+
+NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def text_distance(a: str, b: str) -> float:
+    """1 − difflib's similarity ratio 2·M / (len(a) + len(b)), M the characters of the matching blocks: 0 for equal
+    texts, 1 for texts with nothing in common."""
+    return 1.0 - difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
+def form_distance(a: str, b: str) -> tuple[float, float]:
+    """(text_distance of the two texts' forms — every number written as "#" —, text_distance of the texts): the
+    nearest wrong answer to a right one is first the one in the same form with another number ("The brother has 3
+    sisters." vs "... 2 sisters.", "166.35" vs "169.228"), then the most alike in text. Such minimal pairs differ
+    where the answer does, so a reward model or DPO learns what the verifier checks, not a format, a length or a
+    habit most right answers share (the first of the candidates a prompt lists, say)."""
+    return text_distance(NUMBER.sub("#", a), NUMBER.sub("#", b)), text_distance(a, b)
+
+
+PAIR_DISTANCES = {"length": length_distance, "form": form_distance}
+
+
 def pair_lengths(pairs: list[dict]) -> dict:
     """Mean characters of the chosen and the rejected sides: how much length alone separates the pairs."""
     if not pairs:
@@ -214,10 +248,10 @@ def pair_lengths(pairs: list[dict]) -> dict:
             "rejected_mean_chars": round(sum(len(p["rejected"]) for p in pairs) / len(pairs), 1)}
 
 
-def _length_matched_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int) -> list[tuple[str, str]]:
+def _closest_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int,
+                   distance: Callable[[str, str], Any]) -> list[tuple[str, str]]:
     """Up to k distinct pairs, the distinct right answers in a shuffled order (cycling), each against the not yet
-    paired wrong answer closest to it in length (ties at random): length-balanced pairs (Singhal et al. 2023: a
-    reward model learns whatever separates its pairs, length first)."""
+    paired wrong answer closest to it by `distance` (ties at random)."""
     good, bad = _sides(texts, correct, distinct=True)
     if not good or not bad:
         return []
@@ -227,7 +261,7 @@ def _length_matched_pairs(rng: random.Random, texts: list[str], correct: list[bo
         g = good[i % len(good)]
         left = [b for b in bad if (g, b) not in pairs]
         if left and len(pairs) < k:
-            pairs.append((g, min(left, key=lambda b: (abs(len(b) - len(g)), rng.random()))))
+            pairs.append((g, min(left, key=lambda b: (distance(g, b), rng.random()))))
     return pairs
 
 
@@ -280,7 +314,7 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
         todo = [i for i in todo if len(set(correct[i])) < 2 and len(texts[i]) + cfg.samples <= cap]
     rng, per_prompt = random.Random(cfg.seed), []
     for row, t, c in zip(rows, texts, correct):
-        picked = pick_pairs(rng, t, c, cfg.pairs_per_prompt, cfg.match_length)
+        picked = pick_pairs(rng, t, c, cfg.pairs_per_prompt, cfg.pair_by)
         if picked:
             per_prompt.append([{"prompt": row["prompt"], "chosen": a, "rejected": b, "answer": row["answer"]}
                                for a, b in picked])

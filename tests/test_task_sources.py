@@ -143,12 +143,33 @@ def test_length_matched_pairs_take_the_wrong_answers_closest_in_length():
     import random
 
     texts, correct = ["aaaa", "b", "bbbbb", "b" * 20, "bb"], [True, False, False, False, False]
-    assert pick_pairs(random.Random(0), texts, correct, 2, match_length=True) == [("aaaa", "bbbbb"), ("aaaa", "bb")]
-    assert pick_pairs(random.Random(0), texts, correct, 9, match_length=True)[-1] == ("aaaa", "b" * 20)
-    assert pick_pairs(random.Random(0), texts, [False] * 5, 2, match_length=True) == []
+    assert pick_pairs(random.Random(0), texts, correct, 2, pair_by="length") == [("aaaa", "bbbbb"), ("aaaa", "bb")]
+    assert pick_pairs(random.Random(0), texts, correct, 9, pair_by="length")[-1] == ("aaaa", "b" * 20)
+    assert pick_pairs(random.Random(0), texts, [False] * 5, 2, pair_by="length") == []
     two = pick_pairs(random.Random(3), ["xx", "yyyyyy", "z", "wwwwwww"], [True, True, False, False], 2,
-                     match_length=True)
+                     pair_by="length")
     assert sorted(two) == [("xx", "z"), ("yyyyyy", "wwwwwww")]
+
+
+def test_form_matched_pairs_take_the_wrong_answer_in_the_same_form_a_minimal_pair():
+    import random
+
+    from stages.data_make import form_distance, text_distance
+
+    assert text_distance("abc", "abc") == 0.0 and text_distance("abc", "xyz") == 1.0
+    assert text_distance("166.35", "169.228") == pytest.approx(1 - 2 * 3 / 13)  # "16" and "." match
+    assert form_distance("The brother has 3 sisters.", "The brother has 12 sisters.")[0] == 0.0
+    assert form_distance("1.6e+08", "160,837,589.094")[0] == 0.0 < form_distance("7", "7 or 8")[0]
+    right = "166.35000000000002"
+    wrong = ["169.228000",  # the other candidate: the same form, another number
+             "169.228000 166.35000000000002",  # both candidates: more of the right text, another form
+             "pick the smallest number of the following candidates: 169.228000 166.35000000000002", "I'm not sure."]
+    texts, correct = [wrong[3], right, *wrong[:3]], [False, True, False, False, False]
+    assert text_distance(right, wrong[1]) < text_distance(right, wrong[0])  # text alone would pick the list
+    assert pick_pairs(random.Random(0), texts, correct, 2, pair_by="form") == [(right, wrong[0]), (right, wrong[1])]
+    # by length: the 13-character refusal first (|18 - 13| < |18 - 10|)
+    assert pick_pairs(random.Random(0), texts, correct, 2, pair_by="length") == [(right, wrong[3]), (right, wrong[0])]
+    assert pick_pairs(random.Random(0), texts, [False] * 5, 2, pair_by="form") == []
 
 
 VERIFIER = '''
@@ -297,13 +318,59 @@ def test_the_pretrained_benchmark_changes_only_the_task_and_gives_grpo_alone_the
     assert alone.stage("grpo_alone").values["lr"] == 2e-5
     # --variant: a second chain sharing GRPO alone, so it may not change what GRPO alone runs
     path = str(ROOT / "pipelines/pretrained.toml")
-    assert PT.parse_variant("matched:stages.prefs.match_length=true;stages.rm.lr=1e-5", path, []) == (
-        "matched", ["stages.prefs.match_length=true", "stages.rm.lr=1e-5"])
+    assert PT.parse_variant('alike:stages.prefs.pair_by="form";stages.rm.lr=1e-5', path, []) == (
+        "alike", ['stages.prefs.pair_by="form"', "stages.rm.lr=1e-5"])
     for bad in ("fast:stages.grpo.lr=2e-5", "short:stages.dpo.max_steps=20", "no-colon", "1x:stages.rm.lr=1"):
         with pytest.raises(SystemExit):
             PT.parse_variant(bad, path, [])
     rows = PT.summarise(["aiw"], tmp_path / "none", ["", "matched"])
     assert list(rows) == ["aiw", "aiw (matched)"] and rows["aiw (matched)"]["grpo"] is None
+
+
+def test_the_pretrained_benchmark_runs_the_policy_stages_in_another_order(tmp_path):
+    """order=dpo,grpo,ppo: the file's policy stages moved to that order, each reading the one before it, the first
+    from the base model; a valid pipeline, GRPO alone unchanged (so a --variant may reorder), the final model the
+    last stage's, and the checks along the new order."""
+    import json
+
+    from align import pipeline as P
+    from benchmarks import pretrained_tasks as PT
+    from tests.conftest import ROOT
+
+    path = str(ROOT / "pipelines/pretrained.toml")
+    assert PT.split_order(["stages.rm.lr=1e-5", "order=dpo,grpo,ppo"]) == (
+        ["dpo", "grpo", "ppo"], ["stages.rm.lr=1e-5"])
+    assert PT.split_order(["stages.rm.lr=1e-5"]) == (PT.POLICY_STAGES, ["stages.rm.lr=1e-5"])
+    for bad in ("order=dpo,grpo", "order=dpo,grpo,grpo", "order=dpo,ppo,grpo,sft"):
+        with pytest.raises(SystemExit):
+            PT.split_order([bad])
+    pipe = PT.recipe(path, ["order=grpo,dpo,ppo"])
+    assert list(pipe["stages"]) == ["tasks", "eval_base", "prefs", "rm", "grpo", "dpo", "ppo"]
+    assert [pipe["stages"][s]["model"] for s in ("grpo", "dpo", "ppo")] == [
+        "HuggingFaceTB/SmolLM2-135M-Instruct", "@grpo", "@dpo"]
+    f = tmp_path / "chain.toml"
+    f.write_text(PT.pipeline_toml(pipe))
+    chain, problems = P.parse(f)
+    assert not problems and [s.name for s in chain.stages][-3:] == ["grpo", "dpo", "ppo"]
+    assert P.resolve(chain, chain.stage("ppo"))["model"] == str(chain.out / "dpo")
+    assert PT.recipe(path, ["order=dpo,ppo,grpo"]) == PT.recipe(path, [])  # the file's own order: unchanged
+    assert PT.parse_variant("late_ppo:order=dpo,grpo,ppo;stages.ppo.lr=1e-6", path, []) == (
+        "late_ppo", ["order=dpo,grpo,ppo", "stages.ppo.lr=1e-6"])
+    # the table reads the final model at the order's last stage, and "every stage >= its input" along the order
+    for stage, value in [("eval_base", {"pass@1/greedy": 0.2}), ("rm", {"eval/accuracy": 0.8}),
+                         ("dpo", {"pass@1/policy": 0.25}), ("grpo", {"eval/pass@1/greedy": 0.6}),
+                         ("ppo", {"eval/pass@1/greedy": 0.55})]:
+        (tmp_path / "aiw" / "chain-late" / stage).mkdir(parents=True)
+        (tmp_path / "aiw" / "chain-late" / stage / "artifact.json").write_text(json.dumps(
+            {"status": "complete", "metrics": value}))
+    (tmp_path / "aiw" / "alone" / "grpo_alone").mkdir(parents=True)
+    (tmp_path / "aiw" / "alone" / "grpo_alone" / "artifact.json").write_text(json.dumps(
+        {"status": "complete", "metrics": {"eval/pass@1/greedy": 0.58}}))
+    row = PT.summarise(["aiw"], tmp_path, ["late"], {"late": ["dpo", "grpo", "ppo"]})["aiw (late)"]
+    assert row["final"] == 0.55 and row["checks"] == {"every stage >= input - 2 points": False,
+                                                      "rm held-out accuracy >= 0.75": True,
+                                                      "final >= GRPO alone": False}
+    assert "dpo 0.250 → grpo 0.600 → ppo 0.550 | 0.550 | 0.580" in PT.table({"aiw (late)": row})
 
 
 def test_a_data_stage_feeds_later_stages_in_a_pipeline(tmp_path, tiny_model_dir):
@@ -332,6 +399,7 @@ verifier = "{tmp_path / 'v.py'}:first_char_even"
 samples = 4
 max_new_tokens = 6
 test_n = 4
+pair_by = "form"
 
 [stages.rm]
 model = "{tiny_model_dir}"
