@@ -15,6 +15,7 @@ Layout of `--out DIR`:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -43,10 +44,29 @@ def hash_tree(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@contextlib.contextmanager
+def atomic_open(path):
+    """A text file that appears at `path` (its folder made) only once the block completes: written as
+    path.tmpPID, then os.replace'd over it, so a reader sees the old file or the whole new one, never half; on an
+    error the temporary file is removed and `path` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            yield f
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path, text: str) -> None:
+    with atomic_open(path) as f:
+        f.write(text)
+
+
 def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def _readable(folder: Path) -> None:

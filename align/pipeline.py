@@ -40,7 +40,8 @@ from pathlib import Path
 from rich.markup import escape
 
 from align import config as C
-from align.artifacts import ARTIFACT_FILE, artifact_digest, hash_tree, read_artifact, sha256_file, verify_artifact
+from align.artifacts import (ARTIFACT_FILE, artifact_digest, hash_tree, read_artifact, sha256_file, verify_artifact,
+                             write_text_atomic)
 from align.console import console
 from align.engine import checkpoint
 from align.errors import UserError
@@ -620,14 +621,7 @@ def toml_value(v) -> str:
 def write_stage_toml(path: Path, cfg: dict, comment: str = "") -> None:
     lines = [f"# {comment}"] if comment else []
     lines += [f"{k} = {toml_value(v)}" for k, v in cfg.items()]
-    _write_atomic(path, "\n".join(lines) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
 
 
 def command(stage: Stage, stage_toml: Path) -> list[str]:
@@ -816,7 +810,7 @@ def _run_one(p: Pipeline, stage: Stage, forced: str | None, path: str, echo, spa
     reason += f", resuming from its {tag} checkpoint" if tag else ""
     out.mkdir(parents=True, exist_ok=True)
     (out / FINGERPRINT_FILE).unlink(missing_ok=True)  # a half-done rerun must never look up to date
-    _write_atomic(out / RESUME_KEY_FILE, resume_key(p, stage, cfg) + "\n")  # what its checkpoints are made of
+    write_text_atomic(out / RESUME_KEY_FILE, resume_key(p, stage, cfg) + "\n")  # what its checkpoints are made of
     stage_toml = out / STAGE_TOML
     write_stage_toml(stage_toml, run_cfg, f"written by `align pipeline run {path}` for stage {stage.name!r}")
     echo(f"[bold]> {escape(stage.name)}[/] ({stage.kind}, {reason}): align {' '.join(stage.command.words)} "
@@ -833,7 +827,7 @@ def _run_one(p: Pipeline, stage: Stage, forced: str | None, path: str, echo, spa
         verify_artifact(out)
     except UserError as e:
         return Result(stage.name, stage.kind, "failed", f"no complete artifact: {e}", seconds, {}, 1, out)
-    _write_atomic(out / FINGERPRINT_FILE, fp + "\n")  # what it was run on
+    write_text_atomic(out / FINGERPRINT_FILE, fp + "\n")  # what it was run on
     compiled = (read_artifact(out) or {}).get("metrics", {}).get("time/compile")
     return Result(stage.name, stage.kind, "ran", reason, seconds, headline_metrics(out), out=out,
                   compile_seconds=compiled)

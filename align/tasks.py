@@ -19,9 +19,9 @@ Row schemas:
 """
 
 import json
-import os
 import random
 
+from align.artifacts import atomic_open
 from align.errors import UserError
 
 TASKS = ("digit_sort", "digit_sort_prefs", "arithmetic", "sort", "prefs", "text")
@@ -350,11 +350,7 @@ def make_dataset(task, n, seed, *, levels=(1, 2, 3, 4), exclude=None, **opts):
 
 
 def write_jsonl(rows, path):
-    """Write rows as JSON lines atomically (path.tmp, then os.replace)."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    """Write rows as JSON lines atomically (artifacts.atomic_open)."""
+    with atomic_open(path) as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)

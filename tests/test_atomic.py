@@ -49,6 +49,33 @@ def test_a_writer_killed_mid_write_never_leaves_a_torn_file(tmp_path):
     killed_mid_write(tmp_path / "artifact.json", WRITER, whole)
 
 
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path):
+    """atomic_open (under write_json_atomic, tasks.write_jsonl and the pipeline's files): an error in the middle of
+    the writing leaves the previous file as it was and removes the temporary one; a new file's folder is made."""
+    import pytest
+
+    from align.artifacts import atomic_open, write_text_atomic
+    from align.tasks import write_jsonl
+
+    path = tmp_path / "a" / "data.jsonl"
+    write_jsonl([{"x": 1}, {"x": 2}], path)
+    assert path.read_text() == '{"x": 1}\n{"x": 2}\n'
+
+    def rows():
+        yield {"x": 3}
+        raise RuntimeError("the generator broke")
+
+    with pytest.raises(RuntimeError):
+        write_jsonl(rows(), path)
+    with pytest.raises(ZeroDivisionError), atomic_open(path) as f:
+        f.write("half")
+        1 / 0
+    assert path.read_text() == '{"x": 1}\n{"x": 2}\n' and sorted(p.name for p in path.parent.iterdir()) == [
+        "data.jsonl"]
+    write_text_atomic(path, "new\n")
+    assert path.read_text() == "new\n" and len(list(path.parent.iterdir())) == 1
+
+
 def test_git_commit_says_when_the_code_differs_from_its_commit(tmp_path):
     """artifact.json's git_commit: the checkout's HEAD, "-dirty" when a tracked file was edited since (an artifact
     made by uncommitted code says so), None outside a git checkout."""
