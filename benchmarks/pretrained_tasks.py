@@ -51,7 +51,7 @@ TASKS = {
     "letters": ("rg:letter_counting", []),
 }
 MODEL_KEYS = ["stages.eval_base.model", "stages.prefs.from_model", "stages.rm.model"]  # + the first policy stage's
-POLICY_STAGES = ["dpo", "ppo", "grpo"]
+POLICY_STAGES = ["dpo", "ppo", "grpo"]  # the chain's policy stages (their order: the pipeline file's)
 
 
 def task_overrides(name: str) -> list[str]:
@@ -79,17 +79,23 @@ def recipe(path: str, overrides: list[str]) -> dict:
     go to the chain's `align pipeline run`, so GRPO alone gets the variant's step count and GRPO settings) and its
     policy stages in the override `order=` (if any)."""
     order, overrides = split_order(overrides)
-    pipe = reorder(tomllib.loads(Path(path).read_text()), order)
+    pipe = tomllib.loads(Path(path).read_text())
+    pipe = reorder(pipe, order) if order else pipe
     problems, _ = apply_overrides(pipe, overrides)
     if problems:
         sys.exit(f"error: {problems[0].message} ({problems[0].origin})")
     return pipe
 
 
-def split_order(overrides: list[str]) -> tuple[list[str], list[str]]:
+def file_order(path: str | Path) -> list[str]:
+    """The policy stages in the order a pipeline file lists them."""
+    return [s for s in tomllib.loads(Path(path).read_text())["stages"] if s in POLICY_STAGES]
+
+
+def split_order(overrides: list[str], default: list[str] | None = None) -> tuple[list[str] | None, list[str]]:
     """(the policy stages' order, the other overrides): the benchmark's own key `order=dpo,grpo,ppo` (the last
-    one given wins; none: the file's order) out of a list of --set overrides."""
-    order, rest = POLICY_STAGES, []
+    one given wins; none: `default`, the file's order where None) out of a list of --set overrides."""
+    order, rest = default, []
     for o in overrides:
         key, _, value = o.partition("=")
         if key.strip() != "order":
@@ -142,9 +148,9 @@ def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
         commands = {} if args.no_alone else {"alone": [sys.executable, "-m", "align", "pipeline", "run",
                                                         str(alone_file)]}
         for variant, extra in [("", []), *args.variant]:
-            order, overrides = split_order([*args.set, *extra])
+            order, overrides = split_order([*args.set, *extra], file_order(args.pipeline))
             pipeline = args.pipeline
-            if order != POLICY_STAGES:  # the file with its policy stages reordered, beside the runs
+            if order != file_order(args.pipeline):  # the file with its policy stages reordered, beside the runs
                 pipeline = d / f"{chain_dir(variant)}.toml"
                 pipeline.write_text(pipeline_toml(reorder(tomllib.loads(Path(args.pipeline).read_text()), order)))
             commands[chain_dir(variant)] = [
@@ -236,7 +242,7 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
     variant -> its policy stages' order; default the file's), GRPO alone's, and the checks."""
     rows = {}
     for name, variant in [(n, v) for n in names for v in variants]:
-        order = (orders or {}).get(variant, POLICY_STAGES)
+        order = (orders or {}).get(variant) or file_order(PIPELINE)
         c, a = out / name / chain_dir(variant), out / name / "alone"
         art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", *POLICY_STAGES]}
         alone = read_artifact(a / "grpo_alone") or {}
@@ -311,7 +317,7 @@ def main() -> None:
         wait_all(launch(args, out), args.limit)
     variants = [("", []), *args.variant]
     rows = summarise(args.tasks, out, [v for v, _ in variants],
-                     {v: split_order([*args.set, *extra])[0] for v, extra in variants})
+                     {v: split_order([*args.set, *extra], file_order(args.pipeline))[0] for v, extra in variants})
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
 

@@ -278,7 +278,7 @@ def test_the_pretrained_pipeline_is_valid_and_resolves_stage_files():
     from tests.conftest import ROOT
 
     p = P.load(ROOT / "pipelines/pretrained.toml")
-    assert [s.kind for s in p.stages] == ["data", "eval", "data", "rm", "dpo", "ppo", "grpo"]
+    assert [s.kind for s in p.stages] == ["data", "eval", "data", "rm", "dpo", "grpo", "ppo"]
     rm = P.resolve(p, p.stage("rm"))
     assert rm["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # a hub id stays an id, not a path
     assert rm["data"] == str(p.out / "prefs") and rm["eval_data"] == str(p.out / "prefs" / "test.jsonl")
@@ -340,7 +340,8 @@ def test_the_pretrained_benchmark_runs_the_policy_stages_in_another_order(tmp_pa
     path = str(ROOT / "pipelines/pretrained.toml")
     assert PT.split_order(["stages.rm.lr=1e-5", "order=dpo,grpo,ppo"]) == (
         ["dpo", "grpo", "ppo"], ["stages.rm.lr=1e-5"])
-    assert PT.split_order(["stages.rm.lr=1e-5"]) == (PT.POLICY_STAGES, ["stages.rm.lr=1e-5"])
+    assert PT.split_order(["stages.rm.lr=1e-5"]) == (None, ["stages.rm.lr=1e-5"])
+    assert PT.file_order(path) == ["dpo", "grpo", "ppo"]
     for bad in ("order=dpo,grpo", "order=dpo,grpo,grpo", "order=dpo,ppo,grpo,sft"):
         with pytest.raises(SystemExit):
             PT.split_order([bad])
@@ -353,9 +354,9 @@ def test_the_pretrained_benchmark_runs_the_policy_stages_in_another_order(tmp_pa
     chain, problems = P.parse(f)
     assert not problems and [s.name for s in chain.stages][-3:] == ["grpo", "dpo", "ppo"]
     assert P.resolve(chain, chain.stage("ppo"))["model"] == str(chain.out / "dpo")
-    assert PT.recipe(path, ["order=dpo,ppo,grpo"]) == PT.recipe(path, [])  # the file's own order: unchanged
-    assert PT.parse_variant("late_ppo:order=dpo,grpo,ppo;stages.ppo.lr=1e-6", path, []) == (
-        "late_ppo", ["order=dpo,grpo,ppo", "stages.ppo.lr=1e-6"])
+    assert PT.recipe(path, ["order=dpo,grpo,ppo"]) == PT.recipe(path, [])  # the file's own order: unchanged
+    assert PT.parse_variant("early_ppo:order=dpo,ppo,grpo;stages.ppo.lr=1e-6", path, []) == (
+        "early_ppo", ["order=dpo,ppo,grpo", "stages.ppo.lr=1e-6"])
     # the table reads the final model at the order's last stage, and "every stage >= its input" along the order
     for stage, value in [("eval_base", {"pass@1/greedy": 0.2}), ("rm", {"eval/accuracy": 0.8}),
                          ("dpo", {"pass@1/policy": 0.25}), ("grpo", {"eval/pass@1/greedy": 0.6}),
