@@ -404,8 +404,8 @@ def test_the_stored_real_model_grpo_runs_raise_no_event(run, precision, collapse
 def test_the_pretrained_recipes_grpo_stage_raises_no_event(task, heldout):
     """pipelines/pretrained.toml's GRPO stage when it ran after PPO (from the PPO policy, entropy ~0.15 nats/token
     at the start) on two tasks (benchmarks/real_model_runs/pretrained, one H200, bf16): held-out greedy pass@1 at
-    steps 0/50/100 rose on both; replayed through the default rules, no event. The `add` run fired entropy_collapse's floor path
-    (0.15 -> 0.05) at steps 21/38/47 before that path asked for a start above the floor / floor_ratio."""
+    steps 0/50/100 rose on both; replayed through the default rules, no event. The `add` run fired entropy_collapse's
+    floor path (0.15 -> 0.05) at steps 21/38/47 before that path asked for a start above the floor / floor_ratio."""
     steps = {}
     for line in (REAL_RUNS / "pretrained" / f"{task}-grpo-metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
