@@ -11,8 +11,8 @@ chain's final model >= GRPO alone).
     python -m benchmarks.pretrained_tasks --model /root/smollm2 --out /root/pt [--tasks add,pm,aiw] [--limit 540]
         [--set stages.grpo.max_steps=200 ...]   (a variant of the recipe, for the chain and GRPO alone alike)
         [--variant 'alike:stages.prefs.pair_by="form"' ...]   (a second chain per task, sharing GRPO alone)
-        [--set order=dpo,grpo,ppo]   (the policy stages in another order, each from the one before it; also in a
-                                      --variant, e.g. --variant 'late_ppo:order=dpo,grpo,ppo')
+        [--set order=dpo,ppo,grpo]   (the policy stages in another order, each from the one before it; also in a
+                                      --variant, e.g. --variant 'early_ppo:order=dpo,ppo,grpo')
 """
 from __future__ import annotations
 
@@ -301,7 +301,7 @@ def main() -> None:
                          "--set`), for the chain and GRPO alone alike, e.g. --set stages.grpo.max_steps=200.")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[;KEY=VALUE]",
                     help="Another chain beside the recipe's, per task, in OUT/TASK/chain-NAME, sharing GRPO alone, "
-                         "e.g. --variant 'matched:stages.prefs.match_length=true'.")
+                         "e.g. --variant 'alike:stages.prefs.pair_by=\"form\"' or 'early_ppo:order=dpo,ppo,grpo'.")
     ap.add_argument("--no-alone", action="store_true",
                     help="Run the chains only (GRPO alone from an earlier run of the same recipe and seed compares).")
     ap.add_argument("--limit", type=float, default=0, help="Stop the runs gracefully after this many seconds.")
