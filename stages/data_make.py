@@ -18,7 +18,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from align import tasks
 from align.config import SEED_MAX, Options, opt
@@ -228,16 +227,18 @@ def text_distance(a: str, b: str) -> float:
     return 1.0 - difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
 
 
-def form_distance(a: str, b: str) -> tuple[float, float]:
-    """(text_distance of the two texts' forms — every number written as "#" —, text_distance of the texts): the
-    nearest wrong answer to a right one is first the one in the same form with another number ("The brother has 3
-    sisters." vs "... 2 sisters.", "166.35" vs "169.228"), then the most alike in text. Such minimal pairs differ
-    where the answer does, so a reward model or DPO learns what the verifier checks, not a format, a length or a
-    habit most right answers share (the first of the candidates a prompt lists, say)."""
-    return text_distance(NUMBER.sub("#", a), NUMBER.sub("#", b)), text_distance(a, b)
+def form_distance(a: str, b: str) -> float:
+    """text_distance of the two texts' forms: every number written as "#" ("The brother has 3 sisters." and "...
+    12 sisters." are one form, distance 0)."""
+    return text_distance(NUMBER.sub("#", a), NUMBER.sub("#", b))
 
 
-PAIR_DISTANCES = {"length": length_distance, "form": form_distance}
+# pair_by -> the distances a right answer's wrong partner is chosen by: the nearest by the first, among those the
+# nearest by the next. "form": minimal pairs, the wrong answer in the same form with another number ("166.35" vs
+# "169.228", "... 3 sisters." vs "... 2 sisters."), then the most alike in text. They differ where the answer does,
+# so a reward model or DPO learns what the verifier checks, not a format, a length or a habit most right answers
+# share (the first of the candidates a prompt lists, say).
+PAIR_DISTANCES = {"length": (length_distance,), "form": (form_distance, text_distance)}
 
 
 def pair_lengths(pairs: list[dict]) -> dict:
@@ -249,19 +250,30 @@ def pair_lengths(pairs: list[dict]) -> dict:
 
 
 def _closest_pairs(rng: random.Random, texts: list[str], correct: list[bool], k: int,
-                   distance: Callable[[str, str], Any]) -> list[tuple[str, str]]:
+                   distances: tuple[Callable[[str, str], float], ...]) -> list[tuple[str, str]]:
     """Up to k distinct pairs, the distinct right answers in a shuffled order (cycling), each against the not yet
-    paired wrong answer closest to it by `distance` (ties at random)."""
+    paired wrong answer nearest to it by the first of `distances`, ties settled by the next ones, then at random
+    (each distance computed once per pair of texts, and the later ones only for the ties)."""
     good, bad = _sides(texts, correct, distinct=True)
     if not good or not bad:
         return []
     rng.shuffle(good)
-    pairs = []
+    pairs, known = [], {}
+
+    def dist(j: int, g: str, b: str) -> float:
+        if (j, g, b) not in known:
+            known[j, g, b] = distances[j](g, b)
+        return known[j, g, b]
+
     for i in range(max(len(good), len(bad))):
+        if len(pairs) == k:
+            break
         g = good[i % len(good)]
-        left = [b for b in bad if (g, b) not in pairs]
-        if left and len(pairs) < k:
-            pairs.append((g, min(left, key=lambda b: (distance(g, b), rng.random()))))
+        if nearest := [b for b in bad if (g, b) not in pairs]:
+            for j in range(len(distances)):
+                best = min(dist(j, g, b) for b in nearest)
+                nearest = [b for b in nearest if dist(j, g, b) == best]
+            pairs.append((g, min(nearest, key=lambda b: rng.random())))
     return pairs
 
 
