@@ -327,6 +327,29 @@ def test_the_pretrained_benchmark_changes_only_the_task_and_gives_grpo_alone_the
     assert list(rows) == ["aiw", "aiw (matched)"] and rows["aiw (matched)"]["grpo"] is None
 
 
+def test_the_pretrained_benchmark_stops_its_runs_by_limit_plus_grace():
+    """wait_all: at the limit every run's process group gets SIGTERM; one that does not exit within the grace (a
+    stage stuck in its checkpoint) is killed, so a device call always gets its results back in time."""
+    import subprocess
+    import time
+
+    from benchmarks import pretrained_tasks as PT
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+               "time.sleep(120)"
+    polite = "import time; print('up', flush=True); time.sleep(120)"
+    runs = [(name, subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                    start_new_session=True)) for name, code in (("stubborn", stubborn),
+                                                                                 ("polite", polite))]
+    for _, p in runs:
+        assert p.stdout.readline().strip() == "up"
+    t0 = time.monotonic()
+    PT.wait_all(runs, limit=0.5, grace=3)
+    assert time.monotonic() - t0 < 30
+    assert [p.returncode for _, p in runs] == [-9, -15]  # killed after the grace / stopped by its SIGTERM
+    assert not any(PT.group_alive(p.pid) for _, p in runs)
+
+
 def test_the_pretrained_benchmark_runs_the_policy_stages_in_another_order(tmp_path):
     """order=dpo,grpo,ppo: the file's policy stages moved to that order, each reading the one before it, the first
     from the base model; a valid pipeline, GRPO alone unchanged (so a --variant may reorder), the final model the
