@@ -65,13 +65,9 @@ def grpo_alone_toml(pipe: dict, name: str, model: str, out: Path) -> str:
     stages = pipe["stages"]
     steps = sum(int(stages[s]["max_steps"]) for s in POLICY_STAGES)
     tasks = dict(stages["tasks"], task=TASKS[name][0], param=TASKS[name][1])
-    grpo = dict(stages["grpo"], model=model, max_steps=steps)
-    lines = [f"# GRPO alone from the base model, {steps} steps (= {' + '.join(POLICY_STAGES)} of the chain)",
-             "[pipeline]", f"out = {toml_value(str(out))}", "", "[stages.tasks]"]
-    lines += [f"{k} = {toml_value(v)}" for k, v in tasks.items()]
-    lines += ["", "[stages.grpo_alone]", 'stage = "grpo"']
-    lines += [f"{k} = {toml_value(v)}" for k, v in grpo.items() if k != "stage"]
-    return "\n".join(lines) + "\n"
+    grpo = {"stage": "grpo", **dict(stages["grpo"], model=model, max_steps=steps)}
+    return (f"# GRPO alone from the base model, {steps} steps (= {' + '.join(POLICY_STAGES)} of the chain)\n"
+            + pipeline_toml({"pipeline": {"out": str(out)}, "stages": {"tasks": tasks, "grpo_alone": grpo}}))
 
 
 def recipe(path: str, overrides: list[str]) -> dict:
@@ -135,10 +131,11 @@ def gpu_count() -> int:
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
-def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
-    """Start every task's runs. On a machine with several GPUs each run gets one (CUDA_VISIBLE_DEVICES), spread so
-    that a task's chain and its GRPO alone sit on different GPUs where there are two or more."""
-    pipe = recipe(args.pipeline, args.set)
+def launch(args, out: Path, chains: dict) -> list[tuple[str, subprocess.Popen]]:
+    """Start every task's runs (`chains`: variant -> (its policy stages' order, its other overrides)). On a machine
+    with several GPUs each run gets one (CUDA_VISIBLE_DEVICES), spread so that a task's chain and its GRPO alone sit
+    on different GPUs where there are two or more."""
+    pipe, raw = recipe(args.pipeline, args.set), tomllib.loads(Path(args.pipeline).read_text())
     runs, gpus = [], gpu_count()
     for t, name in enumerate(args.tasks):
         d = out / name
@@ -147,12 +144,11 @@ def launch(args, out: Path) -> list[tuple[str, subprocess.Popen]]:
         alone_file.write_text(grpo_alone_toml(pipe, name, args.model, (d / "alone").resolve()))
         commands = {} if args.no_alone else {"alone": [sys.executable, "-m", "align", "pipeline", "run",
                                                         str(alone_file)]}
-        for variant, extra in [("", []), *args.variant]:
-            order, overrides = split_order([*args.set, *extra], file_order(args.pipeline))
+        for variant, (order, overrides) in chains.items():
             pipeline = args.pipeline
             if order != file_order(args.pipeline):  # the file with its policy stages reordered, beside the runs
                 pipeline = d / f"{chain_dir(variant)}.toml"
-                pipeline.write_text(pipeline_toml(reorder(tomllib.loads(Path(args.pipeline).read_text()), order)))
+                pipeline.write_text(pipeline_toml(reorder(raw, order)))
             commands[chain_dir(variant)] = [
                 sys.executable, "-m", "align", "pipeline", "run", str(pipeline),
                 "--set", f"pipeline.out={d / chain_dir(variant)}",
@@ -240,9 +236,9 @@ PASS_KEY = {"dpo": "pass@1/policy", "ppo": "eval/pass@1/greedy", "grpo": "eval/p
 def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> dict:
     """One row per task and chain: held-out greedy pass@1 after each stage, in the chain's order (`orders`:
     variant -> its policy stages' order; default the file's), GRPO alone's, and the checks."""
-    rows = {}
+    rows, orders = {}, orders or {v: file_order(PIPELINE) for v in variants}
     for name, variant in [(n, v) for n in names for v in variants]:
-        order = (orders or {}).get(variant) or file_order(PIPELINE)
+        order = orders[variant]
         c, a = out / name / chain_dir(variant), out / name / "alone"
         art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", *POLICY_STAGES]}
         alone = read_artifact(a / "grpo_alone") or {}
@@ -313,11 +309,11 @@ def main() -> None:
     out = Path(args.out).resolve()
     args.pipeline = str(Path(args.pipeline).resolve())
     args.variant = [parse_variant(v, args.pipeline, args.set) for v in args.variant]
+    base = file_order(args.pipeline)
+    chains = {v: split_order([*args.set, *extra], base) for v, extra in [("", []), *args.variant]}
     if not args.summary_only:
-        wait_all(launch(args, out), args.limit)
-    variants = [("", []), *args.variant]
-    rows = summarise(args.tasks, out, [v for v, _ in variants],
-                     {v: split_order([*args.set, *extra], file_order(args.pipeline))[0] for v, extra in variants})
+        wait_all(launch(args, out, chains), args.limit)
+    rows = summarise(args.tasks, out, list(chains), {v: order for v, (order, _) in chains.items()})
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     print(table(rows))
 
