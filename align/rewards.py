@@ -18,8 +18,9 @@ path/to/file.py:FUNCTION[:WEIGHT]; the total reward is Σ weight · fn. Register
 A verifier (eval's --verifier) is a registered reward read as correct when it returns 1.
 
 extract_answer looks, in order, for the text after the last '####', the last \\boxed{...}, then the last number
-anywhere. Numbers may carry signs, thousands separators ("1,234"), decimals and fractions ("3/4"); comparisons
-are exact on fractions, then within a tolerance.
+anywhere; an answer that ends in a list of different numbers ("526.007 526.274", "3 or 5") gives none. Numbers
+may carry signs, thousands separators ("1,234"), decimals and fractions ("3/4"); comparisons are exact on
+fractions, then within a tolerance.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _LIST_INT_RE = re.compile(r"(?<![\d.])-?\d+")
 
 
-def _numbers(text):
+def numbers_in(text):
     """All number strings in text, normalised (no commas, ASCII minus, no leading '+')."""
     text = text.replace("\u2212", "-")
     return [m.group().replace(",", "").lstrip("+") for m in _NUM_RE.finditer(text)]
@@ -79,19 +80,36 @@ def extract_answer(text):
     """The final answer in a completion as a normalised number string, or None.
 
     Order: first number after the last '####' (None if there is none), else the last number
-    in the last \\boxed{...}, else the last number in the text.
+    in the last \\boxed{...}, else the last number in the text; the last number ending a list of different
+    numbers ('3, 5' or '3 or 5') is none (_final_number).
     """
     if not text:
         return None
     if "####" in text:
-        found = _numbers(text.rsplit("####", 1)[1])
+        found = numbers_in(text.rsplit("####", 1)[1])
         return found[0] if found else None
     boxed = _last_boxed(text)
-    if boxed is not None:
-        found = _numbers(_unlatex(boxed))
-        return found[-1] if found else None
-    found = _numbers(text)
-    return found[-1] if found else None
+    return _final_number(_unlatex(boxed) if boxed is not None else text)
+
+
+# What may stand between two numbers of a list: white space, a comma or semicolon, "or", "and".
+_LIST_SEP_RE = re.compile(r"\s*(?:[,;]|\b(?:or|and)\b)?\s*", re.I)
+
+
+def _final_number(text):
+    """The last number of text, normalised, or None where it ends a list of different numbers ('526.007 526.274',
+    '3, 5', '3 or 5'): such an answer names no single value, and reading its last number would credit a policy
+    that repeats every candidate it was given (the right one is last about half the time). The same value twice
+    ('0.5 or 1/2') is one answer."""
+    text = text.replace("\u2212", "-")
+    found = list(_NUM_RE.finditer(text))
+    if not found:
+        return None
+    last = found[-1].group().replace(",", "").lstrip("+")
+    if len(found) > 1 and _LIST_SEP_RE.fullmatch(text[found[-2].end():found[-1].start()]):
+        if _fraction(found[-2].group()) != _fraction(last):
+            return None
+    return last
 
 
 # Beyond these a string is no answer a verifier compares: exact arithmetic on it would stall the reward.

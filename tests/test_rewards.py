@@ -61,6 +61,20 @@ MATH_CASES = [
     ("The total is 1,234.5 dollars.", "1234.5", 1.0),
     ("23 + 45 = 68", "#### 68", 1.0),  # a GSM8K-style reference is read like a completion
     ("#### 1/0", "1", 0.0),  # division by zero is not a number
+    # an answer ending in a list of different numbers names none of them (repeating every candidate of a
+    # "pick the largest" prompt would otherwise be right whenever the answer is listed last)
+    ("526.007000 526.274", "526.274", 0.0),
+    ("526.007000, 526.274", "526.274", 0.0),
+    ("It is 3 or 5.", "5", 0.0),
+    ("3; 5", "5", 0.0),
+    ("3 and\n5", "5", 0.0),
+    ("\\boxed{3, 5}", "5", 0.0),
+    ("526.274000\n\n526.274", "526.274", 1.0),  # the same value twice is one answer
+    ("5.26274e+02 or 526.274", "526.274", 1.0),
+    ("1/2 or 0.5", "0.5", 1.0),
+    ("Between 3 and 7 the largest is 7", "7", 1.0),  # words between: not a list
+    ("3 / 4", "0.75", 0.0),  # a spaced fraction is two numbers (4 is not 0.75), as before
+    ("526.007 and 526.274: 526.274", "526.274", 1.0),  # the list, then the pick
 ]
 
 
@@ -79,6 +93,10 @@ EXTRACT_CASES = [
     ("#### junk", None),
     ("answer: 68.0", "68.0"),
     ("I have 1,234, ok", "1234"),
+    ("526.007000 5.26274e+02", None),
+    ("answer: 68.0 or 68", "68"),
+    ("\\boxed{12, 68}", None),
+    ("12, 68 #### 68", "68"),  # after '####' the first number, as before
 ]
 
 
