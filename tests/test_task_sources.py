@@ -278,7 +278,11 @@ def test_the_pretrained_pipeline_is_valid_and_resolves_stage_files():
     from tests.conftest import ROOT
 
     p = P.load(ROOT / "pipelines/pretrained.toml")
-    assert [s.kind for s in p.stages] == ["data", "eval", "data", "rm", "dpo", "grpo", "ppo"]
+    assert [s.kind for s in p.stages] == ["data", "eval", "data", "rm", "grpo", "dpo", "ppo"]
+    # GRPO from the model, DPO from GRPO's policy, PPO from DPO's
+    assert P.resolve(p, p.stage("grpo"))["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert P.resolve(p, p.stage("dpo"))["model"] == str(p.out / "grpo")
+    assert P.resolve(p, p.stage("ppo"))["model"] == str(p.out / "dpo")
     rm = P.resolve(p, p.stage("rm"))
     assert rm["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # a hub id stays an id, not a path
     assert rm["data"] == str(p.out / "prefs") and rm["eval_data"] == str(p.out / "prefs" / "test.jsonl")
@@ -364,20 +368,20 @@ def test_the_pretrained_benchmark_runs_the_policy_stages_in_another_order(tmp_pa
     assert PT.split_order(["stages.rm.lr=1e-5", "order=dpo,grpo,ppo"]) == (
         ["dpo", "grpo", "ppo"], ["stages.rm.lr=1e-5"])
     assert PT.split_order(["stages.rm.lr=1e-5"]) == (None, ["stages.rm.lr=1e-5"])
-    assert PT.file_order(path) == ["dpo", "grpo", "ppo"]
+    assert PT.file_order(path) == ["grpo", "dpo", "ppo"]
     for bad in ("order=dpo,grpo", "order=dpo,grpo,grpo", "order=dpo,ppo,grpo,sft"):
         with pytest.raises(SystemExit):
             PT.split_order([bad])
-    pipe = PT.recipe(path, ["order=grpo,dpo,ppo"])
-    assert list(pipe["stages"]) == ["tasks", "eval_base", "prefs", "rm", "grpo", "dpo", "ppo"]
-    assert [pipe["stages"][s]["model"] for s in ("grpo", "dpo", "ppo")] == [
-        "HuggingFaceTB/SmolLM2-135M-Instruct", "@grpo", "@dpo"]
+    pipe = PT.recipe(path, ["order=dpo,grpo,ppo"])
+    assert list(pipe["stages"]) == ["tasks", "eval_base", "prefs", "rm", "dpo", "grpo", "ppo"]
+    assert [pipe["stages"][s]["model"] for s in ("dpo", "grpo", "ppo")] == [
+        "HuggingFaceTB/SmolLM2-135M-Instruct", "@dpo", "@grpo"]
     f = tmp_path / "chain.toml"
     f.write_text(PT.pipeline_toml(pipe))
     chain, problems = P.parse(f)
-    assert not problems and [s.name for s in chain.stages][-3:] == ["grpo", "dpo", "ppo"]
-    assert P.resolve(chain, chain.stage("ppo"))["model"] == str(chain.out / "dpo")
-    assert PT.recipe(path, ["order=dpo,grpo,ppo"]) == PT.recipe(path, [])  # the file's own order: unchanged
+    assert not problems and [s.name for s in chain.stages][-3:] == ["dpo", "grpo", "ppo"]
+    assert P.resolve(chain, chain.stage("ppo"))["model"] == str(chain.out / "grpo")
+    assert PT.recipe(path, ["order=grpo,dpo,ppo"]) == PT.recipe(path, [])  # the file's own order: unchanged
     assert PT.parse_variant("early_ppo:order=dpo,ppo,grpo;stages.ppo.lr=1e-6", path, []) == (
         "early_ppo", ["order=dpo,ppo,grpo", "stages.ppo.lr=1e-6"])
     # the table reads the final model at the order's last stage, and "every stage >= its input" along the order
@@ -462,3 +466,31 @@ def test_paired_difference_of_two_runs_on_the_same_held_out_problems(tmp_path):
     assert d["n"] == 5 and d["a_only"] == 2 and d["b_only"] == 1
     assert abs(d["delta"] - 0.2) < 1e-12 and abs(d["se"] - math.sqrt(0.7 / 5)) < 1e-12
     assert paired_difference(a, tmp_path / "missing") is None
+
+
+def test_answer_positions_names_the_candidate_an_answer_picks(tmp_path, capsys):
+    """number_format answers read by value, whatever their form: the second candidate in another notation, the whole
+    list ("several", right under the last-number verifier), the same candidate twice (one), none; only the file's
+    last evaluation counts."""
+    from benchmarks import answer_positions as AP
+
+    prompt = "Now, pick the largest number of the following candidates: 526.007000 5.26274e+02\n"
+    assert AP.candidates(prompt) == [526.007, 526.274]
+    assert AP.answer_kind(prompt, "526.274") == "second"
+    assert AP.answer_kind(prompt, "The largest number is 526.007.") == "first"
+    assert AP.answer_kind(prompt, "526.007000 526.274") == "several"
+    assert AP.answer_kind(prompt, "526.274000\n\n526.274") == "second"
+    assert AP.answer_kind(prompt, "42") == "none" and AP.answer_kind(prompt, "") == "none"
+    big = "candidates: 521219524.996000 521,219,525.263 5.212195242210000e+08\n"
+    assert AP.answer_kind(big, "521,219,525.263000") == "second" and AP.answer_kind(big, "521219524.221") == "third"
+
+    rows = [{"step": 0, "prompt": prompt, "greedy": "42", "greedy_correct": False},
+            {"step": 5, "prompt": prompt, "greedy": "526.274", "greedy_correct": True},
+            {"step": 5, "prompt": prompt, "greedy": "526.007000 526.274", "greedy_correct": True},
+            {"step": 5, "prompt": prompt, "greedy": "526.007", "greedy_correct": False}]
+    f = tmp_path / "eval_samples.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert AP.tally(AP.last_eval(f)) == {"first": (1, 0), "second": (1, 1), "several": (1, 1)}
+    assert list(AP.tally(AP.last_eval(f))) == ["first", "second", "several"]
+    AP.main([str(f)])
+    assert "| 5 | 3 | 2 | first 1 (0), second 1 (1), several 1 (1) |" in capsys.readouterr().out
