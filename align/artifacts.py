@@ -156,10 +156,14 @@ def artifact_digest(path: Path) -> str:
 class ArtifactWriter:
     """Writes one stage's artifact. Create on every rank; only rank 0 touches the disk."""
 
-    def __init__(self, out: str | Path, stage: str, config: dict, inputs: dict, is_main: bool = True):
+    def __init__(self, out: str | Path, stage: str, config: dict, inputs: dict, is_main: bool = True,
+                 started: float | None = None):
+        """`started`: when the stage's work began (time.time()), where that was before its artifact was opened (a
+        data stage samples first and opens its artifact to write); default now. artifact.json's `started` and
+        `wall_seconds` count from it."""
         self.out = Path(out)
         self.stage, self.config, self.inputs, self.is_main = stage, config, inputs, is_main
-        self.started = time.time()
+        self.started = time.time() if started is None else started
         # more sinks of every metrics row and RLMonitor event, with log(step, metrics), events([dict]) and
         # finish(status): the --report-to experiment trackers (align.trackers.Trackers)
         self.sinks: list = []
@@ -177,7 +181,7 @@ class ArtifactWriter:
             "status": "running",
             "align_version": __version__,
             "git_commit": git_commit(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
             "config": config,
             "inputs": inputs,
         }

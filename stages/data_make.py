@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import random
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,14 +65,15 @@ class DataMakeConfig(Options):
 
 
 def run(cfg: DataMakeConfig) -> dict:
+    started = time.time()  # the artifact's wall time counts the sampling, not only the writing
     check_out(cfg)
     if cfg.from_model:
-        return _model_pairs(cfg)
+        return _model_pairs(cfg, started)
     from align import rgym
 
     params, excluded = rgym.parse_params(cfg.param), excluded_prompts(cfg)
     if cfg.task.startswith("rg:"):
-        return _reasoning_gym(cfg, params, excluded)
+        return _reasoning_gym(cfg, params, excluded, started)
     try:
         levels = tuple(int(x) for x in cfg.levels.split(","))
     except ValueError:
@@ -82,7 +84,7 @@ def run(cfg: DataMakeConfig) -> dict:
     if cfg.test_n:
         taken = excluded | {tasks.row_key(r) for r in rows}
         test = tasks.make_dataset(cfg.task, cfg.test_n, cfg.seed + 1_000_003, exclude=taken, **opts)
-    return _write(cfg, rows, test, **flaw_summary(rows))
+    return _write(cfg, rows, test, started=started, **flaw_summary(rows))
 
 
 def excluded_prompts(cfg: DataMakeConfig) -> set:
@@ -137,9 +139,9 @@ def check_out(cfg: DataMakeConfig) -> None:
 
 
 def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, inputs: dict | None = None,
-           **extra) -> dict:
+           started: float | None = None, **extra) -> dict:
     if is_artifact(cfg.out):
-        return _write_artifact(cfg, rows, test, inputs or {}, **extra)
+        return _write_artifact(cfg, rows, test, inputs or {}, started, **extra)
     tasks.write_jsonl(rows, Path(cfg.out))
     summary = {"task": cfg.task, "rows": len(rows), "out": cfg.out, **extra}
     if test is not None:
@@ -149,11 +151,12 @@ def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, input
     return summary
 
 
-def _write_artifact(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, inputs: dict, **extra) -> dict:
+def _write_artifact(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, inputs: dict,
+                    started: float | None, **extra) -> dict:
     from align.engine.run import StageRun
 
     with StageRun(cfg, "data") as run:
-        run.open(inputs, distributed=False)
+        run.open(inputs, distributed=False, started=started)
         tasks.write_jsonl(rows, run.out / "data.jsonl")
         summary = {"task": cfg.task, "rows": len(rows), **extra}
         if test is not None:
@@ -162,14 +165,14 @@ def _write_artifact(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | No
         return run.complete(summary, f"data make {cfg.task} → {cfg.out}")
 
 
-def _reasoning_gym(cfg: DataMakeConfig, params: dict, excluded: set) -> dict:
+def _reasoning_gym(cfg: DataMakeConfig, params: dict, excluded: set, started: float) -> dict:
     from align import rgym
 
     name = cfg.task[3:]
     rows = rgym.make_rows(name, cfg.n, cfg.seed, params, exclude=excluded)
     test = rgym.make_rows(name, cfg.test_n, cfg.seed + 1_000_003, params,
                           exclude=excluded | rgym.row_keys(rows)) if cfg.test_n else None
-    return _write(cfg, rows, test)
+    return _write(cfg, rows, test, started=started)
 
 
 def _sides(texts: list[str], correct: list[bool], distinct: bool = False) -> tuple[list[str], list[str]]:
@@ -277,7 +280,7 @@ def _closest_pairs(rng: random.Random, texts: list[str], correct: list[bool], k:
     return pairs
 
 
-def _model_pairs(cfg: DataMakeConfig) -> dict:
+def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
     """K samples per prompt from the model, graded by the verifier, up to --pairs-per-prompt (correct, incorrect)
     pairs per prompt that has both; with --max-samples, K more at a time for the prompts that have no pair yet (a
     model that is rarely right finds its rare right answers there), up to that many per prompt. With --test-n, the
@@ -340,7 +343,7 @@ def _model_pairs(cfg: DataMakeConfig) -> dict:
     test = [group[0] for group in per_prompt[cut:]] if cfg.test_n else None
     from align.artifacts import describe_inputs
 
-    return _write(cfg, pairs, test, describe_inputs(source, cfg.data), prompts=len(rows),
+    return _write(cfg, pairs, test, describe_inputs(source, cfg.data), started, prompts=len(rows),
                   prompts_with_pairs=len(per_prompt), **pair_lengths(pairs), sample_accuracy=n_correct / drawn,
                   samples=drawn,
                   first_round_accuracy=sum(sum(c[:cfg.samples]) for c in correct) / (len(rows) * cfg.samples))

@@ -92,6 +92,25 @@ def test_data_make_digit_sort_takes_param_and_exclude(tmp_path):
     assert not (tmp_path / "c.jsonl").exists()
 
 
+def test_a_data_artifact_s_wall_time_counts_the_generation(tmp_path, monkeypatch):
+    """A data stage generates first and opens its artifact to write: artifact.json's `started` and `wall_seconds`
+    count from when the stage began (here the clock the stage read at its start is 100 s back), not from the
+    writing."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    import stages.data_make as DM
+
+    monkeypatch.setattr(DM, "time", SimpleNamespace(time=lambda: time.time() - 100))
+    run(DataMakeConfig(task="digit_sort", n=20, out=str(tmp_path / "d"), test_n=5))
+    art = json.loads((tmp_path / "d" / "artifact.json").read_text())
+    assert art["status"] == "complete" and 100 <= art["wall_seconds"] < 160
+    began = time.mktime(time.strptime(art["started"], "%Y-%m-%dT%H:%M:%S%z"))
+    ended = time.mktime(time.strptime(art["finished"], "%Y-%m-%dT%H:%M:%S%z"))
+    assert 99 <= ended - began <= 160
+
+
 def test_the_shipped_files_are_the_generator_s_and_their_held_out_prompts_are_unseen():
     """data/digit_sort as scripts/make_data.py writes it (seeds 5000/5001, 6000/6001)."""
     files = {name: read(DATA / f"{name}.jsonl") for name in ("train", "test", "prefs", "prefs_test")}

@@ -150,11 +150,11 @@ class StageRun:
             self.writer.fail(reason, self.last, self.monitor.summary() if self.monitor else None)
 
     def open(self, inputs: dict, distributed: bool = True, prompt_tokens: int | None = None,
-             sequence_tokens: int | None = None) -> runtime.Dist | None:
+             sequence_tokens: int | None = None, started: float | None = None) -> runtime.Dist | None:
         """Every input is checked: the memory plan (sized by the data's longest prompt / example) may stop the run
         here, before anything is built or written (align.engine.plan); then take --out (checked when the run was
         made: `outdir.check`; refused here if another run holds it), start the process group and write
-        artifact.json ("running")."""
+        artifact.json ("running"; `started`: when the work began, if before this call)."""
         if distributed:
             plan.preflight(self.cfg, self.stage, plan.Data(prompt_tokens, sequence_tokens))
         if getattr(self.cfg, "resume", False):
@@ -184,7 +184,7 @@ class StageRun:
                      f"later run reuses the code cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}; "
                      "--no-compile runs eagerly)")
             seed_all(self.cfg.seed)
-        self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, main)
+        self.writer = ArtifactWriter(self.out, self.stage, as_dict(self.cfg), inputs, main, started)
         names = trackers.parse(getattr(self.cfg, "report_to", ""))
         if main and names:  # the experiment trackers: metrics.jsonl's rows and RLMonitor's events, on rank 0
             resume = getattr(self.cfg, "resume", False)
