@@ -48,10 +48,19 @@ _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _LIST_INT_RE = re.compile(r"(?<![\d.])-?\d+")
 
 
+def _number_matches(text) -> list[re.Match]:
+    """The numbers of text (its minus signs made ASCII), as regex matches: their spans say what stands between."""
+    return list(_NUM_RE.finditer(text.replace("\u2212", "-")))
+
+
+def _normal(match: re.Match) -> str:
+    """A matched number as a plain string: no thousands commas, no leading '+'."""
+    return match.group().replace(",", "").lstrip("+")
+
+
 def numbers_in(text):
     """All number strings in text, normalised (no commas, ASCII minus, no leading '+')."""
-    text = text.replace("\u2212", "-")
-    return [m.group().replace(",", "").lstrip("+") for m in _NUM_RE.finditer(text)]
+    return [_normal(m) for m in _number_matches(text)]
 
 
 def _last_boxed(text):
@@ -101,12 +110,11 @@ def _final_number(text):
     '3, 5', '3 or 5'): such an answer names no single value, and reading its last number would credit a policy
     that repeats every candidate it was given (the right one is last about half the time). The same value twice
     ('0.5 or 1/2') is one answer."""
-    text = text.replace("\u2212", "-")
-    found = list(_NUM_RE.finditer(text))
+    found = _number_matches(text)
     if not found:
         return None
-    last = found[-1].group().replace(",", "").lstrip("+")
-    if len(found) > 1 and _LIST_SEP_RE.fullmatch(text[found[-2].end():found[-1].start()]):
+    last = _normal(found[-1])
+    if len(found) > 1 and _LIST_SEP_RE.fullmatch(found[-1].string[found[-2].end():found[-1].start()]):
         if _fraction(found[-2].group()) != _fraction(last):
             return None
     return last

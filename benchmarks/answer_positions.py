@@ -4,9 +4,8 @@ held-out answers a stage saved (its eval_samples.jsonl, the last evaluation in i
 A policy can be right half the time on two candidates without comparing them: by naming the first one always, or
 by repeating the whole list (a verifier that reads the last number credits it whenever the right one is listed
 last; align's `math` reads such a list as no answer). Either leaves every GRPO group all right or all wrong, so GRPO
-learns nothing from there on. The table counts, per
-file, the answers that name exactly one candidate (by its position in the prompt), several, or none, with how many
-of each were right.
+learns nothing from there on. The table counts, per file, the answers that name exactly one candidate (by its
+position in the prompt), several, or none, with how many of each were right.
 
     python -m benchmarks.answer_positions RUN_DIR/grpo/eval_samples.jsonl [MORE ...]
 """

@@ -136,6 +136,7 @@ def launch(args, out: Path, chains: dict) -> list[tuple[str, subprocess.Popen]]:
     with several GPUs each run gets one (CUDA_VISIBLE_DEVICES), spread so that a task's chain and its GRPO alone sit
     on different GPUs where there are two or more."""
     pipe, raw = recipe(args.pipeline, args.set), tomllib.loads(Path(args.pipeline).read_text())
+    own_order = [s for s in raw["stages"] if s in POLICY_STAGES]  # the file's (file_order), read once
     runs, gpus = [], gpu_count()
     for t, name in enumerate(args.tasks):
         d = out / name
@@ -146,7 +147,7 @@ def launch(args, out: Path, chains: dict) -> list[tuple[str, subprocess.Popen]]:
                                                         str(alone_file)]}
         for variant, (order, overrides) in chains.items():
             pipeline = args.pipeline
-            if order != file_order(args.pipeline):  # the file with its policy stages reordered, beside the runs
+            if order != own_order:  # the file with its policy stages reordered, beside the runs
                 pipeline = d / f"{chain_dir(variant)}.toml"
                 pipeline.write_text(pipeline_toml(reorder(raw, order)))
             commands[chain_dir(variant)] = [
