@@ -50,7 +50,7 @@ TASKS = {
     "legs": ("rg:leg_counting", ["min_animals=1", "max_animals=2", "max_instances=3"]),
     "letters": ("rg:letter_counting", []),
 }
-MODEL_KEYS = ["stages.eval_base.model", "stages.prefs.from_model", "stages.rm.model"]  # + the first policy stage's
+MODEL_KEYS = ("model", "from_model")  # the keys of a stage that name the model it starts from
 POLICY_STAGES = ["dpo", "ppo", "grpo"]  # the chain's policy stages (their order: the pipeline file's)
 
 
@@ -103,15 +103,33 @@ def split_order(overrides: list[str], default: list[str] | None = None) -> tuple
     return order, rest
 
 
+def reads_policy(stage: dict) -> list[str]:
+    """The policy stages a stage's values refer to (`@grpo`, `@dpo/...`)."""
+    return [s for v in stage.values() if isinstance(v, str) and v.startswith("@")
+            for s in POLICY_STAGES if v[1:].split("/")[0] == s]
+
+
 def reorder(pipe: dict, order: list[str]) -> dict:
     """The pipeline with its policy stages last, in `order`: the first starts from the model the file's first
-    policy stage starts from, each next one from the one before it (`model = "@previous"`)."""
+    policy stage starts from, each next one from the one before it (`model = "@previous"`). A file whose other
+    stages read a policy stage (pairs the GRPO policy makes) has no such reordering: an error."""
     stages = pipe["stages"]
     if order == [s for s in stages if s in POLICY_STAGES]:
         return pipe
+    if readers := {k: reads_policy(v) for k, v in stages.items() if k not in POLICY_STAGES and reads_policy(v)}:
+        k, used = next(iter(readers.items()))
+        sys.exit(f"error: order={','.join(order)}: stage {k!r} reads {', '.join('@' + s for s in used)}; the policy "
+                 "stages can be reordered only where no other stage reads them (edit the pipeline file instead)")
     start = stages[next(s for s in stages if s in POLICY_STAGES)]["model"]
     moved = {s: dict(stages[s], model=start if i == 0 else f"@{order[i - 1]}") for i, s in enumerate(order)}
     return dict(pipe, stages={**{k: v for k, v in stages.items() if k not in POLICY_STAGES}, **moved})
+
+
+def base_model_keys(pipe: dict) -> list[str]:
+    """The keys that name the base model (`--set` to the benchmark's --model): every stage's `model` or `from_model`
+    that is not another stage's output (`@NAME`)."""
+    return [f"stages.{s}.{k}" for s, v in pipe["stages"].items() for k in MODEL_KEYS
+            if isinstance(v.get(k), str) and not v[k].startswith("@")]
 
 
 def pipeline_toml(pipe: dict) -> str:
@@ -153,7 +171,7 @@ def launch(args, out: Path, chains: dict) -> list[tuple[str, subprocess.Popen]]:
             commands[chain_dir(variant)] = [
                 sys.executable, "-m", "align", "pipeline", "run", str(pipeline),
                 "--set", f"pipeline.out={d / chain_dir(variant)}",
-                *[a for k in [*MODEL_KEYS, f"stages.{order[0]}.model"] for a in ("--set", f"{k}={args.model}")],
+                *[a for k in base_model_keys(reorder(raw, order)) for a in ("--set", f"{k}={args.model}")],
                 *[a for o in [*overrides, *task_overrides(name)] for a in ("--set", o)]]
         for k, (kind, cmd) in enumerate(commands.items()):
             log = open(d / f"{kind}.log", "a")

@@ -278,9 +278,10 @@ def test_the_pretrained_pipeline_is_valid_and_resolves_stage_files():
     from tests.conftest import ROOT
 
     p = P.load(ROOT / "pipelines/pretrained.toml")
-    assert [s.kind for s in p.stages] == ["data", "eval", "data", "rm", "grpo", "dpo", "ppo"]
-    # GRPO from the model, DPO from GRPO's policy, PPO from DPO's
+    assert [s.kind for s in p.stages] == ["data", "eval", "grpo", "data", "rm", "dpo", "ppo"]
+    # GRPO from the model, the pairs from GRPO's policy, DPO from GRPO's policy, PPO from DPO's
     assert P.resolve(p, p.stage("grpo"))["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert P.resolve(p, p.stage("prefs"))["from_model"] == str(p.out / "grpo")
     assert P.resolve(p, p.stage("dpo"))["model"] == str(p.out / "grpo")
     assert P.resolve(p, p.stage("ppo"))["model"] == str(p.out / "dpo")
     rm = P.resolve(p, p.stage("rm"))
@@ -372,17 +373,31 @@ def test_the_pretrained_benchmark_runs_the_policy_stages_in_another_order(tmp_pa
     for bad in ("order=dpo,grpo", "order=dpo,grpo,grpo", "order=dpo,ppo,grpo,sft"):
         with pytest.raises(SystemExit):
             PT.split_order([bad])
-    pipe = PT.recipe(path, ["order=dpo,grpo,ppo"])
+    # the file's pairs come from the GRPO policy: its policy stages cannot move, and the base model goes only to the
+    # keys that do not read another stage
+    assert PT.reads_policy({"from_model": "@grpo", "data": "@tasks"}) == ["grpo"]
+    assert PT.reads_policy({"data": "@dpo/test.jsonl", "model": "m"}) == ["dpo"]
+    with pytest.raises(SystemExit, match="'prefs' reads @grpo"):
+        PT.recipe(path, ["order=dpo,grpo,ppo"])
+    assert PT.recipe(path, ["order=grpo,dpo,ppo"]) == PT.recipe(path, [])  # the file's own order: unchanged
+    assert PT.base_model_keys(PT.recipe(path, [])) == [
+        "stages.eval_base.model", "stages.grpo.model", "stages.rm.model"]
+    # a file whose pairs come from the base model (the policy stages read by no other stage) reorders
+    file = tmp_path / "base_pairs.toml"
+    base = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    raw = PT.recipe(path, [f"stages.prefs.from_model={base}"])
+    file.write_text(PT.pipeline_toml(raw))
+    pipe = PT.recipe(str(file), ["order=dpo,grpo,ppo"])
     assert list(pipe["stages"]) == ["tasks", "eval_base", "prefs", "rm", "dpo", "grpo", "ppo"]
-    assert [pipe["stages"][s]["model"] for s in ("dpo", "grpo", "ppo")] == [
-        "HuggingFaceTB/SmolLM2-135M-Instruct", "@dpo", "@grpo"]
+    assert [pipe["stages"][s]["model"] for s in ("dpo", "grpo", "ppo")] == [base, "@dpo", "@grpo"]
+    assert PT.base_model_keys(pipe) == ["stages.eval_base.model", "stages.prefs.from_model", "stages.rm.model",
+                                        "stages.dpo.model"]
     f = tmp_path / "chain.toml"
     f.write_text(PT.pipeline_toml(pipe))
     chain, problems = P.parse(f)
     assert not problems and [s.name for s in chain.stages][-3:] == ["dpo", "grpo", "ppo"]
     assert P.resolve(chain, chain.stage("ppo"))["model"] == str(chain.out / "grpo")
-    assert PT.recipe(path, ["order=grpo,dpo,ppo"]) == PT.recipe(path, [])  # the file's own order: unchanged
-    assert PT.parse_variant("early_ppo:order=dpo,ppo,grpo;stages.ppo.lr=1e-6", path, []) == (
+    assert PT.parse_variant("early_ppo:order=dpo,ppo,grpo;stages.ppo.lr=1e-6", str(file), []) == (
         "early_ppo", ["order=dpo,ppo,grpo", "stages.ppo.lr=1e-6"])
     # the table reads the final model at the order's last stage, and "every stage >= its input" along the order
     for stage, value in [("eval_base", {"pass@1/greedy": 0.2}), ("rm", {"eval/accuracy": 0.8}),
