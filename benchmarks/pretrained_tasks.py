@@ -260,6 +260,7 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
         order = orders[variant]
         c, a = out / name / chain_dir(variant), out / name / "alone"
         art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", *POLICY_STAGES]}
+        own = read_artifact(c / "policy_pairs") or {}  # the pairs the GRPO policy makes for DPO, where the file has them
         alone = read_artifact(a / "grpo_alone") or {}
         # a stage that did not complete has no result (a failed one may hold its start metrics)
         m = {s: v.get("metrics", {}) if v.get("status") == "complete" else {} for s, v in art.items()}
@@ -272,6 +273,7 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
                "final": m[order[-1]].get(PASS_KEY[order[-1]]),
                "grpo_alone": alone_m.get("eval/pass@1/greedy"),
                "pairs": (art["prefs"].get("metrics") or {}).get("rows"),
+               "policy_pairs": (own.get("metrics") or {}).get("rows"),
                "status": {s: v.get("status", "-") for s, v in art.items()} | {"grpo_alone": alone.get("status", "-")},
                "health": {s: (v.get("health") or {}).get("counts", {}) for s, v in
                           [*[(s, art[s]) for s in order], ("grpo_alone", alone)]},
@@ -289,7 +291,7 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
 
 def table(rows) -> str:
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = ["| task | base | pairs | RM acc | policy stages, in order | final | GRPO alone | final − alone (paired "
+    lines = ["| task | base | pairs (base model's / GRPO policy's) | RM acc | policy stages, in order | final | GRPO alone | final − alone (paired "
              "s.e.) | events | checks |", "|---" * 10 + "|"]
     for name, r in rows.items():
         events = "; ".join(f"{s}: {', '.join(f'{k} {n}' for k, n in c.items())}" for s, c in r["health"].items() if c)
@@ -300,7 +302,8 @@ def table(rows) -> str:
         d = r.get("final_minus_alone")
         diff = f"{d['delta']:+.3f} ({d['se']:.3f})" if d else "-"
         stages = " → ".join(f"{s} {f(r[s])}" for s in r["order"])
-        lines.append(f"| {name}: {r['task']} | {f(r['base'])} | {r['pairs'] or '-'} | {f(r['rm_heldout_accuracy'])} | "
+        pairs = f"{r['pairs'] or '-'}" + (f" / {r['policy_pairs']}" if r.get("policy_pairs") else "")
+        lines.append(f"| {name}: {r['task']} | {f(r['base'])} | {pairs} | {f(r['rm_heldout_accuracy'])} | "
                      f"{stages} | {f(r['final'])} | {f(r['grpo_alone'])} | {diff} | {events or 'none'} | {checks} |")
     return "\n".join(lines)
 

@@ -278,10 +278,16 @@ def test_the_pretrained_pipeline_is_valid_and_resolves_stage_files():
     from tests.conftest import ROOT
 
     p = P.load(ROOT / "pipelines/pretrained.toml")
-    assert [s.kind for s in p.stages] == ["data", "eval", "grpo", "data", "rm", "dpo", "ppo"]
-    # GRPO from the model, the pairs from GRPO's policy, DPO from GRPO's policy, PPO from DPO's
+    assert [s.kind for s in p.stages] == ["data", "eval", "grpo", "data", "data", "rm", "dpo", "ppo"]
+    # GRPO from the model, DPO from GRPO's policy on the pairs that policy made, PPO from DPO's; the reward model on
+    # the base model's pairs
     assert P.resolve(p, p.stage("grpo"))["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert P.resolve(p, p.stage("prefs"))["from_model"] == str(p.out / "grpo")
+    assert P.resolve(p, p.stage("prefs"))["from_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert P.resolve(p, p.stage("policy_pairs"))["from_model"] == str(p.out / "grpo")
+    assert P.resolve(p, p.stage("dpo"))["data"] == str(p.out / "policy_pairs")
+    # a variant may train the reward model on the policy's pairs (they come before it)
+    _, problems = P.parse(ROOT / "pipelines/pretrained.toml", ['stages.rm.data="@policy_pairs"'])
+    assert not problems
     assert P.resolve(p, p.stage("dpo"))["model"] == str(p.out / "grpo")
     assert P.resolve(p, p.stage("ppo"))["model"] == str(p.out / "dpo")
     rm = P.resolve(p, p.stage("rm"))
@@ -377,15 +383,15 @@ def test_the_pretrained_benchmark_runs_the_policy_stages_in_another_order(tmp_pa
     # keys that do not read another stage
     assert PT.reads_policy({"from_model": "@grpo", "data": "@tasks"}) == ["grpo"]
     assert PT.reads_policy({"data": "@dpo/test.jsonl", "model": "m"}) == ["dpo"]
-    with pytest.raises(SystemExit, match="'prefs' reads @grpo"):
+    with pytest.raises(SystemExit, match="'policy_pairs' reads @grpo"):
         PT.recipe(path, ["order=dpo,grpo,ppo"])
     assert PT.recipe(path, ["order=grpo,dpo,ppo"]) == PT.recipe(path, [])  # the file's own order: unchanged
     assert PT.base_model_keys(PT.recipe(path, [])) == [
-        "stages.eval_base.model", "stages.grpo.model", "stages.rm.model"]
-    # a file whose pairs come from the base model (the policy stages read by no other stage) reorders
-    file = tmp_path / "base_pairs.toml"
-    base = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    raw = PT.recipe(path, [f"stages.prefs.from_model={base}"])
+        "stages.eval_base.model", "stages.grpo.model", "stages.prefs.from_model", "stages.rm.model"]
+    # a file whose pairs all come from the base model (the policy stages read by no other stage) reorders
+    file, base = tmp_path / "base_pairs.toml", "HuggingFaceTB/SmolLM2-135M-Instruct"
+    raw = PT.recipe(path, ["stages.dpo.data=@prefs", "stages.dpo.eval_data=@prefs/test.jsonl"])
+    del raw["stages"]["policy_pairs"]
     file.write_text(PT.pipeline_toml(raw))
     pipe = PT.recipe(str(file), ["order=dpo,grpo,ppo"])
     assert list(pipe["stages"]) == ["tasks", "eval_base", "prefs", "rm", "dpo", "grpo", "ppo"]
