@@ -139,17 +139,36 @@ def row_keys(rows: list[dict]) -> set:
     return {r["prompt"] for r in rows} | {problem_key(r["prompt"], r.get("rg_metadata")) for r in rows}
 
 
-def make_rows(task: str, n: int, seed: int, params: dict | None = None, exclude: set | None = None) -> list[dict]:
+# reasoning-gym makes item i of a dataset from Random(dataset seed + i) (some tasks also seed numpy with it, which
+# takes seeds below 2**32): `--seed 1` given straight through would share all but one item with `--seed 0`. Each
+# align seed's two splits start SPLIT_OFFSET apart, and seeds SEED_STRIDE apart, so two seeds share no item while a
+# split draws fewer than SPLIT_OFFSET items; seed 0 keeps the items it always had.
+SPLIT_OFFSET = 1_000_003
+SEED_STRIDE = 2 * SPLIT_OFFSET
+MAX_SEED = (2**32 - 1) // SEED_STRIDE - 1  # 2146: the last seed whose held-out split's items stay below 2**32
+
+
+def dataset_seed(seed: int, held_out: bool = False) -> int:
+    """The reasoning-gym dataset seed of an align seed's training (or held-out) split."""
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"--seed {seed}: reasoning-gym tasks take seeds 0-{MAX_SEED} (each draws its own items).")
+    return seed * SEED_STRIDE + (SPLIT_OFFSET if held_out else 0)
+
+
+def make_rows(task: str, n: int, seed: int, params: dict | None = None, exclude: set | None = None,
+              held_out: bool = False) -> list[dict]:
     """n rows of a reasoning-gym task with distinct problems (problem_key), none whose prompt or problem is in
     `exclude` (small task spaces repeat problems: more items are drawn until n distinct ones are found, or the task
-    is reported too small)."""
+    is reported too small). `seed` is align's: its training and held-out splits (`held_out`) draw items no other
+    seed or split draws (dataset_seed)."""
     check_task(task)
+    seed = dataset_seed(seed, held_out)
     params, seen, rows, found = dict(params or {}), set(exclude or ()), [], -1
-    size = first = max(2 * n, 16)
+    size = first = min(max(2 * n, 16), SPLIT_OFFSET)
     # stop once drawing 4x more items finds no new problem (the space is exhausted); while nothing outside
-    # `exclude` has been found, draw more (up to 64x the first pass) before giving up
+    # `exclude` has been found, draw more (up to 64x the first pass) before giving up; never past the split's range
     while len(rows) > found or (not rows and seen and size < 64 * first):
-        found = len(rows)
+        found, drawn = len(rows), size
         rows, taken = [], set(seen)
         for entry in _items(task, size, seed, params):
             key = problem_key(entry["question"], entry.get("metadata"))
@@ -162,9 +181,11 @@ def make_rows(task: str, n: int, seed: int, params: dict | None = None, exclude:
                          "rg_task": task, "rg_metadata": meta})
             if len(rows) == n:
                 return rows
-        size *= 4
+        size = min(size * 4, SPLIT_OFFSET)
+        if size == drawn:
+            break
     raise UserError(f"rg:{task}: only {len(rows)} distinct problems{' outside the training split' if seen else ''} "
-                    f"among {size // 4} items; ask for fewer rows or widen the task with --param.")
+                    f"among {drawn} items; ask for fewer rows or widen the task with --param.")
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)

@@ -170,8 +170,8 @@ def _reasoning_gym(cfg: DataMakeConfig, params: dict, excluded: set, started: fl
 
     name = cfg.task[3:]
     rows = rgym.make_rows(name, cfg.n, cfg.seed, params, exclude=excluded)
-    test = rgym.make_rows(name, cfg.test_n, cfg.seed + 1_000_003, params,
-                          exclude=excluded | rgym.row_keys(rows)) if cfg.test_n else None
+    test = rgym.make_rows(name, cfg.test_n, cfg.seed, params, exclude=excluded | rgym.row_keys(rows),
+                          held_out=True) if cfg.test_n else None
     return _write(cfg, rows, test, started=started)
 
 

@@ -60,6 +60,29 @@ def test_rg_splits_share_no_prompt_even_when_the_task_space_repeats(tmp_path):
         run(DataMakeConfig(task="rg:basic_arithmetic", n=500, seed=0, param=params, out=str(tmp_path / "x.jsonl")))
 
 
+def test_rg_seeds_draw_their_own_items(tmp_path):
+    """reasoning-gym makes item i from Random(dataset seed + i): align's --seed 1 must not be --seed 0 shifted by one
+    item (it shared 199 of 200 held-out problems with seed 0 when passed straight through). Seed 0 keeps its items."""
+    from align import rgym
+
+    made = {}
+    for seed in (0, 1, 2):
+        out = tmp_path / f"s{seed}.jsonl"
+        summary = run(DataMakeConfig(task="rg:number_format", n=40, test_n=20, seed=seed, out=str(out)))
+        made[seed] = ({r["prompt"] for r in _read(out)}, {r["prompt"] for r in _read(summary["test_out"])})
+    prompts = {s: train | test for s, (train, test) in made.items()}
+    assert len(prompts[0]) == len(prompts[1]) == len(prompts[2]) == 60
+    assert not prompts[0] & prompts[1] and not prompts[1] & prompts[2] and not prompts[0] & prompts[2]
+    # seed 0: the dataset seeds it always used (0 for training, 1,000,003 held out)
+    first = lambda s: rgym._dataset("number_format", 1, s, {})[0]["question"]  # noqa: E731
+    assert first(0) in made[0][0] and first(1_000_003) in made[0][1]
+    assert rgym.dataset_seed(2, held_out=True) == 2 * rgym.SEED_STRIDE + rgym.SPLIT_OFFSET
+    assert rgym.dataset_seed(rgym.MAX_SEED, held_out=True) + rgym.SPLIT_OFFSET < 2**32  # numpy's seed limit
+    with pytest.raises(UserError, match=f"seeds 0-{rgym.MAX_SEED}"):
+        run(DataMakeConfig(task="rg:number_format", n=4, seed=rgym.MAX_SEED + 1, out=str(tmp_path / "x.jsonl")))
+    assert not (tmp_path / "x.jsonl").exists()
+
+
 def test_rg_splits_share_no_problem_however_it_is_worded(tmp_path):
     """basic_arithmetic's natural format asks one expression four ways ("What is 3 + 4?", "Compute 3 + 4."): the
     held-out split (and --exclude) leave out the training split's expressions, not only its prompts."""
