@@ -277,7 +277,8 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
                "status": {s: v.get("status", "-") for s, v in art.items()} | {"grpo_alone": alone.get("status", "-")},
                "health": {s: (v.get("health") or {}).get("counts", {}) for s, v in
                           [*[(s, art[s]) for s in order], ("grpo_alone", alone)]},
-               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("grpo_alone", alone)]},
+               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("policy_pairs", own),
+                                                                 ("grpo_alone", alone)] if v or s != "policy_pairs"},
                "final_minus_alone": paired_difference(c / order[-1], a / "grpo_alone")}
         chain = [row["base"], *(row[s] for s in order)]
         if None not in chain and row["grpo_alone"] is not None and row["rm_heldout_accuracy"] is not None:
