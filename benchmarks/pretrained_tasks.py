@@ -260,7 +260,7 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
         order = orders[variant]
         c, a = out / name / chain_dir(variant), out / name / "alone"
         art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", *POLICY_STAGES]}
-        own = read_artifact(c / "policy_pairs") or {}  # the pairs the GRPO policy makes for DPO, where the file has them
+        own = read_artifact(c / "policy_pairs") or {}  # the GRPO policy's pairs for DPO (where the file has them)
         alone = read_artifact(a / "grpo_alone") or {}
         # a stage that did not complete has no result (a failed one may hold its start metrics)
         m = {s: v.get("metrics", {}) if v.get("status") == "complete" else {} for s, v in art.items()}
@@ -277,8 +277,8 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
                "status": {s: v.get("status", "-") for s, v in art.items()} | {"grpo_alone": alone.get("status", "-")},
                "health": {s: (v.get("health") or {}).get("counts", {}) for s, v in
                           [*[(s, art[s]) for s in order], ("grpo_alone", alone)]},
-               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("policy_pairs", own),
-                                                                 ("grpo_alone", alone)] if v or s != "policy_pairs"},
+               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), *([("policy_pairs", own)] if own else []),
+                                                                 ("grpo_alone", alone)]},
                "final_minus_alone": paired_difference(c / order[-1], a / "grpo_alone")}
         chain = [row["base"], *(row[s] for s in order)]
         if None not in chain and row["grpo_alone"] is not None and row["rm_heldout_accuracy"] is not None:
@@ -292,8 +292,8 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
 
 def table(rows) -> str:
     f = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    lines = ["| task | base | pairs (base model's / GRPO policy's) | RM acc | policy stages, in order | final | GRPO alone | final − alone (paired "
-             "s.e.) | events | checks |", "|---" * 10 + "|"]
+    lines = ["| task | base | pairs (base model's / GRPO policy's) | RM acc | policy stages, in order | final | "
+             "GRPO alone | final − alone (paired s.e.) | events | checks |", "|---" * 10 + "|"]
     for name, r in rows.items():
         events = "; ".join(f"{s}: {', '.join(f'{k} {n}' for k, n in c.items())}" for s, c in r["health"].items() if c)
         unmet = ", ".join(k for k, ok in r.get("checks", {}).items() if not ok)
