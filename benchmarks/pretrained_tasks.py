@@ -83,9 +83,14 @@ def recipe(path: str, overrides: list[str]) -> dict:
     return pipe
 
 
+def policy_order(pipe: dict) -> list[str]:
+    """The policy stages in the order a pipeline lists them."""
+    return [s for s in pipe["stages"] if s in POLICY_STAGES]
+
+
 def file_order(path: str | Path) -> list[str]:
     """The policy stages in the order a pipeline file lists them."""
-    return [s for s in tomllib.loads(Path(path).read_text())["stages"] if s in POLICY_STAGES]
+    return policy_order(tomllib.loads(Path(path).read_text()))
 
 
 def split_order(overrides: list[str], default: list[str] | None = None) -> tuple[list[str] | None, list[str]]:
@@ -114,9 +119,9 @@ def reorder(pipe: dict, order: list[str]) -> dict:
     policy stage starts from, each next one from the one before it (`model = "@previous"`). A file whose other
     stages read a policy stage (pairs the GRPO policy makes) has no such reordering: an error."""
     stages = pipe["stages"]
-    if order == [s for s in stages if s in POLICY_STAGES]:
+    if order == policy_order(pipe):
         return pipe
-    if readers := {k: reads_policy(v) for k, v in stages.items() if k not in POLICY_STAGES and reads_policy(v)}:
+    if readers := {k: used for k, v in stages.items() if k not in POLICY_STAGES and (used := reads_policy(v))}:
         k, used = next(iter(readers.items()))
         sys.exit(f"error: order={','.join(order)}: stage {k!r} reads {', '.join('@' + s for s in used)}; the policy "
                  "stages can be reordered only where no other stage reads them (edit the pipeline file instead)")
@@ -154,7 +159,7 @@ def launch(args, out: Path, chains: dict) -> list[tuple[str, subprocess.Popen]]:
     with several GPUs each run gets one (CUDA_VISIBLE_DEVICES), spread so that a task's chain and its GRPO alone sit
     on different GPUs where there are two or more."""
     pipe, raw = recipe(args.pipeline, args.set), tomllib.loads(Path(args.pipeline).read_text())
-    own_order = [s for s in raw["stages"] if s in POLICY_STAGES]  # the file's (file_order), read once
+    own_order = policy_order(raw)
     runs, gpus = [], gpu_count()
     for t, name in enumerate(args.tasks):
         d = out / name
@@ -164,14 +169,14 @@ def launch(args, out: Path, chains: dict) -> list[tuple[str, subprocess.Popen]]:
         commands = {} if args.no_alone else {"alone": [sys.executable, "-m", "align", "pipeline", "run",
                                                         str(alone_file)]}
         for variant, (order, overrides) in chains.items():
-            pipeline = args.pipeline
+            pipeline, chain = args.pipeline, reorder(raw, order)
             if order != own_order:  # the file with its policy stages reordered, beside the runs
                 pipeline = d / f"{chain_dir(variant)}.toml"
-                pipeline.write_text(pipeline_toml(reorder(raw, order)))
+                pipeline.write_text(pipeline_toml(chain))
             commands[chain_dir(variant)] = [
                 sys.executable, "-m", "align", "pipeline", "run", str(pipeline),
                 "--set", f"pipeline.out={d / chain_dir(variant)}",
-                *[a for k in base_model_keys(reorder(raw, order)) for a in ("--set", f"{k}={args.model}")],
+                *[a for k in base_model_keys(chain) for a in ("--set", f"{k}={args.model}")],
                 *[a for o in [*overrides, *task_overrides(name)] for a in ("--set", o)]]
         for k, (kind, cmd) in enumerate(commands.items()):
             log = open(d / f"{kind}.log", "a")
@@ -259,8 +264,8 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
     for name, variant in [(n, v) for n in names for v in variants]:
         order = orders[variant]
         c, a = out / name / chain_dir(variant), out / name / "alone"
-        art = {s: read_artifact(c / s) or {} for s in ["eval_base", "prefs", "rm", *POLICY_STAGES]}
-        own = read_artifact(c / "policy_pairs") or {}  # the GRPO policy's pairs for DPO (where the file has them)
+        # policy_pairs: the GRPO policy's pairs for DPO, where the file has them
+        art = {s: read_artifact(c / s) or {} for s in ["eval_base", "policy_pairs", "prefs", "rm", *POLICY_STAGES]}
         alone = read_artifact(a / "grpo_alone") or {}
         # a stage that did not complete has no result (a failed one may hold its start metrics)
         m = {s: v.get("metrics", {}) if v.get("status") == "complete" else {} for s, v in art.items()}
@@ -273,12 +278,11 @@ def summarise(names, out: Path, variants=("",), orders: dict | None = None) -> d
                "final": m[order[-1]].get(PASS_KEY[order[-1]]),
                "grpo_alone": alone_m.get("eval/pass@1/greedy"),
                "pairs": (art["prefs"].get("metrics") or {}).get("rows"),
-               "policy_pairs": (own.get("metrics") or {}).get("rows"),
+               "policy_pairs": (art["policy_pairs"].get("metrics") or {}).get("rows"),
                "status": {s: v.get("status", "-") for s, v in art.items()} | {"grpo_alone": alone.get("status", "-")},
                "health": {s: (v.get("health") or {}).get("counts", {}) for s, v in
                           [*[(s, art[s]) for s in order], ("grpo_alone", alone)]},
-               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), *([("policy_pairs", own)] if own else []),
-                                                                 ("grpo_alone", alone)]},
+               "wall_s": {s: v.get("wall_seconds") for s, v in [*art.items(), ("grpo_alone", alone)]},
                "final_minus_alone": paired_difference(c / order[-1], a / "grpo_alone")}
         chain = [row["base"], *(row[s] for s in order)]
         if None not in chain and row["grpo_alone"] is not None and row["rm_heldout_accuracy"] is not None:
