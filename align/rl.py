@@ -102,6 +102,21 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return (T - 1 - mask.flip(1).to(torch.float32).argmax(dim=1)).clamp(min=0) * (mask.sum(1) > 0)
 
 
+def episode_score(rm_score: torch.Tensor, gold: torch.Tensor, finished: torch.Tensor, gold_coef: float = 0.0,
+                  missing_eos_penalty: float = 0.0, clip: float = 0.0) -> torch.Tensor:
+    """The score a PPO episode is trained on, from the reward model's normalised score and the verifier's:
+
+        s = r_RM(x, y) + c_gold · gold(x, y) − p_eos · 1[y has no EOS],   then clipped to [−clip, clip] if clip > 0
+
+    c_gold = 0 is InstructGPT's PPO (the verifier, when there is one, only logged as the gold reward); c_gold > 0
+    adds a verifiable reward to the learned one, as open-instruct's PPO does for Tülu 3's RLVR (Lambert et al.
+    2024: the RM's score times a multiplier plus a fixed reward for a verified answer): where the RM scores the
+    form of an answer more than its correctness, the verifier keeps PPO from buying RM score with wrong answers.
+    p_eos: a response cut off at the token limit loses p_eos (TRL's `missing_eos_penalty`). All [N]."""
+    s = rm_score + gold_coef * gold.to(rm_score.dtype) - missing_eos_penalty * (1 - finished.to(rm_score.dtype))
+    return s.clamp(-clip, clip) if clip else s
+
+
 def token_rewards(score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
     """Per-token rewards of a response (Ziegler et al. 2019; InstructGPT's R(x, y) spread over tokens):
 

@@ -6,8 +6,9 @@ V_φ: its own transformer with a scalar head, initialised from the reward model,
 
 Per step:
   1. rollout: one response per prompt for --prompts-per-step prompts (stop at EOS);
-  2. score s = r(prompt + response up to EOS), normalised; − --missing-eos-penalty without EOS; clipped to
-     ±--reward-clip. With an `answer` column the gold reward (the verifier) is logged beside it, never trained on;
+  2. score s = r(prompt + response up to EOS), normalised; + --gold-reward-coef · the gold reward (the verifier, with
+     an `answer` column: 0 by default, logged beside the RM's score and never trained on); − --missing-eos-penalty
+     without EOS; clipped to ±--reward-clip (rl.episode_score);
   3. per-token rewards r_t = −β·KL_t on every response token (KL_t: k1 = log π_old − log π_ref, or k3),
      + s on the last one;
   4. advantages: GAE(γ, λ) on V_φ's per-token values, whitened over the batch; returns R = A + V_old;
@@ -64,6 +65,9 @@ class PPOConfig(RLConfig):
                            path=True)
     gold_reward: str = opt("math", "Verifier for the gold reward when the prompts carry an `answer` (a grpo "
                                    "--reward spec; '' : off).")
+    gold_reward_coef: float = opt(0.0, "Weight of the gold reward in the score PPO trains on: s = RM score + c·gold "
+                                        "(0: the gold reward is only logged; needs --gold-reward and an `answer` "
+                                        "column).", ge=0)
     ptx_data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "ptx data: pretraining text {text} (loss on every "
                         "token) or SFT data {prompt, completion} (loss on the completion).", path=True)
     ptx_coef: float = opt(0.1, "γ: weight of the pretraining LM loss (PPO-ptx); 0: plain PPO.", ge=0)
@@ -99,6 +103,9 @@ class PPOConfig(RLConfig):
                             f"{self.prompts_per_step}.")
         if self.gold_reward:
             parse_rewards([self.gold_reward], "--gold-reward")
+        elif self.gold_reward_coef:
+            raise UserError(f"--gold-reward-coef {self.gold_reward_coef} trains on the gold reward, but --gold-reward "
+                            "is off; name a verifier (e.g. --gold-reward math) or set --gold-reward-coef 0.")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -234,6 +241,9 @@ class PPO:
         self.rows, self.prompt_ids = fitting([rows[i] for i in keep], [prompt_ids[i] for i in keep],
                                              context_length(policy), cfg.max_new_tokens, cfg.data)
         self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in self.rows[0] else None
+        if cfg.gold_reward_coef and self.gold_fn is None:
+            raise UserError(f"{cfg.data}: --gold-reward-coef {cfg.gold_reward_coef} needs the verifier's `answer` "
+                            "column in the prompts; add it (or --columns old=answer) or set --gold-reward-coef 0.")
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                   held_out=True) if cfg.eval_data and cfg.eval_samples else [],
                                       self.tok, policy, cfg.max_new_tokens, cfg.eval_data)
@@ -254,6 +264,8 @@ class PPO:
     def announce(self) -> None:
         cfg = self.cfg
         gold = self.gold_fn.name if self.gold_fn else "off (no answer column)" if cfg.gold_reward else "off"
+        if self.gold_fn is not None:
+            gold += f", trained on x{cfg.gold_reward_coef:g}" if cfg.gold_reward_coef else ", logged only"
         info(f"ppo: {count_parameters(self.policy.module) / 1e6:.2f}M-parameter policy, {len(self.rows)} prompts"
              f"{f' ({self.dropped} longer than --max-prompt-length dropped)' if self.dropped else ''}, "
              f"{cfg.prompts_per_step} episodes/step in minibatches of {cfg.minibatch_size} x {cfg.ppo_epochs} epochs, "
@@ -278,9 +290,6 @@ class PPO:
         """(proxy: the RM's normalised score, s: the score trained on, gold: the verifier's), each [N]."""
         cfg, device = self.cfg, self.run.dist.device
         proxy = self.rm_scores(r).to(device)
-        s = proxy - cfg.missing_eos_penalty * (1 - r.finished.flatten().to(device))
-        if cfg.reward_clip:
-            s = s.clamp(-cfg.reward_clip, cfg.reward_clip)
         gold = torch.zeros_like(proxy)
         if self.gold_fn is not None:
             try:
@@ -288,6 +297,8 @@ class PPO:
                                      for row, c in zip(r.sample_rows, r.completions)], device=device)
             except RewardError as e:
                 raise UserError(f"--gold-reward: {e}") from None
+        s = rl.episode_score(proxy, gold, r.finished.flatten().to(device), cfg.gold_reward_coef,
+                             cfg.missing_eos_penalty, cfg.reward_clip)
         return proxy, s, gold
 
     # ---- 3-4. π_old, π_ref, V_old on the rollout; per-token rewards; GAE; whitened advantages

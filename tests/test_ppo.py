@@ -32,8 +32,11 @@ def files(tmp_path_factory, tiny_reward_model_dir, tiny_model_dir):
     d = tmp_path_factory.mktemp("ppo")
     rows = [json.loads(line) for line in (DATA_DIR / "arithmetic/train.jsonl").read_text().splitlines()[:16]]
     texts = [json.loads(line) for line in (DATA_DIR / "text/train.jsonl").read_text().splitlines()[:8]]
+    # a gold reward the random tiny policy earns about half the time (it is almost never right on arithmetic)
+    (d / "gold.py").write_text("def odd_length(prompt, completion, **row):\n    return float(len(completion) % 2)\n")
     return {"dir": d, "rm": tiny_reward_model_dir, "policy": tiny_model_dir, "prompts": write_jsonl(d / "prompts.jsonl", rows),
-            "eval": write_jsonl(d / "eval.jsonl", rows[:4]), "text": write_jsonl(d / "text.jsonl", texts)}
+            "eval": write_jsonl(d / "eval.jsonl", rows[:4]), "text": write_jsonl(d / "text.jsonl", texts),
+            "gold": f"{d / 'gold.py'}:odd_length"}
 
 
 def base_args(files, out):
@@ -50,7 +53,8 @@ def runs(files):
         args = base_args(files, files["dir"] / name)
         args[args.index("--model") + 1] = str(files["policy"])  # saved weights: the updates can be measured
         proc = run_command([sys.executable, *launch, "-m", "align", "ppo", *args, "--ptx-coef", "0.1", "--kl-horizon",
-                            "100", "--init-kl-coef", "0.05"], {**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
+                            "100", "--init-kl-coef", "0.05", "--gold-reward", files["gold"],
+                            "--gold-reward-coef", "0.5"], {**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return files["dir"] / "ppo1", files["dir"] / "ppo2"
 
@@ -80,7 +84,9 @@ def test_two_process_zero3_ppo_ptx_run(two_proc_run):
         assert key in steps[0] and steps[0][key] == steps[0][key], key  # present and not NaN
     for row in steps:
         assert_terminated_length(row, 8)
-    assert 0.0 <= steps[0]["gold_reward"] <= 1.0
+    assert 0.0 < steps[0]["gold_reward"] < 1.0 and 0.0 < steps[1]["gold_reward"] < 1.0
+    for row in steps:  # the score trained on: the RM's (logged as reward) + 0.5 x the verifier's
+        assert row["objective/scores"] == pytest.approx(row["reward"] + 0.5 * row["gold_reward"], abs=1e-5)
     assert "eval/pass@1/greedy" in evals[0] and "start/reward" in art["metrics"]
     assert (out / "report.png").stat().st_size > 5000 and (out / "checkpoints" / "step2" / "value").is_dir()
     assert art["inputs"]["reward_model"]["spec"] == art["inputs"]["value_model"]["spec"]  # V starts from the RM
@@ -160,8 +166,13 @@ def test_bad_input_is_refused_before_anything_is_written(files, tmp_path, shippe
     refused(r"this is a policy model, but a reward model", reward_model=str(files["policy"]))
     monkeypatch.chdir(tmp_path)  # no runs/arithmetic here: the defaults say how to make them
     refused(r"runs/arithmetic/rm: not found.*align pipeline run pipelines/arithmetic.toml", reward_model="runs/arithmetic/rm")
+    no_answer = write_jsonl(tmp_path / "no-answer.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2="}])
+    refused(r"no-answer.jsonl: --gold-reward-coef 1.0 needs the verifier's `answer` column", data=str(no_answer),
+            gold_reward_coef=1.0)
     with pytest.raises(UserError, match="--minibatch-size 5 must divide"):
         PPOConfig(minibatch_size=5).validate()
+    with pytest.raises(UserError, match="--gold-reward-coef 1.0 trains on the gold reward, but --gold-reward is off"):
+        PPOConfig(gold_reward="", gold_reward_coef=1.0).validate()
 
 
 def test_bad_input_exits_2_on_the_command_line(files, tmp_path):

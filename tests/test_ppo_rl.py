@@ -30,6 +30,16 @@ def test_last_token_index():
     assert rl.last_token_index(torch.zeros(1, 4)).tolist() == [0]
 
 
+def test_episode_score_rm_plus_gold_minus_missing_eos_then_clip():
+    rm, gold = torch.tensor([0.5, -1.0, 2.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0])
+    finished = torch.tensor([True, False, True, False])
+    torch.testing.assert_close(rl.episode_score(rm, gold, finished), rm)  # defaults: the RM's score alone
+    torch.testing.assert_close(rl.episode_score(rm, gold, finished, gold_coef=2.0, missing_eos_penalty=1.0),
+                               torch.tensor([2.5, 0.0, 2.0, -1.0]))
+    torch.testing.assert_close(rl.episode_score(rm, gold, finished, 2.0, 1.0, clip=1.5),
+                               torch.tensor([1.5, 0.0, 1.5, -1.0]))
+
+
 # ---- GAE
 def test_gae_by_hand_with_masks():
     rewards = torch.tensor([[0.0, 0.1, -0.2, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
