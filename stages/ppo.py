@@ -6,9 +6,9 @@ V_φ: its own transformer with a scalar head, initialised from the reward model,
 
 Per step:
   1. rollout: one response per prompt for --prompts-per-step prompts (stop at EOS);
-  2. score s = r(prompt + response up to EOS), normalised; + --gold-reward-coef · the gold reward (the verifier, with
-     an `answer` column: 0 by default, logged beside the RM's score and never trained on); − --missing-eos-penalty
-     without EOS; clipped to ±--reward-clip (rl.episode_score);
+  2. score s = r(prompt + response up to EOS), normalised; + c·gold, the verifier's reward on prompts with an
+     `answer` (--gold-reward-coef c, default 0: gold is then only logged beside the RM's score);
+     − --missing-eos-penalty without EOS; clipped to ±--reward-clip (rl.episode_score);
   3. per-token rewards r_t = −β·KL_t on every response token (KL_t: k1 = log π_old − log π_ref, or k3),
      + s on the last one;
   4. advantages: GAE(γ, λ) on V_φ's per-token values, whitened over the batch; returns R = A + V_old;
