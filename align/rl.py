@@ -102,18 +102,35 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return (T - 1 - mask.flip(1).to(torch.float32).argmax(dim=1)).clamp(min=0) * (mask.sum(1) > 0)
 
 
+def leave_one_out_mean(x: torch.Tensor, total: float, n: float) -> torch.Tensor:
+    """The leave-one-out baseline (Kool et al. 2019; RLOO, Ahmadian et al. 2024) of each episode of a batch:
+
+        b_i = (Σ_j x_j − x_i) / (n − 1)      the mean of the OTHER n − 1 episodes
+
+    total, n: the sum and size of the whole batch (all processes); x: this process's episodes, [N]. b_i does not
+    depend on episode i's own sample, so x_i − b_i keeps the policy gradient unbiased; n = 1 gives 0 (no baseline)."""
+    if n <= 1:
+        return torch.zeros_like(x)
+    return (total - x) / (n - 1)
+
+
 def episode_score(rm_score: torch.Tensor, gold: torch.Tensor, finished: torch.Tensor, gold_coef: float = 0.0,
-                  missing_eos_penalty: float = 0.0, clip: float = 0.0) -> torch.Tensor:
+                  gold_baseline: torch.Tensor | float = 0.0, missing_eos_penalty: float = 0.0,
+                  clip: float = 0.0) -> torch.Tensor:
     """The score a PPO episode is trained on, from the reward model's normalised score and the verifier's:
 
-        s = r_RM(x, y) + c_gold · gold(x, y) − p_eos · 1[y has no EOS],   then clipped to [−clip, clip] if clip > 0
+        s = r_RM(x, y) + c_gold · (gold(x, y) − b) − p_eos · 1[y has no EOS],   clipped to [−clip, clip] if clip > 0
 
     c_gold = 0 is InstructGPT's PPO (the verifier, when there is one, only logged as the gold reward); c_gold > 0
     adds a verifiable reward to the learned one, as open-instruct's PPO does for Tülu 3's RLVR (Lambert et al.
     2024: the RM's score times a multiplier plus a fixed reward for a verified answer): where the RM scores the
     form of an answer more than its correctness, the verifier keeps PPO from buying RM score with wrong answers.
+    b (leave_one_out_mean of the batch's gold) centres the added term: a shift that does not depend on the episode's
+    own sample leaves the policy gradient unchanged, and the value network, initialised from the RM, starts on the
+    RM's scale instead of c_gold · (mean gold) below every return (its clipped loss moves it ±ε_v per step).
     p_eos: a response cut off at the token limit loses p_eos (TRL's `missing_eos_penalty`). All [N]."""
-    s = rm_score + gold_coef * gold.to(rm_score.dtype) - missing_eos_penalty * (1 - finished.to(rm_score.dtype))
+    s = rm_score + gold_coef * (gold.to(rm_score.dtype) - gold_baseline)
+    s = s - missing_eos_penalty * (1 - finished.to(rm_score.dtype))
     return s.clamp(-clip, clip) if clip else s
 
 

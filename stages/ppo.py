@@ -6,9 +6,10 @@ V_φ: its own transformer with a scalar head, initialised from the reward model,
 
 Per step:
   1. rollout: one response per prompt for --prompts-per-step prompts (stop at EOS);
-  2. score s = r(prompt + response up to EOS), normalised; + c·gold, the verifier's reward on prompts with an
-     `answer` (--gold-reward-coef c, default 0: gold is then only logged beside the RM's score);
-     − --missing-eos-penalty without EOS; clipped to ±--reward-clip (rl.episode_score);
+  2. score s = r(prompt + response up to EOS), normalised; + c·(gold − the batch's other episodes' mean gold),
+     gold the verifier's reward on prompts with an `answer` (--gold-reward-coef c, default 0: gold is then only
+     logged beside the RM's score); − --missing-eos-penalty without EOS; clipped to ±--reward-clip
+     (rl.episode_score);
   3. per-token rewards r_t = −β·KL_t on every response token (KL_t: k1 = log π_old − log π_ref, or k3),
      + s on the last one;
   4. advantages: GAE(γ, λ) on V_φ's per-token values, whitened over the batch; returns R = A + V_old;
@@ -65,9 +66,9 @@ class PPOConfig(RLConfig):
                            path=True)
     gold_reward: str = opt("math", "Verifier for the gold reward when the prompts carry an `answer` (a grpo "
                                    "--reward spec; '' : off).")
-    gold_reward_coef: float = opt(0.0, "Weight of the gold reward in the score PPO trains on: s = RM score + c·gold "
-                                        "(0: the gold reward is only logged; needs --gold-reward and an `answer` "
-                                        "column).", ge=0)
+    gold_reward_coef: float = opt(0.0, "Weight of the gold reward in the score PPO trains on: s = RM score + "
+                                        "c·(gold − the batch's other episodes' mean gold) (0: the gold reward is "
+                                        "only logged; needs --gold-reward and an `answer` column).", ge=0)
     ptx_data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "ptx data: pretraining text {text} (loss on every "
                         "token) or SFT data {prompt, completion} (loss on the completion).", path=True)
     ptx_coef: float = opt(0.1, "γ: weight of the pretraining LM loss (PPO-ptx); 0: plain PPO.", ge=0)
@@ -297,7 +298,12 @@ class PPO:
                                      for row, c in zip(r.sample_rows, r.completions)], device=device)
             except RewardError as e:
                 raise UserError(f"--gold-reward: {e}") from None
-        s = rl.episode_score(proxy, gold, r.finished.flatten().to(device), cfg.gold_reward_coef,
+        baseline = 0.0
+        if cfg.gold_reward_coef:  # the other episodes' mean gold, over the whole batch (every process)
+            sums = torch.stack([gold.sum(), gold.new_tensor(float(len(gold)))]).double()
+            total, n = runtime.all_reduce_sum(sums).tolist()
+            baseline = rl.leave_one_out_mean(gold, total, n)
+        s = rl.episode_score(proxy, gold, r.finished.flatten().to(device), cfg.gold_reward_coef, baseline,
                              cfg.missing_eos_penalty, cfg.reward_clip)
         return proxy, s, gold
 

@@ -46,17 +46,18 @@ def base_args(files, out):
 
 @pytest.fixture(scope="module")
 def runs(files):
-    """The same PPO-ptx run on 1 and on 2 processes (ZeRO-3 both: one CPU process keeps the stage asked for)."""
+    """The same PPO-ptx run on 1 and on 2 processes (ZeRO-3 both: one CPU process keeps the stage asked for),
+    trained on the RM's score plus 0.5 x the gold reward; and the 1-process run without the gold term."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    for name, launch in (("ppo1", []), ("ppo2", ["-m", "torch.distributed.run", "--nproc_per_node=2",
-                                                 f"--master_port={free_port()}"])):
+    two = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    for name, launch, coef in (("ppo1", [], "0.5"), ("ppo2", two, "0.5"), ("ppo1-no-gold", [], "0")):
         args = base_args(files, files["dir"] / name)
         args[args.index("--model") + 1] = str(files["policy"])  # saved weights: the updates can be measured
         proc = run_command([sys.executable, *launch, "-m", "align", "ppo", *args, "--ptx-coef", "0.1", "--kl-horizon",
                             "100", "--init-kl-coef", "0.05", "--gold-reward", files["gold"],
-                            "--gold-reward-coef", "0.5"], {**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
+                            "--gold-reward-coef", coef], {**env, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return files["dir"] / "ppo1", files["dir"] / "ppo2"
+    return files["dir"] / "ppo1", files["dir"] / "ppo2", files["dir"] / "ppo1-no-gold"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,24 @@ def test_two_processes_match_one_process(runs, files):
     """The rollout is keyed by (seed, step, the prompt's place), advantages are whitened and losses normalised
     over the global batch, and each epoch's minibatches are the same episodes for any number of processes:
     2 processes take the same steps as 1 (policy, value network, KL controller)."""
-    assert_same_training(*runs, files["policy"])
+    assert_same_training(*runs[:2], files["policy"])
+
+
+def test_the_gold_term_trains_centred_on_the_other_episodes(runs, files):
+    """--gold-reward-coef 0.5 against 0: the same first rollout (reward, gold), a score whose gold term sums to 0
+    over the batch (its leave-one-out baseline), and other weights at the end."""
+    from safetensors.torch import load_file
+
+    with_gold, _, without = runs
+    a, b = ([json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"reward"' in x]
+            for out in (with_gold, without))
+    assert (a[0]["reward"], a[0]["gold_reward"]) == (b[0]["reward"], b[0]["gold_reward"])
+    for row in a + b:
+        assert row["objective/scores"] == pytest.approx(row["reward"], abs=1e-5)
+    w1, w0, base = (load_file(d / "model.safetensors") for d in (with_gold / "model", without / "model", files["policy"]))
+    apart = torch.cat([(w1[k] - w0[k]).flatten() for k in w1]).norm()
+    moved = torch.cat([(w0[k] - base[k]).flatten() for k in w1]).norm()
+    assert apart > 0.05 * moved > 0, (apart, moved)
 
 
 def test_two_process_zero3_ppo_ptx_run(two_proc_run):
@@ -85,8 +103,6 @@ def test_two_process_zero3_ppo_ptx_run(two_proc_run):
     for row in steps:
         assert_terminated_length(row, 8)
     assert 0.0 < steps[0]["gold_reward"] < 1.0 and 0.0 < steps[1]["gold_reward"] < 1.0
-    for row in steps:  # the score trained on: the RM's (logged as reward) + 0.5 x the verifier's
-        assert row["objective/scores"] == pytest.approx(row["reward"] + 0.5 * row["gold_reward"], abs=1e-5)
     assert "eval/pass@1/greedy" in evals[0] and "start/reward" in art["metrics"]
     assert (out / "report.png").stat().st_size > 5000 and (out / "checkpoints" / "step2" / "value").is_dir()
     assert art["inputs"]["reward_model"]["spec"] == art["inputs"]["value_model"]["spec"]  # V starts from the RM

@@ -30,13 +30,46 @@ def test_last_token_index():
     assert rl.last_token_index(torch.zeros(1, 4)).tolist() == [0]
 
 
-def test_episode_score_rm_plus_gold_minus_missing_eos_then_clip():
+def test_leave_one_out_mean_by_hand():
+    x = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    torch.testing.assert_close(rl.leave_one_out_mean(x, 3.0, 4), torch.tensor([2 / 3, 1.0, 2 / 3, 2 / 3]))
+    # this process's two episodes of a batch of 4 whose other process holds [0, 0]: total 1, n 4
+    torch.testing.assert_close(rl.leave_one_out_mean(torch.tensor([1.0, 0.0]), 1.0, 4), torch.tensor([0.0, 1 / 3]))
+    assert rl.leave_one_out_mean(torch.tensor([1.0]), 1.0, 1).tolist() == [0.0]  # one episode: no baseline
+
+
+def test_leave_one_out_baseline_leaves_the_policy_gradient_unbiased():
+    """E[Σ_i ∇log π(a_i) · (g_i − b_i)] = E[Σ_i ∇log π(a_i) · g_i] when b_i does not depend on a_i: the exact
+    expectation over every outcome of 3 independent Bernoulli(p) episodes (∇_p log π is 1/p for g = 1, −1/(1 − p)
+    for g = 0). The plain batch mean (b_i includes g_i) shrinks the gradient by (n − 1)/n."""
+    import itertools
+
+    p, n = 0.3, 3
+
+    def expected(baseline):
+        total = 0.0
+        for outcome in itertools.product([0.0, 1.0], repeat=n):
+            x = torch.tensor(outcome)
+            prob = float(torch.where(x > 0, p, 1 - p).prod())
+            grad_logp = torch.where(x > 0, 1 / p, -1 / (1 - p))
+            total += prob * float((grad_logp * (x - baseline(x))).sum())
+        return total
+
+    assert expected(lambda x: 0.0) == pytest.approx(n)  # d/dp E[Σ g_i] = n
+    assert expected(lambda x: rl.leave_one_out_mean(x, float(x.sum()), n)) == pytest.approx(n)
+    assert expected(lambda x: x.mean()) == pytest.approx(n * (n - 1) / n)
+
+
+def test_episode_score_rm_plus_centred_gold_minus_missing_eos_then_clip():
     rm, gold = torch.tensor([0.5, -1.0, 2.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0])
     finished = torch.tensor([True, False, True, False])
     torch.testing.assert_close(rl.episode_score(rm, gold, finished), rm)  # defaults: the RM's score alone
     torch.testing.assert_close(rl.episode_score(rm, gold, finished, gold_coef=2.0, missing_eos_penalty=1.0),
                                torch.tensor([2.5, 0.0, 2.0, -1.0]))
-    torch.testing.assert_close(rl.episode_score(rm, gold, finished, 2.0, 1.0, clip=1.5),
+    b = rl.leave_one_out_mean(gold, 2.0, 4)  # [1/3, 1/3, 2/3, 2/3]
+    torch.testing.assert_close(rl.episode_score(rm, gold, finished, 3.0, b),
+                               torch.tensor([0.5 + 2.0, -1.0 + 2.0, 2.0 - 2.0, 0.0 - 2.0]))
+    torch.testing.assert_close(rl.episode_score(rm, gold, finished, 2.0, 0.0, 1.0, clip=1.5),
                                torch.tensor([1.5, 0.0, 1.5, -1.0]))
 
 
