@@ -83,7 +83,8 @@ def run(cfg: DataMakeConfig) -> dict:
     test = None
     if cfg.test_n:
         taken = excluded | {tasks.row_key(r) for r in rows}
-        test = tasks.make_dataset(cfg.task, cfg.test_n, cfg.seed + 1_000_003, exclude=taken, **opts)
+        # the held-out split from its own stream, as reasoning-gym tasks' (a Random(seed) stream per split)
+        test = tasks.make_dataset(cfg.task, cfg.test_n, cfg.seed + rgym.SPLIT_OFFSET, exclude=taken, **opts)
     return _write(cfg, rows, test, started=started, **flaw_summary(rows))
 
 
