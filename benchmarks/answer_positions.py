@@ -22,7 +22,7 @@ from align.rewards import numbers_in, parse_number
 def candidates(prompt: str) -> list[float]:
     """The candidate numbers of a number_format prompt (after its last 'candidates:'), as floats."""
     tail = prompt.rsplit("candidates:", 1)[-1]
-    return [v for v in (parse_number(s) for s in tail.split()) if v is not None]
+    return [v for v in (parse_number(s) for s in numbers_in(tail)) if v is not None]
 
 
 def _same(a: float, b: float) -> bool:
