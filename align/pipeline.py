@@ -157,6 +157,14 @@ def _close(word: str, options) -> str:
     return f" (did you mean {m[0]}?)" if m else ""
 
 
+def reference(value) -> tuple[str, str] | None:
+    """A stage value's `@STAGE` or `@STAGE/FILE` reference as (STAGE, FILE or ''); None for any other value."""
+    if isinstance(value, str) and value.startswith("@"):
+        target, _, inside = value[1:].partition("/")
+        return target, inside
+    return None
+
+
 def _path_fields(cls) -> set[str]:
     return {f.name for f in C.fields(cls) if f.metadata.get("path")}
 
@@ -346,8 +354,8 @@ def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict,
             problem(kp, f"given twice (as {key!r} and with dashes)")
             bad_stage = True
             continue
-        if isinstance(v, str) and v.startswith("@"):
-            target, _, inside = v[1:].partition("/")
+        if (ref := reference(v)) is not None:
+            target, inside = ref
             if cls and key not in paths:
                 problem(kp, f"{v}: a @stage reference only fits a path-valued key "
                             f"({', '.join(sorted(paths - {'out'}))})")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from align.artifacts import read_artifact
 from align.evaluation import EVAL_SAMPLES
-from align.pipeline import apply_overrides, toml_value
+from align.pipeline import apply_overrides, reference, toml_value
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "pretrained.toml"
@@ -110,8 +110,7 @@ def split_order(overrides: list[str], default: list[str] | None = None) -> tuple
 
 def reads_policy(stage: dict) -> list[str]:
     """The policy stages a stage's values refer to (`@grpo`, `@dpo/...`)."""
-    return [s for v in stage.values() if isinstance(v, str) and v.startswith("@")
-            for s in POLICY_STAGES if v[1:].split("/")[0] == s]
+    return [ref[0] for v in stage.values() if (ref := reference(v)) and ref[0] in POLICY_STAGES]
 
 
 def reorder(pipe: dict, order: list[str]) -> dict:
@@ -134,7 +133,7 @@ def base_model_keys(pipe: dict) -> list[str]:
     """The keys that name the base model (`--set` to the benchmark's --model): every stage's `model` or `from_model`
     that is not another stage's output (`@NAME`)."""
     return [f"stages.{s}.{k}" for s, v in pipe["stages"].items() for k in MODEL_KEYS
-            if isinstance(v.get(k), str) and not v[k].startswith("@")]
+            if isinstance(v.get(k), str) and reference(v[k]) is None]
 
 
 def pipeline_toml(pipe: dict) -> str:

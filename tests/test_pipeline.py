@@ -447,3 +447,10 @@ def test_the_summary_shows_results_not_their_errors_or_inputs(tmp_path):
         "wall_seconds": 9.0, "eval/pass@1/greedy": 0.995, "gain/pass@1/greedy": 0.495, "reward/last5": 0.99}}))
     assert P.headline_metrics(tmp_path) == {"eval/pass@1/greedy": 0.995, "gain/pass@1/greedy": 0.495,
                                             "reward/last5": 0.99}
+
+
+def test_reference_reads_a_stage_and_a_file_inside_it():
+    assert P.reference("@grpo") == ("grpo", "")
+    assert P.reference("@tasks/test.jsonl") == ("tasks", "test.jsonl")
+    assert P.reference("data/digit_sort/train.jsonl") is None
+    assert P.reference(3) is None
