@@ -1,16 +1,20 @@
-"""Mutation check of the objectives and the monitor: do the tests fail when the math is wrong?
+"""Mutation benchmark: do the tests fail when the code is wrong?
 
-Each mutation below changes one line of align/objectives/*, align/rl.py, align/losses.py or align/monitor.py (drop
-GAE's λ, flip a sign, drop GSPO's 1/|y|, let skipped samples into REINFORCE++'s statistics, move a monitor
-threshold, drop an eps, ...). It is applied to a temporary copy of the repository (never to this checkout), the
-test files it names run there (`pytest -x -q -n 0 FILES`), and the mutation is caught when they fail. A snippet
-that no longer matches its file exactly once stops the script (exit 2): keep the list in step with the code.
+Each mutation (benchmarks/mutants/: the formulas of align/objectives, align/rl.py, align/losses.py and RLMonitor's
+checks; the wiring of each stage to them) changes one snippet of one file: drop GAE's λ, flip a sign, use the
+policy as its own reference, detach a loss term, count the prompt in a length, shuffle every epoch alike, ... It is
+applied to a temporary copy of the repository (never to this checkout), the tests it names run there (`pytest -x -q
+-n 0 TESTS`), and the mutation is caught when they fail. A snippet that no longer matches its file exactly once stops
+the script (exit 2): keep the lists in step with the code.
 
     python -m benchmarks.mutations            # every mutation; prints the table, exit 1 if any survives
     python -m benchmarks.mutations -k gspo    # those whose name contains "gspo"
+    python -m benchmarks.mutations --jobs 1   # one at a time (default: one per core, at most 4)
+    python -m benchmarks.mutations --mutants FILE.py   # the list MUTATIONS of another file (e.g. an audit's)
 
-Not part of the test suite (a few minutes on 2 cores): run it after changing an objective, a monitor check or
-their tests.
+CI runs it after the test suite (.ci/run; a few minutes on 2 cores). Each mutation's tests run in a process forked
+from this one after it imported torch, transformers, deepspeed and pytest (never align, stages or tests: those are
+imported in the child, from the mutated copy), so a mutation costs its tests' own time, not an interpreter's start.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +30,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-from benchmarks.mutants import Mutation, all_mutations
+sys.path.insert(0, str(ROOT))  # `python benchmarks/mutations.py` as well as `python -m benchmarks.mutations`
+
+from benchmarks.mutants import Mutation, all_mutations  # noqa: E402
+
+TIMEOUT_S = 300  # one mutation's tests; past it the mutation counts as caught (the tests hang: a test run would fail)
+# Imported once here, before any fork: what every test process imports first (~3.5 s of CPU each time otherwise).
+PRELOAD = ("torch", "transformers", "deepspeed", "safetensors.torch", "peft", "pytest", "xdist",
+           "transformers.models.llama.modeling_llama")
+OWN = ("align", "stages", "tests", "benchmarks")  # imported in each child, from its copy
 
 
 def copy_repo(dst: Path) -> None:
@@ -39,48 +52,162 @@ def copy_repo(dst: Path) -> None:
             shutil.copy2(src, dst / rel)
 
 
+def load_list(path: str) -> list[Mutation]:
+    """The list MUTATIONS of the Python file at `path`."""
+    import runpy
+
+    return list(runpy.run_path(path)["MUTATIONS"])
+
+
 def check_snippets(mutations: list[Mutation]) -> None:
-    """Every snippet occurs exactly once in its file (exit 2 naming the ones that do not)."""
-    bad = [f"{m.name}: {m.file} holds its snippet {(ROOT / m.file).read_text().count(m.original)} times, not once"
-           for m in mutations if (ROOT / m.file).read_text().count(m.original) != 1]
+    """Every snippet occurs exactly once in its file, every name once (exit 2 naming the ones that do not)."""
+    bad = []
+    for m in mutations:
+        path = ROOT / m.file
+        n = path.read_text().count(m.original) if path.is_file() else 0
+        if n != 1:
+            bad.append(f"{m.name}: {m.file} holds its snippet {n} times, not once")
+    names = [m.name for m in mutations]
+    bad += [f"{n}: named {names.count(n)} times" for n in sorted(set(names)) if names.count(n) > 1]
     if bad:
         sys.exit("mutations out of step with the code:\n  " + "\n  ".join(bad))
 
 
-def run_tests(root: Path, tests: tuple[str, ...]) -> bool:
-    """Whether the tests pass in the copy at `root`."""
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "0", "-p", "no:cacheprovider", *tests]
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, timeout=600).returncode == 0
+def _child(root: Path, tests: tuple[str, ...], log: Path) -> None:
+    """In the forked process: pytest on `tests` in the copy at `root`; never returns."""
+    code = 3
+    try:
+        os.setpgid(0, 0)  # its own group: a timeout kills what its tests started too
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        for name in [n for n in sys.modules if n.split(".")[0] in OWN]:
+            del sys.modules[name]
+        os.chdir(root)
+        sys.path[:] = [str(root)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+        os.environ.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1", ALIGN_TEST_FORKSERVER="lazy")
+        sys.argv = ["pytest"]
+        import pytest
+
+        code = int(pytest.main(["-x", "-q", "-n", "0", "-p", "no:cacheprovider", *tests]))
+    except BaseException:  # noqa: BLE001 — whatever happened, the parent reads an exit code
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class Slot:
+    """One copy of the repository and the mutation whose tests run in it."""
+
+    def __init__(self, root: Path):
+        self.root, self.pid, self.m, self.saved, self.t = root, 0, None, "", 0.0
+
+    def start(self, m: Mutation | None, tests: tuple[str, ...]) -> None:
+        self.m, self.t = m, time.time()
+        if m is not None:
+            path = self.root / m.file
+            self.saved = path.read_text()
+            path.write_text(self.saved.replace(m.original, m.replacement))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _child(self.root, tests, self.root / ".mutation.log")
+
+    def finish(self) -> None:
+        if self.m is not None:
+            (self.root / self.m.file).write_text(self.saved)
+        self.pid = 0
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_all(slots: list[Slot], jobs: list[tuple[Mutation | None, tuple[str, ...]]], on_done) -> None:
+    """Run every (mutation, tests) job on the free slots; on_done(mutation, exit code or None on a timeout, s, log)."""
+    pending, busy = list(jobs), {}
+    while pending or busy:
+        while pending and len(busy) < len(slots):
+            slot = next(s for s in slots if not s.pid)
+            slot.start(*pending.pop(0))
+            busy[slot.pid] = slot
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            for slot in busy.values():
+                if time.time() - slot.t > TIMEOUT_S:
+                    slot.kill()
+            time.sleep(0.05)
+            continue
+        slot = busy.pop(pid, None)
+        if slot is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        timed_out = time.time() - slot.t > TIMEOUT_S
+        log = (slot.root / ".mutation.log").read_text(errors="replace")
+        m, seconds = slot.m, time.time() - slot.t
+        slot.finish()
+        on_done(m, None if timed_out else code, seconds, log)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-k", default="", help="only the mutations whose name contains this")
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="mutations run at once")
+    ap.add_argument("--mutants", default="", help="a Python file whose list MUTATIONS (of benchmarks.mutants.Mutation) "
+                                                  "is run instead of the benchmark's")
     args = ap.parse_args()
-    mutations = [m for m in all_mutations() if args.k in m.name]
+    mutations = [m for m in (load_list(args.mutants) if args.mutants else all_mutations()) if args.k in m.name]
+    if not mutations:
+        sys.exit(f"no mutation's name contains {args.k!r}")
     check_snippets(mutations)
+    t0 = time.time()
+    for name in PRELOAD:
+        __import__(name)
     with tempfile.TemporaryDirectory(prefix="align-mutations-") as tmp:
-        root = Path(tmp)
-        copy_repo(root)
-        baseline = tuple(sorted({t for m in mutations for t in m.tests}))
-        if not run_tests(root, baseline):
-            sys.exit(f"the tests fail without any mutation: {' '.join(baseline)}")
-        rows, survived = [], 0
-        for m in mutations:
-            path = root / m.file
-            original = path.read_text()
-            path.write_text(original.replace(m.original, m.replacement))
-            t = time.time()
-            caught = not run_tests(root, m.tests)
-            path.write_text(original)
-            survived += not caught
-            rows.append(f"| {m.name.replace('|', chr(92) + '|')} | {m.file} | {' '.join(Path(x).name for x in m.tests)} | "
-                        f"{'caught' if caught else '**SURVIVED**'} | {time.time() - t:.0f} |")
+        slots = [Slot(Path(tmp) / f"copy{i}") for i in range(max(1, args.jobs))]
+        for s in slots:
+            copy_repo(s.root)
+        # unmutated first: every test a mutation names passes (split in two to use both slots)
+        baseline = sorted({t for m in mutations for t in m.tests})
+        halves = [tuple(baseline[i :: len(slots)]) for i in range(len(slots))]
+        failed = []
+        run_all(slots, [(None, h) for h in halves if h],
+                lambda m, code, s, log: failed.append(log) if code != 0 else None)
+        if failed:
+            print(failed[0][-6000:], file=sys.stderr)
+            sys.exit("the tests fail without any mutation (output above)")
+        print(f"unmutated: {len(baseline)} tests pass ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+        results: dict[str, tuple[str, float]] = {}
+
+        def done(m, code, seconds, log):
+            verdict = "caught" if code != 0 else "**SURVIVED**"
+            if code is None:
+                verdict = "caught (timed out)"
+            elif code not in (0, 1):  # 2: interrupted or a collection error (the mutation broke an import), ...
+                verdict = f"caught (pytest exit {code})"
+            results[m.name] = (verdict, seconds)
+            print(f"[{len(results)}/{len(mutations)}] {m.name}: {verdict} ({seconds:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+        run_all(slots, [(m, m.tests) for m in mutations], done)
+    rows = []
+    for m in mutations:
+        verdict, seconds = results[m.name]
+        tests = " ".join(Path(t.split("::")[0]).name + (f"::{t.split('::', 1)[1]}" if "::" in t else "")
+                         for t in m.tests)
+        rows.append(f"| {m.name.replace('|', chr(92) + '|')} | {m.file} | {tests} | {verdict} | {seconds:.0f} |")
+    survived = sum(results[m.name][0] == "**SURVIVED**" for m in mutations)
     print("| mutation | file | tests | result | s |\n|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\n{len(mutations) - survived} of {len(mutations)} mutations caught"
-          f"{f', {survived} survived' if survived else ''}.")
+          f"{f', {survived} survived' if survived else ''} ({time.time() - t0:.0f} s, {len(slots)} at a time).")
     return 1 if survived else 0
 
 

@@ -160,8 +160,10 @@ def align_processes():
 @pytest.fixture(scope="session", autouse=True)
 def _align_fork_server():
     """The fork server, started before a test could start multiprocessing's (one per process, which a pipeline run
-    in a test's own process and tests/test_disk.py use too) in the environment of its moment."""
-    align_processes()
+    in a test's own process and tests/test_disk.py use too) in the environment of its moment. ALIGN_TEST_FORKSERVER=lazy
+    (the mutation benchmark, which runs a few tests at a time): started by the first test that runs `align`."""
+    if os.environ.get("ALIGN_TEST_FORKSERVER") != "lazy":
+        align_processes()
 
 
 def _forked_align(module: str, argv: list[str], env: dict, cwd: str | None, stdout: str, stderr: str | None) -> None:
