@@ -239,6 +239,7 @@ class FastDecoder:
                     self.layers[k[0]][k[1]] = t
             self._wptr = self._wbuf.data_ptr()
         self.recaptures = 0  # CUDA graphs re-captured because a buffer came back at another address
+        self.recaptured_for: dict[str, int] = {}  # ... by what moved: "weights", "cache"
         self._side = None  # the warm-up stream of every capture
         self.bucket = int(os.environ.get("ALIGN_DECODE_BUCKET", 256)) if self.use_graphs else 1  # see attn_len
         self.vocab = cfg.vocab_size
@@ -313,8 +314,7 @@ class FastDecoder:
         if ptrs == self._bound:
             return
         if self._bound is not None and self._graphs:
-            self._graphs = {}
-            self.recaptures += 1
+            self._drop_graphs("weights")
         self._bound = ptrs
         self.embed, self.norm = named["embed"].detach(), named["norm"].detach()
         self.head = self.embed if self.tied else named["head"].detach()
@@ -386,8 +386,7 @@ class FastDecoder:
             return
         t.untyped_storage().resize_(t.numel() * t.element_size())
         if t.data_ptr() != self._wptr and self._graphs:
-            self._graphs = {}
-            self.recaptures += 1
+            self._drop_graphs("weights")
 
     def _restore(self) -> None:
         if not self._released:
@@ -396,9 +395,14 @@ class FastDecoder:
             t.untyped_storage().resize_(t.numel() * t.element_size())
             t.zero_()  # masked cache slots are multiplied by 0: they must not hold NaN/inf garbage
         if [t.data_ptr() for t in self._big()] != self._ptrs and self._graphs:
-            self._graphs = {}
-            self.recaptures += 1
+            self._drop_graphs("cache")
         self._released = False
+
+    def _drop_graphs(self, why: str) -> None:
+        """The captured graphs hold addresses that moved (`why`: the weights or the cache): re-captured on use."""
+        self._graphs = {}
+        self.recaptures += 1
+        self.recaptured_for[why] = self.recaptured_for.get(why, 0) + 1
 
     def kv_cache_bytes(self, rows: int, length: int) -> int:
         return 2 * self.n_layers * rows * self.n_kv * length * self.head_dim * torch.finfo(self.dtype).bits // 8
@@ -645,7 +649,7 @@ class FastDecoder:
             t2 = time.perf_counter()
             print(f"[fast_generate] rows {n}/{B} cap {cap} graphs {self.use_graphs} runner {t1 - t0:.2f}s "
                   f"prefill+decode {t2 - t1:.2f}s for {steps} tokens = {(t2 - t1) / steps * 1e3:.2f} ms/token; "
-                  f"graph re-captures {self.recaptures} grad {torch.is_grad_enabled()} dynamo counters {dict(torch._dynamo.utils.counters['stats'])}",
+                  f"graph re-captures {self.recaptures} {self.recaptured_for} grad {torch.is_grad_enabled()} dynamo counters {dict(torch._dynamo.utils.counters['stats'])}",
                   file=sys.stderr, flush=True)
         # the sampling log-prob of every generated token (positions after EOS hold garbage: cut with the tokens)
         self.last_logps = None if sampling.greedy else self.out_logp[:n, :steps].tolist()

@@ -1,0 +1,402 @@
+"""Wiring of the supervised stages to their formulas, pinned by values computed by hand from the models' own
+forwards: the data order every stage draws (StageRun.indices), the reward model's Bradley–Terry step (its scores,
+margin, centring term, both heads, the position a scalar head reads, the normalisation it saves), and SFT's
+completion-only token-mean loss (micro-batching, packing). The stages are built in-process on the tiny model."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from align import runtime
+from align.engine.run import StageRun, step_indices
+from tests.conftest import ROOT
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(single_process):
+    """Every test here builds engines in this process (tests/conftest.py)."""
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def head(rel: str, n: int, skip: int = 0) -> list[dict]:
+    return [json.loads(line) for line in (ROOT / "data" / rel).read_text().splitlines()[skip : skip + n]]
+
+
+@contextmanager
+def stage(cls, cfg, name: str):
+    """The stage `cls(cfg, run)` built in this process inside its StageRun."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    cfg.validate()
+    try:
+        with StageRun(cfg, name) as run:
+            yield cls(cfg, run)
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def hand_gradient(loss: torch.Tensor, module) -> tuple[dict, float]:
+    """∇loss per trained parameter of `module` (at its current weights) and its global norm."""
+    names, params = zip(*[(k, p) for k, p in module.named_parameters() if p.requires_grad])
+    grads = dict(zip(names, torch.autograd.grad(loss, params, allow_unused=True)))
+    grads = {k: g for k, g in grads.items() if g is not None}
+    return grads, torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+
+
+def check_update(module, grads: dict, norm: float, engine, step) -> dict:
+    """Run `step()` (one optimiser step of `engine`): its gradient norm is the hand loss's, and it moved the
+    weights down the hand loss (⟨Δw, ∇loss⟩ < 0)."""
+    before = {k: p.detach().clone() for k, p in module.named_parameters() if k in grads}
+    out = step()
+    assert engine.metrics()["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    dot = sum(((p.detach() - before[k]).double() * grads[k].double()).sum() for k, p in module.named_parameters()
+              if k in grads)
+    assert dot < 0
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- data order
+
+
+def test_data_order_is_a_new_seeded_permutation_each_epoch_for_any_number_of_ranks(tmp_path):
+    """StageRun.indices (the order every stage draws its examples in): consecutive global batches walk epochs,
+    each epoch a permutation of all examples (batches cross epoch boundaries), a new order each epoch, drawn from
+    the seed (--seed, or an explicit seed: PPO's ptx data) — another seed another order, the same seed the same,
+    a pure function of the step (exact resume) — and the ranks' contiguous shares of a step concatenate to the
+    global batch of one process, for 1, 2 and 4 ranks."""
+    from stages.sft import SFTConfig
+
+    n, size, steps = 10, 4, 15  # 60 indices: 6 epochs, batches 2, 4, 7, ... cross an epoch's end
+    cfg = SFTConfig(out=str(tmp_path / "o"), seed=5)
+    run = StageRun(cfg, "sft")
+
+    def on(world: int, rank: int):
+        run.dist = runtime.Dist(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"),
+                                backend="gloo")
+        return run
+
+    batches = [on(1, 0).indices(n, size, s) for s in range(steps)]
+    assert all(len(b) == size for b in batches)
+    flat = [i for b in batches for i in b]
+    epochs = [flat[e * n : (e + 1) * n] for e in range(len(flat) // n)]
+    assert all(sorted(e) == list(range(n)) for e in epochs), epochs  # each epoch: every example once
+    assert len({tuple(e) for e in epochs}) == len(epochs), epochs  # a new order each epoch
+    assert epochs[0] != list(range(n))  # shuffled
+    # a pure function of (seed, step): the same again, in any order of calls
+    assert [on(1, 0).indices(n, size, s) for s in reversed(range(steps))] == batches[::-1]
+    assert batches == [step_indices(n, size, s, 5) for s in range(steps)]
+    # another seed, another order; the explicit seed wins over --seed
+    other = [on(1, 0).indices(n, size, s, seed=6) for s in range(steps)]
+    assert other != batches and other[0] != batches[0]
+    cfg6 = SFTConfig(out=str(tmp_path / "o6"), seed=6)
+    run6 = StageRun(cfg6, "sft")
+    run6.dist = run.dist
+    assert [run6.indices(n, size, s) for s in range(steps)] == other
+    assert [run6.indices(n, size, s, seed=5) for s in range(steps)] == batches
+    # any number of ranks: the ranks' contiguous shares are the one-process batch
+    for world in (2, 4):
+        for s in range(steps):
+            shares = [on(world, r).indices(n, size, s) for r in range(world)]
+            assert all(len(x) == size // world for x in shares)
+            assert [i for x in shares for i in x] == batches[s], (world, s, shares)
+    # a larger data set: still a permutation per epoch, epochs differ
+    big = [i for s in range(6) for i in on(1, 0).indices(37, 16, s)]  # 96 = 2 epochs + 22
+    assert sorted(big[:37]) == sorted(big[37:74]) == list(range(37)) and big[:37] != big[37:74]
+    assert len(set(big[74:])) == 22
+
+
+# ------------------------------------------------------------------------------------------------ reward model
+
+
+def prefs(tmp_path: Path, n: int, name: str = "pairs.jsonl", skip: int = 0) -> Path:
+    """n pairs of data/prefs, every other one with a margin (of both signs)."""
+    rows = head("prefs/train.jsonl", n, skip)
+    for i, r in enumerate(rows):
+        if i % 2:
+            r["margin"] = 0.8 if i % 4 == 1 else -0.5
+    return write_rows(tmp_path / name, rows)
+
+
+def rm_config(tmp_path: Path, out: str, data: Path, **kw):
+    from stages.rm import RMConfig
+
+    base = dict(model=str(kw.pop("model")), out=str(tmp_path / out), data=str(data), eval_data="", batch_size=4,
+                micro_batch_size=2, zero_stage=0, warmup_steps=0, lr=1e-3, seed=3, normalize_samples=5)
+    return RMConfig(**{**base, **kw})
+
+
+def scalar_score(module, ids: list[int]) -> torch.Tensor:
+    """The scalar head read at the last token of ONE unpadded sequence: score(h_T)."""
+    body = getattr(module, module.base_model_prefix)
+    h = body(input_ids=torch.tensor([ids]), use_cache=False).last_hidden_state[0, -1]
+    return module.score(h)[0].float()
+
+
+def likelihood_score(module, prompt: list[int], response: list[int], beta: float) -> torch.Tensor:
+    """β · the mean log-prob of the response tokens of ONE unpadded sequence under the LM head."""
+    ids = torch.tensor([prompt + response])
+    logp = module(input_ids=ids, use_cache=False).logits[0, :-1].float().log_softmax(-1)
+    lp = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    return beta * lp[len(prompt) - 1 :].mean()
+
+
+def hand_pairs(algo, examples: list[dict]):
+    """(r_w, r_l) of each pair, each sequence scored alone (no padding), by the stage's head."""
+    cfg, module = algo.cfg, algo.rm.module
+    out = []
+    for side in ("chosen_ids", "rejected_ids"):
+        if cfg.head == "scalar":
+            out.append(torch.stack([scalar_score(module, e["prompt_ids"] + e[side]) for e in examples]))
+        else:
+            out.append(torch.stack([likelihood_score(module, e["prompt_ids"], e[side], cfg.likelihood_beta)
+                                    for e in examples]))
+    return out
+
+
+def check_rm_step(algo, step: int) -> dict:
+    """One step of the stage against the hand computation on the pairs of step_indices(step): its logged loss
+    −log σ(r_w − r_l − m) + c · (r_w + r_l)² (mean over pairs), rewards, margin and accuracy; the gradient norm of
+    its update equals that of the hand loss, and the update goes down it. Returns the step's metrics."""
+    cfg = algo.cfg
+    batch = [algo.examples[i] for i in step_indices(len(algo.examples), cfg.batch_size, step, cfg.seed)]
+    rw, rl = hand_pairs(algo, batch)
+    m = torch.tensor([e["margin"] for e in batch])
+    assert (m != 0).any()
+    loss = (-torch.nn.functional.logsigmoid(rw - rl - m) + cfg.center_coef * (rw + rl) ** 2).mean()
+    grads, norm = hand_gradient(loss, algo.rm.module)
+    got = check_update(algo.rm.module, grads, norm, algo.rm, lambda: algo.step(step).reduce("cpu"))
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6)
+    assert got["rewards/chosen"] == pytest.approx(rw.mean().item(), rel=1e-5, abs=1e-6)
+    assert got["rewards/rejected"] == pytest.approx(rl.mean().item(), rel=1e-5, abs=1e-6)
+    assert got["margin"] == pytest.approx((rw - rl).mean().item(), rel=1e-5, abs=1e-6)
+    assert got["accuracy"] == pytest.approx((rw > rl).float().mean().item())
+    assert got["pairs"] == cfg.batch_size
+    return got
+
+
+def test_rm_step_is_bradley_terry_of_the_models_own_scores_with_margin_and_centring(tiny_model_dir, tmp_path):
+    """The scalar-head stage: chosen and rejected go through ONE padded forward, yet each score equals the value
+    head read at the last token of that sequence alone (the last non-pad token, not a pad); the step's loss is
+    −log σ(r_w − r_l − m) with the data's margins, plus --center-coef · (r_w + r_l)² (0 leaves it out), averaged
+    over the global batch whatever the micro-batching, and the update follows its gradient. Held-out
+    accuracy and margin are those of the same scores; the saved offset (no --normalize-scale: scale 1) is the mean
+    score of the first --normalize-samples chosen responses."""
+    from align.reward_model import HEAD_KEY, OFFSET_KEY, SCALE_KEY
+    from stages.rm import RewardModel
+
+    data, held = prefs(tmp_path, 8), prefs(tmp_path, 6, "held.jsonl", skip=100)
+    for coef in (0.3, 0.0):
+        cfg = rm_config(tmp_path, f"rm{coef}", data, model=tiny_model_dir, center_coef=coef, eval_data=str(held))
+        with stage(RewardModel, cfg, "rm") as algo:
+            lengths = {len(e["prompt_ids"] + e[s]) for e in algo.examples for s in ("chosen_ids", "rejected_ids")}
+            assert len(lengths) > 2  # the micro-batches are padded
+            rows = [json.loads(line) for line in data.read_text().splitlines()]
+            assert [e["margin"] for e in algo.examples] == [r.get("margin", 0.0) for r in rows]  # the data's own
+            for step in (0, 1):
+                check_rm_step(algo, step)
+            with torch.no_grad():
+                rw, rl = hand_pairs(algo, algo.eval_examples)
+                got = algo.evaluate(2)
+                ref, _ = hand_pairs(algo, algo.examples[: cfg.normalize_samples])
+                out = algo.output()  # without --normalize-scale: an offset only
+        assert got["eval/accuracy"] == pytest.approx((rw > rl).float().mean().item())
+        assert got["eval/margin"] == pytest.approx((rw - rl).mean().item(), rel=1e-4, abs=1e-6)
+        assert out.config[OFFSET_KEY] == pytest.approx(ref.mean().item(), abs=1e-5) and out.config[SCALE_KEY] == 1.0
+        assert out.kind == "reward" and out.config[HEAD_KEY] == "scalar"
+
+
+def test_rm_likelihood_head_scores_the_mean_response_log_prob(tiny_model_dir, tmp_path):
+    """--head likelihood: the stage's score of a pair's side is β · the mean log-prob of the RESPONSE tokens
+    (not the prompt's, not padding) under the model's own LM head, with β from --likelihood-beta; the loss and
+    update are the Bradley–Terry ones (with the centring term) of those scores."""
+    from stages.rm import RewardModel
+
+    data, held = prefs(tmp_path, 8), prefs(tmp_path, 6, "held.jsonl", skip=100)
+    cfg = rm_config(tmp_path, "lik", data, model=tiny_model_dir, head="likelihood", likelihood_beta=3.0,
+                    center_coef=0.05, eval_data=str(held))
+    with stage(RewardModel, cfg, "rm") as algo:
+        got = check_rm_step(algo, 0)
+        assert got["rewards/chosen"] < -1.0  # β · a mean log-prob of a random model: far below 0
+        with torch.no_grad():
+            rw, rl = hand_pairs(algo, algo.eval_examples)
+            ev = algo.evaluate(1)
+    assert ev["eval/accuracy"] == pytest.approx((rw > rl).float().mean().item())
+    assert ev["eval/margin"] == pytest.approx((rw - rl).mean().item(), rel=1e-4, abs=1e-6)
+
+
+def test_rm_normalisation_makes_the_reference_responses_score_zero_mean_unit_std(tiny_model_dir, tmp_path):
+    """After training (--normalize-scale, --normalize-samples 5): the saved offset is the mean and the scale the
+    std of the raw scores of the chosen responses of the first 5 training pairs; normalization.jsonl and every
+    consumer of the saved model (score_ids: PPO, GRPO; `rm score`) read (raw − offset) / scale — in that order,
+    tested with an offset far from 0 and a scale far from 1 — so the reference set scores mean 0, std 1."""
+    from align.models import load_tokenizer, resolve
+    from align.reward_model import OFFSET_KEY, SCALE_KEY, load_reward_model, score_ids
+    from stages.rm import RewardModel, RMScoreConfig, run_score
+    from align.engine.run import train
+
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from align.data import preference_examples
+    from align.engine.run import train
+    from align.models import load_tokenizer, resolve
+    from align.reward_model import OFFSET_KEY, SCALE_KEY, load_reward_model, score_ids
+    from stages.rm import RewardModel, RMScoreConfig, run_score
+
+    data = prefs(tmp_path, 8)
+    cfg = rm_config(tmp_path, "rm", data, model=tiny_model_dir, normalize_scale=True, max_steps=1)
+    cfg.validate()
+    try:
+        train(cfg, "rm", RewardModel)
+    finally:
+        unset_hf_deepspeed_config()
+    out = Path(cfg.out)
+    source = resolve(str(out), expect="reward")
+    tok = load_tokenizer(source)
+    model = load_reward_model(source, tok, torch.float32).eval()
+    config = json.loads((out / "model/config.json").read_text())
+    art = json.loads((out / "artifact.json").read_text())
+    offset, scale = config[OFFSET_KEY], config[SCALE_KEY]
+    assert (art["reward_offset"], art["reward_scale"]) == (offset, scale)
+
+    rows = head("prefs/train.jsonl", 8)
+    ex = preference_examples(tok, rows, cfg.max_length)[0]
+    with torch.no_grad():
+        raw = torch.stack([scalar_score(model, e["prompt_ids"] + e["chosen_ids"]) for e in ex[:5]])
+        other = scalar_score(model, ex[6]["prompt_ids"] + ex[6]["rejected_ids"])
+    assert offset == pytest.approx(raw.mean().item(), abs=1e-5)
+    assert scale == pytest.approx(raw.std().item(), rel=1e-4)
+    assert abs(offset) > 0.05 and abs(scale - 1) > 0.5, (offset, scale)  # the order of − and / matters
+
+    ref = [json.loads(line) for line in (out / "normalization.jsonl").read_text().splitlines()]
+    assert [r["response_ids"] for r in ref] == [e["chosen_ids"] for e in ex[:5]]
+    assert [r["raw"] for r in ref] == pytest.approx(raw.tolist(), abs=1e-5)
+    assert [r["reward"] for r in ref] == pytest.approx(((raw - offset) / scale).tolist(), abs=1e-4)
+
+    class Engine(torch.nn.Module):  # score_ids takes an engine: what PPO / GRPO hold (module = the model)
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kw):
+            return self.module(**kw)
+
+    seqs = [(e["prompt_ids"], e["chosen_ids"]) for e in ex[:5]] + [(ex[6]["prompt_ids"], ex[6]["rejected_ids"])]
+    scored = score_ids(Engine(model), tok, seqs, batch_size=6)  # one padded batch
+    want = (torch.cat([raw, other[None]]) - offset) / scale
+    torch.testing.assert_close(scored, want, atol=1e-4, rtol=1e-4)
+    assert abs(scored[:5].mean().item()) < 1e-4 and scored[:5].std().item() == pytest.approx(1.0, abs=1e-4)
+
+    score_in = write_rows(tmp_path / "score.jsonl", [{"prompt": r["prompt"], "response": r["chosen"]} for r in rows[:5]]
+                          + [{"prompt": rows[6]["prompt"], "response": rows[6]["rejected"]}])
+    scfg = RMScoreConfig(model=str(out), data=str(score_in), out=str(tmp_path / "scores"), zero_stage=0)
+    scfg.validate()
+    try:
+        run_score(scfg)
+    finally:
+        unset_hf_deepspeed_config()
+    got = [json.loads(line)["reward"] for line in (tmp_path / "scores/scores.jsonl").read_text().splitlines()]
+    assert got == pytest.approx(want.tolist(), abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------- SFT
+
+
+def sft_config(tmp_path: Path, out: str, data: Path, **kw):
+    from stages.sft import SFTConfig
+
+    base = dict(model=str(kw.pop("model")), out=str(tmp_path / out), data=str(data), eval_data="", eval_samples=0,
+                batch_size=4, micro_batch_size=2, zero_stage=0, warmup_steps=0, lr=1e-3, seed=3)
+    return SFTConfig(**{**base, **kw})
+
+
+def prompt_completion(tok, rows: list[dict]) -> list[tuple[list, list]]:
+    """(prompt ids (chat template), completion ids (+ EOS)) of each row, tokenised here."""
+    from align.data import encode_completions, encode_prompts
+
+    return list(zip(encode_prompts(tok, [r["prompt"] for r in rows]),
+                    encode_completions(tok, [r["completion"] for r in rows])))
+
+
+def hand_nll(module, pairs: list[tuple[list, list]]) -> tuple[torch.Tensor, int]:
+    """(Σ −log p(completion token | everything before it), number of completion tokens), each sequence alone."""
+    total, count = 0.0, 0
+    for p, c in pairs:
+        ids = torch.tensor([p + c])
+        logp = module(input_ids=ids, use_cache=False).logits[0, :-1].float().log_softmax(-1)
+        lp = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        total = total - lp[len(p) - 1 :].sum()
+        count += len(c)
+    return total, count
+
+
+def test_sft_loss_is_the_token_mean_nll_of_completion_tokens_whatever_the_micro_batching(tiny_model_dir, tmp_path):
+    """SFT's step on the examples of step_indices(step): the logged loss (and the update's gradient) is the
+    token-mean NLL of the COMPLETION tokens of the global batch, computed by hand from the model's logits of each
+    sequence alone (prompt and padding carry no loss); the same loss, gradient and weights with one micro-batch
+    of 4, two of 2 (gradient accumulation, unequal token counts) and four of 1; held-out eval/loss is the same
+    completion NLL."""
+    from stages.sft import SFT
+
+    rows = head("arithmetic/train.jsonl", 6)
+    held_rows = head("arithmetic/test.jsonl", 3)
+    data, held = write_rows(tmp_path / "train.jsonl", rows), write_rows(tmp_path / "held.jsonl", held_rows)
+    results = {}
+    for micro in (4, 2, 1):
+        cfg = sft_config(tmp_path, f"sft{micro}", data, model=tiny_model_dir, micro_batch_size=micro,
+                         eval_data=str(held))
+        with stage(SFT, cfg, "sft") as algo:
+            module, tok = algo.policy.module, algo.tok
+            pairs = prompt_completion(tok, rows)
+            assert [e["input_ids"] for e in algo.examples] == [p + c for p, c in pairs]
+            start = {k: p.detach().clone() for k, p in module.named_parameters()}
+            losses = []
+            for step in (0, 1):
+                idx = step_indices(len(rows), cfg.batch_size, step, cfg.seed)
+                nll, n = hand_nll(module, [pairs[i] for i in idx])
+                grads, norm = hand_gradient(nll / n, module)
+                got = check_update(module, grads, norm, algo.policy, lambda: algo.step(step).reduce("cpu"))
+                assert got["loss"] == pytest.approx((nll / n).item(), rel=1e-5)
+                assert got["tokens"] == sum(len(pairs[i][0]) + len(pairs[i][1]) for i in idx)
+                losses.append((got["loss"], norm))
+            with torch.no_grad():
+                nll, n = hand_nll(module, prompt_completion(tok, held_rows))
+                assert algo.evaluate(2)["eval/loss"] == pytest.approx((nll / n).item(), rel=1e-5)
+            end = {k: p.detach().clone() for k, p in module.named_parameters()}
+        results[micro] = (losses, start, end)
+    (one, w0, w1) = results[4]
+    moved = torch.cat([(w1[k] - w0[k]).flatten() for k in w1]).norm()
+    for micro in (2, 1):
+        losses, _, w = results[micro]
+        for (a, ga), (b, gb) in zip(one, losses):
+            assert a == pytest.approx(b, rel=1e-5) and ga == pytest.approx(gb, rel=1e-4)
+        assert torch.cat([(w[k] - w1[k]).flatten() for k in w1]).norm() <= 1e-3 * moved
+
+
+def test_sft_packing_gives_the_loss_of_the_examples_run_separately(tiny_model_dir, tmp_path):
+    """--packing: examples share rows of --max-length (two per row here), each with positions restarting at 0 and
+    attending only to itself, so a step over every packed row has exactly the token-mean completion NLL (and
+    gradient) of the examples each run alone."""
+    from stages.sft import SFT
+
+    rows = head("arithmetic/train.jsonl", 8)
+    data = write_rows(tmp_path / "train.jsonl", rows)
+    cfg = sft_config(tmp_path, "packed", data, model=tiny_model_dir, packing=True, max_length=128, batch_size=4,
+                     micro_batch_size=2)
+    with stage(SFT, cfg, "sft") as algo:
+        module = algo.policy.module
+        assert len(algo.examples) == 4 and all(len(r["input_ids"]) <= 128 for r in algo.examples)
+        for r in algo.examples:  # two examples per row, the second one's positions start again at 0
+            assert r["position_ids"][0] == 0 and r["position_ids"].count(0) == 2
+        nll, n = hand_nll(module, prompt_completion(algo.tok, rows))
+        grads, norm = hand_gradient(nll / n, module)
+        got = check_update(module, grads, norm, algo.policy, lambda: algo.step(0).reduce("cpu"))
+    assert got["loss"] == pytest.approx((nll / n).item(), rel=1e-5)
