@@ -3,5 +3,104 @@
 from benchmarks.mutants import Mutation
 
 M = Mutation
+F = "stages/dpo.py"
+T = "tests/test_dpo_wiring.py::"
+SIGMOID = T + "test_sigmoid_reference_is_the_frozen_start_and_the_steps_are_the_hand_loss"
+IPO = T + "test_ipo_mean_against_the_ref_model_uses_response_lengths"
+SIMPO = T + "test_simpo_takes_gamma_and_response_lengths_and_loads_no_reference"
+ORPO = T + "test_orpo_with_the_rpo_nll_term_carries_its_gradient"
+RPO = T + "test_rpo_nll_term_on_dpo_against_the_ref_model"
+KTO = T + "test_kto_reference_point_weights_and_held_out"
+ONLINE = T + "test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing"
+PICK = T + "test_run_picks_the_variant_from_the_options"
+
 MUTATIONS: list[Mutation] = [
+    # which model is the reference
+    M("dpo wiring: the reference is the policy itself", F,
+      "self.reference = run.reference(self.policy, load(ref_source))", "self.reference = self.policy", (SIGMOID,)),
+    M("dpo wiring: --ref-model ignored (the input model as reference)", F,
+      'ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source', "ref_source = source",
+      (IPO, RPO)),
+    M("dpo wiring: chosen and rejected reference log-probs swapped", F,
+      "rc, rr = (None, None) if ref is None else ref.to(pc.dtype)",
+      "rr, rc = (None, None) if ref is None else ref.to(pc.dtype)", (IPO,)),
+    M("dpo wiring: a micro-batch gets the first micro-batch's reference log-probs", F,
+      "None if ref is None else ref[:, sl])", "None if ref is None else ref[:, : len(sl)])", (IPO,)),
+    M("dpo wiring: --precompute-ref computes the policy's log-probs", F,
+      "self.ref_train = dict(zip(used, self.logps_of(self.reference, [self.examples[i] for i in used])))",
+      "self.ref_train = dict(zip(used, self.logps_of(self.policy.eng, [self.examples[i] for i in used])))",
+      (IPO + "[True]",)),
+    M("dpo wiring: --precompute-ref looked up by position in the batch, not by pair", F,
+      "self.train_on([self.examples[i] for i in idx], idx,",
+      "self.train_on([self.examples[i] for i in idx], list(range(len(idx))),", (IPO + "[True]",)),
+    M("dpo wiring: --precompute-ref held-out reference is the policy", F,
+      "self.ref_eval = self.logps_of(self.reference, self.eval_examples) if self.eval_examples else None",
+      "self.ref_eval = self.logps_of(self.policy.eng, self.eval_examples) if self.eval_examples else None",
+      (IPO + "[True]",)),
+    # which tokens count
+    M("dpo wiring: response lengths count the prompt's tokens too", F,
+      'lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)',
+      'lengths = (b["attention_mask"][:, 1:] != 0).sum(-1).view(2, -1)', (IPO, SIMPO, ORPO)),
+    M("dpo wiring: summed log-probs over prompt and padding too", F,
+      '"response_mask": batch["labels"][:, 1:] != IGNORE}',
+      '"response_mask": torch.ones_like(batch["labels"][:, 1:], dtype=torch.bool)}', (SIGMOID, KTO)),
+    M("dpo wiring: response mask off by one (last prompt token in, EOS out)", F,
+      '"response_mask": batch["labels"][:, 1:] != IGNORE}', '"response_mask": batch["labels"][:, :-1] != IGNORE}',
+      (SIGMOID, KTO)),
+    M("dpo wiring: held-out lengths count the prompt (reference-free)", F,
+      'n = torch.tensor([[len(e["chosen_ids"]), len(e["rejected_ids"])] for e in self.eval_examples])',
+      'n = torch.tensor([[len(e["prompt_ids"]) + len(e["chosen_ids"]), len(e["prompt_ids"]) + len(e["rejected_ids"])] '
+      "for e in self.eval_examples])", (SIMPO,)),
+    # the options reach the loss
+    M("dpo wiring: --beta ignored (0.1)", F, "return cfg.objective.fn(pairs, cfg.beta,",
+      "return cfg.objective.fn(pairs, 0.1,", (SIGMOID, IPO, SIMPO)),
+    M("dpo wiring: --label-smoothing ignored", F, "label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)",
+      "label_smoothing=0.0, gamma=cfg.simpo_gamma)", (SIGMOID,)),
+    M("dpo wiring: --simpo-gamma ignored (its default)", F,
+      "label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)", "label_smoothing=cfg.label_smoothing, gamma=0.5)",
+      (SIMPO,)),
+    # RPO's NLL term
+    M("dpo wiring: RPO NLL term detached", F, "nll = rpo_nll(pc, lengths[0], cfg.nll_coef)",
+      "nll = rpo_nll(pc.detach(), lengths[0], cfg.nll_coef)", (ORPO, RPO)),
+    M("dpo wiring: RPO NLL of the rejected answer", F, "nll = rpo_nll(pc, lengths[0], cfg.nll_coef)",
+      "nll = rpo_nll(pr, lengths[1], cfg.nll_coef)", (ORPO, RPO)),
+    # the gradient's normaliser and the weights
+    M("dpo wiring: loss normalised per micro-batch, not over the global batch", F,
+      "self.policy.backward((loss * w).sum() / max(n_pairs, 1.0))", "self.policy.backward((loss * w).mean())",
+      (SIGMOID, IPO, ONLINE)),
+    M("dpo wiring: online loss divided by the slots, not the pairs", F,
+      "n_pairs = runtime.all_reduce_sum(weights.sum().to(device)).item()", "n_pairs = float(len(weights))",
+      (ONLINE,)),
+    # online DPO's pairs
+    M("dpo wiring: online chosen = the worst sample, rejected = the best", F,
+      "best, worst = scores.argmax(1), scores.argmin(1)", "best, worst = scores.argmin(1), scores.argmax(1)",
+      (ONLINE,)),
+    M("dpo wiring: online ties keep a weight", F, "(scores[rows, best] > scores[rows, worst]).float()",
+      "(scores[rows, best] >= scores[rows, worst]).float()", (ONLINE,)),
+    M("dpo wiring: online samples drawn from the reference", F, "done = generate_on_rank(self.policy.eng,",
+      "done = generate_on_rank(self.reference,", (ONLINE,)),
+    M("dpo wiring: --online-every ignored (new samples every step)", F, "if step not in self.buffer:", "if True:",
+      (ONLINE,)),
+    # KTO
+    M("dpo wiring: KTO reference point from the matched rows", F,
+      '{"input_ids": b["input_ids"][n:], "labels": b["labels"][n:]}',
+      '{"input_ids": b["input_ids"][:n], "labels": b["labels"][:n]}', (KTO,)),
+    M("dpo wiring: KTO reference log-probs from the policy", F, "ref = row_logps(self.reference, matched)",
+      "ref = row_logps(self.policy, matched)", (KTO,)),
+    M("dpo wiring: KTO desirable and undesirable weights swapped", F,
+      "cfg.desirable_weight, cfg.undesirable_weight)", "cfg.undesirable_weight, cfg.desirable_weight)", (KTO,)),
+    M("dpo wiring: KTO loss averaged per micro-batch", F, "self.policy.backward(loss.sum() / cfg.batch_size)",
+      "self.policy.backward(loss.mean())", (KTO,)),
+    M("dpo wiring: KTO held-out accuracy on the wrong side of 0", F, '"eval/rewards/accuracies": ((r > 0) == label)',
+      '"eval/rewards/accuracies": ((r < 0) == label)', (KTO,)),
+    # held-out accuracy
+    M("dpo wiring: held-out reference is the policy", F,
+      "ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)",
+      "ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.policy.eng, self.eval_examples)",
+      (SIGMOID, IPO + "[False]")),
+    M("dpo wiring: --eval-pairs ignored", F, "self.eval_examples = self.eval_examples[: cfg.eval_pairs]", "pass",
+      (SIGMOID, KTO)),
+    # the variant
+    M("dpo wiring: --online trains plain DPO", F, "KTO if cfg.unpaired else OnlineDPO if cfg.online else DPO",
+      "KTO if cfg.unpaired else DPO", (PICK,)),
 ]
