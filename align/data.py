@@ -400,14 +400,14 @@ def unpaired_examples(tokenizer, rows: list[dict], max_length: int, source: str 
     return out
 
 
-def collate_kto(examples: list[dict], pad_id: int):
+def collate_kto(examples: list[dict], pad_id: int, mismatched_prompts: list[list[int]] | None = None):
     """One right-padded batch of 2B rows for KTO: the B (prompt_i, completion_i) rows, then B MISMATCHED rows
-    (prompt_{i+1 mod B}, completion_i) for the KL reference point; labels -100 on prompt and padding;
-    `desirable` [B] bool."""
+    (mismatched_prompts_i, completion_i) for the KL reference point — by default prompt_{i+1 mod B}; labels -100
+    on prompt and padding; `desirable` [B] bool."""
     import torch
 
     prompts = [e["prompt_ids"] for e in examples]
-    prompts = prompts + prompts[1:] + prompts[:1]
+    prompts = prompts + (prompts[1:] + prompts[:1] if mismatched_prompts is None else list(mismatched_prompts))
     comps = [e["completion_ids"] for e in examples] * 2
     seqs = [p + c for p, c in zip(prompts, comps)]
     labels = [[-100] * len(p) + c for p, c in zip(prompts, comps)]

@@ -320,11 +320,17 @@ class KTO(DPO):
         return examples
 
     def batches(self, step: int) -> list[tuple[dict, dict]]:
-        """(matched rows, mismatched rows) of each micro-batch of global batch `step`, on the device."""
+        """(matched rows, mismatched rows) of each micro-batch of global batch `step`, on the device. The row at
+        place k of the global batch of N is mismatched with the prompt at place k + 1 mod N: the reference point's
+        pairs are the global batch's, the same for any micro-batch size and number of processes."""
+        cfg = self.cfg
+        glob = step_indices(len(self.examples), cfg.batch_size, step, cfg.seed)  # this rank's share: runtime.shard
         out = []
-        for idx in chunks(self.run.indices(len(self.examples), self.cfg.batch_size, step), self.micro):
-            b = D.to_device(D.collate_kto([self.examples[i] for i in idx], self.tok.pad_token_id), self.run.dist.device)
-            n = len(idx)
+        for places in chunks(runtime.shard(list(range(len(glob))), self.run.dist), self.micro):
+            rows = [self.examples[glob[k]] for k in places]
+            others = [self.examples[glob[(k + 1) % len(glob)]]["prompt_ids"] for k in places]
+            b = D.to_device(D.collate_kto(rows, self.tok.pad_token_id, others), self.run.dist.device)
+            n = len(places)
             out.append(({"input_ids": b["input_ids"][:n], "labels": b["labels"][:n], "desirable": b["desirable"]},
                         {"input_ids": b["input_ids"][n:], "labels": b["labels"][n:]}))
         return out

@@ -331,18 +331,19 @@ def test_rpo_nll_term_on_dpo_against_the_ref_model(tmp_path, tiny_model_dir, oth
 
 
 def test_kto_reference_point_weights_and_held_out(tmp_path, tiny_model_dir, other_model_dir):
-    """--loss kto, β 0.5, λ_D 2, λ_U 0.5, --ref-model another model, 4 rows a step in micro-batches of 2. The
+    """--loss kto, β 0.5, λ_D 2, λ_U 0.5, --ref-model another model, 4 rows a step in micro-batches of 2 (--seed 1). The
     held-out accuracy at the start is the share of the first --eval-pairs 5 rows whose β(log π − log π_ref) sits
     on their label's side of 0. Step 0: z0 = max(0, the mean of log π − log π_ref over every MISMATCHED row of the
-    global batch — each micro-batch's completions under its next row's prompt), logged as `kl`; each row's loss
+    global batch — each row's completion under the prompt of the global batch's next row, across micro-batches),
+    logged as `kl`; each row's loss
     λ_D (1 − σ(β(r − z0))) if desirable, λ_U (1 − σ(β(z0 − r))) if not, with r = log π − log π_ref of its own
     prompt and completion; the logged loss and rewards per kind, and the gradient norm of the mean loss with z0
     and the reference held constant, are the hand values."""
     data = write_rows(tmp_path / "rows.jsonl", KTO_ROWS)
     beta, w_d, w_u = 0.5, 2.0, 0.5
-    cfg, run = stage(tmp_path, other_model_dir, data=data, eval_data=data, eval_pairs=5, beta=beta, loss="kto",
-                     desirable_weight=w_d, undesirable_weight=w_u, ref_model=str(tiny_model_dir))
-    init, ref = hf_model(other_model_dir), hf_model(tiny_model_dir)
+    cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data=data, eval_pairs=5, beta=beta, loss="kto",
+                     desirable_weight=w_d, undesirable_weight=w_u, ref_model=str(other_model_dir), seed=1)
+    init, ref = hf_model(tiny_model_dir), hf_model(other_model_dir)
 
     def logp(model, rows, prompts=None):
         return torch.stack([seq_logp(model, (p or e)["prompt_ids"], e["completion_ids"])
@@ -363,11 +364,8 @@ def test_kto_reference_point_weights_and_held_out(tmp_path, tiny_model_dir, othe
         idx = run.indices(len(ex), cfg.batch_size, 0)
         rows = [ex[i] for i in idx]
         with torch.no_grad():
-            kl = []
-            for mb in (rows[:2], rows[2:]):  # the micro-batches; mismatched: completion i under prompt i + 1
-                nxt = mb[1:] + mb[:1]
-                kl.append(logp(init, mb, nxt) - logp(ref, mb, nxt))
-            z0 = torch.cat(kl).mean().clamp(min=0)
+            nxt = rows[1:] + rows[:1]  # mismatched: completion k under the global batch's prompt k + 1
+            z0 = (logp(init, rows, nxt) - logp(ref, rows, nxt)).mean().clamp(min=0)
             ref_lp = logp(ref, rows)
         assert z0 > 0.1, z0  # the reference point is not floored away here
         r = logp(init, rows) - ref_lp
