@@ -1,0 +1,520 @@
+"""PPO's wiring pinned by values: the stage (stages/ppo.py) built in-process on the tiny models, its step, scores,
+advantages and update run on fixed rollouts, and every number compared with the same quantity written out by hand
+from fresh copies of the models (their own forwards): which model is the reference, which terms carry gradient
+(the gradients the update's backward passes give each parameter, read with tensor hooks), which signs, which
+tokens count, which options reach which term, and the data order. The formulas themselves (align/rl.py,
+align/objectives) are unit-tested in tests/test_ppo_rl.py; here: that the stage calls them with the right inputs.
+
+Every stage runs ZeRO-0 in fp32 (the weights are plain tensors: hooks and copies read them) and uncompiled."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from align.engine.run import StageRun
+from align.engine.stats import Stats
+from align.generation import Completion
+from align.rollout import Rollout
+from stages.ppo import PPO, PPOConfig
+
+BASE = dict(zero_stage=0, compile=False, eval_data="", ptx_coef=0.0, prompts_per_step=4, minibatch_size=4,
+            micro_batch_size=2, ppo_epochs=1, max_new_tokens=6, schedule="constant", warmup_steps=0, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def single_process_env(single_process):
+    """Every test here builds engines in this process (tests/conftest.py)."""
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_reward_model_dir, tiny_model_dir, shipped_tokenizer):
+    """The tiny policy and reward model (tests/conftest.py), another random policy (seed 1: a --ref-model that
+    differs from the policy before any update), another sequence classifier (seed 2, offset −0.3: a --value-model
+    that differs from the RM), prompts and two ptx texts."""
+    from align.models import load_causal_lm, resolve
+    from align.paths import DATA_DIR
+
+    from align.reward_model import OFFSET_KEY, load_sequence_classifier
+
+    d = tmp_path_factory.mktemp("ppo_wiring")
+    other, value = d / "other", d / "value"
+    load_causal_lm(resolve("tiny"), shipped_tokenizer, torch.float32, seed=1).save_pretrained(other)
+    shipped_tokenizer.save_pretrained(other)
+    v = load_sequence_classifier(resolve("tiny"), shipped_tokenizer, torch.float32, seed=2)
+    v.config.pad_token_id = shipped_tokenizer.pad_token_id
+    setattr(v.config, OFFSET_KEY, -0.3)
+    v.save_pretrained(value)
+    shipped_tokenizer.save_pretrained(value)
+    rows = [json.loads(line) for line in (DATA_DIR / "arithmetic/train.jsonl").read_text().splitlines()[:16]]
+    texts = [{"text": "Sam had 5 apples and ate 2."}, {"text": "Sorted, the numbers 3 1 2 become 1 2 3."}]
+    return {"policy": tiny_model_dir, "rm": tiny_reward_model_dir, "other": other, "value": value,
+            "prompts": write_jsonl(d / "prompts.jsonl", rows), "text": write_jsonl(d / "text.jsonl", texts)}
+
+
+@contextlib.contextmanager
+def stage(files, tmp_path, name: str = "ppo", **kw):
+    """The PPO stage on the tiny policy and RM, BASE's settings overridden by `kw`."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    cfg = PPOConfig(model=str(files["policy"]), reward_model=str(files["rm"]), data=str(files["prompts"]),
+                    ptx_data=str(files["text"]), out=str(tmp_path / name), **{**BASE, **kw})
+    cfg.validate()
+    try:
+        with StageRun(cfg, "ppo") as run:
+            yield PPO(cfg, run)
+    finally:
+        unset_hf_deepspeed_config()
+
+
+# ---- fixed rollouts and the hand-written quantities
+
+RESPONSES = [([40, 41, 42], True), ([43, 44, 45, 46, 47, 48], False), ([49, 50], True), ([51, 52, 53, 54], False),
+             ([55, 56, 57, 58, 59], True), ([60, 61, 62, 63, 64, 65], False), ([66], True), ([67, 68, 69], False)]
+
+
+def rollout(algo, n: int = 4) -> Rollout:
+    """n episodes of the first n prompts: responses of different lengths, with (finished) and without EOS."""
+    eos = algo.tok.eos_token_id
+    comps = [Completion(algo.prompt_ids[i], ids + [eos] * done, "", done) for i, (ids, done) in enumerate(RESPONSES[:n])]
+    return Rollout(algo.rows[:n], comps, 1)
+
+
+def causal_lm(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def classifier(path):
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+def hand_logp(model, batch, temperature: float = 1.0):
+    """(log π(x_{t+1} | x_≤t), entropy of π(· | x_≤t)) at logits / T, on the response tokens only (0 elsewhere)."""
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float() / temperature
+    lp = logits.log_softmax(-1)
+    m = batch["response_mask"]
+    return lp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0] * m, -(lp.exp() * lp).sum(-1) * m
+
+
+def hand_values(rm, batch):
+    """The value head at every position (in the RM's normalised units: (raw − offset) / scale), [N, L−1]."""
+    from align.reward_model import normalized_reward
+
+    h = getattr(rm, rm.base_model_prefix)(input_ids=batch["input_ids"]).last_hidden_state
+    return normalized_reward(rm.score(h)[..., 0][:, :-1].float(), rm.config)
+
+
+def hand_rm_scores(rm, r: Rollout) -> torch.Tensor:
+    """The RM's normalised score of each prompt + response (EOS included), one sequence at a time."""
+    from align.reward_model import normalized_reward
+
+    with torch.no_grad():
+        raw = torch.stack([rm(input_ids=torch.tensor([c.prompt_ids + c.ids])).logits[0, 0].float() for c in r.completions])
+    return normalized_reward(raw, rm.config)
+
+
+def last_positions(mask):
+    return [int(row.nonzero().max()) for row in mask]
+
+
+def hand_token_rewards(s, kl, mask, beta):
+    """r_t = −β·KL_t on the response tokens, + s on each row's last response token."""
+    r = -beta * kl * mask
+    for i, t in enumerate(last_positions(mask)):
+        r[i, t] += s[i]
+    return r
+
+
+def hand_gae(rewards, values, mask, gamma, lam):
+    """GAE over each row's response positions (V after the last one is 0); returns = A + V."""
+    adv = torch.zeros_like(rewards, dtype=torch.float64)
+    for i in range(rewards.shape[0]):
+        pos = mask[i].nonzero().flatten().tolist()
+        a = 0.0
+        for j in reversed(range(len(pos))):
+            t = pos[j]
+            v_next = float(values[i, pos[j + 1]]) if j + 1 < len(pos) else 0.0
+            a = float(rewards[i, t]) + gamma * v_next - float(values[i, t]) + gamma * lam * a
+            adv[i, t] = a
+    return adv, (adv + values.double()) * mask
+
+
+def hand_whiten(x, mask):
+    sel = x[mask.bool()].double()
+    return (x.double() - sel.mean()) / torch.sqrt(sel.var() + 1e-8) * mask
+
+
+def rewards_from_returns(returns, mask):
+    """With γ = λ = 1 the returns are the reward-to-go R_t = Σ_{t' ≥ t} r_t', so r_t = R_t − R_{t+1}."""
+    nxt = torch.cat([returns[:, 1:], torch.zeros_like(returns[:, :1])], 1)
+    return (returns - nxt) * mask
+
+
+def close(got, want, tol=2e-5):
+    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+
+
+@contextlib.contextmanager
+def grads_of(module):
+    """{name: the sum of the gradients every backward pass gives this parameter} while the block runs."""
+    got, handles = {}, []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            def hook(g, name=name):
+                got[name] = got.get(name, 0) + g.detach().clone()
+            handles.append(p.register_hook(hook))
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def assert_same_grads(got: dict, model, loss, what: str):
+    """The stage's gradients equal d loss / d θ of the hand-written loss on `model` (a fresh copy)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    want = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+    flat_w = torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, (_, p) in zip(want, named)])
+    flat_g = torch.cat([(got[n] if n in got else torch.zeros_like(p)).flatten() for n, p in named])
+    assert flat_w.norm() > 0, what
+    err = ((flat_g - flat_w).norm() / flat_w.norm()).item()
+    assert err < 1e-4, f"{what}: the update's gradient is off the hand-written loss's by {err:.3g} (relative)"
+
+
+def params(module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+
+
+# ---- the tests
+
+
+def test_the_reference_is_the_frozen_start_and_the_kl_penalty_scales_with_beta(files, tmp_path):
+    """After a PPO step has moved the policy, the stage's reference log-probs (on a fixed rollout) are still the
+    initial model's, its π_old the updated policy's (they differ), the per-token KL k1 = log π_old − log π_ref, and
+    the per-token rewards read back from the returns (γ = λ = 1: reward-to-go) are −β·KL on every response token
+    + the score on the last one, for β = 0.3 and β = 0 alike; the next step's sampled batch has a KL ≠ 0."""
+    with stage(files, tmp_path, lr=1e-2, gamma=1.0, lam=1.0, init_kl_coef=0.3, fixed_kl=True) as algo:
+        first = algo.step(0).reduce("cpu")
+        assert first["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # the first rollout: π_old = π_ref
+        batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+        m = batch["response_mask"]
+        s = torch.tensor([0.7, -1.2, 0.4, 2.0])
+        ro = algo.advantages(batch, s, 0.3)
+        ro0 = algo.advantages(batch, s, 0.0)
+        with torch.no_grad():
+            ref, _ = hand_logp(causal_lm(files["policy"]), batch)
+            now, _ = hand_logp(algo.policy.module, batch)
+        close(ro["ref_logp"] * m, ref)
+        close(ro["old_logp"] * m, now)
+        assert ((now - ref).abs().sum() / m.sum()).item() > 1e-2  # the policy moved, the reference did not
+        close(ro["kl"], (now - ref) * m)
+        for beta, out in ((0.3, ro), (0.0, ro0)):
+            close(rewards_from_returns(out["returns"], m), hand_token_rewards(s, (now - ref) * m, m, beta), 1e-4)
+        second = algo.step(1).reduce("cpu")
+    # k1 on the next sampled batch: not 0 (a reference that is the policy gives exactly 0); its sign is noise
+    assert abs(second["objective/kl"]) > 1e-3 and second["kl"] != 0 and second["kl_coef"] == 0.3
+
+
+def test_advantages_are_whitened_gae_of_the_token_rewards_with_the_chosen_kl_estimator(files, tmp_path):
+    """--kl-estimator k3, --ref-model (another random model), --value-model (another classifier), --gamma 0.9,
+    --lam 0.8, --temperature 0.7: on a fixed rollout of uneven responses the stage's π_old and π_ref are the models'
+    log-probs at logits / T, V_old the --value-model's head at each response position (normalised by its offset), KL_t = k3 = e^r − r − 1 (r = log π_ref − log π_old), the
+    advantages GAE(γ, λ) of r_t = −β·KL_t (+ s on the last response token) whitened over the response tokens only,
+    the returns GAE + V_old; all 0 on the prompt and the padding."""
+    beta, gamma, lam, temp = 0.25, 0.9, 0.8, 0.7
+    with stage(files, tmp_path, ref_model=str(files["other"]), value_model=str(files["value"]), kl_estimator="k3",
+               gamma=gamma, lam=lam, temperature=temp) as algo:
+        batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+        m = batch["response_mask"]
+        s = torch.tensor([1.5, -0.5, 0.25, -2.0])
+        ro = algo.advantages(batch, s, beta)
+    with torch.no_grad():
+        old, _ = hand_logp(causal_lm(files["policy"]), batch, temp)
+        ref, _ = hand_logp(causal_lm(files["other"]), batch, temp)
+        values = hand_values(classifier(files["value"]), batch) * m
+    r = (ref - old) * m
+    kl = (torch.exp(r) - r - 1) * m
+    assert (kl > 0.01).sum() > m.sum() / 2  # the two models differ: the KL term is not a zero
+    close(ro["old_logp"] * m, old)
+    close(ro["ref_logp"] * m, ref)
+    close(ro["old_values"], values)
+    close(ro["kl"], kl)
+    adv, returns = hand_gae(hand_token_rewards(s, kl, m, beta), values, m, gamma, lam)
+    close(ro["returns"], returns, 1e-4)
+    close(ro["adv"], hand_whiten(adv, m), 1e-4)
+
+
+def test_the_update_takes_the_gradients_of_the_clipped_policy_and_value_losses(files, tmp_path):
+    """One minibatch, one optimiser step of each network (micro-batches of 2), π_old and V_old shifted so that
+    every clip is active somewhere, sampler log-probs beside π_old (--tis-cap 1.2): the gradients the update gives
+    the policy are those of the token mean of −min(ρA, clip(ρ, 1 ± ε)A)·min(π_old/π_sampler, 1.2), ρ = π_θ/π_old
+    at logits / T, written out on a fresh copy of the policy (none from the value loss, none through π_old or A);
+    the value network's are those of c_vf · token mean of ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)
+    (none from the policy loss); the logged losses, clip fractions (low, high, value), entropy and approx-KL are
+    the hand-written ones; each network's first AdamW step is its own --lr / --vf-lr; V moves toward R."""
+    temp, eps, eps_v, c_vf, cap, lr, vf_lr = 0.7, 0.2, 0.05, 0.5, 1.2, 1e-4, 1e-5
+    with stage(files, tmp_path, temperature=temp, cliprange=eps, cliprange_value=eps_v, vf_coef=c_vf, tis_cap=cap,
+               lr=lr, vf_lr=vf_lr) as algo:
+        batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+        m = batch["response_mask"]
+        ro = algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)
+        g = torch.Generator().manual_seed(0)
+        shift = (torch.randint(0, 2, m.shape, generator=g) * 2 - 1) * m
+        full = {**batch, **ro, "old_logp": ro["old_logp"] + 0.45 * shift,
+                "old_values": ro["old_values"] + 0.2 * shift.roll(1, 1)}
+        full["sampler_logp"] = full["old_logp"] - 0.3 * shift.roll(2, 1)
+        stats = Stats()
+        w_pol, w_val = params(algo.policy.module), params(algo.value.module)
+        with grads_of(algo.policy.module) as pol_g, grads_of(algo.value.module) as val_g:
+            algo.update(0, full, stats)
+        step_pol = (params(algo.policy.module) - w_pol).abs().max().item()
+        step_val = (params(algo.value.module) - w_val).abs().max().item()
+        got = stats.reduce("cpu")
+        with torch.no_grad():
+            v_after = hand_values(algo.value.module, batch)
+    pol, val = causal_lm(files["policy"]), classifier(files["rm"])
+    logp, ent = hand_logp(pol, batch, temp)
+    adv, old = full["adv"], full["old_logp"]
+    ratio = torch.exp(logp - old)
+    tis = torch.exp(old - full["sampler_logp"]).clamp(max=cap)
+    assert ((tis == cap) & m.bool()).any() and ((tis < 1) & m.bool()).any()
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv) * m
+    low, high = ((ratio < 1 - eps) & (adv < 0) & m.bool()), ((ratio > 1 + eps) & (adv > 0) & m.bool())
+    assert low.any() and high.any() and (m.bool() & ~low & ~high).any()
+    n = m.sum()
+    assert_same_grads(pol_g, pol, (pg * tis).sum() / n, "policy")
+    values = hand_values(val, batch)
+    v_old, ret = full["old_values"], full["returns"]
+    clipped_v = v_old + (values - v_old).clamp(-eps_v, eps_v)
+    vf = 0.5 * torch.maximum((values - ret) ** 2, (clipped_v - ret) ** 2) * m
+    vclip = ((clipped_v - ret) ** 2 > (values - ret) ** 2) & m.bool()
+    assert vclip.any() and (m.bool() & ~vclip).any()
+    assert_same_grads(val_g, val, c_vf * vf.sum() / n, "value")
+    lr_ = logp.detach() - old
+    want = {"loss/policy": (pg * tis).sum() / n, "loss/value": vf.sum() / n, "clip_ratio/low": low.sum() / n,
+            "clip_ratio/high": high.sum() / n, "clip_ratio": (low | high).sum() / n, "val/clipfrac": vclip.sum() / n,
+            "entropy": ent.sum() / n, "policy/approxkl": ((torch.exp(lr_) - lr_ - 1) * m).sum() / n}
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v.item(), rel=1e-4, abs=1e-6), k
+    assert step_pol == pytest.approx(lr, rel=0.05) and step_val == pytest.approx(vf_lr, rel=0.05)
+    before = (((values.detach() - ret) ** 2) * m).sum()
+    assert (((v_after - ret) ** 2) * m).sum() < before  # the value network moved toward the returns
+
+
+def test_the_entropy_bonus_raises_the_policy_entropy_and_is_off_at_zero(files, tmp_path):
+    """With every advantage 0 the clipped surrogate gives no gradient: --ent-coef 0.05 alone moves the policy,
+    along −0.05·∇(token mean of the entropy at logits / T) (hand-written on a fresh copy), and the entropy on those
+    tokens rises after the step; --ent-coef 0 leaves the policy's weights and entropy as they were."""
+    temp, c_ent = 0.7, 0.05
+    entropies = {}
+    for coef in (c_ent, 0.0):
+        with stage(files, tmp_path, f"ent{coef}", temperature=temp, ent_coef=coef, lr=1e-4) as algo:
+            batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+            m = batch["response_mask"]
+            ro = algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)
+            full = {**batch, **ro, "adv": torch.zeros_like(ro["adv"])}
+            w0 = params(algo.policy.module)
+            stats = Stats()
+            with grads_of(algo.policy.module) as pol_g:
+                algo.update(0, full, stats)
+            with torch.no_grad():
+                _, ent = hand_logp(algo.policy.module, batch, temp)
+            entropies[coef] = (ent.sum() / m.sum()).item()
+            moved = (params(algo.policy.module) - w0).abs().max().item()
+        pol = causal_lm(files["policy"])
+        _, ent0 = hand_logp(pol, batch, temp)
+        if coef:
+            assert_same_grads(pol_g, pol, -coef * ent0.sum() / m.sum(), "entropy bonus")
+            assert moved > 1e-5
+        else:
+            assert moved == 0.0 and all((g == 0).all() for g in pol_g.values())
+        start = (ent0.sum() / m.sum()).item()
+        assert stats.reduce("cpu")["entropy"] == pytest.approx(start, rel=1e-5)
+    assert entropies[c_ent] > start + 1e-4, (entropies, start)
+    assert entropies[0.0] == pytest.approx(start, rel=1e-6)
+
+
+def test_the_ptx_term_is_the_lm_loss_of_the_ptx_batch_times_its_coefficient(files, tmp_path):
+    """--ptx-coef 0.5 with the two ptx texts as the ptx batch and every advantage 0: the policy's gradient is
+    0.5·∇(Σ NLL / tokens) of BOS + text + EOS on a fresh copy of the policy, loss/ptx the mean NLL, and the ptx
+    micro-batch belongs to the minibatch's optimiser step (the policy moves by --lr)."""
+    coef = 0.5
+    with stage(files, tmp_path, ptx_coef=coef, ptx_batch_size=2) as algo:
+        batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+        ro = algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)
+        stats = Stats()
+        w0 = params(algo.policy.module)
+        with grads_of(algo.policy.module) as pol_g:
+            algo.update(0, {**batch, **ro, "adv": torch.zeros_like(ro["adv"])}, stats)
+        assert (params(algo.policy.module) - w0).abs().max().item() == pytest.approx(algo.cfg.lr, rel=0.05)
+        tok = algo.tok
+    texts = [json.loads(x)["text"] for x in files["text"].read_text().splitlines()]
+    seqs = [[tok.bos_token_id, *tok(t, add_special_tokens=False)["input_ids"], tok.eos_token_id] for t in texts]
+    pol = causal_lm(files["policy"])
+    nll, count = 0.0, 0
+    for s in seqs:  # one text at a time: no padding
+        lp = pol(input_ids=torch.tensor([s])).logits[0, :-1].float().log_softmax(-1)
+        nll = nll - lp.gather(-1, torch.tensor(s[1:])[:, None]).sum()
+        count += len(s) - 1
+    assert_same_grads(pol_g, pol, coef * nll / count, "ptx")
+    assert stats.reduce("cpu")["loss/ptx"] == pytest.approx((nll / count).item(), rel=1e-5)
+
+
+def test_the_score_is_the_rm_score_less_the_missing_eos_penalty_clipped_on_both_sides(files, tmp_path):
+    """PPO.scores on 8 fixed episodes (4 with EOS), the RM's offset set to the median penalised score (so that the
+    scores straddle 0): the proxy is the RM's normalised score of prompt + response; --missing-eos-penalty 0.7
+    takes 0.7 from the episodes without EOS only; --reward-clip c (half the smaller extreme: some scores pass c,
+    some −c) clips the penalised score to [−c, c]."""
+    from align.reward_model import OFFSET_KEY
+
+    p = 0.7
+    finished = torch.tensor([float(done) for _, done in RESPONSES])
+    rm = classifier(files["rm"])
+    with stage(files, tmp_path, "probe", prompts_per_step=8, minibatch_size=8) as algo:
+        r = rollout(algo, 8)
+        tok = algo.tok
+    setattr(rm.config, OFFSET_KEY, 0.0)
+    raw = hand_rm_scores(rm, r)
+    setattr(rm.config, OFFSET_KEY, (raw - p * (1 - finished)).median().item())
+    rm.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    files = {**files, "rm": tmp_path / "rm"}
+    want = hand_rm_scores(rm, r)
+    pen = want - p * (1 - finished)
+    assert pen.max() > 0 > pen.min(), pen
+    c = 0.5 * min(pen.max().item(), -pen.min().item())
+    assert (pen > c).any() and (pen < -c).any() and (pen.abs() < c).any()
+    for name, kw, s_want in (("pen", {}, pen), ("clip", {"reward_clip": c}, pen.clamp(-c, c))):
+        with stage(files, tmp_path, name, missing_eos_penalty=p, prompts_per_step=8, minibatch_size=8, **kw) as algo:
+            proxy, s, _ = algo.scores(rollout(algo, 8))
+        close(proxy, want, 1e-5)
+        close(s, s_want, 1e-5)
+
+
+def test_max_approx_kl_stops_the_epoch_loop(files, tmp_path):
+    """--ppo-epochs 3 over two minibatches: --max-approx-kl 1e-9 (passed once the first minibatch has moved the
+    policy) ends the loop after one epoch (ppo/epochs 1); a bound never reached, or 0 (off), runs all three."""
+    epochs = {}
+    for bound in (1e-9, 1e3, 0.0):
+        with stage(files, tmp_path, f"kl{bound}", ppo_epochs=3, minibatch_size=2, lr=1e-2, max_approx_kl=bound) as algo:
+            out = algo.step(0).reduce("cpu")
+        epochs[bound] = out["ppo/epochs"]
+        assert out["policy/approxkl"] > 1e-9
+    assert epochs == {1e-9: 1.0, 1e3: 3.0, 0.0: 3.0}
+
+
+def test_minibatches_are_a_new_order_each_epoch_and_step_drawn_from_the_seed(files, tmp_path):
+    """8 episodes in minibatches of 2 (one forward each), 2 epochs: the episodes each policy forward of the update
+    sees make, per epoch, 4 minibatches holding every episode once, each with one episode of each run of 4
+    consecutive episodes; their order differs between the epochs of a step and between steps 0 and 1, is the same
+    when step 0's update runs again, and differs under another --seed."""
+    def orders(algo, step, full):
+        seen = []
+
+        def pre(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if torch.is_grad_enabled():  # the update's forwards (π_old, V_old and the RM run without gradients)
+                seen.append(frozenset(int(i) for i in (ids[:, None] == full["input_ids"][None]).all(-1).nonzero()[:, 1]))
+        h = algo.policy.module.register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            algo.update(step, full, Stats())
+        finally:
+            h.remove()
+        assert len(seen) == 8 and all(len(x) == 2 for x in seen)  # 2 epochs × 4 minibatches
+        return [seen[e * 4:(e + 1) * 4] for e in range(2)]
+
+    got = {}
+    for seed in (0, 1):
+        with stage(files, tmp_path, f"seed{seed}", seed=seed, prompts_per_step=8, minibatch_size=2, ppo_epochs=2) as algo:
+            batch = rollout(algo, 8).batch(algo.tok.pad_token_id, "cpu")
+            ro = algo.advantages(batch, torch.linspace(-1, 1, 8), 0.1)
+            full = {**batch, **ro}
+            got[seed] = [orders(algo, 0, full)] + ([orders(algo, 1, full), orders(algo, 0, full)] if seed == 0 else [])
+    for steps in got.values():
+        for epochs in steps:
+            for mbs in epochs:
+                assert sorted(i for mb in mbs for i in mb) == list(range(8))  # each episode once per epoch
+                assert all(sorted(i // 4 for i in mb) == [0, 1] for mb in mbs)  # one of each run of 4
+            assert epochs[0] != epochs[1]  # a new order each epoch
+    assert got[0][0] != got[0][1] and got[0][0] == got[0][2]  # a new order each step, the same for the same step
+    assert got[0][0] != got[1][0]  # another seed, another order
+
+
+def test_the_step_wires_beta_the_score_and_the_reference_into_the_rewards(files, tmp_path):
+    """Steps with --ref-model (KL > 0 from the start) at --temperature 0.7. --fixed-kl keeps β = 0.2. The adaptive
+    controller with the target set 10% under the first step's KL (known from the fixed run: the same rollout)
+    gives β₁ = 0.2·(1 + 0.1·4/10) (n = 4 episodes, horizon 10); in step 1 the per-token rewards the update gets
+    (read back from its returns, γ = λ = 1) are −β₁·(log π_old − log π_ref) + s on the last token, with π_old the
+    policy entering step 1 and π_ref the --ref-model (both at logits / T), s the RM's score of the sampled
+    response less --missing-eos-penalty where it has no EOS; the step's metrics are those of that batch (KL per
+    episode and per token, scores, RLHF reward s − β·KL, explained variance of V_old); the sampler drew at the
+    trainer's temperature; β is the checkpointed state and a restored β is the next step's."""
+    from align.reward_model import normalized_reward
+
+    temp, p = 0.7, 0.25
+    common = dict(ref_model=str(files["other"]), init_kl_coef=0.2, kl_horizon=10.0, gamma=1.0, lam=1.0, lr=1e-2,
+                  missing_eos_penalty=p, temperature=temp)
+    with stage(files, tmp_path, "fixed", fixed_kl=True, **common) as algo:
+        f0, f1 = algo.step(0).reduce("cpu"), algo.step(1).reduce("cpu")
+        assert algo.state_dict() == {"kl_coef": 0.2}
+    assert f0["kl_coef"] == f1["kl_coef"] == 0.2 and f0["objective/kl"] > 0.1
+    kl0 = f0["objective/kl"]
+    target = kl0 / 1.1
+    rm, ref_model = classifier(files["rm"]), causal_lm(files["other"])
+    seen = {}
+    with stage(files, tmp_path, "adaptive", target_kl=target, **common) as algo:
+        update = algo.update
+
+        def spy(step, batch, stats):
+            with torch.no_grad():
+                seen[step] = {"batch": {k: v.clone() for k, v in batch.items()},
+                              "old": hand_logp(algo.policy.module, batch, temp)[0],
+                              "ref": hand_logp(ref_model, batch, temp)[0],
+                              "values": hand_values(algo.value.module, batch) * batch["response_mask"]}
+            return update(step, batch, stats)
+        algo.update = spy
+        a0, a1 = algo.step(0).reduce("cpu"), algo.step(1).reduce("cpu")
+        state = algo.state_dict()
+        algo.load_state_dict({"kl_coef": 0.05})
+        a2 = algo.step(2).reduce("cpu")
+        eos = algo.tok.eos_token_id
+    assert a0["objective/kl"] == pytest.approx(kl0, rel=1e-6)
+    beta1 = 0.2 * (1 + 0.1 * 4 / 10)
+    assert a0["kl_coef"] == 0.2 and a1["kl_coef"] == pytest.approx(beta1, rel=1e-6)
+    e1 = min(max(a1["objective/kl"] / target - 1, -0.2), 0.2)
+    assert state == {"kl_coef": pytest.approx(beta1 * (1 + e1 * 4 / 10), rel=1e-6)} and a2["kl_coef"] == 0.05
+    for row in (a0, a1):
+        assert row["rollout/logp_abs_diff"] < 1e-4  # the decoder sampled at T: its log-probs are the trainer's
+    b = seen[1]["batch"]
+    m = b["response_mask"]
+    kl = (seen[1]["old"] - seen[1]["ref"]) * m
+    ids = b["input_ids"]
+    proxy, finished = [], []
+    for i, t in enumerate(last_positions(m)):
+        seq = ids[i, : t + 2]  # prompt + response, up to the last response token
+        with torch.no_grad():
+            proxy.append(normalized_reward(rm(input_ids=seq[None]).logits[0, 0].float(), rm.config))
+        finished.append(float(seq[-1] == eos))
+    proxy, finished = torch.stack(proxy), torch.tensor(finished)
+    s = proxy - p * (1 - finished)
+    returns = b["returns"]
+    close(rewards_from_returns(returns, m), hand_token_rewards(s, kl, m, beta1), 1e-4)
+    n = len(s)
+    want = {"objective/kl": kl.sum() / n, "kl": kl.sum() / m.sum(), "reward": proxy.mean(), "objective/scores": s.mean(),
+            "objective/rlhf_reward": s.mean() - beta1 * kl.sum() / n}
+    sel = m.bool()
+    want["val/explained_variance"] = 1 - (returns - seen[1]["values"])[sel].double().var() / returns[sel].double().var()
+    for k, v in want.items():
+        assert a1[k] == pytest.approx(v.item(), rel=1e-4, abs=1e-6), k
