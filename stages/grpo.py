@@ -329,13 +329,14 @@ class GRPO:
                 loss = rl.aggregate_loss(per_tok, mask, cfg.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs,
                                          max_len=cfg.max_new_tokens)
                 self.policy.backward(loss)
+                # clipping over every pass (the first is at ratio 1 unless the rollout is stale); the rest of the pass 0
+                for name, x in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),
+                                ("kl", kl if it == 0 else None)):
+                    if x is not None:
+                        stats.mean(name, (x.detach().float() * mb["loss_mask"]).sum(), mb["loss_mask"].sum())
                 if it == 0:
                     stats.sum("loss", loss)
                     record_mismatch(stats, mb, old, "rollout/stale_" if self.stale else "rollout/")
-                    for name, x in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),
-                                    ("kl", kl)):
-                        if x is not None:
-                            stats.mean(name, (x.detach().float() * mb["loss_mask"]).sum(), mb["loss_mask"].sum())
                     if distill is not None:
                         stats.mean("distill/reverse_kl", (distill * mask).sum(), mask.sum())
                     # over every sampled token, the dropped groups' too: measured even when no group has signal

@@ -241,7 +241,7 @@ def test_old_logprobs_are_the_pre_update_policy_and_the_ratio_is_clipped_on_both
     (--epsilon, --epsilon-high): its loss and gradient are the clipped surrogate computed by hand from θ0 and θ1
     (the weights the update pass saw), where tokens — or, with --ratio sequence (GSPO), whole sequences — are
     clipped below and above; the first pass is at ratio 1. Two micro-batches per pass: the optimiser steps once
-    per pass."""
+    per pass. clip_ratio, clip_ratio/low and /high are the fractions of both passes' tokens clipped."""
     T, agg = 0.9, variant.get("loss_agg", "token-mean")
     sequence = variant.get("ratio") == "sequence"
     eps, eps_high = (0.1, 0.15) if sequence else (0.1, 0.25)
@@ -282,6 +282,14 @@ def test_old_logprobs_are_the_pre_update_policy_and_the_ratio_is_clipped_on_both
         assert loss1 == pytest.approx(want.item(), rel=1e-5)
         assert got["grad_norm"] == pytest.approx(grad_norm(want, model), rel=1e-4)
         assert "kl" not in got  # β = 0: no reference, no KL term
+        # the clip fractions over both passes' tokens (the first pass, at ratio 1, clips nothing)
+        ratio = (torch.exp(((lp - old) * resp).sum(1, keepdim=True) / resp.sum(1, keepdim=True)).expand_as(lp)
+                 if sequence else torch.exp(lp - old))
+        a = adv.expand_as(lp)
+        low, high = (ratio < 1 - eps) & (a < 0), (ratio > 1 + eps_high) & (a > 0)
+        for name, flags in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high)):
+            assert got[name] == pytest.approx(((flags.float() * resp).sum() / (2 * resp.sum())).item(), abs=1e-6), name
+        assert got["clip_ratio/low"] > 0 and got["clip_ratio/high"] > 0
 
 
 def test_gspo_clips_the_sequence_ratio_below_and_above():

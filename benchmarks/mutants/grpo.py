@@ -26,6 +26,10 @@ SEQ_SUM = LENGTHS + "[seq-sum-False-False]"
 
 G, ROLLOUT, QUEUE_PY = "stages/grpo.py", "align/rollout.py", "align/async_rl.py"
 MUTATIONS: list[Mutation] = [
+    M("grpo wiring: clip fractions from the first pass only (0 whenever π_old is the sampling policy)", "stages/grpo.py",
+      '("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),',
+      '("clip_ratio/low", low if it == 0 else None), ("clip_ratio/high", high if it == 0 else None), '
+      '("clip_ratio", (low | high) if it == 0 else None),', (CLIP_TOKEN, CLIP_GSPO)),
     # ---- the reference and the KL term
     M("grpo wiring: KL term detached", G, "per_tok = per_tok + self.beta * kl",
       "per_tok = per_tok + self.beta * kl.detach()", (KL_GRAD,)),
