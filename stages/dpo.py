@@ -279,14 +279,16 @@ class DPO:
         return metrics
 
     def held_out(self) -> dict:
-        """Implicit-reward accuracy and margin on the held-out pairs."""
+        """Implicit-reward accuracy and margin on the held-out pairs: the loss's own rewards, as in training
+        (β(log π − log π_ref) for DPO; per-token means for ipo-mean; β · the per-token mean log-prob for simpo and
+        orpo)."""
         cfg, pol = self.cfg, self.logps_of(self.policy.eng, self.eval_examples)
-        if cfg.reference_free:  # the loss's own reward (simpo, orpo: β · per-token mean log-prob)
-            n = torch.tensor([[len(e["chosen_ids"]), len(e["rejected_ids"])] for e in self.eval_examples])
-            _, rc, rr = self.objective(Pairs(pol[:, 0], pol[:, 1], None, None, n[:, 0], n[:, 1]))
-        else:
+        n = torch.tensor([[len(e["chosen_ids"]), len(e["rejected_ids"])] for e in self.eval_examples])
+        ref = None
+        if not cfg.reference_free:
             ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)
-            rc, rr = cfg.beta * (pol[:, 0] - ref[:, 0]), cfg.beta * (pol[:, 1] - ref[:, 1])
+        _, rc, rr = self.objective(Pairs(pol[:, 0], pol[:, 1], None if ref is None else ref[:, 0],
+                                         None if ref is None else ref[:, 1], n[:, 0], n[:, 1]))
         return {"eval/rewards/accuracies": (rc > rr).float().mean().item(), "eval/rewards/margins": (rc - rr).mean().item(),
                 "eval/logps/chosen": pol[:, 0].mean().item()}
 

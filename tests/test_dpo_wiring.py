@@ -207,8 +207,8 @@ def test_ipo_mean_against_the_ref_model_uses_response_lengths(tmp_path, tiny_mod
     """--loss ipo-mean, β 0.3, --ref-model another model (live, or --precompute-ref: the same numbers): at step 0 the
     loss (Δ̄ − 1/(2β))² with Δ̄ of per-token means (ℓ − ℓ_ref)(y) = (log π − log π_ref)(y) / |y|, |y| the response's
     tokens with EOS, its rewards, log-probs and gradient norm are the hand values from the input model and the
-    --ref-model; step 1's, with the policy after the update and the same --ref-model; the held-out accuracy uses
-    β(log π − log π_ref) of summed log-probs."""
+    --ref-model; step 1's, with the policy after the update and the same --ref-model; the held-out accuracy and
+    margin use the same per-token-mean rewards."""
     data = write_rows(tmp_path / "pairs.jsonl", PAIRS)
     beta = 0.3
     cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data=data, beta=beta, loss="ipo-mean",
@@ -241,7 +241,7 @@ def test_ipo_mean_against_the_ref_model_uses_response_lengths(tmp_path, tiny_mod
         with torch.no_grad():
             pol_c, pol_r = pair_logps(algo.policy.module, ex)
         held = algo.held_out()
-    rc, rr = beta * (pol_c - ref_c), beta * (pol_r - ref_r)
+    _, rc, rr = ipo_mean(pol_c, pol_r, ref_c, ref_r, n_c, n_r)  # the loss's own rewards, as in training
     assert held["eval/rewards/accuracies"] == pytest.approx((rc > rr).float().mean().item(), abs=1e-6)
     close(held["eval/rewards/margins"], (rc - rr).mean())
 

@@ -47,10 +47,14 @@ MUTATIONS: list[Mutation] = [
     M("dpo wiring: response mask off by one (last prompt token in, EOS out)", F,
       '"response_mask": batch["labels"][:, 1:] != IGNORE}', '"response_mask": batch["labels"][:, :-1] != IGNORE}',
       (SIGMOID, KTO)),
-    M("dpo wiring: held-out lengths count the prompt (reference-free)", F,
+    M("dpo wiring: held-out lengths count the prompt", F,
       'n = torch.tensor([[len(e["chosen_ids"]), len(e["rejected_ids"])] for e in self.eval_examples])',
       'n = torch.tensor([[len(e["prompt_ids"]) + len(e["chosen_ids"]), len(e["prompt_ids"]) + len(e["rejected_ids"])] '
-      "for e in self.eval_examples])", (SIMPO,)),
+      "for e in self.eval_examples])", (SIMPO, IPO + "[False]")),
+    M("dpo wiring: held-out rewards of summed log-probs, not the loss's own (ipo-mean, simpo)", F,
+      "None if ref is None else ref[:, 1], n[:, 0], n[:, 1]))",
+      "None if ref is None else ref[:, 1], torch.ones_like(n[:, 0]), torch.ones_like(n[:, 1])))",
+      (IPO + "[False]", SIMPO)),
     # the options reach the loss
     M("dpo wiring: --beta ignored (0.1)", F, "return cfg.objective.fn(pairs, cfg.beta,",
       "return cfg.objective.fn(pairs, 0.1,", (SIGMOID, IPO, SIMPO)),
