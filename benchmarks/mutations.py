@@ -13,8 +13,9 @@ the script (exit 2): keep the lists in step with the code.
     python -m benchmarks.mutations --mutants FILE.py   # the list MUTATIONS of another file (e.g. an audit's)
 
 CI runs it after the test suite (.ci/run; a few minutes on 2 cores). Each mutation's tests run in a process forked
-from this one after it imported torch, transformers, deepspeed and pytest (never align, stages or tests: those are
-imported in the child, from the mutated copy), so a mutation costs its tests' own time, not an interpreter's start.
+from this one after it imported torch, transformers, deepspeed, pytest and every other module the unmutated tests
+imported (never align, stages or tests: those are imported in the child, from the mutated copy), so a mutation
+costs its tests' own time, not an interpreter's start.
 """
 
 from __future__ import annotations
@@ -73,6 +74,22 @@ def check_snippets(mutations: list[Mutation]) -> None:
         sys.exit("mutations out of step with the code:\n  " + "\n  ".join(bad))
 
 
+def preload(names: list[str]) -> int:
+    """Import here, before the mutations' forks, every module the unmutated tests imported that is not the
+    project's own (transformers' lazily loaded model and tokenizer classes, safetensors, datasets, ...): each child
+    then pays only for align, stages and tests. Returns how many were imported."""
+    n = 0
+    for name in names:
+        if name.split(".")[0] in OWN or name.startswith("__") or name in sys.modules:
+            continue
+        try:
+            __import__(name)
+            n += 1
+        except Exception:  # noqa: BLE001 — a module that cannot be imported on its own is imported by the tests
+            pass
+    return n
+
+
 def _child(root: Path, tests: tuple[str, ...], log: Path) -> None:
     """In the forked process: pytest on `tests` in the copy at `root`; never returns."""
     code = 3
@@ -90,6 +107,8 @@ def _child(root: Path, tests: tuple[str, ...], log: Path) -> None:
         import pytest
 
         code = int(pytest.main(["-x", "-q", "-n", "0", "-p", "no:cacheprovider", *tests]))
+        if os.environ.get("ALIGN_MUTATIONS_IMPORTED"):  # the baseline: what its tests imported, for preload()
+            Path(os.environ["ALIGN_MUTATIONS_IMPORTED"]).write_text("\n".join(sys.modules))
     except BaseException:  # noqa: BLE001 — whatever happened, the parent reads an exit code
         import traceback
 
@@ -168,22 +187,28 @@ def main() -> int:
         sys.exit(f"no mutation's name contains {args.k!r}")
     check_snippets(mutations)
     t0 = time.time()
+    # one thread per process: the tests' processes run `--jobs` at a time (OpenMP reads this when torch loads)
+    os.environ["OMP_NUM_THREADS"] = "1"
     for name in PRELOAD:
         __import__(name)
     with tempfile.TemporaryDirectory(prefix="align-mutations-") as tmp:
         slots = [Slot(Path(tmp) / f"copy{i}") for i in range(max(1, args.jobs))]
         for s in slots:
             copy_repo(s.root)
-        # unmutated first: every test a mutation names passes (split in two to use both slots)
+        # unmutated first: every test a mutation names passes (in one process, which says what they import)
         baseline = sorted({t for m in mutations for t in m.tests})
-        halves = [tuple(baseline[i :: len(slots)]) for i in range(len(slots))]
         failed = []
-        run_all(slots, [(None, h) for h in halves if h],
+        imported = Path(tmp) / "imported.txt"
+        os.environ["ALIGN_MUTATIONS_IMPORTED"] = str(imported)
+        run_all(slots[:1], [(None, tuple(baseline))],
                 lambda m, code, s, log: failed.append(log) if code != 0 else None)
+        del os.environ["ALIGN_MUTATIONS_IMPORTED"]
         if failed:
             print(failed[0][-6000:], file=sys.stderr)
             sys.exit("the tests fail without any mutation (output above)")
-        print(f"unmutated: {len(baseline)} tests pass ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+        n = preload(imported.read_text().splitlines())
+        print(f"unmutated: {len(baseline)} tests pass ({time.time() - t0:.0f} s); {n} more modules preloaded",
+              file=sys.stderr, flush=True)
         results: dict[str, tuple[str, float]] = {}
 
         def done(m, code, seconds, log):
