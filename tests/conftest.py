@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -337,20 +338,39 @@ def single_process(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", str(free_port())))
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """The `tiny` preset (random init, seed 0) saved with save_pretrained + the shipped tokenizer."""
+def save_tiny_model(out: Path, seed: int) -> Path:
+    """The `tiny` preset (random init with `seed`) saved in `out` with save_pretrained + the shipped tokenizer."""
     import torch
 
     from align.models import load_causal_lm, load_tokenizer, resolve
 
     ref = resolve("tiny")
     tok = load_tokenizer(ref)
-    model = load_causal_lm(ref, tok, torch.float32, seed=0)
-    out = tmp_path_factory.mktemp("tiny_model")
-    model.save_pretrained(out, safe_serialization=True)
+    load_causal_lm(ref, tok, torch.float32, seed=seed).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The `tiny` preset (random init, seed 0) saved with save_pretrained + the shipped tokenizer."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+@contextlib.contextmanager
+def stage_in_process(cfg, stage: str, cls):
+    """`cls(cfg, run)` (a stage's class, e.g. GRPO) built in this process under a StageRun of `stage` with `cfg`
+    validated; transformers' global DeepSpeed config is unset afterwards (the next test builds its own)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from align.engine.run import StageRun
+
+    cfg.validate()
+    try:
+        with StageRun(cfg, stage) as run:
+            yield cls(cfg, run)
+    finally:
+        unset_hf_deepspeed_config()
 
 
 @pytest.fixture(scope="session")
