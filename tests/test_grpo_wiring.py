@@ -564,3 +564,239 @@ def test_lengths_and_loss_masks_count_response_tokens_only(tiny_model_dir, tmp_p
     assert got["kl"] == pytest.approx(((k3(lp, ref) * loss_mask).sum() / loss_mask.sum()).item(), rel=1e-4)
     assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
+
+
+# ---- a whole step: the prompts it samples, the rewards it scores, the teacher it distils from
+
+def test_a_whole_step_samples_its_prompts_skips_failed_rewards_and_distils_from_the_teacher(tiny_model_dir, tmp_path,
+                                                                                            monkeypatch):
+    """GRPO.step end to end (sampling replaced by fixed completions of the prompts it asks for): step s samples the
+    prompts step_indices(n, --prompts-per-step 2, s, --seed 3) with G = --num-generations 3 under the stage's
+    Sampling (--max-new-tokens 5, --temperature 0.7, --top-k 7, --top-p 0.9, the seed derived from (seed, s)); a
+    reward that raises ("boom") under --on-reward-error skip takes its sample out of its group's mean/std
+    (--advantage zscore over the other two), of the loss and of its normaliser; rewards/errors is 1/6; the teacher
+    (--teacher: the saved start, the policy moved off it) gives the per-token reverse-KL term
+    --distill-coef 0.3 · sg(log π_θ − log π_T) · log π_θ on every counted token, those of group 1 too (no
+    reward spread: dropped from the policy-gradient term by --drop-zero-std-groups, not from distillation). The
+    loss, its gradient, distill/reverse_kl, reward, reward_std, signal_frac are computed by hand from the models' forwards, two steps."""
+    import stages.grpo as grpo_module
+    from align.engine.run import step_indices
+    from align.rollout import Rollout
+    from align.sampling import derive
+
+    T, coef, seed, G, P = 0.7, 0.3, 3, 3, 2
+    texts = [["1.0", "boom", "0.25"], ["0.5", "0.5", "0.5"]]  # group 1: no reward spread (dropped from the PG term)
+    resp_ids = [[[40, 41, EOS], [42, EOS], [43, 44, 45, EOS]], [[46, 47, 48, 49, 50], [51, EOS], [52, 53, EOS]]]
+    asked = []
+
+    def fake_sample(policy, tok, rows, prompt_ids, group_size, s, dist, gather=True):
+        asked.append(([r["prompt"] for r in rows], prompt_ids, group_size, s))
+        cs = [Completion(prompt_ids[p], resp_ids[p][g], texts[p][g], resp_ids[p][g][-1] == EOS)
+              for p in range(len(rows)) for g in range(group_size)]
+        return Rollout(rows, cs, group_size)
+
+    monkeypatch.setattr(grpo_module, "sample", fake_sample)
+    with grpo(tmp_path, tiny_model_dir, teacher=str(tiny_model_dir), distill_coef=coef, on_reward_error="skip",
+              advantage="zscore", seed=seed, num_generations=G, prompts_per_step=P, micro_batch_size=3,
+              max_new_tokens=5, temperature=T, top_k=7, top_p=0.9, lr=1e-3) as algo:
+        with torch.no_grad():  # the policy leaves the teacher (the saved start)
+            g = torch.Generator().manual_seed(2)
+            for p in algo.policy.module.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        teacher = plain(tiny_model_dir)
+        valid = torch.tensor([1.0, 0, 1, 1, 1, 1])
+        r = torch.tensor([[1.0, 0.0, 0.25], [0.5, 0.5, 0.5]])
+        v = valid.reshape(P, G)
+        mean = (r * v).sum(1, keepdim=True) / v.sum(1, keepdim=True)
+        std = (((r - mean) ** 2 * v).sum(1, keepdim=True) / (v.sum(1, keepdim=True) - 1)).sqrt()
+        adv = ((r - mean) / (std + 1e-4) * v).reshape(-1, 1)
+        n = len(algo.rows)
+        for s in range(2):
+            idx = step_indices(n, P, s, seed)
+            model = plain(tiny_model_dir, weights(algo.policy))
+            got = step(algo, s)
+            prompts, prompt_ids, group_size, sampling = asked[-1]
+            assert prompts == [algo.rows[i]["prompt"] for i in idx] and group_size == G
+            assert prompt_ids == [algo.prompt_ids[i] for i in idx]
+            assert (sampling.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed) == \
+                (5, T, 7, 0.9, derive(seed, s))
+            cs = [Completion(prompt_ids[p], resp_ids[p][j], texts[p][j], True) for p in range(P) for j in range(G)]
+            ids, resp = hand_batch(cs)
+            counted = resp * valid[:, None]
+            kept = counted * torch.tensor([1.0, 1, 1, 0, 0, 0])[:, None]
+            lp = hand_logp(model, ids, T)
+            with torch.no_grad():
+                lt = hand_logp(teacher, ids, T)
+            k1 = (lp - lt).detach()
+            per_tok = -adv * torch.exp(lp - lp.detach()) * kept + coef * k1 * lp * counted
+            loss = per_tok.sum() / counted.sum()
+            norm = grad_norm(loss, model)
+            assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+            assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
+            assert got["distill/reverse_kl"] == pytest.approx(((k1 * counted).sum() / counted.sum()).item(), abs=1e-6)
+            assert abs(got["distill/reverse_kl"]) > 1e-4
+            good = r.flatten()[valid.bool()]
+            assert got["reward"] == pytest.approx(good.mean().item(), rel=1e-6)
+            assert got["reward_std"] == pytest.approx(good.std().item(), rel=1e-5)
+            assert got["rewards/errors"] == pytest.approx(1 / 6)
+            assert got["signal_frac"] == pytest.approx(5 / 6)
+            assert got["kept_token_frac"] == pytest.approx((kept.sum() / counted.sum()).item())
+            assert got["frac_reward_zero_std"] == pytest.approx(0.5)
+        assert [a[0] for a in asked[:1]] != [a[0] for a in asked[1:]]  # each step its own prompts
+        assert algo.raise_kl(2.0) is None and algo.state_dict() == {"beta": 0.0}  # β 0: nothing to raise
+
+
+def two_rewards(tmp_path: Path) -> list[str]:
+    """--reward value:1.5 (the text as a number; "slow" sleeps 1 s, then 5) and chars:0.5 (the text's length / 10)."""
+    f = tmp_path / "two_rewards.py"
+    f.write_text("import time\n\ndef value(prompt, completion, **row):\n    if completion == 'slow':\n"
+                 "        time.sleep(1)\n        return 5.0\n    return float(completion)\n\n"
+                 "def chars(prompt, completion, **row):\n    return len(completion) / 10\n")
+    return [f"{f}:value:1.5", f"{f}:chars:0.5"]
+
+
+def hand_advantages(name: str, r: torch.Tensor) -> torch.Tensor:
+    """The --advantage estimators by hand, [P, G] rewards (every sample valid)."""
+    centred = r - r.mean(1, keepdim=True)
+    if name == "rloo":
+        return centred * r.shape[1] / (r.shape[1] - 1)
+    if name == "batch":
+        return centred / (r.flatten().std() + 1e-4)
+    if name == "reinforce++":
+        return (r - r.mean()) / (r.flatten().std() + 1e-4)
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("advantage, loss", [("rloo", "cispo"), ("batch", "reinforce"), ("reinforce++", "clip"),
+                                             ("rloo", "--reinforce")])
+def test_rewards_errors_timeouts_the_reward_model_and_the_loss_choices_enter_the_step(
+        tiny_model_dir, tiny_reward_model_dir, tmp_path, advantage, loss):
+    """One step with two weighted rewards (1.5 · value + 0.5 · chars), --reward-model (its normalised score times
+    --reward-model-weight 0.5), --on-reward-error zero (a reward that raises, "boom", or runs past --reward-timeout
+    0.2 s, "slow", scores 0 for that function, the sample stays in its group and the loss): each sample's reward is
+    checked through the advantages the loss receives (--advantage rloo / batch / reinforce++ by hand) and the logged
+    reward parts; the loss is --loss's (cispo: −clip(ρ)·A·log π, reinforce or --reinforce: −A·log π, clip: −ρA,
+    at ratio 1), its value and gradient by hand over token-mean."""
+    from align.reward_model import score
+
+    T = 0.8
+    texts = [["1.0", "boom", "0.25"], ["2.0", "slow", "-1.0"]]
+    with grpo(tmp_path, tiny_model_dir, reward=two_rewards(tmp_path), reward_model=str(tiny_reward_model_dir),
+              reward_model_weight=0.5, on_reward_error="zero", reward_timeout=0.2, advantage=advantage,
+              **(dict(reinforce=True) if loss == "--reinforce" else dict(loss=loss)),
+              num_generations=3, micro_batch_size=6, temperature=T, drop_zero_std_groups=False) as algo:
+        cs = [Completion(algo.prompt_ids[p], [40 + 3 * p + g] + [41] * g + [EOS], texts[p][g], True)
+              for p in range(2) for g in range(3)]
+        fixed_rollouts(algo, lambda s: cs)
+        prompts = [algo.rows[i // 3]["prompt"] for i in range(6)]
+        with torch.no_grad():
+            rm = score(algo.rm, algo.rm_tok, prompts, [c.text for c in cs], 6).float().cpu()
+        assert rm.std() > 1e-3
+        value = torch.tensor([1.0, 0.0, 0.25, 2.0, 0.0, -1.0])
+        chars = torch.tensor([len(t) / 10 for g in texts for t in g])
+        r = (1.5 * value + 0.5 * chars + 0.5 * rm).reshape(2, 3)
+        adv = hand_advantages(advantage, r).reshape(-1, 1)
+        ids, resp = hand_batch(cs)
+        model = plain(tiny_model_dir, weights(algo.policy))
+        lp = hand_logp(model, ids, T)
+        per_tok = -adv * (lp if loss in ("cispo", "reinforce", "--reinforce") else torch.exp(lp - lp.detach()))
+        want = (per_tok * resp).sum() / resp.sum()
+        norm = grad_norm(want, model)
+        got = step(algo, 0)
+    assert got["reward"] == pytest.approx(r.mean().item(), rel=1e-5)
+    assert got["reward_std"] == pytest.approx(r.flatten().std().item(), rel=1e-5)
+    assert got["rewards/errors"] == pytest.approx(2 / 6)
+    assert got["rewards/two_rewards.value"] == pytest.approx(value.mean().item())
+    assert got["rewards/two_rewards.chars"] == pytest.approx(chars.mean().item())
+    assert got["rewards/reward_model"] == pytest.approx(rm.mean().item(), rel=1e-5)
+    assert got["loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
+
+
+def test_the_length_reward_shapes_each_group_and_evaluate_uses_the_eval_options(tiny_model_dir, tmp_path):
+    """--reward math --reward length:0.5 (Kimi k1.5): within each group, λ = 0.5 − (len − min)/(max − min) of the
+    completions' RESPONSE lengths, added times 0.5 to the correct ones, min(0, λ) to the wrong ones; each sample's
+    reward enters the step's advantages (--advantage mean) and its loss by hand. evaluate() samples
+    max(--eval-k 1,2) = 2 completions of the --eval-samples 2 rows with the stage's sampling at --seed 5 and logs
+    exactly what align.evaluation.evaluate_policy gives for those settings, under eval/, and saves the same sampled
+    completions (OUT/eval_samples.jsonl, tagged with the step); final_metrics reports start/, the last eval/ and
+    the gain in greedy pass@1. --micro-batch-size 0 takes the most rows that fit --micro-batch-tokens 200 (3)."""
+    from align.evaluation import evaluate_policy
+    from align.generation import Sampling
+
+    T = 0.9
+    with grpo(tmp_path, tiny_model_dir, reward=["math", "length:0.5"], num_generations=3,
+              temperature=T, seed=5, eval_data=str(small_data()["arith_test"]), eval_samples=2, eval_k="1,2",
+              max_new_tokens=5, top_k=9, micro_batch_size=0, micro_batch_tokens=200) as algo:
+        longest = max(map(len, algo.prompt_ids)) + 5  # --micro-batch-size 0: the most rows of this length in 200
+        assert 200 // 6 < longest <= 200 // 3 and algo.micro == 3
+        answers = [str(algo.rows[p]["answer"]) for p in range(2)]
+        spec = [[([40, EOS], True), ([41, 42, 43, EOS], False), ([44, 45, EOS], True)],
+                [([46, 47, 48, 49, EOS], True), ([50, EOS], False), ([51, 52, EOS], False)]]
+        cs = [Completion(algo.prompt_ids[p], ids, f"#### {answers[p] if ok else '99999'}", True)
+              for p, group in enumerate(spec) for ids, ok in group]
+        fixed_rollouts(algo, lambda s: cs)
+        rewards = []
+        for group in spec:
+            n = [len(ids) for ids, _ in group]
+            lam = [0.5 - (k - min(n)) / (max(n) - min(n)) for k in n]
+            rewards.append([(1.0 + 0.5 * lm) if ok else 0.5 * min(0.0, lm) for lm, (_, ok) in zip(lam, group)])
+        adv = group_adv(rewards)
+        ids, resp = hand_batch(cs)
+        model = plain(tiny_model_dir, weights(algo.policy))
+        lp = hand_logp(model, ids, T)
+        want = (-adv * torch.exp(lp - lp.detach()) * resp).sum() / resp.sum()
+        norm = grad_norm(want, model)
+        want_eval, want_recs = evaluate_policy(algo.policy.eng, algo.tok, algo.eval_rows, algo.run.dist, ks=[1, 2],
+                                               samples=2, sampling=Sampling(5, T, 9, 1.0, seed=5), gather=True,
+                                               verifier="auto")
+        got_eval = algo.evaluate(3)
+        import json
+
+        saved = [json.loads(line) for line in (Path(algo.run.out) / "eval_samples.jsonl").read_text().splitlines()]
+        got = step(algo, 0)
+    assert len(algo.eval_rows) == 2
+    assert got["rewards/math"] == pytest.approx(3 / 6)
+    assert got["reward"] == pytest.approx(sum(map(sum, rewards)) / 6, rel=1e-6)
+    assert got["loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert got_eval == {f"eval/{k}": v for k, v in want_eval.items()}
+    assert {"eval/pass@1", "eval/pass@2"} <= set(got_eval), sorted(got_eval)
+    assert saved == [{"step": 3, **rec} for rec in want_recs]  # the same samples: the same sampling and seed
+    assert all(len(rec["samples"]) == 2 for rec in saved) and len({tuple(rec["samples"]) for rec in saved}) == 2
+    last = {"eval/pass@1/greedy": 0.75, "eval/pass@2": 0.5, "reward": 1.25, "loss": 3.0}
+    start = {"eval/pass@1/greedy": 0.25, "eval/pass@2": 0.125}
+    assert algo.final_metrics(last, start) == {"start/pass@1/greedy": 0.25, "start/pass@2": 0.125,
+                                               "eval/pass@1/greedy": 0.75, "eval/pass@2": 0.5, "reward": 1.25,
+                                               "gain/pass@1/greedy": 0.5}
+
+
+def test_reinforce_pp_keeps_groups_without_spread_and_skipped_samples_leave_the_batch_statistics(tiny_model_dir,
+                                                                                                 tmp_path):
+    """--advantage reinforce++ whitens over the whole batch's valid rewards (no group baseline), so under
+    --drop-zero-std-groups a group of equal rewards still carries signal and stays in the loss; a sample whose reward
+    raised (--on-reward-error skip) leaves the batch mean/std, the loss and its normaliser; frac_reward_zero_std counts
+    the groups whose VALID rewards are all equal (group 0, and group 2 with one valid sample): 2/3."""
+    T = 0.8
+    with grpo(tmp_path, tiny_model_dir, advantage="reinforce++", on_reward_error="skip", prompts_per_step=3,
+              micro_batch_size=6, temperature=T) as algo:
+        texts = [["1.0", "1.0"], ["0.0", "2.0"], ["3.0", "boom"]]
+        cs = [Completion(algo.prompt_ids[p], [40 + 2 * p + g] * (g + 1) + [EOS], texts[p][g], True)
+              for p in range(3) for g in range(2)]
+        fixed_rollouts(algo, lambda s: cs)
+        valid = torch.tensor([1.0, 1, 1, 1, 1, 0])
+        r = torch.tensor([1.0, 1, 0, 2, 3, 0])
+        good = r[valid.bool()]
+        adv = ((r - good.mean()) / (good.std() + 1e-4) * valid)[:, None]
+        ids, resp = hand_batch(cs)
+        counted = resp * valid[:, None]
+        model = plain(tiny_model_dir, weights(algo.policy))
+        lp = hand_logp(model, ids, T)
+        want = (-adv * torch.exp(lp - lp.detach()) * counted).sum() / counted.sum()
+        norm = grad_norm(want, model)
+        got = step(algo, 0)
+    assert got["frac_reward_zero_std"] == pytest.approx(2 / 3)
+    assert got["kept_token_frac"] == pytest.approx(1.0)
+    assert got["signal_frac"] == pytest.approx(5 / 6)
+    assert got["loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)

@@ -23,6 +23,12 @@ LENGTHS = W + "test_lengths_and_loss_masks_count_response_tokens_only"
 TOKEN_MEAN = LENGTHS + "[token-mean-False-True]"
 SEQ_MEAN = LENGTHS + "[seq-mean-token-mean-True-True]"
 SEQ_SUM = LENGTHS + "[seq-sum-False-False]"
+WHOLE = W + "test_a_whole_step_samples_its_prompts_skips_failed_rewards_and_distils_from_the_teacher"
+RWD = W + "test_rewards_errors_timeouts_the_reward_model_and_the_loss_choices_enter_the_step"
+SHAPE = W + "test_the_length_reward_shapes_each_group_and_evaluate_uses_the_eval_options"
+RWD_CISPO, RWD_REINFORCE, RWD_RPP = RWD + "[rloo-cispo]", RWD + "[batch-reinforce]", RWD + "[reinforce++-clip]"
+RWD_FLAG = RWD + "[rloo---reinforce]"
+RPP = W + "test_reinforce_pp_keeps_groups_without_spread_and_skipped_samples_leave_the_batch_statistics"
 
 G, ROLLOUT, QUEUE_PY = "stages/grpo.py", "align/rollout.py", "align/async_rl.py"
 MUTATIONS: list[Mutation] = [
@@ -102,6 +108,94 @@ MUTATIONS: list[Mutation] = [
       "keep = counted", (TOKEN_MEAN,)),
     M("grpo wiring: --loss-agg ignored", G, "rl.aggregate_loss(per_tok, mask, cfg.loss_agg,",
       'rl.aggregate_loss(per_tok, mask, "token-mean",', (SEQ_SUM,)),
+    # ---- a whole step: prompts, sampling, rewards, skipped samples, the teacher (gaps audit 1)
+    M("grpo wiring: skipped reward errors counted as valid", G, "float(v is not None)", "1.0", (WHOLE,)),
+    M("grpo wiring: --distill-coef ignored", G, "cfg.distill_coef * d_loss", "d_loss", (WHOLE,)),
+    M("grpo wiring: teacher log-probs from the policy", G, "batched_logprobs(self.teacher, batch,",
+      "batched_logprobs(self.policy, batch,", (WHOLE,)),
+    M("grpo wiring: teacher log-probs at T = 1", G,
+      'batch["teacher_logp"] = batched_logprobs(self.teacher, batch, self.micro, cfg.temperature)',
+      'batch["teacher_logp"] = batched_logprobs(self.teacher, batch, self.micro)', (WHOLE,)),
+    M("grpo wiring: distillation only on the kept groups", G,
+      'per_tok = per_tok * mask + cfg.distill_coef * d_loss * mb["counted_mask"]',
+      'per_tok = per_tok * mask + cfg.distill_coef * d_loss * mask', (WHOLE,)),
+    M("grpo wiring: distillation's log-ratio not detached", "align/rl.py",
+      "k1 = (logp - teacher_logp).detach()", "k1 = logp - teacher_logp", (WHOLE,)),
+    M("grpo wiring: distillation's log-ratio reversed", G, "rl.reverse_kl_distill(logp, mb[\"teacher_logp\"])",
+      "rl.reverse_kl_distill(mb[\"teacher_logp\"], logp)", (WHOLE,)),
+    M("grpo wiring: the same prompts every step (synchronous)", G,
+      "        idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)\n        return sample(",
+      "        idx = self.run.indices(len(self.rows), cfg.prompts_per_step, 0)\n        return sample(", (WHOLE,)),
+    M("grpo wiring: --top-k ignored", G, "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)",
+      "Sampling(cfg.max_new_tokens, cfg.temperature, 0, cfg.top_p)", (WHOLE,)),
+    M("grpo wiring: --top-p ignored", G, "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)",
+      "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, 1.0)", (WHOLE,)),
+    M("grpo wiring: --on-reward-error skip scores 0 instead", G, 'if cfg.on_reward_error == "skip":', "if False:",
+      (WHOLE,)),
+    M("grpo wiring: skipped samples not counted as errors", G, 'return None, {"errors": 1.0}',
+      'return None, {"errors": 0.0}', (WHOLE,)),
+    M("grpo wiring: advantages over the skipped samples too", G, "r.rewards, r.valid, reduce=lambda",
+      "r.rewards, None, reduce=lambda", (WHOLE,)),
+    M("grpo wiring: skipped samples stay in the loss", G, "counted = r.valid.clone()",
+      "counted = torch.ones_like(r.valid)", (WHOLE,)),
+    M("grpo wiring: reward metric over the skipped samples too", G,
+      'stats.mean("reward", (r.rewards * r.valid).sum(), r.valid.sum())',
+      'stats.mean("reward", r.rewards.sum(), r.rewards.numel())', (WHOLE,)),
+    M("grpo wiring: reward_std over the skipped samples too", G, 'stats.std("reward_std", r.rewards[r.valid.bool()])',
+      'stats.std("reward_std", r.rewards.flatten())', (WHOLE,)),
+    M("grpo wiring: signal_frac ignores the teacher", G,
+      "signal = counted.bool() & ((adv != 0) | (self.teacher is not None))", "signal = counted.bool() & (adv != 0)",
+      (WHOLE,)),
+    # ---- rewards, the reward model, --on-reward-error zero, --reward-timeout, --advantage, --loss
+    M("grpo wiring: --reward-model-weight scales every reward", G,
+      "r.rewards += self.cfg.reward_model_weight * r.grouped(rm)",
+      "r.rewards = self.cfg.reward_model_weight * (r.rewards + r.grouped(rm))", (RWD_CISPO,)),
+    M("grpo wiring: --reward-timeout ignored", G, "call_reward(r, row[\"prompt\"], c.text, row, cfg.reward_timeout)",
+      "call_reward(r, row[\"prompt\"], c.text, row)", (RWD_CISPO,)),
+    M("grpo wiring: --on-reward-error zero skips", G, 'v, parts["errors"] = 0.0, 1.0',
+      'return None, {"errors": 1.0}', (RWD_CISPO,)),
+    M("grpo wiring: zeroed reward errors not counted", G, 'v, parts["errors"] = 0.0, 1.0',
+      'v, parts["errors"] = 0.0, 0.0', (RWD_CISPO,)),
+    M("grpo wiring: the reward model scores the prompts alone", G,
+      "score(self.rm, self.rm_tok, r.prompts, [c.text for c in r.completions], self.micro)",
+      "score(self.rm, self.rm_tok, r.prompts, [\"\" for c in r.completions], self.micro)", (RWD_CISPO,)),
+    M("grpo wiring: reward_model part not logged per sample", G, 'parts["reward_model"] = v',
+      'parts["reward_model"] = 0.0', (RWD_CISPO,)),
+    # ---- the length reward and evaluate()
+    M("grpo wiring: length reward's weight dropped", G, "r.rewards[p] += length_fn.weight * torch.tensor(shaped)",
+      "r.rewards[p] += torch.tensor(shaped)", (SHAPE,)),
+    M("grpo wiring: length reward added to the first group only", G,
+      "r.rewards[p] += length_fn.weight * torch.tensor(shaped)",
+      "r.rewards[0] += length_fn.weight * torch.tensor(shaped)", (SHAPE,)),
+    M("grpo wiring: length reward treats every answer as correct", G,
+      'correct = [results[j][1].get("math") == 1.0 for j in group]', "correct = [True for j in group]", (SHAPE,)),
+    M("grpo wiring: eval samples one completion whatever --eval-k", G, "ks=ks, samples=max(ks),",
+      "ks=ks, samples=1,", (SHAPE,)),
+    M("grpo wiring: eval sampled without --seed", G, "sampling=replace(self.sampling, seed=self.cfg.seed)",
+      "sampling=self.sampling", (SHAPE,)),
+    M("grpo wiring: eval samples tagged with step 0", G, "save_eval_samples(self.run.out, step, recs,",
+      "save_eval_samples(self.run.out, 0, recs,", (SHAPE,)),
+    M("grpo wiring: --reinforce ignored", G, 'return "reinforce" if self.reinforce else "gspo"',
+      'return "reinforce" if False else "gspo"', (RWD_FLAG,)),
+    M("grpo wiring: --micro-batch-tokens ignored", G,
+      "rows_within(n_local, longest, cfg.micro_batch_tokens)", "rows_within(n_local, longest, 16384)", (SHAPE,)),
+    M("grpo wiring: gain of pass@1 sign flipped", G,
+      'last["eval/pass@1/greedy"] - start["eval/pass@1/greedy"]',
+      'start["eval/pass@1/greedy"] - last["eval/pass@1/greedy"]', (SHAPE,)),
+    M("grpo wiring: final reward from the start", G, '"reward": last["reward"]}', '"reward": start.get("reward", 0.0)}',
+      (SHAPE,)),
+    M("grpo wiring: raise_kl raises a beta of 0", G, "        if not self.beta:\n            return None\n",
+      "", (WHOLE,)),
+    M("grpo wiring: no-signal groups = zero-spread groups (reinforce++ drops them)", G,
+      "no_signal = ((adv != 0) & r.valid.bool()).sum(dim=1) == 0", "no_signal = zero_spread(r.rewards, r.valid)",
+      (RPP,)),
+    M("grpo wiring: zero-spread groups over the skipped samples too", G,
+      "zero_std = zero_spread(r.rewards, r.valid).float()", "zero_std = zero_spread(r.rewards).float()", (RPP,)),
+    M("grpo wiring: reinforce++ advantages over the skipped samples too", "align/objectives/advantages.py",
+      "    v = torch.ones_like(rewards) if valid is None else valid\n    sums = masked_sums(rewards, v)",
+      "    v = torch.ones_like(rewards) if valid is None else valid\n"
+      "    sums = masked_sums(rewards, torch.ones_like(rewards))",
+      (RPP,)),
 ]
 
 AUDIT: list[Mutation] = [
