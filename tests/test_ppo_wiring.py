@@ -264,7 +264,7 @@ def test_the_update_takes_the_gradients_of_the_clipped_policy_and_value_losses(f
     the value network's are those of c_vf · token mean of ½·max((V − R)², (V_old + clip(V − V_old, ±ε_v) − R)²)
     (none from the policy loss); the logged losses, clip fractions (low, high, value), entropy and approx-KL are
     the hand-written ones; each network's first AdamW step is its own --lr / --vf-lr; V moves toward R."""
-    temp, eps, eps_v, c_vf, cap, lr, vf_lr = 0.7, 0.2, 0.05, 0.5, 1.2, 1e-4, 1e-5
+    temp, eps, eps_v, c_vf, cap, lr, vf_lr = 0.7, 0.15, 0.05, 0.5, 1.2, 1e-4, 1e-5
     with stage(files, tmp_path, temperature=temp, cliprange=eps, cliprange_value=eps_v, vf_coef=c_vf, tis_cap=cap,
                lr=lr, vf_lr=vf_lr) as algo:
         batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
@@ -518,3 +518,232 @@ def test_the_step_wires_beta_the_score_and_the_reference_into_the_rewards(files,
     want["val/explained_variance"] = 1 - (returns - seen[1]["values"])[sel].double().var() / returns[sel].double().var()
     for k, v in want.items():
         assert a1[k] == pytest.approx(v.item(), rel=1e-4, abs=1e-6), k
+
+
+# ---- audit 2: options at non-default values, the whole step, per-element values
+
+
+def test_the_gold_term_is_centred_on_the_other_episodes_mean_gold_per_episode(files, tmp_path, shipped_tokenizer):
+    """--gold-reward-coef 0.5 (verifier math on the prompts' `answer`) with --missing-eos-penalty 0.3, 8 fixed
+    episodes of which 3 give the right answer: the gold each episode gets is the verifier's 1/0, and each episode's
+    score is the RM's normalised score + 0.5·(g_i − (Σg − g_i)/(n − 1)) − 0.3·[no EOS], episode by episode (a
+    batch-mean baseline, a gold term on the wrong episodes or without its coefficient give other values); the
+    step's record logs reward = mean RM score, gold_reward = mean gold (3/8), kl = Σ KL / response tokens.
+    --max-prompt-length L (the 11th shortest prompt's length) keeps exactly the prompts of at most L tokens, in
+    file order."""
+    from align import data as D
+
+    c, p, n = 0.5, 0.3, 8
+    right = [0, 3, 5]
+    rows = [json.loads(x) for x in files["prompts"].read_text().splitlines()]
+    lengths = [len(x) for x in D.encode_prompts(shipped_tokenizer, [r["prompt"] for r in rows])]
+    limit = sorted(lengths)[10]
+    assert max(lengths) > limit
+    kept = [r for r, k in zip(rows, lengths) if k <= limit]
+    with stage(files, tmp_path, "gold", gold_reward_coef=c, missing_eos_penalty=p, prompts_per_step=n,
+               minibatch_size=n, max_prompt_length=limit) as algo:
+        assert [r["prompt"] for r in algo.rows] == [r["prompt"] for r in kept] and algo.dropped == len(rows) - len(kept)
+        r = rollout(algo, n)
+        for i, comp in enumerate(r.completions):
+            comp.text = r.sample_rows[i]["completion"] if i in right else "1 + 1 = 12345. #### 12345"
+        proxy, s, gold = algo.scores(r)
+        batch = r.batch(algo.tok.pad_token_id, "cpu")
+        ro = algo.advantages(batch, s, 0.1)
+        stats = Stats()
+        algo.record(r, proxy, gold, batch, ro, stats)
+        logged = stats.reduce("cpu")
+    g = torch.tensor([float(i in right) for i in range(n)])
+    finished = torch.tensor([float(done) for _, done in RESPONSES[:n]])
+    want_proxy = hand_rm_scores(classifier(files["rm"]), r)
+    close(gold, g)
+    close(proxy, want_proxy, 1e-5)
+    loo = (g.sum() - g) / (n - 1)
+    close(s, want_proxy + c * (g - loo) - p * (1 - finished), 1e-5)
+    m = batch["response_mask"]
+    want = {"reward": want_proxy.mean(), "gold_reward": g.mean(), "kl": ro["kl"].sum() / m.sum()}
+    for k, v in want.items():
+        assert logged[k] == pytest.approx(v.item(), rel=1e-5, abs=1e-7), k
+
+
+def test_the_step_samples_the_seeded_prompts_of_each_step_with_the_samplers_options(files, tmp_path):
+    """Driving step() with --seed 3 over 16 prompts, 4 per step: the rollout the update of step s receives holds,
+    row by row, the prompts step_indices(16, 4, s, 3) names (step 0's and step 1's differ), each followed by a
+    response of at most --max-new-tokens 5 tokens; with --top-k 1, and again with --top-p 1e-4 (top-k off), every
+    response token is the argmax of the policy entering that step (at the sampler's temperature 0.8: argmax
+    unchanged) up to and including EOS."""
+    from align.engine.run import step_indices
+
+    seen = {}
+    for top_k, top_p in ((1, 1.0), (0, 1e-4)):  # each alone keeps only the most likely token
+        with stage(files, tmp_path, f"prompts{top_k}", seed=3, top_k=top_k, top_p=top_p, temperature=0.8,
+                   max_new_tokens=5) as algo:
+            update = algo.update
+
+            def spy(step, batch, stats):
+                with torch.no_grad():
+                    logits = algo.policy.module(input_ids=batch["input_ids"]).logits[:, :-1]
+                seen[top_k, step] = ({k: v.clone() for k, v in batch.items()}, logits.argmax(-1))
+                return update(step, batch, stats)
+            algo.update = spy
+            algo.step(0)
+            algo.step(1)
+            prompt_ids = algo.prompt_ids
+    order = {s: step_indices(16, 4, s, 3) for s in (0, 1)}
+    assert order[0] != order[1]
+    for (_, s), (batch, greedy) in seen.items():
+        ids, m = batch["input_ids"], batch["response_mask"]
+        assert ids.shape[0] == 4
+        for row, i in enumerate(order[s]):
+            pos = m[row].nonzero().flatten()
+            start = int(pos.min())
+            assert ids[row, : start + 1].tolist() == prompt_ids[i], (s, row)
+            assert 1 <= len(pos) <= 5
+            assert (ids[row, pos + 1] == greedy[row, pos]).all(), (s, row)  # top-k 1: the argmax token
+
+
+def test_each_update_takes_the_next_seeded_ptx_batch_cut_at_ptx_max_length(files, tmp_path):
+    """6 ptx texts, --ptx-batch-size 2, --ptx-max-length 8, 2 epochs of 2 minibatches (4 optimiser steps a PPO
+    step): the ptx forward of the policy's u-th optimiser step of PPO step s (u counted over the step's epochs)
+    holds the texts step_indices(6, 2, 4·s + u, seed + 1) names, each BOS + text + EOS cut to 8 tokens; so the
+    epochs of a step and the steps see new ptx batches."""
+    from align.engine.run import step_indices
+
+    texts = [{"text": f"{w} is the word that starts this text, and the numbers 1 2 3 follow it."}
+             for w in ("Red", "Blue", "Green", "Seven", "Nine", "Sam")]
+    ptx = write_jsonl(tmp_path / "ptx6.jsonl", texts)
+    got = []
+    with stage({**files, "text": ptx}, tmp_path, "ptx6", ptx_coef=0.3, ptx_batch_size=2, ptx_max_length=8,
+               ppo_epochs=2, minibatch_size=2, seed=5) as algo:
+        tok = algo.tok
+        want_seqs = [([tok.bos_token_id] + tok(t["text"], add_special_tokens=False)["input_ids"]
+                      + [tok.eos_token_id])[:8] for t in texts]
+        assert all(len(tok(t["text"], add_special_tokens=False)["input_ids"]) > 8 for t in texts)
+        batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+        ro = algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)
+        full = {**batch, **ro}
+
+        def pre(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if torch.is_grad_enabled() and ids.shape[1] != full["input_ids"].shape[1] or not any(
+                    (ids[:, None, :] == full["input_ids"][None]).all(-1).any(-1)):
+                got.append([row.tolist() for row in ids])
+        h = algo.policy.module.register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            algo.update(0, full, Stats())
+            algo.update(1, full, Stats())
+        finally:
+            h.remove()
+    assert len(got) == 8  # 2 steps × 2 epochs × 2 minibatches
+    for k, rows in enumerate(got):
+        assert sorted(rows) == sorted(want_seqs[i] for i in step_indices(6, 2, k, 6)), k
+    assert got[0] != got[2] and got[1] != got[3]
+
+
+def test_max_approx_kl_compares_the_epochs_token_mean(files, tmp_path):
+    """--ppo-epochs 3 over two minibatches at --lr 1e-2: the epochs' approx-KL(π_old‖π_θ) = e^{log π_θ − log π_old}
+    − (log π_θ − log π_old) − 1 summed over the response tokens the update's policy forwards see, read from those
+    forwards (at logits / T, T = 0.7); a bound between epoch 0's token mean and its sum runs exactly the epochs up
+    to the first one whose TOKEN MEAN passes it (not its sum: that would stop after epoch 0); ppo/epochs says so."""
+    temp = 0.7
+
+    copy = causal_lm(files["policy"])
+
+    def run(name, bound):
+        per_epoch = []
+        with stage(files, tmp_path, name, ppo_epochs=3, minibatch_size=2, lr=1e-2, temperature=temp,
+                   max_approx_kl=bound) as algo:
+            batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+            ro = algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)
+            full = {**batch, **ro}
+
+            def pre(module, args, kwargs):
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                if torch.is_grad_enabled():  # the update's forwards; this one, under no_grad, is not
+                    rows = (ids[:, None] == full["input_ids"][None]).all(-1).nonzero()[:, 1]
+                    with torch.no_grad():
+                        copy.load_state_dict(module.state_dict())  # the weights this forward runs with
+                        logp, _ = hand_logp(copy, {"input_ids": ids, "response_mask": full["response_mask"][rows]},
+                                            temp)
+                    m = full["response_mask"][rows]
+                    d = (logp - full["old_logp"][rows]) * m
+                    per_epoch.append(torch.stack([((d.exp() - d - 1) * m).sum(), m.sum()]).double())
+            h = algo.policy.module.register_forward_pre_hook(pre, with_kwargs=True)
+            try:
+                epochs = algo.update(0, full, Stats())
+            finally:
+                h.remove()
+        assert len(per_epoch) == 2 * epochs  # one forward per minibatch (micro-batch 2)
+        sums = [per_epoch[2 * e] + per_epoch[2 * e + 1] for e in range(epochs)]
+        return epochs, [(float(t), float(t / k)) for t, k in sums]
+
+    epochs, kl = run("akl_off", 0.0)
+    assert epochs == 3
+    total0, mean0 = kl[0]
+    assert total0 > 0
+    later = [mn for _, mn in kl[1:] if mn > mean0]
+    bound = min([total0 / 2] + later) if later else total0 / 2
+    bound = (mean0 + bound) / 2  # over epoch 0's token mean, under its sum
+    assert mean0 < bound < total0
+    want = next((e + 1 for e, (_, mn) in enumerate(kl) if mn > bound), 3)
+    got, kl_b = run("akl_on", bound)
+    assert got == want and got > 1
+    for (t, _), (tb, _) in zip(kl, kl_b):
+        assert tb == pytest.approx(t, rel=1e-5)
+
+
+def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files, tmp_path):
+    """--eval-data (the prompts, with answers) --eval-samples 3 at --temperature 1.5: evaluate(0) answers 3
+    problems greedily (the same answers on a second call: no sampling at T), logs eval/problems 3, eval/pass@1/greedy
+    the verified fraction of the saved answers, eval/reward the mean of the RM's normalised scores of prompt +
+    greedy answer (a fresh copy of the RM, one pair at a time), equal to the saved rm_score of each, and
+    eval/kl 0 at step 0; the reward model, not the value network (--value-model: another classifier), scores.
+    (The tiny policies' greedy answers are empty: which text is scored is not pinned here.)"""
+    from align.reward_model import encode_scored, normalized_reward
+
+    with stage({**files, "policy": files["other"]}, tmp_path, "eval", eval_data=str(files["prompts"]), eval_samples=3, temperature=1.5,
+               max_new_tokens=5, value_model=str(files["value"])) as algo:
+        got = algo.evaluate(0)
+        recs = [json.loads(x) for x in (tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()]
+        again = algo.evaluate(0)
+        recs2 = [json.loads(x) for x in (tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()]
+        rm_tok = algo.rm_tok
+    assert len(recs) == 3 and [r["greedy"] for r in recs] == [r["greedy"] for r in recs2] and got == again
+    rm = classifier(files["rm"])
+    pairs = encode_scored(rm_tok, [r["prompt"] for r in recs], [r["greedy"] for r in recs])
+    with torch.no_grad():
+        raw = torch.stack([rm(input_ids=torch.tensor([list(pr) + list(rs)])).logits[0, 0].float() for pr, rs in pairs])
+    want = normalized_reward(raw, rm.config)
+    close(torch.tensor([r["rm_score"] for r in recs]), want, 1e-5)
+    assert got["eval/problems"] == 3.0 and got["eval/kl"] == 0.0
+    assert got["eval/reward"] == pytest.approx(want.mean().item(), rel=1e-5, abs=1e-7)
+    assert got["eval/pass@1/greedy"] == pytest.approx(sum(r["greedy_correct"] for r in recs) / 3)
+
+
+def test_ptx_from_sft_data_is_the_lm_loss_of_the_completions_only(files, tmp_path):
+    """--ptx-data in SFT form ({prompt, completion}: the 16 prompts' file), --ptx-batch-size 2, --ptx-coef 0.5,
+    every advantage 0: the policy's gradient is 0.5·∇(Σ NLL of the completion tokens given the chat-templated prompt
+    / completion tokens) over the two rows step_indices(16, 2, 0, seed + 1) names, on a fresh copy of the policy
+    (no loss on the prompt's tokens), and loss/ptx is that mean NLL."""
+    from align import data as D
+    from align.engine.run import step_indices
+
+    coef = 0.5
+    with stage({**files, "text": files["prompts"]}, tmp_path, "ptxsft", ptx_coef=coef, ptx_batch_size=2) as algo:
+        batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+        ro = algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)
+        stats = Stats()
+        with grads_of(algo.policy.module) as pol_g:
+            algo.update(0, {**batch, **ro, "adv": torch.zeros_like(ro["adv"])}, stats)
+        tok = algo.tok
+    rows = [json.loads(x) for x in files["prompts"].read_text().splitlines()]
+    pick = [rows[i] for i in step_indices(len(rows), 2, 0, algo.cfg.seed + 1)]
+    pol = causal_lm(files["policy"])
+    nll, count = 0.0, 0
+    for row in pick:
+        p = D.encode_prompts(tok, [row["prompt"]])[0]
+        c = D.encode_completions(tok, [row["completion"]])[0]
+        lp = pol(input_ids=torch.tensor([p + c])).logits[0, :-1].float().log_softmax(-1)
+        nll = nll - lp[len(p) - 1:].gather(-1, torch.tensor(c)[:, None]).sum()
+        count += len(c)
+    assert_same_grads(pol_g, pol, coef * nll / count, "ptx (sft data)")
+    assert stats.reduce("cpu")["loss/ptx"] == pytest.approx((nll / count).item(), rel=1e-5)

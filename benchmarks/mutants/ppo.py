@@ -13,6 +13,12 @@ SCORE = T + "test_the_score_is_the_rm_score_less_the_missing_eos_penalty_clipped
 APPROX = T + "test_max_approx_kl_stops_the_epoch_loop"
 ORDER = T + "test_minibatches_are_a_new_order_each_epoch_and_step_drawn_from_the_seed"
 STEP = T + "test_the_step_wires_beta_the_score_and_the_reference_into_the_rewards"
+GOLD = T + "test_the_gold_term_is_centred_on_the_other_episodes_mean_gold_per_episode"
+PROMPTS = T + "test_the_step_samples_the_seeded_prompts_of_each_step_with_the_samplers_options"
+PTX2 = T + "test_each_update_takes_the_next_seeded_ptx_batch_cut_at_ptx_max_length"
+APPROX2 = T + "test_max_approx_kl_compares_the_epochs_token_mean"
+EVAL = T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model"
+PTXSFT = T + "test_ptx_from_sft_data_is_the_lm_loss_of_the_completions_only"
 PPO = "stages/ppo.py"
 
 MUTATIONS: list[Mutation] = [
@@ -166,4 +172,50 @@ MUTATIONS: list[Mutation] = [
       'self.kl_ctl.value = state["kl_coef"]', "self.kl_ctl.value = self.kl_ctl.value", (STEP,)),
     M("ppo wiring: one epoch whatever --ppo-epochs", PPO,
       "for epoch in range(cfg.ppo_epochs):", "for epoch in range(1):", (ORDER,)),
+    # audit 2: options at non-default values, the whole step, per-element values
+    M("ppo wiring: --max-approx-kl compared with the epoch's summed KL", PPO,
+      "if total / max(tokens, 1.0) > cfg.max_approx_kl:", "if total > cfg.max_approx_kl:", (APPROX2,)),
+    M("ppo wiring: the same ptx batch every epoch of a step", PPO,
+      "self.ptx_step(step * self.updates_per_step + epoch * (self.n_local // self.mb_local) + u, stats)",
+      "self.ptx_step(step * self.updates_per_step + u, stats)", (PTX2,)),
+    M("ppo wiring: the same ptx batches every step", PPO,
+      "self.ptx_step(step * self.updates_per_step + epoch * (self.n_local // self.mb_local) + u, stats)",
+      "self.ptx_step(epoch * (self.n_local // self.mb_local) + u, stats)", (PTX2,)),
+    M("ppo wiring: the ptx order drawn from --seed itself (the prompts' stream)", PPO,
+      "update, seed=self.cfg.seed + 1)", "update, seed=self.cfg.seed)", (PTX2,)),
+    M("ppo wiring: --ptx-max-length ignored", PPO,
+      "ptx_examples(self.tok, cfg.ptx_data, cfg.ptx_max_length)", "ptx_examples(self.tok, cfg.ptx_data, 10**6)", (PTX2,)),
+    M("ppo wiring: the gold baseline is the batch mean (own episode included)", PPO,
+      "baseline = rl.leave_one_out_mean(gold, total, n)", "baseline = total / n", (GOLD,)),
+    M("ppo wiring: --gold-reward-coef ignored (weight 1)", PPO,
+      "cfg.gold_reward_coef, baseline,", "1.0, baseline,", (GOLD,)),
+    M("ppo wiring: the same prompts every step", PPO,
+      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)",
+      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, 0)", (PROMPTS,)),
+    M("ppo wiring: the prompts' order ignores --seed", PPO,
+      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)",
+      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step, seed=0)", (PROMPTS,)),
+    M("ppo wiring: the sampler ignores --top-k", PPO,
+      "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)",
+      "Sampling(cfg.max_new_tokens, cfg.temperature, 0, cfg.top_p)", (PROMPTS,)),
+    M("ppo wiring: the sampler ignores --max-new-tokens", PPO,
+      "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)",
+      "Sampling(64, cfg.temperature, cfg.top_k, cfg.top_p)", (PROMPTS,)),
+    M("ppo wiring: --max-prompt-length drops prompts of exactly that length", PPO,
+      "if len(p) <= cfg.max_prompt_length]", "if len(p) < cfg.max_prompt_length]", (GOLD,)),
+    M("ppo wiring: the gold_reward metric logs the RM's score", PPO,
+      'stats.mean("gold_reward", gold.sum(), n)', 'stats.mean("gold_reward", proxy.sum(), n)', (GOLD,)),
+    M("ppo wiring: eval/reward from the value network's head", PPO,
+      'r = score(self.rm, self.rm_tok, [x["prompt"] for x in recs]', 'r = score(self.value, self.rm_tok, [x["prompt"] for x in recs]',
+      (EVAL,)),
+    M("ppo wiring: the sampler ignores --top-p", PPO,
+      "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)",
+      "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, 1.0)", (PROMPTS,)),
+    M("ppo wiring: ptx from SFT data takes the loss on the prompt too", PPO,
+      'out = D.sft_examples(tok, D.load_rows(path, "sft"), max_length)',
+      'out = [{**e, "labels": e["input_ids"]} for e in D.sft_examples(tok, D.load_rows(path, "sft"), max_length)]',
+      (PTXSFT,)),
+    M("ppo wiring: --cliprange ignored (the default 0.2)", PPO,
+      'clipped_surrogate(logp, mm["old_logp"], mm["adv"], mask, cfg.cliprange)',
+      'clipped_surrogate(logp, mm["old_logp"], mm["adv"], mask, 0.2)', (UPD,)),
 ]
