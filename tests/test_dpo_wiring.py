@@ -73,6 +73,25 @@ def other_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def chatty_model_dir(tmp_path_factory) -> Path:
+    """The tiny model (seed 0) with the output rows of every token that decodes to nothing (special and template
+    tokens, EOS too) zeroed: its greedy continuations are visible text of exactly --max-new-tokens tokens (the
+    random tiny model's greedy repeats a template token, which decodes to '')."""
+    from align.models import load_causal_lm, load_tokenizer, resolve
+
+    src = resolve("tiny")
+    tok = load_tokenizer(src)
+    model = load_causal_lm(src, tok, torch.float32, seed=0)
+    silent = [i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True).strip() == ""]
+    with torch.no_grad():
+        model.get_output_embeddings().weight[silent] = 0
+    out = tmp_path_factory.mktemp("tiny_chatty")
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def write_rows(path: Path, rows) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -150,7 +169,8 @@ def test_sigmoid_reference_is_the_frozen_start_and_the_steps_are_the_hand_loss(t
     first --eval-pairs 5) use the same rewards β(log π − log π_ref)."""
     data = write_rows(tmp_path / "pairs.jsonl", PAIRS)
     beta, eps = 0.5, 0.1
-    cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data=data, eval_pairs=5, beta=beta,
+    heldout = write_rows(tmp_path / "held.jsonl", PAIRS[1:] + PAIRS[:1])  # --eval-data: another file (rotated)
+    cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data=heldout, eval_pairs=5, beta=beta,
                      label_smoothing=eps)
     init = hf_model(tiny_model_dir)
     for p in init.parameters():
@@ -195,7 +215,8 @@ def test_sigmoid_reference_is_the_frozen_start_and_the_steps_are_the_hand_loss(t
         with torch.no_grad():
             pol_c, pol_r = pair_logps(algo.policy.module, ex)
         held = algo.held_out()
-    pol_c, pol_r, init_c, init_r = pol_c[:5], pol_r[:5], init_c[:5], init_r[:5]  # --eval-pairs 5: the first 5
+    # --eval-pairs 5: the first 5 of --eval-data, i.e. training pairs 1..5
+    pol_c, pol_r, init_c, init_r = pol_c[1:6], pol_r[1:6], init_c[1:6], init_r[1:6]
     rc, rr = beta * (pol_c - init_c), beta * (pol_r - init_r)
     assert held["eval/rewards/accuracies"] == pytest.approx((rc > rr).float().mean().item(), abs=1e-6)
     close(held["eval/rewards/margins"], (rc - rr).mean())
@@ -341,7 +362,8 @@ def test_kto_reference_point_weights_and_held_out(tmp_path, tiny_model_dir, othe
     and the reference held constant, are the hand values."""
     data = write_rows(tmp_path / "rows.jsonl", KTO_ROWS)
     beta, w_d, w_u = 0.5, 2.0, 0.5
-    cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data=data, eval_pairs=5, beta=beta, loss="kto",
+    heldout = write_rows(tmp_path / "held.jsonl", KTO_ROWS[1:] + KTO_ROWS[:1])  # --eval-data: rotated rows
+    cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data=heldout, eval_pairs=5, beta=beta, loss="kto",
                      desirable_weight=w_d, undesirable_weight=w_u, ref_model=str(other_model_dir), seed=1)
     init, ref = hf_model(tiny_model_dir), hf_model(other_model_dir)
 
@@ -354,8 +376,8 @@ def test_kto_reference_point_weights_and_held_out(tmp_path, tiny_model_dir, othe
         ex = algo.examples
         label = torch.tensor([e["label"] for e in ex])
         with torch.no_grad():
-            r_all = beta * (logp(init, ex[:5]) - logp(ref, ex[:5]))  # --eval-pairs 5: the first 5 rows
-        label = label[:5]
+            r_all = beta * (logp(init, ex[1:6]) - logp(ref, ex[1:6]))  # --eval-pairs 5: the first 5 held-out rows
+        label = label[1:6]
         held = algo.held_out()
         assert held["eval/rewards/accuracies"] == pytest.approx(((r_all > 0) == label).float().mean().item(), abs=1e-6)
         close(held["eval/rewards/margins"], r_all[label].mean() - r_all[~label].mean())
@@ -427,6 +449,13 @@ def test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing(tmp_p
         windows = {s: algo.buffer[s] for s in (0, 1)}
         judged = scored()
         assert len(judged) == 2 * 4 * 3
+        # the window's prompts: those of run.indices(s) for each of its steps s, each --online-samples times
+        assert [j["prompt"] for j in judged] == [algo.rows[i]["prompt"] for s in (0, 1)
+                                                 for i in run.indices(len(algo.rows), cfg.batch_size, s)
+                                                 for _ in range(3)]
+        for s in (0, 1):
+            assert [p["prompt_ids"] for p in windows[s][0]] == [algo.prompt_ids[i] for i in
+                                                               run.indices(len(algo.rows), cfg.batch_size, s)]
         kl = 0.0
         for s, (pairs, weights, _) in windows.items():
             assert len(pairs) == 4 and 1 <= weights.sum() <= 3, weights  # ties and pairs in each step
@@ -472,3 +501,169 @@ def test_run_picks_the_variant_from_the_options(monkeypatch):
     for kw in ({}, {"loss": "simpo"}, {"loss": "kto"}, {"online": True}, {"online": True, "loss": "ipo"}):
         S.run(DPOConfig(**kw))
     assert picked == [("dpo", DPO), ("dpo", DPO), ("dpo", KTO), ("dpo", OnlineDPO), ("dpo", OnlineDPO)]
+
+
+def greedy_ids(model, prompt_ids: list, max_new: int, eos: int) -> list:
+    """The input model's greedy continuation of ONE prompt (EOS included when it comes), by argmax, unpadded."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt == eos:
+                break
+    return ids[len(prompt_ids):]
+
+
+def test_online_samples_at_the_temperature_option(tmp_path, tiny_model_dir):
+    """--online --temperature 1e-4 (non-default): the samples of a window are drawn at that temperature, so every
+    one of the --online-samples 2 samples of each slot's prompt is the input model's GREEDY continuation (at T 1
+    they would differ from it, and from each other); the samples scored by the judge are exactly those, each of
+    the step's prompts (the ones of run.indices(step)) once per sample; all tie, so every slot weighs 0 and the
+    step logs no pair."""
+    log = tmp_path / "scores.jsonl"
+    judge = tmp_path / "judge.py"
+    judge.write_text(JUDGE.format(log=str(log)))
+    prompts = [{"prompt": f"Write something about the number {n}.", "answer": str(n), "mode": "len"}
+               for n in range(6)]
+    data = write_rows(tmp_path / "prompts.jsonl", prompts)
+    cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data="", online=True, online_samples=2,
+                     max_new_tokens=10, verifier=f"{judge}:judge", temperature=1e-4, max_steps=1)
+    init = hf_model(tiny_model_dir)
+    with run:
+        algo = OnlineDPO(cfg, run)
+        eos = algo.tok.eos_token_id
+        idx = run.indices(len(algo.rows), cfg.batch_size, 0)
+        algo.sample_window(0)
+        pairs, weights, reward = algo.buffer[0]
+        judged = [json.loads(x) for x in log.read_text().splitlines()]
+        assert [j["prompt"] for j in judged] == [algo.rows[i]["prompt"] for i in idx for _ in range(2)]
+        for i, pair in zip(idx, pairs):
+            assert pair["prompt_ids"] == algo.prompt_ids[i]
+            want = greedy_ids(init, algo.prompt_ids[i], cfg.max_new_tokens, eos)
+            assert pair["chosen_ids"][: len(want)] == want and pair["rejected_ids"][: len(want)] == want
+            text = algo.tok.decode(want, skip_special_tokens=True)
+            assert [j["completion"] for j in judged if j["prompt"] == algo.rows[i]["prompt"]] == [text, text]
+        assert weights.tolist() == [0.0] * len(idx)
+        close(reward, sum(j["score"] for j in judged) / len(judged))
+
+
+def test_online_pairs_ranked_by_the_reward_model_option(tmp_path, tiny_model_dir, tiny_reward_model_dir):
+    """--online --reward-model RM (a scalar RM saved with offset 0.5), 2 samples a prompt at --temperature 1: the
+    judge is the RM's NORMALISED score of prompt + sample + EOS (each scored alone, by hand: value head at the last
+    token − 0.5), so in each slot the chosen sample scores above the rejected one (or the slot weighs 0 on a tie),
+    and `online/reward` logged by the step is the mean of those normalised scores over the step's samples."""
+    from transformers import AutoModelForSequenceClassification
+
+    from align.reward_model import encode_scored
+
+    prompts = [{"prompt": f"Tell me about the number {n}.", "answer": str(n)} for n in range(6)]
+    data = write_rows(tmp_path / "prompts.jsonl", prompts)
+    cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data="", online=True, online_samples=2,
+                     max_new_tokens=8, reward_model=str(tiny_reward_model_dir), max_steps=1)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_reward_model_dir, dtype=torch.float32).eval()
+
+    def rm_score(prompt: str, ids: list) -> float:
+        text = algo.tok.decode(ids, skip_special_tokens=True)
+        (p, r), = encode_scored(algo.tok, [prompt], [text])
+        with torch.no_grad():
+            return rm(input_ids=torch.tensor([p + r])).logits[0, 0].item() - 0.5
+
+    with run:
+        algo = OnlineDPO(cfg, run)
+        assert algo.judge is None and algo.rm is not None
+        idx = run.indices(len(algo.rows), cfg.batch_size, 0)
+        algo.sample_window(0)
+        pairs, weights, _ = algo.buffer[0]
+        scores = []
+        for i, pair, w in zip(idx, pairs, weights.tolist()):
+            assert pair["prompt_ids"] == algo.prompt_ids[i]
+            sc, sr = (rm_score(algo.rows[i]["prompt"], pair[k]) for k in ("chosen_ids", "rejected_ids"))
+            assert w == 1.0 and sc > sr + 1e-4, (sc, sr, w)  # two different samples, the better one chosen
+            scores += [sc, sr]
+        m = step(algo, 0)
+    assert m["pairs"] == 4
+    close(m["online/reward"], sum(scores) / len(scores), rel=1e-3, abs_=1e-4)
+
+
+PASS_JUDGE = '''import json
+
+def judge(prompt, completion, **row):
+    """Correct when the completion has an even number of characters; logs each call."""
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"prompt": prompt, "completion": completion}}) + "\\n")
+    return float(len(completion) % 2 == 0)
+'''
+
+
+def test_pass_at_1_on_the_first_eval_samples_greedy_with_the_verifier(tmp_path, chatty_model_dir):
+    """--max-length 32 cuts the pairs' prompts from the left (the responses whole). --pass-data (5 rows),
+    --eval-samples 3, --max-new-tokens 5, --verifier a logging judge: evaluate(0) checks the
+    GREEDY continuations (at most 5 tokens) of the input model on the first 3 problems, once each, with that judge;
+    eval/pass@1/greedy is the mean of its verdicts, eval/problems 3; final_metrics reports the start's as
+    pass@1/reference."""
+    log = tmp_path / "verdicts.jsonl"
+    judge = tmp_path / "judge.py"
+    judge.write_text(PASS_JUDGE.format(log=str(log)))
+    rows = [{"prompt": f"What is {n} + {n + 2}?", "answer": str(2 * n + 2)} for n in range(5)]
+    pass_data = write_rows(tmp_path / "pass.jsonl", rows)
+    data = write_rows(tmp_path / "pairs.jsonl", PAIRS)
+    cfg, run = stage(tmp_path, chatty_model_dir, data=data, eval_data="", pass_data=pass_data, eval_samples=3,
+                     max_new_tokens=5, verifier=f"{judge}:judge", max_length=32)
+    init = hf_model(chatty_model_dir)
+    with run:
+        algo = DPO(cfg, run)
+        from align.data import encode_completions, encode_prompts
+
+        cut = 0  # --max-length 32: each pair's prompt loses tokens from the LEFT so prompt + the longer response fits
+        for e, r, p in zip(algo.examples, PAIRS, encode_prompts(algo.tok, [r["prompt"] for r in PAIRS])):
+            c, j = encode_completions(algo.tok, [r["chosen"], r["rejected"]])
+            keep = p[max(0, len(p) + max(len(c), len(j)) - 32):]
+            assert (e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) == (keep, c, j)
+            cut += len(keep) < len(p)
+        assert len(algo.examples) == len(PAIRS) and cut >= 2
+        m = algo.evaluate(0)
+        eos = algo.tok.eos_token_id
+        want = [algo.tok.decode(greedy_ids(init, p, 5, eos), skip_special_tokens=True)
+                for p in encode_prompts(algo.tok, [r["prompt"] for r in rows[:3]])]
+    judged = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [j["prompt"] for j in judged] == [r["prompt"] for r in rows[:3]]
+    assert [j["completion"] for j in judged] == want and all(w.strip() for w in want)
+    assert m["eval/problems"] == 3.0
+    close(m["eval/pass@1/greedy"], sum(len(w) % 2 == 0 for w in want) / 3)
+    assert algo.final_metrics({k: 0.0 for k in algo.train_keys}, m)["pass@1/reference"] == m["eval/pass@1/greedy"]
+
+
+
+def test_optimiser_options_and_columns_reach_the_step(tmp_path, tiny_model_dir):
+    """--lr 2e-3 --weight-decay 0.5 (non-default), --warmup-steps 0, ZeRO-0, and --columns renaming the data's
+    q/good/bad to prompt/chosen/rejected: the pairs are the renamed rows'. The first AdamW step from the same start
+    with --weight-decay 0.5 and with 0 differs by exactly −lr·wd·w0 on every matrix and not at all on a 1-D (norm)
+    weight (decoupled decay, matrices only), and without decay no weight moves by more than lr, the largest
+    moves by lr (Adam's first step is lr · g/(|g| + eps))."""
+    from align.data import encode_completions
+
+    renamed = [{"q": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in PAIRS]
+    data = write_rows(tmp_path / "renamed.jsonl", renamed)
+    lr, wd = 2e-3, 0.5
+    after = {}
+    for decay in (wd, 0.0):
+        cfg, run = stage(tmp_path / str(decay), tiny_model_dir, data=data, eval_data="",
+                         columns="q=prompt,good=chosen,bad=rejected", lr=lr, weight_decay=decay, zero_stage=0)
+        with run:
+            algo = DPO(cfg, run)
+            assert [e["chosen_ids"] for e in algo.examples] == encode_completions(algo.tok, [r["chosen"] for r in PAIRS])
+            assert [e["rejected_ids"] for e in algo.examples] == encode_completions(algo.tok,
+                                                                                    [r["rejected"] for r in PAIRS])
+            params = dict(algo.policy.module.named_parameters())
+            w0 = {k: p.detach().clone() for k, p in params.items()}
+            step(algo, 0)
+            after[decay] = {k: p.detach().clone() for k, p in params.items()}
+    dims = set()
+    for k, w in w0.items():
+        want = -lr * wd * w if w.dim() >= 2 else torch.zeros_like(w)
+        torch.testing.assert_close(after[wd][k] - after[0.0][k], want, atol=2e-8, rtol=1e-3, msg=k)
+        dims.add(min(w.dim(), 2))
+    assert dims == {1, 2}
+    moves = torch.cat([(after[0.0][k] - w0[k]).abs().flatten() for k in w0])
+    assert moves.max().item() == pytest.approx(lr, rel=1e-4)

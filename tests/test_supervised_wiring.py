@@ -22,6 +22,25 @@ def single_process_env(single_process):
     """Every test here builds engines in this process (tests/conftest.py)."""
 
 
+@pytest.fixture(scope="session")
+def chatty_model_dir(tmp_path_factory) -> Path:
+    """The tiny model (seed 0) with the output rows of every token that decodes to nothing (special and template
+    tokens, EOS too) zeroed: its greedy continuations are visible text of exactly --max-new-tokens tokens (the
+    random tiny model's greedy repeats a template token, which decodes to '')."""
+    from align.models import load_causal_lm, load_tokenizer, resolve
+
+    src = resolve("tiny")
+    tok = load_tokenizer(src)
+    model = load_causal_lm(src, tok, torch.float32, seed=0)
+    silent = [i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True).strip() == ""]
+    with torch.no_grad():
+        model.get_output_embeddings().weight[silent] = 0
+    out = tmp_path_factory.mktemp("tiny_chatty")
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def write_rows(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -306,6 +325,96 @@ def test_rm_normalisation_makes_the_reference_responses_score_zero_mean_unit_std
     got = [json.loads(line)["reward"] for line in (tmp_path / "scores/scores.jsonl").read_text().splitlines()]
     assert got == pytest.approx(want.tolist(), abs=1e-4)
 
+    # `rm score --columns q=prompt,a=response --max-length 30 --batch-size 4`: renamed columns, prompts cut from
+    # the left to fit 30 tokens with the response (+ EOS), every row's normalised score, and the mean / std
+    from align.reward_model import encode_scored
+
+    renamed = [{"q": r["prompt"], "a": r["chosen"]} for r in rows[:6]]
+    score_in2 = write_rows(tmp_path / "score2.jsonl", renamed)
+    cut = encode_scored(tok, [r["q"] for r in renamed], [r["a"] for r in renamed], 30)
+    assert all(len(p) + len(r) == 30 for p, r in cut)
+    with torch.no_grad():
+        want2 = (torch.stack([scalar_score(model, p + r) for p, r in cut]) - offset) / scale
+    scfg = RMScoreConfig(model=str(out), data=str(score_in2), out=str(tmp_path / "scores2"), zero_stage=0,
+                         columns="q=prompt,a=response", max_length=30, batch_size=4)
+    scfg.validate()
+    try:
+        sm = run_score(scfg)
+    finally:
+        unset_hf_deepspeed_config()
+    got2 = [json.loads(line) for line in (tmp_path / "scores2/scores.jsonl").read_text().splitlines()]
+    assert [g["reward"] for g in got2] == pytest.approx(want2.tolist(), abs=1e-4)
+    assert sm["rows"] == 6 and sm["reward/mean"] == pytest.approx(want2.mean().item(), abs=1e-4)
+    assert sm["reward/std"] == pytest.approx(want2.std().item(), abs=1e-4)
+
+    # `rm eval` (--max-length 40: prompts cut from the left, --batch-size 3: several forwards): its accuracy,
+    # rewards and margin are those of the NORMALISED scores of each pair's sides, pairs.jsonl too
+    from stages.rm import RMEvalConfig, run_eval
+
+    held_rows = head("prefs/train.jsonl", 7, skip=200)
+    held = write_rows(tmp_path / "eval.jsonl", held_rows)
+    hx = preference_examples(tok, held_rows, 40)[0]
+    assert any(len(e["prompt_ids"]) + max(len(e["chosen_ids"]), len(e["rejected_ids"])) == 40 for e in hx)
+    with torch.no_grad():
+        nc = (torch.stack([scalar_score(model, e["prompt_ids"] + e["chosen_ids"]) for e in hx]) - offset) / scale
+        nr = (torch.stack([scalar_score(model, e["prompt_ids"] + e["rejected_ids"]) for e in hx]) - offset) / scale
+    ecfg = RMEvalConfig(model=str(out), data=str(held), out=str(tmp_path / "eval"), zero_stage=0, max_length=40,
+                        batch_size=3)
+    ecfg.validate()
+    try:
+        em = run_eval(ecfg)
+    finally:
+        unset_hf_deepspeed_config()
+    assert em["pairs"] == len(hx) == 7
+    assert em["accuracy"] == pytest.approx((nc > nr).float().mean().item())
+    assert em["rewards/chosen"] == pytest.approx(nc.mean().item(), abs=1e-4)
+    assert em["rewards/rejected"] == pytest.approx(nr.mean().item(), abs=1e-4)
+    assert em["margin/mean"] == pytest.approx((nc - nr).mean().item(), abs=1e-4)
+    assert sum(v for k, v in em.items() if k.endswith("/n")) == 7
+    per = [json.loads(line) for line in (tmp_path / "eval/pairs.jsonl").read_text().splitlines()]
+    assert [r["reward_chosen"] for r in per] == pytest.approx(nc.tolist(), abs=1e-4)
+    assert [r["reward_rejected"] for r in per] == pytest.approx(nr.tolist(), abs=1e-4)
+    assert [r["correct"] for r in per] == (nc > nr).tolist()
+
+
+def test_rm_normalisation_on_policy_samples_end_in_eos(tiny_model_dir, tmp_path):
+    """--columns q=prompt reads the renamed data; --max-length 45 cuts the pairs' prompts from the left (responses
+    whole).
+    --normalize-on-policy MODEL, --max-new-tokens 6, --normalize-samples 5: the reference set is one sample of
+    MODEL per prompt of the first 5 training pairs (those prompts, in order), each response at most 6 sampled
+    tokens and ending in EOS (appended to the ones the budget cut: the reward model is trained on responses that
+    end in EOS); the saved offset is the mean raw score of exactly those sequences, each scored alone."""
+    from align.reward_model import OFFSET_KEY, SCALE_KEY
+    from stages.rm import RewardModel
+
+    data = prefs(tmp_path, 8)
+    renamed = write_rows(tmp_path / "renamed.jsonl", [{"q" if k == "prompt" else k: v for k, v in json.loads(x).items()}
+                                                      for x in data.read_text().splitlines()])
+    cfg = rm_config(tmp_path, "onpol", renamed, model=tiny_model_dir, normalize_on_policy=str(tiny_model_dir),
+                    max_new_tokens=6, max_length=45, columns="q=prompt")
+    with stage(RewardModel, cfg, "rm") as algo:
+        from align.data import encode_completions, encode_prompts
+
+        eos, tok = algo.tok.eos_token_id, algo.tok
+        rows = [json.loads(line) for line in data.read_text().splitlines()]
+        cut = 0  # --max-length 45: prompts cut from the LEFT so that prompt + the longer response fits
+        for e, r, p in zip(algo.examples, rows, encode_prompts(tok, [r["prompt"] for r in rows])):
+            c, j = encode_completions(tok, [r["chosen"], r["rejected"]])
+            keep = p[max(0, len(p) + max(len(c), len(j)) - 45):]
+            assert (e["prompt_ids"], e["chosen_ids"], e["rejected_ids"]) == (keep, c, j)
+            cut += len(keep) < len(p)
+        assert len(algo.examples) == 8 and cut >= 3
+        out = algo.output()
+        ref = [json.loads(line) for line in (Path(cfg.out) / "normalization.jsonl").read_text().splitlines()]
+        with torch.no_grad():
+            raw = torch.stack([scalar_score(algo.rm.module, r["prompt_ids"] + r["response_ids"]) for r in ref])
+        assert [r["prompt_ids"] for r in ref] == [e["prompt_ids"] for e in algo.examples[:5]]
+    assert all(r["response_ids"][-1] == eos and 2 <= len(r["response_ids"]) <= 7 for r in ref)
+    assert all(eos not in r["response_ids"][:-1] for r in ref)
+    assert any(len(r["response_ids"]) == 7 for r in ref)  # the budget cut some: their EOS was appended
+    assert [r["raw"] for r in ref] == pytest.approx(raw.tolist(), abs=1e-5)
+    assert out.config[OFFSET_KEY] == pytest.approx(raw.mean().item(), abs=1e-5) and out.config[SCALE_KEY] == 1.0
+
 
 # ---------------------------------------------------------------------------------------------------------- SFT
 
@@ -400,3 +509,61 @@ def test_sft_packing_gives_the_loss_of_the_examples_run_separately(tiny_model_di
         grads, norm = hand_gradient(nll / n, module)
         got = check_update(module, grads, norm, algo.policy, lambda: algo.step(0).reduce("cpu"))
     assert got["loss"] == pytest.approx((nll / n).item(), rel=1e-5)
+
+
+PASS_JUDGE = '''import json
+
+def judge(prompt, completion, **row):
+    """Correct when the completion has an even number of characters; logs each call."""
+    with open({log!r}, "a") as f:
+        f.write(json.dumps({{"prompt": prompt, "completion": completion}}) + "\\n")
+    return float(len(completion) % 2 == 0)
+'''
+
+
+def greedy_text(module, tok, prompt_ids: list, max_new: int) -> str:
+    """The model's greedy continuation of ONE prompt by argmax (stops at EOS), decoded."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(module(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())
+            ids.append(nxt)
+            if nxt == tok.eos_token_id:
+                break
+    return tok.decode(ids[len(prompt_ids):], skip_special_tokens=True)
+
+
+def test_sft_held_out_pass_at_1_and_max_length(chatty_model_dir, tmp_path):
+    """SFT's options beyond the loss: --columns question=prompt reads the renamed data; --max-length 40 cuts prompts from the LEFT (each example's ids are the last
+    tokens of prompt + completion that fit; its completion whole, its labels only the completion's) and drops an
+    example whose completion alone does not fit; held-out pass@1 runs on the first --eval-samples 2 rows with an
+    `answer`, greedy, at most --max-new-tokens 4 tokens, judged by --verifier: the judge sees exactly those
+    continuations of the policy, eval/pass@1 is the mean of its verdicts."""
+    from align.data import encode_prompts
+    from stages.sft import SFT
+
+    log = tmp_path / "verdicts.jsonl"
+    judge = tmp_path / "judge.py"
+    judge.write_text(PASS_JUDGE.format(log=str(log)))
+    rows = head("arithmetic/train.jsonl", 6) + [{"prompt": "hi", "completion": " ".join(["word"] * 60)}]
+    held_rows = head("arithmetic/test.jsonl", 4)
+    data = write_rows(tmp_path / "train.jsonl", [{"question": r["prompt"], "completion": r["completion"]} for r in rows])
+    held = write_rows(tmp_path / "held.jsonl", held_rows)
+    cfg = sft_config(tmp_path, "sftpass", data, model=chatty_model_dir, eval_data=str(held), eval_samples=2,
+                     max_new_tokens=4, verifier=f"{judge}:judge", max_length=40, columns="question=prompt")
+    with stage(SFT, cfg, "sft") as algo:
+        tok, module = algo.tok, algo.policy.module
+        pairs = prompt_completion(tok, rows[:6])
+        assert len(algo.examples) == 6  # the long completion's example dropped
+        cut = 0
+        for e, (p, c) in zip(algo.examples, pairs):
+            keep = p[max(0, len(p) + len(c) - 40):]
+            cut += len(keep) < len(p)
+            assert e["input_ids"] == keep + c and e["labels"] == [-100] * len(keep) + c and e["n_labels"] == len(c)
+        assert cut > 0
+        m = algo.evaluate(1)
+        want = [greedy_text(module, tok, p, 4) for p in encode_prompts(tok, [r["prompt"] for r in held_rows[:2]])]
+    judged = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [j["prompt"] for j in judged] == [r["prompt"] for r in held_rows[:2]]
+    assert [j["completion"] for j in judged] == want and all(w.strip() for w in want)
+    assert m["eval/pass@1"] == pytest.approx(sum(len(w) % 2 == 0 for w in want) / 2)

@@ -13,6 +13,10 @@ RPO = T + "test_rpo_nll_term_on_dpo_against_the_ref_model"
 KTO = T + "test_kto_reference_point_weights_and_held_out"
 ONLINE = T + "test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing"
 PICK = T + "test_run_picks_the_variant_from_the_options"
+TEMP = T + "test_online_samples_at_the_temperature_option"
+RMJ = T + "test_online_pairs_ranked_by_the_reward_model_option"
+PASS = T + "test_pass_at_1_on_the_first_eval_samples_greedy_with_the_verifier"
+OPTIM = T + "test_optimiser_options_and_columns_reach_the_step"
 
 MUTATIONS: list[Mutation] = [
     # which model is the reference
@@ -112,4 +116,40 @@ MUTATIONS: list[Mutation] = [
     # the variant
     M("dpo wiring: --online trains plain DPO", F, "KTO if cfg.unpaired else OnlineDPO if cfg.online else DPO",
       "KTO if cfg.unpaired else DPO", (PICK,)),
+    # online sampling options (gaps audit)
+    M("dpo wiring: online --temperature ignored (T = 1)", F,
+      "Sampling(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)",
+      "Sampling(max_new_tokens=cfg.max_new_tokens, temperature=1.0, seed=cfg.seed)", (TEMP,)),
+    M("dpo wiring: online judge scores every sample by the group's first", F,
+      "return torch.tensor([float(self.judge(r[\"prompt\"], c.text, **row_fields(r))) for r, c in zip(rows, completions)])",
+      "return torch.tensor([float(self.judge(r[\"prompt\"], completions[0].text, **row_fields(r))) for r, c in zip(rows, completions)])",
+      (ONLINE,)),
+    M("dpo wiring: online --reward-model ranking reversed", F,
+      "return score(self.rm, self.rm_tok, texts,", "return -score(self.rm, self.rm_tok, texts,", (RMJ,)),
+    M("dpo wiring: online --reward-model scores every sample under the first row's prompt", F,
+      'texts = [r["prompt"] for r in rows]', 'texts = [rows[0]["prompt"] for r in rows]', (RMJ,)),
+    # pass@1 and the data's options
+    M("dpo wiring: pass@1 --max-new-tokens ignored", F,
+      "sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))",
+      "sampling=Sampling(max_new_tokens=48, temperature=0.0))", (PASS,)),
+    M("dpo wiring: pass@1 --verifier ignored", F,
+      "self.verifiable, self.run.dist, verifier=cfg.verifier,", 'self.verifiable, self.run.dist, verifier="auto",',
+      (PASS,)),
+    M("dpo wiring: --eval-samples ignored (all of --pass-data)", F, "limit=cfg.eval_samples,", "limit=0,", (PASS,)),
+    M("dpo wiring: --max-length ignored for the pairs", F,
+      "return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length,",
+      "return load_pairs(path, self.cfg.columns, self.tok, 256,", (PASS,)),
+    M("dpo wiring: --weight-decay ignored", F, "cfg.weight_decay), micro=self.micro, accum=accum)",
+      "0.0), micro=self.micro, accum=accum)", (OPTIM,)),
+    M("dpo wiring: --lr ignored (the default)", F, "Optim(cfg.lr, cfg.max_steps", "Optim(1e-4, cfg.max_steps", (OPTIM,)),
+    M("dpo wiring: --columns ignored", F, "return load_pairs(path, self.cfg.columns,", 'return load_pairs(path, "",',
+      (OPTIM,)),
+    M("dpo wiring: held-out pairs read from --data, not --eval-data", F,
+      "self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else []",
+      "self.eval_examples = self.load_examples(cfg.data) if cfg.eval_data else []", (SIGMOID, KTO)),
+    M("dpo wiring: --eval-pairs keeps the last pairs", F, "self.eval_examples = self.eval_examples[: cfg.eval_pairs]",
+      "self.eval_examples = self.eval_examples[-cfg.eval_pairs :]", (SIGMOID, KTO)),
+    M("dpo wiring: online window samples step 0's prompts for every step", F,
+      "idx = [i for s in steps for i in self.run.indices(len(self.rows), cfg.batch_size, s)]",
+      "idx = [i for s in steps for i in self.run.indices(len(self.rows), cfg.batch_size, step)]", (ONLINE,)),
 ]

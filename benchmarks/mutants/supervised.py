@@ -9,6 +9,8 @@ LIK = (T + "test_rm_likelihood_head_scores_the_mean_response_log_prob",)
 NORM = (T + "test_rm_normalisation_makes_the_reference_responses_score_zero_mean_unit_std",)
 SFT = (T + "test_sft_loss_is_the_token_mean_nll_of_completion_tokens_whatever_the_micro_batching",)
 PACK = (T + "test_sft_packing_gives_the_loss_of_the_examples_run_separately",)
+ONPOL = (T + "test_rm_normalisation_on_policy_samples_end_in_eos",)
+SFTPASS = (T + "test_sft_held_out_pass_at_1_and_max_length",)
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -123,4 +125,44 @@ MUTATIONS: list[Mutation] = [
       'return {"input_ids": torch.tensor(ids), "position_ids": torch.tensor(pos), "labels": torch.tensor(labels)}',
       'return {"input_ids": torch.tensor(ids), "position_ids": torch.tensor(pos), "labels": torch.tensor(labels), '
       '"attention_mask": torch.ones(len(ids), len(ids[0]), dtype=torch.long)}', PACK),
+    # ---- gaps audit: rm eval and on-policy normalisation
+    M("supervised wiring: rm eval metrics ignore the model's normalisation", "stages/rm.py",
+      "return run.complete(pair_metrics(rc, rr, config),", "return run.complete(pair_metrics(rc, rr, {}),", NORM),
+    M("supervised wiring: rm eval pairs.jsonl raw, not normalised", "stages/rm.py",
+      "nc, nr = normalized_reward(rc, config), normalized_reward(rr, config)", "nc, nr = rc, rr", NORM),
+    M("supervised wiring: rm eval --max-length ignored", "stages/rm.py",
+      "examples = load_pairs(cfg.data, cfg.columns, tok, cfg.max_length)",
+      "examples = load_pairs(cfg.data, cfg.columns, tok, 256)", NORM),
+    M("supervised wiring: rm normalisation on-policy samples without EOS appended", "stages/rm.py",
+      "o.ids + ([] if o.finished else [self.tok.eos_token_id])", "o.ids", ONPOL),
+    M("supervised wiring: rm normalisation on-policy --max-new-tokens ignored", "stages/rm.py",
+      "Sampling(max_new_tokens=cfg.max_new_tokens, temperature=1.0, seed=cfg.seed), dist)",
+      "Sampling(max_new_tokens=48, temperature=1.0, seed=cfg.seed), dist)", ONPOL),
+    M("supervised wiring: rm normalisation --normalize-on-policy ignored (chosen responses)", "stages/rm.py",
+      "if self.policy_source is None:", "if True:", ONPOL),
+    # ---- gaps audit: SFT's held-out pass@1 and --max-length
+    M("supervised wiring: sft: --eval-samples ignored", "stages/sft.py",
+      '"prompt" in r][: cfg.eval_samples],', '"prompt" in r],', SFTPASS),
+    M("supervised wiring: sft: pass@1 --max-new-tokens ignored", "stages/sft.py",
+      "sampling=Sampling(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0))",
+      "sampling=Sampling(max_new_tokens=48, temperature=0.0))", SFTPASS),
+    M("supervised wiring: sft: pass@1 --verifier ignored", "stages/sft.py",
+      "verifier=self.cfg.verifier,", 'verifier="auto",', SFTPASS),
+    M("supervised wiring: sft: --max-length ignored", "stages/sft.py",
+      "examples = D.sft_examples(self.tok, rows, cfg.max_length)", "examples = D.sft_examples(self.tok, rows, 256)",
+      SFTPASS),
+    M("supervised wiring: rm: --max-length ignored for the training pairs", "stages/rm.py",
+      "self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)",
+      "self.examples = load_pairs(cfg.data, cfg.columns, self.tok, 256)", ONPOL),
+    M("supervised wiring: rm score --max-length ignored", "stages/rm.py",
+      '[r["response"] for r in rows], cfg.max_length)', '[r["response"] for r in rows], 0)', NORM),
+    M("supervised wiring: rm score reward/std of raw rewards", "stages/rm.py",
+      '"reward/std": rewards.std().item() if len(rows) > 1 else 0.0',
+      '"reward/std": rewards.std().item() * float(eng.module.config.align_reward_scale) if len(rows) > 1 else 0.0',
+      NORM),
+    M("supervised wiring: rm: --columns ignored for the training pairs", "stages/rm.py",
+      "self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)",
+      'self.examples = load_pairs(cfg.data, "", self.tok, cfg.max_length)', ONPOL),
+    M("supervised wiring: sft: --columns ignored", "stages/sft.py",
+      'rows = D.load_rows(cfg.data, "sft", cfg.columns)', 'rows = D.load_rows(cfg.data, "sft", "")', SFTPASS),
 ]
