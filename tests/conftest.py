@@ -338,15 +338,23 @@ def single_process(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", os.environ.get("MASTER_PORT", str(free_port())))
 
 
-def save_tiny_model(out: Path, seed: int) -> Path:
-    """The `tiny` preset (random init with `seed`) saved in `out` with save_pretrained + the shipped tokenizer."""
+def save_tiny_model(out: Path, seed: int, silent_head: bool = False) -> Path:
+    """The `tiny` preset (random init with `seed`) saved in `out` with save_pretrained + the shipped tokenizer.
+    `silent_head`: the output rows of every token that decodes to nothing (special and template tokens, EOS too)
+    zeroed, so that greedy continuations are visible text of exactly --max-new-tokens tokens (the random tiny
+    model's greedy repeats a template token, which decodes to '')."""
     import torch
 
     from align.models import load_causal_lm, load_tokenizer, resolve
 
     ref = resolve("tiny")
     tok = load_tokenizer(ref)
-    load_causal_lm(ref, tok, torch.float32, seed=seed).save_pretrained(out, safe_serialization=True)
+    model = load_causal_lm(ref, tok, torch.float32, seed=seed)
+    if silent_head:
+        silent = [i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True).strip() == ""]
+        with torch.no_grad():
+            model.get_output_embeddings().weight[silent] = 0
+    model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
 
@@ -355,6 +363,18 @@ def save_tiny_model(out: Path, seed: int) -> Path:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The `tiny` preset (random init, seed 0) saved with save_pretrained + the shipped tokenizer."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_model_dir(tmp_path_factory) -> Path:
+    """A second tiny model (the `tiny` preset initialised with seed 1): a --ref-model or teacher unlike the first."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_model_seed1"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def chatty_model_dir(tmp_path_factory) -> Path:
+    """The tiny model (seed 0) whose greedy answers are visible text (save_tiny_model's `silent_head`)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_chatty"), seed=0, silent_head=True)
 
 
 @contextlib.contextmanager

@@ -59,37 +59,6 @@ def single_process_env(single_process):
     unset_hf_deepspeed_config()
 
 
-@pytest.fixture(scope="session")
-def other_model_dir(tmp_path_factory) -> Path:
-    """A second tiny model (the `tiny` preset initialised with seed 1): a --ref-model unlike the input model."""
-    from align.models import load_causal_lm, load_tokenizer, resolve
-
-    ref = resolve("tiny")
-    tok = load_tokenizer(ref)
-    model = load_causal_lm(ref, tok, torch.float32, seed=1)
-    out = tmp_path_factory.mktemp("tiny_model_seed1")
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="session")
-def chatty_model_dir(tmp_path_factory) -> Path:
-    """The tiny model (seed 0) with the output rows of every token that decodes to nothing (special and template
-    tokens, EOS too) zeroed: its greedy continuations are visible text of exactly --max-new-tokens tokens (the
-    random tiny model's greedy repeats a template token, which decodes to '')."""
-    from align.models import load_causal_lm, load_tokenizer, resolve
-
-    src = resolve("tiny")
-    tok = load_tokenizer(src)
-    model = load_causal_lm(src, tok, torch.float32, seed=0)
-    silent = [i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True).strip() == ""]
-    with torch.no_grad():
-        model.get_output_embeddings().weight[silent] = 0
-    out = tmp_path_factory.mktemp("tiny_chatty")
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
 
 
 def write_rows(path: Path, rows) -> str:

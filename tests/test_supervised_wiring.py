@@ -22,24 +22,6 @@ def single_process_env(single_process):
     """Every test here builds engines in this process (tests/conftest.py)."""
 
 
-@pytest.fixture(scope="session")
-def chatty_model_dir(tmp_path_factory) -> Path:
-    """The tiny model (seed 0) with the output rows of every token that decodes to nothing (special and template
-    tokens, EOS too) zeroed: its greedy continuations are visible text of exactly --max-new-tokens tokens (the
-    random tiny model's greedy repeats a template token, which decodes to '')."""
-    from align.models import load_causal_lm, load_tokenizer, resolve
-
-    src = resolve("tiny")
-    tok = load_tokenizer(src)
-    model = load_causal_lm(src, tok, torch.float32, seed=0)
-    silent = [i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True).strip() == ""]
-    with torch.no_grad():
-        model.get_output_embeddings().weight[silent] = 0
-    out = tmp_path_factory.mktemp("tiny_chatty")
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    return out
-
 
 def write_rows(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -257,11 +239,6 @@ def test_rm_normalisation_makes_the_reference_responses_score_zero_mean_unit_std
     std of the raw scores of the chosen responses of the first 5 training pairs; normalization.jsonl and every
     consumer of the saved model (score_ids: PPO, GRPO; `rm score`) read (raw − offset) / scale — in that order,
     tested with an offset far from 0 and a scale far from 1 — so the reference set scores mean 0, std 1."""
-    from align.models import load_tokenizer, resolve
-    from align.reward_model import OFFSET_KEY, SCALE_KEY, load_reward_model, score_ids
-    from stages.rm import RewardModel, RMScoreConfig, run_score
-    from align.engine.run import train
-
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from align.data import preference_examples
