@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))  # `python benchmarks/mutations.py` as well as `py
 from benchmarks.mutants import Mutation, all_mutations  # noqa: E402
 
 TIMEOUT_S = 300  # one mutation's tests; past it the mutation counts as caught (the tests hang: a test run would fail)
+BASELINE_TIMEOUT_S = 3600  # every named test, unmutated, in one process
 # Imported once here, before any fork: what every test process imports first (~3.5 s of CPU each time otherwise).
 PRELOAD = ("torch", "transformers", "deepspeed", "safetensors.torch", "peft", "pytest", "xdist",
            "transformers.models.llama.modeling_llama")
@@ -149,7 +150,8 @@ class Slot:
             pass
 
 
-def run_all(slots: list[Slot], jobs: list[tuple[Mutation | None, tuple[str, ...]]], on_done) -> None:
+def run_all(slots: list[Slot], jobs: list[tuple[Mutation | None, tuple[str, ...]]], on_done,
+            timeout: float = TIMEOUT_S) -> None:
     """Run every (mutation, tests) job on the free slots; on_done(mutation, exit code or None on a timeout, s, log)."""
     pending, busy = list(jobs), {}
     while pending or busy:
@@ -160,7 +162,7 @@ def run_all(slots: list[Slot], jobs: list[tuple[Mutation | None, tuple[str, ...]
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             for slot in busy.values():
-                if time.time() - slot.t > TIMEOUT_S:
+                if time.time() - slot.t > timeout:
                     slot.kill()
             time.sleep(0.05)
             continue
@@ -168,7 +170,7 @@ def run_all(slots: list[Slot], jobs: list[tuple[Mutation | None, tuple[str, ...]
         if slot is None:
             continue
         code = os.waitstatus_to_exitcode(status)
-        timed_out = time.time() - slot.t > TIMEOUT_S
+        timed_out = time.time() - slot.t > timeout
         log = (slot.root / ".mutation.log").read_text(errors="replace")
         m, seconds = slot.m, time.time() - slot.t
         slot.finish()
@@ -201,7 +203,7 @@ def main() -> int:
         imported = Path(tmp) / "imported.txt"
         os.environ["ALIGN_MUTATIONS_IMPORTED"] = str(imported)
         run_all(slots[:1], [(None, tuple(baseline))],
-                lambda m, code, s, log: failed.append(log) if code != 0 else None)
+                lambda m, code, s, log: failed.append(log) if code != 0 else None, BASELINE_TIMEOUT_S)
         del os.environ["ALIGN_MUTATIONS_IMPORTED"]
         if failed:
             print(failed[0][-6000:], file=sys.stderr)
