@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))  # `python benchmarks/mutations.py` as well as `py
 
 from benchmarks.mutants import Mutation, all_mutations  # noqa: E402
 
-TIMEOUT_S = 300  # one mutation's tests; past it the mutation counts as caught (the tests hang: a test run would fail)
+TIMEOUT_S = 300  # one mutation's tests (--timeout); past it the mutation is not counted as caught: name faster tests
 BASELINE_TIMEOUT_S = 3600  # every named test, unmutated, in one process
 # Imported once here, before any fork: what every test process imports first (~3.5 s of CPU each time otherwise).
 PRELOAD = ("torch", "transformers", "deepspeed", "safetensors.torch", "peft", "pytest", "xdist",
@@ -181,6 +181,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-k", default="", help="only the mutations whose name contains this")
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="mutations run at once")
+    ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds one mutation's tests may take "
+                                                                      "(past it: not caught)")
     ap.add_argument("--mutants", default="", help="a Python file whose list MUTATIONS (of benchmarks.mutants.Mutation) "
                                                   "is run instead of the benchmark's")
     args = ap.parse_args()
@@ -216,25 +218,25 @@ def main() -> int:
         def done(m, code, seconds, log):
             verdict = "caught" if code != 0 else "**SURVIVED**"
             if code is None:
-                verdict = "caught (timed out)"
+                verdict = "**TIMED OUT**"
             elif code not in (0, 1):  # 2: interrupted or a collection error (the mutation broke an import), ...
                 verdict = f"caught (pytest exit {code})"
             results[m.name] = (verdict, seconds)
             print(f"[{len(results)}/{len(mutations)}] {m.name}: {verdict} ({seconds:.0f} s)", file=sys.stderr,
                   flush=True)
 
-        run_all(slots, [(m, m.tests) for m in mutations], done)
+        run_all(slots, [(m, m.tests) for m in mutations], done, args.timeout)
     rows = []
     for m in mutations:
         verdict, seconds = results[m.name]
         tests = " ".join(Path(t.split("::")[0]).name + (f"::{t.split('::', 1)[1]}" if "::" in t else "")
                          for t in m.tests)
         rows.append(f"| {m.name.replace('|', chr(92) + '|')} | {m.file} | {tests} | {verdict} | {seconds:.0f} |")
-    survived = sum(results[m.name][0] == "**SURVIVED**" for m in mutations)
+    survived = sum(results[m.name][0] in ("**SURVIVED**", "**TIMED OUT**") for m in mutations)
     print("| mutation | file | tests | result | s |\n|---|---|---|---|---|")
     print("\n".join(rows))
     print(f"\n{len(mutations) - survived} of {len(mutations)} mutations caught"
-          f"{f', {survived} survived' if survived else ''} ({time.time() - t0:.0f} s, {len(slots)} at a time).")
+          f"{f', {survived} survived or timed out' if survived else ''} ({time.time() - t0:.0f} s, {len(slots)} at a time).")
     return 1 if survived else 0
 
 
