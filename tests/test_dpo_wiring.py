@@ -328,7 +328,8 @@ def test_kto_reference_point_weights_and_held_out(tmp_path, tiny_model_dir, othe
     logged as `kl`; each row's loss
     λ_D (1 − σ(β(r − z0))) if desirable, λ_U (1 − σ(β(z0 − r))) if not, with r = log π − log π_ref of its own
     prompt and completion; the logged loss and rewards per kind, and the gradient norm of the mean loss with z0
-    and the reference held constant, are the hand values."""
+    and the reference held constant, are the hand values. Step 1 trains on the next seeded global batch (its rows,
+    its z0), with the updated policy."""
     data = write_rows(tmp_path / "rows.jsonl", KTO_ROWS)
     beta, w_d, w_u = 0.5, 2.0, 0.5
     heldout = write_rows(tmp_path / "held.jsonl", KTO_ROWS[1:] + KTO_ROWS[:1])  # --eval-data: rotated rows
@@ -369,6 +370,22 @@ def test_kto_reference_point_weights_and_held_out(tmp_path, tiny_model_dir, othe
         close(m["rewards/desirable"], (beta * r)[good].mean())
         close(m["rewards/undesirable"], (beta * r)[~good].mean())
         close(m["grad_norm"], grad_norm(loss.mean(), init), rel=1e-3)
+
+        # step 1: the NEXT seeded global batch (not step 0's again), with the policy after step 0's update
+        idx1 = run.indices(len(ex), cfg.batch_size, 1)
+        assert sorted(idx1) != sorted(idx)
+        rows = [ex[i] for i in idx1]
+        pol = algo.policy.module
+        with torch.no_grad():
+            nxt = rows[1:] + rows[:1]
+            z1 = (logp(pol, rows, nxt) - logp(ref, rows, nxt)).mean().clamp(min=0)
+            r = logp(pol, rows) - logp(ref, rows)
+            good = torch.tensor([e["label"] for e in rows])
+            loss = torch.where(good, w_d * (1 - torch.sigmoid(beta * (r - z1))),
+                               w_u * (1 - torch.sigmoid(beta * (z1 - r))))
+        m = step(algo, 1)
+        close(m["loss"], loss.mean())
+        close(m["kl"], z1)
 
 
 JUDGE = '''import json
@@ -636,3 +653,32 @@ def test_optimiser_options_and_columns_reach_the_step(tmp_path, tiny_model_dir):
     assert dims == {1, 2}
     moves = torch.cat([(after[0.0][k] - w0[k]).abs().flatten() for k in w0])
     assert moves.max().item() == pytest.approx(lr, rel=1e-4)
+
+
+def test_online_sampling_keys_change_with_the_step_not_with_the_window(tmp_path, tiny_model_dir):
+    """--online on 8 copies of ONE prompt, 2 samples each at T 1, --online-every 2: the window of steps 0 and 1,
+    sampled at once, gives step 1's slots other samples than step 0's (the keys count the step); and a run with
+    --online-every 1 sampling step 1 alone (the policy still the start) draws exactly step 1's samples of the
+    window (the keys do not depend on how steps are grouped into windows); a slot's samples differ."""
+    log = tmp_path / "scores.jsonl"
+    judge = tmp_path / "judge.py"
+    judge.write_text(JUDGE.format(log=str(log)))
+    data = write_rows(tmp_path / "prompts.jsonl", [{"prompt": "Write something about the number 7.", "answer": "7",
+                                                    "mode": "len"}] * 8)
+    got = {}
+    for every, s0 in ((2, 0), (1, 1)):
+        if log.exists():
+            log.unlink()
+        cfg, run = stage(tmp_path / f"every{every}", tiny_model_dir, data=data, eval_data="", online=True,
+                         online_every=every, online_samples=2, max_new_tokens=8, verifier=f"{judge}:judge",
+                         temperature=1.0, max_steps=2, seed=2)
+        with run:
+            algo = OnlineDPO(cfg, run)
+            algo.sample_window(s0)
+            judged = [json.loads(x)["completion"] for x in log.read_text().splitlines()]
+        got[every] = [judged[i: i + 8] for i in range(0, len(judged), 8)]  # 4 slots x 2 samples a step
+    assert len(got[2]) == 2 and len(got[1]) == 1
+    assert got[2][0] != got[2][1]
+    assert got[1][0] == got[2][1]
+    assert len(set(got[2][0])) > 1
+    assert any(got[2][0][2 * j] != got[2][0][2 * j + 1] for j in range(4))  # a slot's samples: keys of their own

@@ -800,3 +800,58 @@ def test_reinforce_pp_keeps_groups_without_spread_and_skipped_samples_leave_the_
     assert got["signal_frac"] == pytest.approx(5 / 6)
     assert got["loss"] == pytest.approx(want.item(), rel=1e-5)
     assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
+
+
+def eos_prone(model_dir, prompt_ids: list[int], a: float):
+    """The tiny model with its (tied) EOS row set along its mean last hidden state of `prompt_ids`, scaled by
+    `a`: EOS becomes likely, so rollouts of one batch end at different steps."""
+    m = plain(model_dir)
+    with torch.no_grad():
+        u = m(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states[-1][0].mean(0)
+        m.get_output_embeddings().weight[EOS] = a * u / u.norm() ** 2
+    return m
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token(tiny_model_dir, fast):
+    """align.generation.generate_local (HF generate: fast=False, the CPU path of every stage's rollouts; the fast
+    decoder: fast=True) on a tiny model made to emit EOS often, 12 rows in ONE batch that stop at different steps:
+    a row that stopped is its tokens up to and INCLUDING its first EOS (finished), one that did not is exactly
+    --max-new-tokens tokens without EOS (not finished); its text is those tokens decoded; its sampler log-probs
+    are one per kept token (not the padded steps after its EOS while other rows went on), each log softmax(z / T)
+    of the model's own logits z on that row alone. Greedy rows are the hand argmax continuation, EOS included."""
+    from align.data import encode_prompts
+    from align.generation import Sampling, generate_local
+    from align.models import load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve(str(tiny_model_dir)))
+    ps = encode_prompts(tok, ["What is 2+3?", "Tom has 3 apples and buys 4 more. How many?", "hi"])
+    n_new, T = 8, 1.0
+    model = eos_prone(tiny_model_dir, ps[1], 6.0)
+    cs = generate_local(model, tok, [p for p in ps for _ in range(4)], Sampling(max_new_tokens=n_new, temperature=T,
+                        seed=5), 12, "cpu", fast=fast)
+    stopped = [c for c in cs if c.finished]
+    assert 0 < len(stopped) < len(cs) and len({len(c.ids) for c in stopped}) > 1
+    assert any(len(c.ids) < n_new for c in stopped)
+    for c in cs:
+        if c.finished:
+            assert c.ids[-1] == EOS and EOS not in c.ids[:-1] and len(c.ids) <= n_new
+        else:
+            assert len(c.ids) == n_new and EOS not in c.ids
+        assert c.text == tok.decode(c.ids, skip_special_tokens=True)
+        assert c.logps is not None and len(c.logps) == len(c.ids)
+        with torch.no_grad():
+            want = hand_logp(model, torch.tensor([c.prompt_ids + c.ids]), T)[0, len(c.prompt_ids) - 1 :]
+        torch.testing.assert_close(torch.tensor(c.logps), want, atol=1e-4, rtol=1e-4)
+
+    greedy_model = eos_prone(tiny_model_dir, ps[1], 2.0)
+    gs = generate_local(greedy_model, tok, ps, Sampling(max_new_tokens=n_new, temperature=0), 3, "cpu", fast=fast)
+    assert {g.finished for g in gs} == {True, False}
+    for p, g in zip(ps, gs):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(n_new):
+                ids.append(int(greedy_model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+                if ids[-1] == EOS:
+                    break
+        assert g.ids == ids[len(p) :] and g.finished == (ids[-1] == EOS) and g.logps is None

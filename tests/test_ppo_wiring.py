@@ -643,7 +643,9 @@ def test_max_approx_kl_compares_the_epochs_token_mean(files, tmp_path):
     """--ppo-epochs 3 over two minibatches at --lr 1e-2: the epochs' approx-KL(π_old‖π_θ) = e^{log π_θ − log π_old}
     − (log π_θ − log π_old) − 1 summed over the response tokens the update's policy forwards see, read from those
     forwards (at logits / T, T = 0.7); a bound between epoch 0's token mean and its sum runs exactly the epochs up
-    to the first one whose TOKEN MEAN passes it (not its sum: that would stop after epoch 0); ppo/epochs says so."""
+    to the first one whose TOKEN MEAN passes it (not its sum: that would stop after epoch 0); ppo/epochs says so.
+    That epoch's OWN mean: a bound over epoch 0's mean and epochs 0-1's pooled mean, under epoch 1's, stops after
+    epoch 1 (a running mean over the epochs so far would not)."""
     temp = 0.7
 
     copy = causal_lm(files["policy"])
@@ -687,6 +689,13 @@ def test_max_approx_kl_compares_the_epochs_token_mean(files, tmp_path):
     want = next((e + 1 for e, (_, mn) in enumerate(kl) if mn > bound), 3)
     got, kl_b = run("akl_on", bound)
     assert got == want and got > 1
+    # epoch 1's OWN token mean is compared, not one pooled over epochs 0 and 1 (a running mean over the epochs)
+    (total1, mean1), tok0, tok1 = kl[1], total0 / mean0, kl[1][0] / kl[1][1]
+    pooled = (total0 + total1) / (tok0 + tok1)
+    bound1 = (pooled + mean1) / 2
+    assert mean0 < pooled < bound1 < mean1, kl
+    got1, _ = run("akl_own", bound1)
+    assert got1 == 2
     for (t, _), (tb, _) in zip(kl, kl_b):
         assert tb == pytest.approx(t, rel=1e-5)
 
@@ -747,3 +756,27 @@ def test_ptx_from_sft_data_is_the_lm_loss_of_the_completions_only(files, tmp_pat
         count += len(c)
     assert_same_grads(pol_g, pol, coef * nll / count, "ptx (sft data)")
     assert stats.reduce("cpu")["loss/ptx"] == pytest.approx((nll / count).item(), rel=1e-5)
+
+
+def test_each_step_samples_with_new_keys_drawn_from_the_seed(files, tmp_path):
+    """8 copies of ONE prompt, 4 a step, at --temperature 1 with the update skipped (the policy stays the start):
+    the responses step 0 and step 1 sample for the same prompt differ (the sampler's keys change with the step,
+    not only with the slot), and step 1 under another --seed samples other responses (the keys come from the
+    seed)."""
+    row = json.loads(files["prompts"].read_text().splitlines()[0])
+    same = write_jsonl(tmp_path / "same.jsonl", [row] * 8)
+    got = {}
+    for seed, steps in ((3, (0, 1)), (4, (1,))):
+        with stage({**files, "prompts": same}, tmp_path, f"keys{seed}", seed=seed, temperature=1.0,
+                   max_new_tokens=6) as algo:
+            def spy(step, batch, stats, seed=seed):
+                m = batch["response_mask"]
+                got[seed, step] = [batch["input_ids"][i, 1:][m[i].bool()].tolist() for i in range(len(m))]
+                return 1
+            algo.update = spy
+            for s in steps:
+                algo.step(s)
+    for k, v in got.items():
+        assert len(v) == 4 and len({tuple(x) for x in v}) > 1, k  # the slots of a step: their own keys
+    assert got[3, 0] != got[3, 1]
+    assert got[3, 1] != got[4, 1]

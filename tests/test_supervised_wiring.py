@@ -308,8 +308,10 @@ def test_rm_normalisation_makes_the_reference_responses_score_zero_mean_unit_std
 
     renamed = [{"q": r["prompt"], "a": r["chosen"]} for r in rows[:6]]
     score_in2 = write_rows(tmp_path / "score2.jsonl", renamed)
-    cut = encode_scored(tok, [r["q"] for r in renamed], [r["a"] for r in renamed], 30)
-    assert all(len(p) + len(r) == 30 for p, r in cut)
+    whole = prompt_completion(tok, [{"prompt": r["q"], "completion": r["a"]} for r in renamed])
+    cut = [(p[max(0, len(p) + len(c) - 30):], c) for p, c in whole]  # the prompt's END kept, the response whole
+    assert sum(len(p) < len(w) for (p, _), (w, _) in zip(cut, whole)) >= 2 and all(len(p) + len(r) == 30 for p, r in cut)
+    assert encode_scored(tok, [r["q"] for r in renamed], [r["a"] for r in renamed], 30) == cut
     with torch.no_grad():
         want2 = (torch.stack([scalar_score(model, p + r) for p, r in cut]) - offset) / scale
     scfg = RMScoreConfig(model=str(out), data=str(score_in2), out=str(tmp_path / "scores2"), zero_stage=0,
@@ -544,3 +546,49 @@ def test_sft_held_out_pass_at_1_and_max_length(chatty_model_dir, tmp_path):
     assert [j["prompt"] for j in judged] == [r["prompt"] for r in held_rows[:2]]
     assert [j["completion"] for j in judged] == want and all(w.strip() for w in want)
     assert m["eval/pass@1"] == pytest.approx(sum(len(w) % 2 == 0 for w in want) / 2)
+
+
+PARITY = "def parity(prompt, completion, **row):\n    return float(len(completion) % 2 == 0)\n"
+
+
+@pytest.mark.parametrize("use_evaluate", [False, True])
+def test_held_out_pass_at_k_groups_each_problems_own_samples(chatty_model_dir, tmp_path, use_evaluate):
+    """align.evaluation.evaluate_policy with 3 problems and --samples 4 (k = 1, 2, 4; 8 dropped: k > n): problem i's
+    saved samples are exactly the 4 the sampler gives ITS prompt (sampling keys i·4 … i·4 + 3, generated here
+    alone, not sliced from the stage's batch), its n_correct is the verifier's count over them, and each pass@k is
+    the mean over problems of the unbiased 1 − C(n−c, k) / C(n, k) of those counts (through align.passk and
+    through the shipped `evaluate` metric); greedy pass@1 is the mean of the greedy verdicts."""
+    from math import comb
+
+    from align.data import encode_prompts
+    from align.evaluation import evaluate_policy
+    from align.generation import Sampling, generate_local
+    from align.rewards import verifier_fn
+    from stages.sft import SFT
+
+    judge = tmp_path / "parity.py"
+    judge.write_text(PARITY)
+    rows = head("arithmetic/test.jsonl", 3)
+    data = write_rows(tmp_path / "train.jsonl", head("arithmetic/train.jsonl", 2))
+    cfg = sft_config(tmp_path, "passk", data, model=chatty_model_dir)
+    s, n = Sampling(max_new_tokens=5, temperature=1.0, seed=11), 4
+    with stage(SFT, cfg, "sft") as algo:
+        tok, module = algo.tok, algo.policy.module
+        m, recs = evaluate_policy(algo.policy.eng, tok, rows, algo.run.dist, ks=(1, 2, 4, 8), samples=n, sampling=s,
+                                  verifier=f"{judge}:parity", batch_size=5, use_evaluate=use_evaluate)
+        prompts = encode_prompts(tok, [r["prompt"] for r in rows])
+        own = [[c.text for c in generate_local(module, tok, [p] * n, s, n, "cpu", indices=range(i * n, (i + 1) * n))]
+               for i, p in enumerate(prompts)]
+        greedy = [greedy_text(module, tok, p, 5) for p in prompts]
+    check = verifier_fn(f"{judge}:parity")
+    assert [r["samples"] for r in recs] == own
+    assert len({tuple(o) for o in own}) == 3  # the problems' samples differ: a wrong grouping shows
+    cs = [sum(int(check(r["prompt"], t) == 1.0) for t in o) for r, o in zip(rows, own)]
+    assert [r["n_correct"] for r in recs] == cs and 0 < sum(cs) < 3 * n
+    assert len(set(cs)) > 1 or any(0 < c < n for c in cs)
+    for k in (1, 2, 4):
+        want = sum(1 - comb(n - c, k) / comb(n, k) for c in cs) / 3
+        assert m[f"pass@{k}"] == pytest.approx(want, abs=1e-9)
+    assert "pass@8" not in m and m["problems"] == 3
+    assert [r["greedy"] for r in recs] == greedy
+    assert m["pass@1/greedy"] == pytest.approx(sum(len(g) % 2 == 0 for g in greedy) / 3)

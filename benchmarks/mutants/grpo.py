@@ -30,6 +30,10 @@ RWD_CISPO, RWD_REINFORCE, RWD_RPP = RWD + "[rloo-cispo]", RWD + "[batch-reinforc
 RWD_FLAG = RWD + "[rloo---reinforce]"
 RPP = W + "test_reinforce_pp_keeps_groups_without_spread_and_skipped_samples_leave_the_batch_statistics"
 
+EOS_HF = W + "test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token[False]"
+EOS_FAST = W + "test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token[True]"
+GEN = "align/generation.py"
+
 G, ROLLOUT, QUEUE_PY = "stages/grpo.py", "align/rollout.py", "align/async_rl.py"
 MUTATIONS: list[Mutation] = [
     M("grpo wiring: clip fractions from the first pass only (0 whenever π_old is the sampling policy)", "stages/grpo.py",
@@ -196,6 +200,32 @@ MUTATIONS: list[Mutation] = [
       "    v = torch.ones_like(rewards) if valid is None else valid\n"
       "    sums = masked_sums(rewards, torch.ones_like(rewards))",
       (RPP,)),
+    # ---- where a rollout ends (align/generation.py): its EOS kept, one sampler log-prob per kept token
+    M("grpo wiring: completions lose their EOS (trim_at_eos off by one)", GEN,
+      "return ids[: ids.index(eos_id) + 1], True", "return ids[: ids.index(eos_id)], True", (EOS_HF, EOS_FAST)),
+    M("grpo wiring: HF sampler's log-probs keep the post-EOS steps", GEN,
+      "                resp = resp[: s.max_new_tokens]\n"
+      "            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,\n"
+      "                                  None if row_lp is None else row_lp[: len(resp)]))",
+      "                resp = resp[: s.max_new_tokens]\n"
+      "            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,\n"
+      "                                  None if row_lp is None else row_lp))", (EOS_HF,)),
+    M("grpo wiring: fast decoder's log-probs keep the post-EOS steps", GEN,
+      "            resp, finished = trim_at_eos(row, eos, pad_id)\n"
+      "            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,\n"
+      "                                  None if row_lp is None else row_lp[: len(resp)]))",
+      "            resp, finished = trim_at_eos(row, eos, pad_id)\n"
+      "            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,\n"
+      "                                  None if row_lp is None else row_lp))", (EOS_FAST,)),
+    M("grpo wiring: a finished row marked unfinished", GEN,
+      "return ids[: ids.index(eos_id) + 1], True", "return ids[: ids.index(eos_id) + 1], False", (EOS_HF, EOS_FAST)),
+    M("grpo wiring: HF completion text keeps the special tokens", GEN,
+      "            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,\n"
+      "                                  None if row_lp is None else row_lp[: len(resp)]))\n        if on_batch:\n"
+      "            on_batch(len(chunk))\n    module.train(was_training)",
+      "            out.append(Completion(p, resp, tokenizer.decode(resp), finished,\n"
+      "                                  None if row_lp is None else row_lp[: len(resp)]))\n        if on_batch:\n"
+      "            on_batch(len(chunk))\n    module.train(was_training)", (EOS_HF,)),
 ]
 
 AUDIT: list[Mutation] = [

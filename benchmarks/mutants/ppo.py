@@ -17,6 +17,7 @@ GOLD = T + "test_the_gold_term_is_centred_on_the_other_episodes_mean_gold_per_ep
 PROMPTS = T + "test_the_step_samples_the_seeded_prompts_of_each_step_with_the_samplers_options"
 PTX2 = T + "test_each_update_takes_the_next_seeded_ptx_batch_cut_at_ptx_max_length"
 APPROX2 = T + "test_max_approx_kl_compares_the_epochs_token_mean"
+KEYS = T + "test_each_step_samples_with_new_keys_drawn_from_the_seed"
 EVAL = T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model"
 PTXSFT = T + "test_ptx_from_sft_data_is_the_lm_loss_of_the_completions_only"
 PPO = "stages/ppo.py"
@@ -218,4 +219,13 @@ MUTATIONS: list[Mutation] = [
     M("ppo wiring: --cliprange ignored (the default 0.2)", PPO,
       'clipped_surrogate(logp, mm["old_logp"], mm["adv"], mask, cfg.cliprange)',
       'clipped_surrogate(logp, mm["old_logp"], mm["adv"], mask, 0.2)', (UPD,)),
+    M("ppo wiring: the same sampling keys every step", PPO,
+      "replace(self.sampling, seed=derive(cfg.seed, step))", "replace(self.sampling, seed=cfg.seed)", (KEYS,)),
+    M("ppo wiring: sampling keys ignore --seed", PPO,
+      "replace(self.sampling, seed=derive(cfg.seed, step))", "replace(self.sampling, seed=derive(0, step))", (KEYS,)),
+    M("ppo wiring: --max-approx-kl tests the running mean over all epochs, not the epoch's", PPO,
+      "        for epoch in range(cfg.ppo_epochs):\n"
+      "            epoch_kl = torch.zeros(2, dtype=torch.float64, device=dist.device)  # Σ approx-KL, Σ tokens\n",
+      "        epoch_kl = torch.zeros(2, dtype=torch.float64, device=dist.device)  # Σ approx-KL, Σ tokens\n"
+      "        for epoch in range(cfg.ppo_epochs):\n", (APPROX2,)),
 ]

@@ -11,6 +11,7 @@ SIMPO = T + "test_simpo_takes_gamma_and_response_lengths_and_loads_no_reference"
 ORPO = T + "test_orpo_with_the_rpo_nll_term_carries_its_gradient"
 RPO = T + "test_rpo_nll_term_on_dpo_against_the_ref_model"
 KTO = T + "test_kto_reference_point_weights_and_held_out"
+KEYS = T + "test_online_sampling_keys_change_with_the_step_not_with_the_window"
 ONLINE = T + "test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing"
 PICK = T + "test_run_picks_the_variant_from_the_options"
 TEMP = T + "test_online_samples_at_the_temperature_option"
@@ -152,4 +153,16 @@ MUTATIONS: list[Mutation] = [
     M("dpo wiring: online window samples step 0's prompts for every step", F,
       "idx = [i for s in steps for i in self.run.indices(len(self.rows), cfg.batch_size, s)]",
       "idx = [i for s in steps for i in self.run.indices(len(self.rows), cfg.batch_size, step)]", (ONLINE,)),
+    M("dpo wiring: kto trains on the same global batch every step", F,
+      "glob = step_indices(len(self.examples), cfg.batch_size, step, cfg.seed)",
+      "glob = step_indices(len(self.examples), cfg.batch_size, 0, cfg.seed)", (KTO,)),
+    M("dpo wiring: online sampling keys ignore the step (same keys every step)", F,
+      "places = [(s * cfg.batch_size + dist.rank * share + j) * K + k for s in steps",
+      "places = [(dist.rank * share + j) * K + k for s in steps", (KEYS,)),
+    M("dpo wiring: online sampling keys count the step within the window (depend on --online-every)", F,
+      "places = [(s * cfg.batch_size + dist.rank * share + j) * K + k for s in steps",
+      "places = [((s - step) * cfg.batch_size + dist.rank * share + j) * K + k for s in steps", (KEYS,)),
+    M("dpo wiring: online samples of a slot share one key", F,
+      "places = [(s * cfg.batch_size + dist.rank * share + j) * K + k for s in steps",
+      "places = [(s * cfg.batch_size + dist.rank * share + j) * K + 0 for s in steps", (KEYS,)),
 ]

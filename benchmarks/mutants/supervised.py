@@ -11,6 +11,9 @@ SFT = (T + "test_sft_loss_is_the_token_mean_nll_of_completion_tokens_whatever_th
 PACK = (T + "test_sft_packing_gives_the_loss_of_the_examples_run_separately",)
 ONPOL = (T + "test_rm_normalisation_on_policy_samples_end_in_eos",)
 SFTPASS = (T + "test_sft_held_out_pass_at_1_and_max_length",)
+PASSK = T + "test_held_out_pass_at_k_groups_each_problems_own_samples"
+PASSK_OWN, PASSK_EVALUATE = (PASSK + "[False]",), (PASSK + "[True]",)
+EV = "align/evaluation.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -165,4 +168,25 @@ MUTATIONS: list[Mutation] = [
       'self.examples = load_pairs(cfg.data, "", self.tok, cfg.max_length)', ONPOL),
     M("supervised wiring: sft: --columns ignored", "stages/sft.py",
       'rows = D.load_rows(cfg.data, "sft", cfg.columns)', 'rows = D.load_rows(cfg.data, "sft", "")', SFTPASS),
+    # ---- the reward model's scored sequences (align/reward_model.py: encode_scored)
+    M("supervised wiring: rm: scored prompts cut from the right (keeps the start)", "align/reward_model.py",
+      "p = p[max(0, len(p) + len(r) - max_length):]", "p = p[: max(0, max_length - len(r))]", NORM),
+    M("supervised wiring: rm: scored prompts cut one token short", "align/reward_model.py",
+      "p = p[max(0, len(p) + len(r) - max_length):]", "p = p[max(0, len(p) + len(r) - max_length) + 1:]", NORM),
+    M("supervised wiring: rm: scored response cut instead of the prompt", "align/reward_model.py",
+      "p = p[max(0, len(p) + len(r) - max_length):]", "r = r[: max(0, max_length - len(p))]", NORM),
+    # ---- held-out pass@k (align/evaluation.py)
+    M("supervised wiring: evaluation: pass@k groups sliced without the sample stride", EV,
+      "group = many[i * samples : (i + 1) * samples]", "group = many[i : i + samples]", PASSK_OWN),
+    M("supervised wiring: evaluation: samples drawn prompt-minor (interleaved)", EV,
+      "[p for p in prompts for _ in range(samples)]", "[p for _ in range(samples) for p in prompts]", PASSK_OWN),
+    M("supervised wiring: evaluation: each group one sample short", EV,
+      "group = many[i * samples : (i + 1) * samples]", "group = many[i * samples : (i + 1) * samples - 1]", PASSK_OWN),
+    M("supervised wiring: evaluation: n taken as the number of problems", EV,
+      "ns, cs = [samples] * len(records),", "ns, cs = [len(records)] * len(records),", PASSK_OWN),
+    M("supervised wiring: evaluation: shipped pass@k metric given n and c swapped", EV,
+      'compute(predictions=cs, references=ns, k=ks)', 'compute(predictions=ns, references=cs, k=ks)', PASSK_EVALUATE),
+    M("supervised wiring: evaluation: n_correct from the greedy answer", EV,
+      'rec["n_correct"] = sum(verify(check, rows[i], o.text) for o in group)',
+      'rec["n_correct"] = len(group) * verify(check, rows[i], outs[i].text)', PASSK_OWN),
 ]
