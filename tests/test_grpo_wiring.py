@@ -855,3 +855,31 @@ def test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_
                 if ids[-1] == EOS:
                     break
         assert g.ids == ids[len(p) :] and g.finished == (ids[-1] == EOS) and g.logps is None
+
+
+def test_kl_is_logged_from_the_first_pass_of_num_iterations(tiny_model_dir, tmp_path):
+    """--beta > 0 with --num-iterations 2: `kl` is the KL of the batch as sampled (the first pass), which at step 0
+    is 0 exactly (policy = reference), however far the first pass's update moves the policy for the second."""
+    with grpo(tmp_path, tiny_model_dir, beta=0.5, lr=1e-1, num_iterations=2) as algo:
+        cs = completions(algo, [[([40, 41, EOS], 1.0, True), ([42, EOS], 0.0, True)],
+                                [([43, 44, 45, 46], 2.0, False), ([47, EOS], 0.5, True)]])
+        fixed_rollouts(algo, lambda s: cs)
+        got = step(algo, 0)
+        ids, resp = hand_batch(cs)
+        with torch.no_grad():  # the second pass saw a policy away from the reference: a per-pass mean would not be 0
+            moved = k3(hand_logp(plain(tiny_model_dir, weights(algo.policy)), ids, 1.0),
+                       hand_logp(plain(tiny_model_dir), ids, 1.0))
+    assert got["kl"] == 0.0
+    assert (moved * resp).sum() / resp.sum() > 1e-4
+
+
+def test_each_sample_of_a_rollout_is_of_its_own_rows_prompt(tiny_model_dir, tmp_path):
+    """The stage's own rollout (HF sampling on the CPU): sample g of prompt p (row p·G + g, prompt-major) carries the
+    token ids of row p's templated prompt, so every reward reads the row its completion answers."""
+    from align import data as D
+
+    with grpo(tmp_path, tiny_model_dir, prompts_per_step=3, num_generations=2, micro_batch_size=2) as algo:
+        r = algo.local_rollout(0)
+        want = D.encode_prompts(algo.tok, [row["prompt"] for row in r.rows])
+    assert len({tuple(p) for p in want}) == 3  # three different prompts
+    assert [c.prompt_ids for c in r.completions] == [p for p in want for _ in range(2)]

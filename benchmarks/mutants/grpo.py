@@ -36,6 +36,12 @@ GEN = "align/generation.py"
 
 G, ROLLOUT, QUEUE_PY = "stages/grpo.py", "align/rollout.py", "align/async_rl.py"
 MUTATIONS: list[Mutation] = [
+    M("grpo wiring: kl logged over every pass of --num-iterations", "stages/grpo.py",
+      '("kl", kl if it == 0 else None)', '("kl", kl)', (W + "test_kl_is_logged_from_the_first_pass_of_num_iterations",)),
+    M("grpo wiring: rollout prompts repeated group-major (a sample paired with another row)", "align/rollout.py",
+      "prompts = [p for p in prompt_ids for _ in range(group_size)]",
+      "prompts = [p for _ in range(group_size) for p in prompt_ids]",
+      (W + "test_each_sample_of_a_rollout_is_of_its_own_rows_prompt",)),
     M("grpo wiring: clip fractions from the first pass only (0 whenever π_old is the sampling policy)", "stages/grpo.py",
       '("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),',
       '("clip_ratio/low", low if it == 0 else None), ("clip_ratio/high", high if it == 0 else None), '
