@@ -705,7 +705,8 @@ def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files
     problems greedily (the same answers on a second call: no sampling at T), logs eval/problems 3, eval/pass@1/greedy
     the verified fraction of the saved answers, eval/reward the mean of the RM's normalised scores of prompt +
     greedy answer (a fresh copy of the RM, one pair at a time), equal to the saved rm_score of each, and
-    eval/kl 0 at step 0; the reward model, not the value network (--value-model: another classifier), scores.
+    eval/kl 0 at step 0 and, later, the latest step's KL per episode (objective/kl, what RLMonitor's held-out hacking
+    rule reads); the reward model, not the value network (--value-model: another classifier), scores.
     (The tiny policies' greedy answers are empty: which text is scored is not pinned here.)"""
     from align.reward_model import encode_scored, normalized_reward
 
@@ -716,6 +717,10 @@ def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files
         again = algo.evaluate(0)
         recs2 = [json.loads(x) for x in (tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()]
         rm_tok = algo.rm_tok
+        # after training steps: the KL per episode of the latest batch (objective/kl), not the per-token kl
+        history = algo.run.monitor.history
+        history["objective/kl"], history["kl"] = [0.4, 2.5], [0.01, 0.03]
+        later = algo.evaluate(2)
     assert len(recs) == 3 and [r["greedy"] for r in recs] == [r["greedy"] for r in recs2] and got == again
     rm = classifier(files["rm"])
     pairs = encode_scored(rm_tok, [r["prompt"] for r in recs], [r["greedy"] for r in recs])
@@ -723,7 +728,7 @@ def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files
         raw = torch.stack([rm(input_ids=torch.tensor([list(pr) + list(rs)])).logits[0, 0].float() for pr, rs in pairs])
     want = normalized_reward(raw, rm.config)
     close(torch.tensor([r["rm_score"] for r in recs]), want, 1e-5)
-    assert got["eval/problems"] == 3.0 and got["eval/kl"] == 0.0
+    assert got["eval/problems"] == 3.0 and got["eval/kl"] == 0.0 and later["eval/kl"] == 2.5
     assert got["eval/reward"] == pytest.approx(want.mean().item(), rel=1e-5, abs=1e-7)
     assert got["eval/pass@1/greedy"] == pytest.approx(sum(r["greedy_correct"] for r in recs) / 3)
 

@@ -23,6 +23,11 @@ PTXSFT = T + "test_ptx_from_sft_data_is_the_lm_loss_of_the_completions_only"
 PPO = "stages/ppo.py"
 
 MUTATIONS: list[Mutation] = [
+    M("ppo wiring: eval/kl read from the per-token kl, not the per-episode objective/kl", PPO,
+      'kl = self.run.monitor.history.get("objective/kl", [0.0])[-1] if step else 0.0',
+      'kl = self.run.monitor.history.get("kl", [0.0])[-1] if step else 0.0', (EVAL,)),
+    M("ppo wiring: eval/kl 0 after training too", PPO,
+      'kl = self.run.monitor.history.get("objective/kl", [0.0])[-1] if step else 0.0', "kl = 0.0", (EVAL,)),
     # the reference and the KL penalty
     M("ppo wiring: the reference log-probs are the policy's (KL 0)", PPO,
       "ref_logp = batched_logprobs(self.reference, batch,", "ref_logp = batched_logprobs(self.policy, batch,", (REF,)),
