@@ -12,14 +12,13 @@ read as a number (`value_reward`), so every advantage is chosen by the test.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from align.generation import Completion
-from tests.conftest import small_data
+from tests.conftest import small_data, stage_in_process
 
 EOS, PAD = 2, 0  # the shipped tokenizer's
 
@@ -36,12 +35,8 @@ def value_reward(tmp_path: Path) -> str:
     return f"{f}:value"
 
 
-@contextlib.contextmanager
 def grpo(tmp_path: Path, model, name: str = "g", **over):
     """The GRPO stage built in this process on the tiny model (ZeRO-0: its weights are plain tensors)."""
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from align.engine.run import StageRun
     from stages.grpo import GRPO, GRPOConfig
 
     kw = dict(model=str(model), out=str(tmp_path / name), eval_data="", data=str(small_data()["arith"]),
@@ -49,13 +44,7 @@ def grpo(tmp_path: Path, model, name: str = "g", **over):
               micro_batch_size=4, lr=1e-3, warmup_steps=0, zero_stage=0, loss_agg="token-mean", advantage="mean",
               epsilon=0.2, epsilon_high=0.2)
     kw.update(over)
-    cfg = GRPOConfig(**kw)
-    cfg.validate()
-    try:
-        with StageRun(cfg, "grpo") as run:
-            yield GRPO(cfg, run)
-    finally:
-        unset_hf_deepspeed_config()
+    return stage_in_process(GRPOConfig(**kw), "grpo", GRPO)
 
 
 def completions(algo, spec: list[list[tuple]]) -> list[Completion]:

@@ -15,11 +15,11 @@ import json
 import pytest
 import torch
 
-from align.engine.run import StageRun
 from align.engine.stats import Stats
 from align.generation import Completion
 from align.rollout import Rollout
 from stages.ppo import PPO, PPOConfig
+from tests.conftest import stage_in_process
 
 BASE = dict(zero_stage=0, compile=False, eval_data="", ptx_coef=0.0, prompts_per_step=4, minibatch_size=4,
             micro_batch_size=2, ppo_epochs=1, max_new_tokens=6, schedule="constant", warmup_steps=0, seed=0)
@@ -60,19 +60,11 @@ def files(tmp_path_factory, tiny_reward_model_dir, tiny_model_dir, shipped_token
             "prompts": write_jsonl(d / "prompts.jsonl", rows), "text": write_jsonl(d / "text.jsonl", texts)}
 
 
-@contextlib.contextmanager
 def stage(files, tmp_path, name: str = "ppo", **kw):
     """The PPO stage on the tiny policy and RM, BASE's settings overridden by `kw`."""
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
     cfg = PPOConfig(model=str(files["policy"]), reward_model=str(files["rm"]), data=str(files["prompts"]),
                     ptx_data=str(files["text"]), out=str(tmp_path / name), **{**BASE, **kw})
-    cfg.validate()
-    try:
-        with StageRun(cfg, "ppo") as run:
-            yield PPO(cfg, run)
-    finally:
-        unset_hf_deepspeed_config()
+    return stage_in_process(cfg, "ppo", PPO)
 
 
 # ---- fixed rollouts and the hand-written quantities

@@ -6,7 +6,6 @@ completion-only token-mean loss (micro-batching, packing). The stages are built 
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from align import runtime
 from align.engine.run import StageRun, step_indices
-from tests.conftest import ROOT
+from tests.conftest import ROOT, stage_in_process
 
 
 @pytest.fixture(autouse=True)
@@ -32,17 +31,9 @@ def head(rel: str, n: int, skip: int = 0) -> list[dict]:
     return [json.loads(line) for line in (ROOT / "data" / rel).read_text().splitlines()[skip : skip + n]]
 
 
-@contextmanager
 def stage(cls, cfg, name: str):
     """The stage `cls(cfg, run)` built in this process inside its StageRun."""
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    cfg.validate()
-    try:
-        with StageRun(cfg, name) as run:
-            yield cls(cfg, run)
-    finally:
-        unset_hf_deepspeed_config()
+    return stage_in_process(cfg, name, cls)
 
 
 def hand_gradient(loss: torch.Tensor, module) -> tuple[dict, float]:
