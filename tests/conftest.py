@@ -359,6 +359,26 @@ def save_tiny_model(out: Path, seed: int, silent_head: bool = False) -> Path:
     return out
 
 
+def eos_prone(model_dir: Path, prompt_ids: list[int], a: float, out: Path | None = None):
+    """The model saved in `model_dir` (fp32, dropout off) with its (tied) EOS output row set along its mean last
+    hidden state of `prompt_ids`, scaled by `a`: EOS becomes likely, so samples of one batch end at different steps.
+    With `out`: also saved there (with `model_dir`'s tokenizer) for a stage to load."""
+    import torch
+
+    from align.models import load_causal_lm, load_tokenizer, resolve
+
+    source = resolve(str(model_dir))
+    tok = load_tokenizer(source)
+    m = load_causal_lm(source, tok, torch.float32, 0).eval()
+    with torch.no_grad():
+        u = m(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states[-1][0].mean(0)
+        m.get_output_embeddings().weight[tok.eos_token_id] = a * u / u.norm() ** 2
+    if out is not None:
+        m.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+    return m
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The `tiny` preset (random init, seed 0) saved with save_pretrained + the shipped tokenizer."""

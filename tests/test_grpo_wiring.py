@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from align.generation import Completion
-from tests.conftest import small_data, stage_in_process
+from tests.conftest import eos_prone, small_data, stage_in_process
 
 EOS, PAD = 2, 0  # the shipped tokenizer's
 
@@ -789,16 +789,6 @@ def test_reinforce_pp_keeps_groups_without_spread_and_skipped_samples_leave_the_
     assert got["signal_frac"] == pytest.approx(5 / 6)
     assert got["loss"] == pytest.approx(want.item(), rel=1e-5)
     assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
-
-
-def eos_prone(model_dir, prompt_ids: list[int], a: float):
-    """The tiny model with its (tied) EOS row set along its mean last hidden state of `prompt_ids`, scaled by
-    `a`: EOS becomes likely, so rollouts of one batch end at different steps."""
-    m = plain(model_dir)
-    with torch.no_grad():
-        u = m(input_ids=torch.tensor([prompt_ids]), output_hidden_states=True).hidden_states[-1][0].mean(0)
-        m.get_output_embeddings().weight[EOS] = a * u / u.norm() ** 2
-    return m
 
 
 @pytest.mark.parametrize("fast", [False, True])

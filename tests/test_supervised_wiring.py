@@ -13,7 +13,7 @@ import torch
 
 from align import runtime
 from align.engine.run import StageRun, step_indices
-from tests.conftest import ROOT, stage_in_process
+from tests.conftest import ROOT, eos_prone, stage_in_process
 
 
 @pytest.fixture(autouse=True)
@@ -347,26 +347,34 @@ def test_rm_normalisation_makes_the_reference_responses_score_zero_mean_unit_std
     assert [r["correct"] for r in per] == (nc > nr).tolist()
 
 
+EOS_PULL = 6.0  # how strongly eos_prone pulls the policy to EOS
+
+
 def test_rm_normalisation_on_policy_samples_end_in_eos(tiny_model_dir, tmp_path):
     """--columns q=prompt reads the renamed data; --max-length 45 cuts the pairs' prompts from the left (responses
     whole).
-    --normalize-on-policy MODEL, --max-new-tokens 6, --normalize-samples 5: the reference set is one sample of
-    MODEL per prompt of the first 5 training pairs (those prompts, in order), each response at most 6 sampled
-    tokens and ending in EOS (appended to the ones the budget cut: the reward model is trained on responses that
-    end in EOS); the saved offset is the mean raw score of exactly those sequences, each scored alone."""
+    --normalize-on-policy MODEL (a policy made to emit EOS often), --max-new-tokens 6, --normalize-samples 5: the
+    reference set is one sample of MODEL per prompt of the first 5 training pairs (those prompts, in order), each
+    response at most 6 sampled tokens and ending in exactly one EOS (its own where it finished; appended where the
+    budget cut it: the reward model is trained on responses that end in EOS); the saved offset is the mean raw score of exactly those sequences, each scored alone."""
+    from align.data import encode_prompts
+    from align.models import load_tokenizer, resolve
     from align.reward_model import OFFSET_KEY, SCALE_KEY
     from stages.rm import RewardModel
 
     data = prefs(tmp_path, 8)
-    renamed = write_rows(tmp_path / "renamed.jsonl", [{"q" if k == "prompt" else k: v for k, v in json.loads(x).items()}
-                                                      for x in data.read_text().splitlines()])
-    cfg = rm_config(tmp_path, "onpol", renamed, model=tiny_model_dir, normalize_on_policy=str(tiny_model_dir),
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    renamed = write_rows(tmp_path / "renamed.jsonl", [{"q" if k == "prompt" else k: v for k, v in r.items()}
+                                                      for r in rows])
+    # the policy: the tiny model made to emit EOS often, so that some samples finish and others are cut
+    first = encode_prompts(load_tokenizer(resolve(str(tiny_model_dir))), [rows[0]["prompt"]])[0]
+    eos_prone(tiny_model_dir, first, EOS_PULL, out=tmp_path / "eos_policy")
+    cfg = rm_config(tmp_path, "onpol", renamed, model=tiny_model_dir, normalize_on_policy=str(tmp_path / "eos_policy"),
                     max_new_tokens=6, max_length=45, columns="q=prompt")
     with stage(RewardModel, cfg, "rm") as algo:
-        from align.data import encode_completions, encode_prompts
+        from align.data import encode_completions
 
         eos, tok = algo.tok.eos_token_id, algo.tok
-        rows = [json.loads(line) for line in data.read_text().splitlines()]
         cut = 0  # --max-length 45: prompts cut from the LEFT so that prompt + the longer response fits
         for e, r, p in zip(algo.examples, rows, encode_prompts(tok, [r["prompt"] for r in rows])):
             c, j = encode_completions(tok, [r["chosen"], r["rejected"]])
@@ -382,6 +390,7 @@ def test_rm_normalisation_on_policy_samples_end_in_eos(tiny_model_dir, tmp_path)
     assert all(r["response_ids"][-1] == eos and 2 <= len(r["response_ids"]) <= 7 for r in ref)
     assert all(eos not in r["response_ids"][:-1] for r in ref)
     assert any(len(r["response_ids"]) == 7 for r in ref)  # the budget cut some: their EOS was appended
+    assert any(len(r["response_ids"]) <= 6 for r in ref)  # others finished: their own EOS, none appended
     assert [r["raw"] for r in ref] == pytest.approx(raw.tolist(), abs=1e-5)
     assert out.config[OFFSET_KEY] == pytest.approx(raw.mean().item(), abs=1e-5) and out.config[SCALE_KEY] == 1.0
 

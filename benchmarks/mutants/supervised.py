@@ -138,6 +138,8 @@ MUTATIONS: list[Mutation] = [
       "examples = load_pairs(cfg.data, cfg.columns, tok, 256)", NORM),
     M("supervised wiring: rm normalisation on-policy samples without EOS appended", "stages/rm.py",
       "o.ids + ([] if o.finished else [self.tok.eos_token_id])", "o.ids", ONPOL),
+    M("supervised wiring: rm normalisation on-policy: EOS appended to finished samples too", "stages/rm.py",
+      "o.ids + ([] if o.finished else [self.tok.eos_token_id])", "o.ids + [self.tok.eos_token_id]", ONPOL),
     M("supervised wiring: rm normalisation on-policy --max-new-tokens ignored", "stages/rm.py",
       "Sampling(max_new_tokens=cfg.max_new_tokens, temperature=1.0, seed=cfg.seed), dist)",
       "Sampling(max_new_tokens=48, temperature=1.0, seed=cfg.seed), dist)", ONPOL),
