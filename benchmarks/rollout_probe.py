@@ -34,6 +34,22 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def profile(gen, name: str, top: int, new: int) -> None:
+    """The `top` GPU kernels by total time over one rollout (kernels inside the replayed CUDA graphs included)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as run
+
+    with run(activities=[ProfilerActivity.CUDA]) as prof:
+        gen()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in ev)
+    print(f"\n#### {name}: GPU kernels over one rollout, {total / 1e3:.1f} ms in all ({total / new / 1e3:.3f} ms/token)")
+    print("| kernel | calls | total (ms) | share |\n|---|---|---|---|")
+    for e in sorted(ev, key=lambda e: -e.device_time_total)[:top]:
+        print(f"| {e.key[:90]} | {e.count} | {e.device_time_total / 1e3:.1f} | {e.device_time_total / total:.1%} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-1.5b")
@@ -41,6 +57,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=96)
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--variants", default=";".join(VARIANTS), help="names from VARIANTS, separated by ';'")
+    ap.add_argument("--profile", type=int, default=0, help="also print each variant's N costliest GPU kernels over "
+                    "one replayed rollout (torch.profiler; 0: none)")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -70,15 +88,18 @@ def main() -> None:
             dec.load_weights(m)
             gen()
 
+        if a.profile:
+            profile(gen, name, a.profile, a.new)
         before = dec.recaptures
         again = statistics.median(timed(after_training) for _ in range(3))
         rows.append((name, first, replay, again, dec.recaptures - before))
+        causes = dict(dec.recaptured_for)
         for k in env:
             del os.environ[k]
         dec = gen = None  # the next variant builds its own (graphs, cache)
         torch.cuda.empty_cache()
         print(f"{name}: first {first:.3f} s, replay {replay:.3f} s ({replay / a.new * 1e3:.2f} ms/token), "
-              f"after a training step {again:.3f} s, re-captures {rows[-1][4]}", flush=True)
+              f"after a training step {again:.3f} s, re-captures {rows[-1][4]} {causes}", flush=True)
     print(f"\n### rollout of {a.rows} rows x {a.new} new tokens, prompt {a.prompt}, {a.model}, "
           f"{torch.cuda.get_device_name()}")
     print("| variant | first (s) | replay (s) | ms/token | after a training step (s) | re-captures (3 rollouts) |")

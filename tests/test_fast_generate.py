@@ -224,7 +224,9 @@ def test_kv_cache_is_freed_between_rollouts_and_comes_back_zeroed(monkeypatch):
     assert all(t.untyped_storage().nbytes() == 0 for L in dec.layers for t in L.values())
     assert dec.embed.untyped_storage().nbytes() == dec.norm.untyped_storage().nbytes() == 0
     dec._restore()
-    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() and not t.any() for t in dec.k_cache)
+    whole = dec.n_layers * dec.k_cache[0].numel() * dec.k_cache[0].element_size()  # every layer's K: one buffer
+    assert all(t.untyped_storage().nbytes() == whole and not t.any() for t in dec.k_cache + dec.v_cache)
+    assert len({t.untyped_storage().data_ptr() for t in dec.k_cache + dec.v_cache}) == 2  # K apart from V
     dec.release()
     again = generate_local(m, Tok(), PROMPTS, s, 4, "cpu", fast=True)
     assert [c.ids for c in first] == [c.ids for c in again] == [c.ids for c in plain]
@@ -313,10 +315,17 @@ def dec_rows(dec, s):
 
 
 def test_the_decoder_keeps_a_copy_where_it_must(monkeypatch):
-    from align.fast_generate import copy_reason
+    """A copy under ZeRO-3, LoRA, another dtype or device, ALIGN_FAST_DECODER_COPY=1, and on a GPU for a model of
+    at most SMALL_COPY_BYTES (=0: none there); none otherwise (a CPU decoder of the module's own tensors)."""
+    from align.fast_generate import SMALL_COPY_BYTES, copies_small, copy_reason
 
     m = make("llama", True)
     assert copy_reason(m, "cpu", torch.float32) is None
+    assert "cuda" in copy_reason(m, "cuda", torch.float32)  # weights on the CPU, decoding on a GPU
+    assert copies_small(SMALL_COPY_BYTES) and not copies_small(SMALL_COPY_BYTES + 1)
+    monkeypatch.setenv("ALIGN_FAST_DECODER_COPY", "0")
+    assert not copies_small(1) and copy_reason(m, "cpu", torch.float32) is None
+    assert "bfloat16" in copy_reason(m, "cpu", torch.bfloat16)  # =0 cannot do without a copy here
     assert "bfloat16" in copy_reason(m, "cpu", torch.bfloat16)  # bf16-mixed: fp32 weights, bf16 decoding
     p = next(m.parameters())
     p.ds_id = 0  # a ZeRO-3 parameter: gathered only for the copy

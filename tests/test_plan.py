@@ -124,12 +124,16 @@ def test_ppo_holds_four_models():
     assert rows(lora)["value: optimizer state"]["update"] == (LORA_2 + 8) * 8
 
 
-def test_grpo_peak_is_the_larger_phase_not_the_sum():
+def test_grpo_peak_is_the_larger_phase_not_the_sum(monkeypatch):
     cfg = build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2, "max_new_tokens": 50})
-    plan = P.estimate("grpo", cfg, {"policy": P.Model("policy", A)}, GPU, P.Data(prompt_tokens=20))
+    est = lambda: P.estimate("grpo", cfg, {"policy": P.Model("policy", A)}, GPU, P.Data(prompt_tokens=20))  # noqa: E731
+    # bf16-pure, one process: a model this small decodes from a fused bf16 copy (freed before the update)
+    assert rows(est())["rollout: decoder's bf16 copy"] == {"rollout": N * 2}
+    # ALIGN_FAST_DECODER_COPY=0: the decoder reads the policy's own weights; bf16-mixed (fp32 weights): a bf16 copy
+    # all the same
+    monkeypatch.setenv("ALIGN_FAST_DECODER_COPY", "0")
+    plan = est()
     r = rows(plan)
-    # bf16-pure, one process: the decoder reads the policy's own weights; bf16-mixed (fp32 weights): a bf16 copy,
-    # freed before the update (release)
     assert "rollout: decoder's bf16 copy" not in r and any("own weights" in n for n in plan.notes)
     mixed = rows(P.estimate("grpo", build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2,
                                                              "max_new_tokens": 50, "precision": "bf16-mixed"}),
@@ -157,10 +161,11 @@ def test_grpo_peak_is_the_larger_phase_not_the_sum():
                                                          P.Data(20)).notes)
 
 
-def test_rollout_gpus_put_the_rollout_in_a_decoder_column_of_its_own():
+def test_rollout_gpus_put_the_rollout_in_a_decoder_column_of_its_own(monkeypatch):
     """--rollout-gpus 1 of 3 processes: 2 ZeRO-3 trainers hold no rollout terms; a decoder holds the whole policy
-    (bf16: its fast decoder reads it in place; under LoRA it keeps a merged copy) and the KV cache of all 4 x 2
-    samples."""
+    (bf16 with ALIGN_FAST_DECODER_COPY=0: its fast decoder reads it in place; under LoRA it keeps a merged copy)
+    and the KV cache of all 4 x 2 samples."""
+    monkeypatch.setenv("ALIGN_FAST_DECODER_COPY", "0")
     cfg = build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2, "max_new_tokens": 50,
                                    "rollout_gpus": 1, "nproc": 3})
     two = P.Device("cuda", 1e12, 2, True, True, "test")

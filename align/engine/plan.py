@@ -377,13 +377,14 @@ def _reference(cfg, models: dict, plan: Plan) -> Model | None:
     return Model("reference", models.get("reference", models["policy"]).arch)
 
 
-def decoder_copies(lora_r: int, s: Setup) -> bool:
+def decoder_copies(a: Arch, lora_r: int, s: Setup) -> bool:
     """Whether the fast decoder keeps a weight copy of its own (align.fast_generate.copy_reason): under ZeRO-3
-    (gathered weights), LoRA (merged weights) or weights in another dtype than it decodes in (bf16-mixed); else it
-    reads the module's own tensors (ALIGN_FAST_DECODER_COPY=1: a copy all the same)."""
-    from align.fast_generate import copy_forced
+    (gathered weights), LoRA (merged weights), weights in another dtype than it decodes in (bf16-mixed) or a model
+    small enough that the fused copy is worth its memory; else it reads the module's own tensors
+    (ALIGN_FAST_DECODER_COPY=1: a copy all the same; =0: none where it can do without)."""
+    from align.fast_generate import copies_small, copy_forced
 
-    return copy_forced() or s.zero_stage == 3 or bool(lora_r) or s.r != s.e
+    return copy_forced() or s.zero_stage == 3 or bool(lora_r) or s.r != s.e or copies_small(n_params(a) * s.e)
 
 
 def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup, phase: str = "rollout",
@@ -394,7 +395,7 @@ def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Set
     why = ("a CPU" if s.device != "cuda" else "--no-gather" if s.sharded_rollout else
            "ALIGN_FAST_GENERATION=0" if not s.fast_decoder else decoder_reason(a, prompt + new))
     fast = why is None
-    if fast and (decoder_copies(policy.lora_r, s) if copies is None else copies):
+    if fast and (decoder_copies(a, policy.lora_r, s) if copies is None else copies):
         plan.add("rollout: decoder's bf16 copy", n_params(a) * s.e, phase)
     elif fast:
         plan.notes.append("rollout: the fast decoder reads the policy's own weights (no copy)")
@@ -418,7 +419,7 @@ def _decoder(plan: Plan, policy: Model, decoders: int, samples: int, prompt: int
     adapters = lora_params(policy.arch, policy.lora_r, policy.lora_targets) if policy.lora_r else 0
     plan.add("decoder: policy weights", policy.params * s.r + adapters * 4, DECODER)
     _rollout(plan, replace(policy, role="decoder", lora_r=0), -(-samples // decoders), prompt, new, one, DECODER,
-             copies=decoder_copies(policy.lora_r, one))
+             copies=decoder_copies(policy.arch, policy.lora_r, one))
     plan.notes.append(f"{DECODER}: each of the {decoders} decoder process(es) (--rollout-gpus); the other "
                       "phases are a trainer's")
 
