@@ -100,6 +100,34 @@ def test_a_stale_step_is_the_off_policy_step_with_truncated_importance_weights(t
     assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
 
 
+def test_the_queued_rollout_is_in_the_stages_checkpoint_state(tiny_model_dir, tmp_path):
+    """Staleness 1: after step 0 the queue holds rollout 1 (sampled from θ_0); the stage's state (what a
+    checkpoint saves, through JSON) carries it, and a stage restored from that state trains step 1 on exactly
+    those completions, one step stale, rather than sampling anew."""
+    import json
+
+    from stages.grpo import GRPO
+
+    cfg = config(tmp_path, tiny_model_dir, "saved", max_staleness=1)
+    with StageRun(cfg, "grpo") as run:
+        algo = GRPO(cfg, run)
+        run._step(algo, 0)
+        (pending,) = algo.rollouts.queue
+        state = json.loads(json.dumps(algo.state_dict()))
+    cfg2 = config(tmp_path, tiny_model_dir, "restored", max_staleness=1)
+    with StageRun(cfg2, "grpo") as run:
+        algo = GRPO(cfg2, run)
+        algo.load_state_dict(state)
+        (restored,) = algo.rollouts.queue
+        assert (restored.step, restored.version) == (1, 0)
+        assert [(c.prompt_ids, c.ids) for c in restored.completions] == [(c.prompt_ids, c.ids) for c in pending.completions]
+        trained = []
+        learn = algo.learn
+        algo.learn = lambda r, *a: trained.append([c.ids for c in r.completions]) or learn(r, *a)
+        got, _ = run._step(algo, 1)
+    assert got["rollout/staleness"] == 1 and trained == [[c.ids for c in pending.completions]]
+
+
 @pytest.mark.parametrize("env, over, cuda, want", [
     ({"WORLD_SIZE": "2"}, {}, True, (1, 1, 2.0)),  # 2 GPUs: 1 decodes, 1 trains, one step off with TIS
     ({"WORLD_SIZE": "8"}, {"max_staleness": 2, "tis_cap": 5.0}, True, (4, 2, 5.0)),  # what the user set is kept

@@ -77,6 +77,8 @@ def test_columns_mapping(tmp_path):
     # mapping onto an existing column replaces it
     q = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "old", "q": "new", "completion": "c"}])
     assert D.load_rows(q, "sft", "q=prompt") == [{"prompt": "new", "completion": "c"}]
+    q = write_jsonl(tmp_path / "first.jsonl", [{"q": "new", "prompt": "old", "completion": "c"}])  # whatever the order
+    assert D.load_rows(q, "sft", "q=prompt") == [{"prompt": "new", "completion": "c"}]
 
 
 def test_parse_columns():

@@ -341,16 +341,19 @@ def test_the_entropy_bonus_raises_the_policy_entropy_and_is_off_at_zero(files, t
 def test_the_ptx_term_is_the_lm_loss_of_the_ptx_batch_times_its_coefficient(files, tmp_path):
     """--ptx-coef 0.5 with the two ptx texts as the ptx batch and every advantage 0: the policy's gradient is
     0.5·∇(Σ NLL / tokens) of BOS + text + EOS on a fresh copy of the policy, loss/ptx the mean NLL, and the ptx
-    micro-batch belongs to the minibatch's optimiser step (the policy moves by --lr)."""
+    micro-batch belongs to the minibatch's optimiser step (the policy moves by --lr); the value network, which has
+    no ptx micro-batch, steps once on the same minibatch all the same (it moves by --vf-lr)."""
     coef = 0.5
-    with stage(files, tmp_path, ptx_coef=coef, ptx_batch_size=2) as algo:
+    with stage(files, tmp_path, ptx_coef=coef, ptx_batch_size=2, vf_lr=3e-4) as algo:
         batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
         ro = algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)
         stats = Stats()
-        w0 = params(algo.policy.module)
+        w0, v0 = params(algo.policy.module), params(algo.value.module)
         with grads_of(algo.policy.module) as pol_g:
             algo.update(0, {**batch, **ro, "adv": torch.zeros_like(ro["adv"])}, stats)
         assert (params(algo.policy.module) - w0).abs().max().item() == pytest.approx(algo.cfg.lr, rel=0.05)
+        assert (params(algo.value.module) - v0).abs().max().item() == pytest.approx(3e-4, rel=0.05)
+        assert algo.policy.eng.global_steps == algo.value.eng.global_steps == 1
         tok = algo.tok
     texts = [json.loads(x)["text"] for x in files["text"].read_text().splitlines()]
     seqs = [[tok.bos_token_id, *tok(t, add_special_tokens=False)["input_ids"], tok.eos_token_id] for t in texts]
@@ -441,6 +444,8 @@ def test_minibatches_are_a_new_order_each_epoch_and_step_drawn_from_the_seed(fil
                 assert all(sorted(i // 4 for i in mb) == [0, 1] for mb in mbs)  # one of each run of 4
             assert epochs[0] != epochs[1]  # a new order each epoch
     assert got[0][0] != got[0][1] and got[0][0] == got[0][2]  # a new order each step, the same for the same step
+    # each run of 4 draws its own order: the minibatches are not fixed strides (episode i with i + 4) everywhere
+    assert any(max(mb) - min(mb) != 4 for steps in got.values() for epochs in steps for mbs in epochs for mb in mbs)
     assert got[0][0] != got[1][0]  # another seed, another order
 
 
@@ -562,26 +567,33 @@ def test_the_step_samples_the_seeded_prompts_of_each_step_with_the_samplers_opti
     row by row, the prompts step_indices(16, 4, s, 3) names (step 0's and step 1's differ), each followed by a
     response of at most --max-new-tokens 5 tokens; with --top-k 1, and again with --top-p 1e-4 (top-k off), every
     response token is the argmax of the policy entering that step (at the sampler's temperature 0.8: argmax
-    unchanged) up to and including EOS."""
+    unchanged) up to and including EOS; each episode is scored with its own prompt's row."""
     from align.engine.run import step_indices
 
-    seen = {}
+    seen, scored = {}, {}
     for top_k, top_p in ((1, 1.0), (0, 1e-4)):  # each alone keeps only the most likely token
         with stage(files, tmp_path, f"prompts{top_k}", seed=3, top_k=top_k, top_p=top_p, temperature=0.8,
                    max_new_tokens=5) as algo:
-            update = algo.update
+            update, scores = algo.update, algo.scores
 
             def spy(step, batch, stats):
                 with torch.no_grad():
                     logits = algo.policy.module(input_ids=batch["input_ids"]).logits[:, :-1]
                 seen[top_k, step] = ({k: v.clone() for k, v in batch.items()}, logits.argmax(-1))
                 return update(step, batch, stats)
-            algo.update = spy
+
+            def spy_scores(r):  # the rows the verifier and the RM see with each episode
+                scored.setdefault(top_k, []).append([(row["prompt"], c.prompt_ids) for row, c in
+                                                     zip(r.sample_rows, r.completions)])
+                return scores(r)
+            algo.update, algo.scores = spy, spy_scores
             algo.step(0)
             algo.step(1)
-            prompt_ids = algo.prompt_ids
+            prompt_ids, rows = algo.prompt_ids, algo.rows
     order = {s: step_indices(16, 4, s, 3) for s in (0, 1)}
     assert order[0] != order[1]
+    for k in scored:  # each episode scored with its own prompt's row
+        assert scored[k] == [[(rows[i]["prompt"], prompt_ids[i]) for i in order[s]] for s in (0, 1)]
     for (_, s), (batch, greedy) in seen.items():
         ids, m = batch["input_ids"], batch["response_mask"]
         assert ids.shape[0] == 4
@@ -777,3 +789,61 @@ def test_each_step_samples_with_new_keys_drawn_from_the_seed(files, tmp_path):
         assert len(v) == 4 and len({tuple(x) for x in v}) > 1, k  # the slots of a step: their own keys
     assert got[3, 0] != got[3, 1]
     assert got[3, 1] != got[4, 1]
+
+
+def test_a_reward_model_with_another_tokenizer_scores_the_decoded_texts_in_its_own_encoding(files, tmp_path):
+    """A reward model whose tokenizer renders prompts with another chat template (same vocabulary): the step's
+    scores are the RM's normalised scores of prompt + response TEXT encoded by the RM's own tokenizer (its
+    template, response + EOS), one pair at a time on a fresh copy; the policy's token ids would give others."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from align.reward_model import encode_scored, normalized_reward
+
+    rm_dir = tmp_path / "rm_other_template"
+    shutil.copytree(files["rm"], rm_dir)
+    rm_tok = AutoTokenizer.from_pretrained(rm_dir)
+    rm_tok.chat_template = "Judge this. " + rm_tok.chat_template
+    rm_tok.save_pretrained(rm_dir)
+    with stage({**files, "rm": rm_dir}, tmp_path, value_model=str(files["value"])) as algo:
+        assert not algo.rm_same_tok
+        r = rollout(algo)
+        for c in r.completions:
+            c.text = algo.tok.decode(c.ids, skip_special_tokens=True)
+        proxy, _, _ = algo.scores(r)
+        prompts, tok = r.prompts, algo.tok
+    pairs = encode_scored(AutoTokenizer.from_pretrained(rm_dir), prompts, [c.text for c in r.completions])
+    assert [p for p, _ in pairs] != [c.prompt_ids for c in r.completions]  # the RM's encoding is its own
+    assert pairs != encode_scored(tok, prompts, [c.text for c in r.completions])
+    rm = classifier(rm_dir)
+    with torch.no_grad():
+        raw = torch.stack([rm(input_ids=torch.tensor([list(p) + list(x)])).logits[0, 0].float() for p, x in pairs])
+    close(proxy, normalized_reward(raw, rm.config), 1e-5)
+
+
+def test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stages_betas(files, tmp_path):
+    """--schedule linear --warmup-steps 2 --max-steps 2 with 2 PPO epochs of one minibatch: 4 optimiser steps of
+    each network in all; the learning rate each step applies is lr·f(u) for u = 0..3, f the warmup (u + 1) / 2,
+    then the linear decay to 10 % over the optimiser steps (not the PPO steps): 0.5, 1, 1, 0.55 (--vf-lr for
+    the value network); AdamW runs with PPO's β = (0.9, 0.999)."""
+    lr, vf_lr = 2e-4, 5e-4
+    with stage(files, tmp_path, schedule="linear", warmup_steps=2, max_steps=2, ppo_epochs=2, lr=lr,
+               vf_lr=vf_lr) as algo:
+        batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
+        full = {**batch, **algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)}
+        applied = {"policy": [], "value": []}
+        hooks = [net.eng.optimizer.register_step_pre_hook(
+                 lambda opt, args, kw, name=name: applied[name].append(opt.param_groups[0]["lr"]))
+                 for name, net in (("policy", algo.policy), ("value", algo.value))]
+        try:
+            algo.update(0, full, Stats())
+            algo.update(1, full, Stats())
+        finally:
+            for h in hooks:
+                h.remove()
+        betas = {net.eng.optimizer.param_groups[0]["betas"] for net in (algo.policy, algo.value)}
+    f = [0.5, 1.0, 1.0, 0.55]
+    assert applied["policy"] == pytest.approx([lr * x for x in f])
+    assert applied["value"] == pytest.approx([vf_lr * x for x in f])
+    assert betas == {(0.9, 0.999)}

@@ -6,6 +6,7 @@ completion-only token-mean loss (micro-batching, packing). The stages are built 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -221,8 +222,38 @@ def test_rm_likelihood_head_scores_the_mean_response_log_prob(tiny_model_dir, tm
         with torch.no_grad():
             rw, rl = hand_pairs(algo, algo.eval_examples)
             ev = algo.evaluate(1)
+        out = algo.output()
     assert ev["eval/accuracy"] == pytest.approx((rw > rl).float().mean().item())
     assert ev["eval/margin"] == pytest.approx((rw - rl).mean().item(), rel=1e-4, abs=1e-6)
+    # what the artifact's config.json says: the likelihood head with its β (a consumer loads the LM, not a new
+    # scalar head)
+    from align.reward_model import BETA_KEY, HEAD_KEY
+
+    assert out.config[HEAD_KEY] == "likelihood" and out.config[BETA_KEY] == 3.0
+
+
+def test_rm_pair_metrics_calibration_buckets_by_hand():
+    """pair_metrics of six scored pairs: accuracy over all pairs; each bucket of the Bradley–Terry confidence
+    σ(|r_w − r_l|) (0.5-0.6, ..., 0.9-1.0) holds its own pairs, with their count, accuracy and mean confidence;
+    an empty bucket is left out; the margin and rewards are in normalised units ((raw − offset) / scale)."""
+    from align.reward_model import OFFSET_KEY, SCALE_KEY
+    from stages.rm import pair_metrics
+
+    rc = torch.tensor([2.0, 0.1, -1.0, 3.0, 0.5, 0.0])
+    rr = torch.tensor([0.0, 0.3, 2.0, 2.9, -0.5, 1.6])  # Δ = 2, −0.2, −3, 0.1, 1, −1.6
+    m = pair_metrics(rc, rr, {OFFSET_KEY: 0.5, SCALE_KEY: 2.0})
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    want = {"0.5-0.6": (2, 0.5, (sig(0.2) + sig(0.1)) / 2), "0.7-0.8": (1, 1.0, sig(1.0)),
+            "0.8-0.9": (2, 0.5, (sig(2.0) + sig(1.6)) / 2), "0.9-1.0": (1, 0.0, sig(3.0))}
+    for key, (n, acc, conf) in want.items():
+        assert m[f"calibration/{key}/n"] == n, key
+        assert m[f"calibration/{key}/accuracy"] == pytest.approx(acc), key
+        assert m[f"calibration/{key}/confidence"] == pytest.approx(conf, abs=1e-4), key
+    assert not any(k.startswith("calibration/0.6-0.7") for k in m)
+    assert m["accuracy"] == pytest.approx(0.5) and m["pairs"] == 6
+    assert m["margin/mean"] == pytest.approx(((rc - rr) / 2.0).mean().item())
+    assert m["rewards/chosen"] == pytest.approx(((rc - 0.5) / 2.0).mean().item())
+    assert m["rewards/rejected"] == pytest.approx(((rr - 0.5) / 2.0).mean().item())
 
 
 def test_rm_normalisation_makes_the_reference_responses_score_zero_mean_unit_std(tiny_model_dir, tmp_path):

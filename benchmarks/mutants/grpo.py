@@ -232,6 +232,9 @@ MUTATIONS: list[Mutation] = [
       "            out.append(Completion(p, resp, tokenizer.decode(resp), finished,\n"
       "                                  None if row_lp is None else row_lp[: len(resp)]))\n        if on_batch:\n"
       "            on_batch(len(chunk))\n    module.train(was_training)", (EOS_HF,)),
+    M("grpo wiring: the off-policy queue left out of the checkpoint", G,
+      'return {"beta": self.beta, **({"rollouts": self.rollouts.state_dict()} if self.rollouts else {})}',
+      'return {"beta": self.beta}', ("tests/test_async_grpo.py::test_the_queued_rollout_is_in_the_stages_checkpoint_state",)),
 ]
 
 AUDIT: list[Mutation] = [

@@ -18,6 +18,8 @@ PROMPTS = T + "test_the_step_samples_the_seeded_prompts_of_each_step_with_the_sa
 PTX2 = T + "test_each_update_takes_the_next_seeded_ptx_batch_cut_at_ptx_max_length"
 APPROX2 = T + "test_max_approx_kl_compares_the_epochs_token_mean"
 KEYS = T + "test_each_step_samples_with_new_keys_drawn_from_the_seed"
+RM_TOK = T + "test_a_reward_model_with_another_tokenizer_scores_the_decoded_texts_in_its_own_encoding"
+LR = T + "test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stages_betas"
 EVAL = T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model"
 PTXSFT = T + "test_ptx_from_sft_data_is_the_lm_loss_of_the_completions_only"
 PPO = "stages/ppo.py"
@@ -233,4 +235,24 @@ MUTATIONS: list[Mutation] = [
       "            epoch_kl = torch.zeros(2, dtype=torch.float64, device=dist.device)  # Σ approx-KL, Σ tokens\n",
       "        epoch_kl = torch.zeros(2, dtype=torch.float64, device=dist.device)  # Σ approx-KL, Σ tokens\n"
       "        for epoch in range(cfg.ppo_epochs):\n", (APPROX2,)),
+    # ---- a fourth audit: the minibatch draw, the value engine's accumulation under ptx, the rows scored, an RM
+    # with its own tokenizer, the schedule and the optimiser
+    M("ppo wiring: every run of K episodes shares one minibatch permutation (fixed strides)", PPO,
+      "derive(self.cfg.seed, step, epoch, first + j)", "derive(self.cfg.seed, step, epoch, first)", (ORDER,)),
+    M("ppo wiring: the value engine also waits for the ptx micro-batch", PPO,
+      'replace(optim, lr=cfg.vf_lr), micro=self.micro, accum=accum, prefix="val/")',
+      'replace(optim, lr=cfg.vf_lr), micro=self.micro, accum=accum + bool(self.ptx), prefix="val/")', (PTX,)),
+    M("ppo wiring: the rollout's rows are the data's first rows (the verifier checks other prompts)", PPO,
+      "[self.rows[i] for i in idx]", "self.rows[: len(idx)]", (PROMPTS,)),
+    M("ppo wiring: an RM with another tokenizer scores the policy's encoding of the texts", PPO,
+      "return score(self.rm, self.rm_tok, r.prompts, [c.text for c in r.completions], self.micro)",
+      "return score(self.rm, self.tok, r.prompts, [c.text for c in r.completions], self.micro)", (RM_TOK,)),
+    M("ppo wiring: the lr schedule spans --max-steps, not the optimiser steps", "align/engine/run.py",
+      "schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)",
+      "schedule = lr_lambda(optim.schedule, optim.warmup_steps, cfg.max_steps)", (LR,)),
+    M("ppo wiring: the stage's AdamW betas ignored", "align/engine/run.py",
+      "adamw(model, optim.lr, optim.weight_decay, optim.betas,", "adamw(model, optim.lr, optim.weight_decay, (0.9, 0.95),",
+      (LR,)),
+    M("ppo wiring: warmup starts at lr 0", "align/engine/build.py", "return (step + 1) / warmup", "return step / warmup",
+      (LR,)),
 ]

@@ -191,4 +191,13 @@ MUTATIONS: list[Mutation] = [
     M("supervised wiring: evaluation: n_correct from the greedy answer", EV,
       'rec["n_correct"] = sum(verify(check, rows[i], o.text) for o in group)',
       'rec["n_correct"] = len(group) * verify(check, rows[i], outs[i].text)', PASSK_OWN),
+    # ---- a fourth audit: calibration buckets, the saved head, --columns onto an existing column
+    M("supervised wiring: rm calibration bucket accuracy over every pair", "stages/rm.py",
+      'metrics[f"{key}/accuracy"] = round((diff[sel] > 0).float().mean().item(), 4)',
+      'metrics[f"{key}/accuracy"] = round((diff > 0).float().mean().item(), 4)',
+      (T + "test_rm_pair_metrics_calibration_buckets_by_hand",)),
+    M("supervised wiring: rm saved config names the scalar head whatever --head", "stages/rm.py",
+      "HEAD_KEY: self.cfg.head,", 'HEAD_KEY: "scalar",', (T + "test_rm_likelihood_head_scores_the_mean_response_log_prob",)),
+    M("supervised wiring: --columns: a renamed column does not replace an existing one", "align/data.py",
+      "for k, v in r.items() if k not in replaced}", "for k, v in r.items()}", ("tests/test_data.py::test_columns_mapping",)),
 ]
