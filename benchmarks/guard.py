@@ -67,16 +67,18 @@ def card() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit (GUARD_COMMIT where the copy has no git history, as on a lent machine)."""
+    """GUARD_COMMIT (a lent machine's copy of the tree may carry a stale or no git history), else the checkout's."""
     import os
 
+    if os.environ.get("GUARD_COMMIT"):
+        return os.environ["GUARD_COMMIT"]
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                            cwd=Path(__file__).resolve().parent.parent)
         sha = r.stdout.strip() if r.returncode == 0 else ""
     except OSError:
         sha = ""
-    return sha or os.environ.get("GUARD_COMMIT", "unknown")
+    return sha or "unknown"
 
 
 def main() -> None:
