@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from align.console import info
 from align.errors import UserError
 
 FORMATS = {
@@ -375,6 +376,15 @@ def pair_report_text(report: dict) -> str:
     """One line for the console: kept pairs and every drop reason."""
     drops = ", ".join(f"{report[f'dropped_{k}']} {k.replace('_', ' ')}" for k in PAIR_DROP_REASONS)
     return f"{report['kept']}/{report['pairs']} pairs kept (dropped: {drops}; prompts cut: {report['prompt_truncated']})"
+
+
+def load_pairs(path: str, columns: str, tok, max_length: int, held_out: bool = False) -> list[dict]:
+    """Preference pairs (the reward model's and DPO's data) tokenised once (preference_examples), with a line
+    saying what was dropped."""
+    rows = load_rows(path, "preference", columns, held_out=held_out)
+    examples, report = preference_examples(tok, rows, max_length, source=str(path))
+    info(f"{path}: {pair_report_text(report)}")
+    return examples
 
 
 def unpaired_examples(tokenizer, rows: list[dict], max_length: int, source: str = "data") -> list[dict]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from align import data as D
+from align.data import load_pairs
 from align import objectives, runtime
 from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
@@ -46,7 +47,6 @@ from align.models import check_length, count_parameters, disable_dropout, load_c
 from align.paths import DATA_DIR
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import guess_verifier, row_fields, verifier_fn
-from stages.rm import load_pairs
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "logps/rejected")

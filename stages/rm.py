@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from align import data as D
+from align.data import load_pairs
 from align import runtime
 from align.artifacts import describe_inputs
 from align.config import StageConfig, SupervisedConfig, defaults, opt
@@ -86,14 +87,6 @@ class RMScoreConfig(RMEvalConfig):
 
 
 # ---------------------------------------------------------------------------------------------- scoring
-
-
-def load_pairs(path: str, columns: str, tok, max_length: int, held_out: bool = False) -> list[dict]:
-    """Preference pairs tokenised once (data.preference_examples), with a line saying what was dropped."""
-    rows = D.load_rows(path, "preference", columns, held_out=held_out)
-    examples, report = D.preference_examples(tok, rows, max_length, source=str(path))
-    info(f"{path}: {D.pair_report_text(report)}")
-    return examples
 
 
 @torch.no_grad()

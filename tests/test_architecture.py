@@ -62,3 +62,10 @@ def test_stage_functions_are_short():
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.FunctionDef):
                 assert node.end_lineno - node.lineno < 80, f"{p.name}:{node.lineno} {node.name}"
+
+
+def test_no_stage_imports_another_stage():
+    """A stage owns its knowledge and shares only through align/: stages/X.py imports no stages.Y."""
+    for p in (ROOT / "stages").glob("*.py"):
+        own = module_name(p)
+        assert not [i for i in imports(p) if i.startswith("stages.") and not i.startswith(own)], p

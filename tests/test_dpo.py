@@ -178,7 +178,7 @@ def test_live_reference_takes_a_steps_pairs_in_one_forward_and_matches_per_micro
 
     import stages.dpo as S
     from align.models import load_causal_lm, load_tokenizer, resolve
-    from stages.rm import load_pairs
+    from align.data import load_pairs
 
     tok = load_tokenizer(resolve("tiny"))
     model = load_causal_lm(resolve("tiny"), tok, torch.float32, seed=0).eval()
