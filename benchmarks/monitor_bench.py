@@ -5,7 +5,7 @@
 Healthy runs, runs that learn: the arithmetic chain's (pipelines/arithmetic.toml) SFT and reward models, trained
 here with its recipe (the PPO and DPO runs start from them), and GRPO, PPO and DPO at several seeds and learning
 rates (the chain's recipes, longer); and, replayed from their stored metrics (no training), three GRPO runs of a real
-pretrained model (benchmarks/real_model_runs: SmolLM2-135M-Instruct on reasoning-gym basic_arithmetic, 100 steps,
+pretrained model (tests/fixtures/real_runs: SmolLM2-135M-Instruct on reasoning-gym basic_arithmetic, 100 steps,
 whose held-out greedy pass@1 rose 0.07 -> 0.41-0.43 while the policy sharpened onto one answer template). Runs with a
 known failure and the step it starts at, read from the run itself
 (RUNS says how): a stale decoder weight copy or a NaN injected at step k with benchmarks.faults; a reward paid per
@@ -166,22 +166,22 @@ RUNS = {
     # template as it learns: entropy 1.8 -> 0.1 nats/token, distinct-1 0.15 -> 0.01, mean length 54 -> 14 tokens as
     # the truncated share falls 0.67 -> 0, the reward 0.003 -> 0.1; held-out greedy pass@1 (the last number) 0.07 ->
     # 0.41-0.43 on every seed
-    **{f"real-smollm2-grpo-s{s}": Run(["grpo"], stored=f"benchmarks/real_model_runs/seed{s}-metrics.jsonl")
+    **{f"real-smollm2-grpo-s{s}": Run(["grpo"], stored=f"tests/fixtures/real_runs/seed{s}-metrics.jsonl")
        for s in range(3)},
     # the same recipe on other data and seeds, recorded after the rules above were set (held out from their design):
     # `+` only (seed 3, pass@1 0.115 -> 0.725) and `+`/`-` (seed 4, 0.055 -> 0.395), held-out evaluations every 10
     # steps, bf16 on one H200 (the fast decoder's rollout/ metrics: rollout_mismatch's 16-bit tolerance). A third
     # run (chain_sum, 0.025 -> 0.05: it did not learn) is not a healthy run and is not here.
-    "real-smollm2-grpo-plus-s3": Run(["grpo"], stored="benchmarks/real_model_runs/fresh/rA-seed3-metrics.jsonl",
+    "real-smollm2-grpo-plus-s3": Run(["grpo"], stored="tests/fixtures/real_runs/fresh/rA-seed3-metrics.jsonl",
                                      precision="bf16-pure"),
-    "real-smollm2-grpo-plusminus-s4": Run(["grpo"], stored="benchmarks/real_model_runs/fresh/rB-seed4-metrics.jsonl",
+    "real-smollm2-grpo-plusminus-s4": Run(["grpo"], stored="tests/fixtures/real_runs/fresh/rB-seed4-metrics.jsonl",
                                           precision="bf16-pure"),
     # pipelines/pretrained.toml's GRPO stage (from its PPO stage's policy: entropy ~0.15 nats/token at the start), one
     # H200, bf16, held-out greedy pass@1 at steps 0/50/100: `add` (0.555 -> 0.70 -> 0.755) fired entropy_collapse's
     # floor path (0.15 -> 0.05) until that path asked for a start above 0.2: design data for that change; `aiw`
     # (0.23 -> 0.965 -> 1.0) was quiet before and after it. pm (0.32 -> 0.37 -> 0.36: it did not learn) is not here.
     **{f"real-smollm2-pretrained-grpo-{t}": Run(
-        ["grpo"], stored=f"benchmarks/real_model_runs/pretrained/{t}-grpo-metrics.jsonl", precision="bf16-pure")
+        ["grpo"], stored=f"tests/fixtures/real_runs/pretrained/{t}-grpo-metrics.jsonl", precision="bf16-pure")
        for t in ("add", "aiw")},
     # failures
     "grpo-stale-decoder@6": Run(grpo(0, 5e-5), "stale decoder copy", 6, ("rollout_mismatch",), fault="stale_decoder",

@@ -253,7 +253,7 @@ def test_low_diversity_is_judged_against_the_start_not_the_previous_window():
 
 SHARPENING_RULES = {"entropy_collapse", "length_drift", "low_distinct_1", "low_distinct_2"}
 NO_LEARNING_GATE = {name: {"learning_z": math.inf} for name in SHARPENING_RULES}  # the rules as they were
-REAL_RUNS = Path(__file__).resolve().parent.parent / "benchmarks/real_model_runs"
+REAL_RUNS = Path(__file__).resolve().parent / "fixtures/real_runs"  # recorded GPU runs (benchmarks/real_model.py)
 
 
 def sharpening_stream(gain=0.095, truncated=(0.65, 0.0), finished=(33.0, 13.5), n=100, max_new=64, seed=0):
@@ -381,7 +381,7 @@ def test_length_drift_judges_a_shortening_on_the_finished_answers():
     # recorded after the rules were set, on other data and seeds, held-out pass@1 every 10 steps, bf16
     ("fresh/rA-seed3-metrics.jsonl", "bf16-pure", (10, 20)), ("fresh/rB-seed4-metrics.jsonl", "bf16-pure", (10, 20))])
 def test_the_stored_real_model_grpo_runs_raise_no_event(run, precision, collapse_at):
-    """SmolLM2-135M-Instruct GRPO on reasoning-gym basic_arithmetic (benchmarks/real_model_runs; held-out greedy pass@1
+    """SmolLM2-135M-Instruct GRPO on reasoning-gym basic_arithmetic (tests/fixtures/real_runs; held-out greedy pass@1
     0.07 -> 0.41-0.43, and in the two later runs 0.115 -> 0.725 and 0.055 -> 0.395) replayed step by step through the
     default rules: no event of any rule (the held-out ones and rollout_mismatch included). Without the learning test
     the four sharpening rules fire on every run."""
@@ -403,7 +403,7 @@ def test_the_stored_real_model_grpo_runs_raise_no_event(run, precision, collapse
 @pytest.mark.parametrize("task,heldout", [("add", (0.555, 0.70, 0.755)), ("aiw", (0.23, 0.965, 1.0))])
 def test_the_pretrained_recipes_grpo_stage_raises_no_event(task, heldout):
     """pipelines/pretrained.toml's GRPO stage when it ran after PPO (from the PPO policy, entropy ~0.15 nats/token
-    at the start) on two tasks (benchmarks/real_model_runs/pretrained, one H200, bf16): held-out greedy pass@1 at
+    at the start) on two tasks (tests/fixtures/real_runs/pretrained, one H200, bf16): held-out greedy pass@1 at
     steps 0/50/100 rose on both; replayed through the default rules, no event. The `add` run fired entropy_collapse's
     floor path (0.15 -> 0.05) at steps 21/38/47 before that path asked for a start above the floor / floor_ratio."""
     steps = {}
