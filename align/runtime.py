@@ -111,7 +111,7 @@ def init(timeout_s: int | None = None) -> Dist:
     if cuda:
         torch.cuda.set_device(local_rank)
         # cuDNN's fused attention builds an execution plan on the CPU for every new (batch, length, mask)
-        # shape: ~4 ms per call, measured on H100 with variable-length training batches (benchmarks/RESULTS.md);
+        # shape: ~4 ms per call, measured on H100 with variable-length training batches (docs/results-history.md);
         # flash / memory-efficient attention launch in microseconds.
         torch.backends.cuda.enable_cudnn_sdp(False)
     backend = "nccl" if cuda else "gloo"

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "pretrained.toml"
 FLAT = ["allow_parentheses=false", "allow_negation=false"]
 # name: (reasoning-gym task, its parameters), each with more distinct prompts than the recipe's 4,000 + 200. Base
-# greedy pass@1 of SmolLM2-135M-Instruct (`math` verifier, 64 new tokens): benchmarks/RESULTS.md.
+# greedy pass@1 of SmolLM2-135M-Instruct (`math` verifier, 64 new tokens): docs/results-history.md.
 TASKS = {
     "add": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=2", "max_digits=2", "operators=['+']", *FLAT]),
     "pm": ("rg:basic_arithmetic", ["min_terms=2", "max_terms=2", "max_digits=2", "operators=['+','-']", *FLAT]),

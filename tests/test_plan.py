@@ -270,7 +270,7 @@ def test_replicas_are_suggested_where_the_training_state_fits_each_gpu():
 
 
 def test_real_8b_grpo_against_its_measured_peaks(monkeypatch):
-    """benchmarks/RESULTS.md, "GRPO at Llama-3.1-8B, 4K-token sequences" (one H200): 8 prompts x G 8, ~250-380
+    """docs/results-history.md, "GRPO at Llama-3.1-8B, 4K-token sequences" (one H200): 8 prompts x G 8, ~250-380
     prompt tokens + 3,840 new, micro-batch 4, gradient checkpointing: steady steps peaked at 95.4 GiB in the
     rollout and 67.4 GiB in the update. That run's decoder kept its own bf16 copy of the weights (as it still does
     with ALIGN_FAST_DECODER_COPY=1); without it the rollout needs 15 GiB less."""
@@ -288,7 +288,7 @@ def test_real_8b_grpo_against_its_measured_peaks(monkeypatch):
 
 
 def test_real_8b_grpo_compiled_without_checkpointing():
-    """benchmarks/RESULTS.md, "Real sizes, second round": the same shape at the defaults (compiled blocks, no
+    """docs/results-history.md, "Real sizes, second round": the same shape at the defaults (compiled blocks, no
     checkpointing) ran micro-batches of 4 and peaked at 130.1 GiB in the update: the plan stays above it, by
     less than 5 %."""
     from benchmarks.memory_plan import print_plans

@@ -36,7 +36,7 @@ fp32):
   layer keeps only its input (r·h per token) and one layer is recomputed at a time. Compiled blocks save less
   (inductor's partitioner recomputes the pointwise ops: norms, RoPE, silu and the gate product): without
   checkpointing the per-layer term is scaled by COMPILED_SAVED, measured on one H200 (Llama-3.1-8B, 4 × 4,096
-  tokens: 69.8 GiB against 102.8 estimated eagerly, 0.68; benchmarks/RESULTS.md), with a margin.
+  tokens: 69.8 GiB against 102.8 estimated eagerly, 0.68; docs/results-history.md), with a margin.
 * logits: the RL and preference stages take log-probs through align.logprobs' fused head — at most
   CHUNK_ELEMENTS fp32 logits at once (`chunked_logit_bytes`); SFT and PPO's ptx loss (and an entropy bonus, a
   likelihood reward head) build the full B × T × V logits (`full_logit_bytes`), as does SFT's held-out loss (64
