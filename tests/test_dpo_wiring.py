@@ -658,27 +658,61 @@ def test_optimiser_options_and_columns_reach_the_step(tmp_path, tiny_model_dir):
 def test_online_sampling_keys_change_with_the_step_not_with_the_window(tmp_path, tiny_model_dir):
     """--online on 8 copies of ONE prompt, 2 samples each at T 1, --online-every 2: the window of steps 0 and 1,
     sampled at once, gives step 1's slots other samples than step 0's (the keys count the step); and a run with
-    --online-every 1 sampling step 1 alone (the policy still the start) draws exactly step 1's samples of the
-    window (the keys do not depend on how steps are grouped into windows); a slot's samples differ."""
+    --online-every 1 sampling steps 0 and 1 one at a time (the policy still the start) draws exactly the window's
+    samples (the keys are the seed's and the step's, not the RNG's: they do not depend on how steps are grouped
+    into windows); a run entering the window at step 1 (a resume) samples step 1 alone, as the window did (with
+    --max-steps 4 a full window from there would reach step 2); a slot's samples differ."""
     log = tmp_path / "scores.jsonl"
     judge = tmp_path / "judge.py"
     judge.write_text(JUDGE.format(log=str(log)))
     data = write_rows(tmp_path / "prompts.jsonl", [{"prompt": "Write something about the number 7.", "answer": "7",
                                                     "mode": "len"}] * 8)
-    got = {}
-    for every, s0 in ((2, 0), (1, 1)):
+    got, buffered = {}, {}
+    for every, starts in ((2, (0,)), (1, (0, 1)), (2, (1,))):
         if log.exists():
             log.unlink()
-        cfg, run = stage(tmp_path / f"every{every}", tiny_model_dir, data=data, eval_data="", online=True,
+        cfg, run = stage(tmp_path / f"every{every}{starts}", tiny_model_dir, data=data, eval_data="", online=True,
                          online_every=every, online_samples=2, max_new_tokens=8, verifier=f"{judge}:judge",
-                         temperature=1.0, max_steps=2, seed=2)
+                         temperature=1.0, max_steps=4, seed=2)
         with run:
             algo = OnlineDPO(cfg, run)
-            algo.sample_window(s0)
+            for s0 in starts:
+                algo.sample_window(s0)
             judged = [json.loads(x)["completion"] for x in log.read_text().splitlines()]
-        got[every] = [judged[i: i + 8] for i in range(0, len(judged), 8)]  # 4 slots x 2 samples a step
-    assert len(got[2]) == 2 and len(got[1]) == 1
-    assert got[2][0] != got[2][1]
-    assert got[1][0] == got[2][1]
-    assert len(set(got[2][0])) > 1
-    assert any(got[2][0][2 * j] != got[2][0][2 * j + 1] for j in range(4))  # a slot's samples: keys of their own
+            buffered[every, starts] = sorted(algo.buffer)
+        got[every, starts] = [judged[i: i + 8] for i in range(0, len(judged), 8)]  # 4 slots x 2 samples a step
+    window, alone, mid = got[2, (0,)], got[1, (0, 1)], got[2, (1,)]
+    assert len(window) == 2 and len(alone) == 2 and buffered[2, (0,)] == [0, 1]
+    assert window[0] != window[1]
+    # step by step, the same samples as the window (sampling step 0 first draws nothing the keys depend on)
+    assert alone == window
+    # a window entered at step 1 (a resume inside it) samples only up to its end: step 1, as the window did
+    assert buffered[2, (1,)] == [1] and mid == [window[1]]
+    assert len(set(window[0])) > 1
+    assert any(window[0][2 * j] != window[0][2 * j + 1] for j in range(4))  # a slot's samples: keys of their own
+
+
+def test_the_lr_schedule_warmup_weight_decay_and_betas_reach_the_optimiser(tmp_path, tiny_model_dir):
+    """--schedule linear --warmup-steps 2 --max-steps 4 --weight-decay 0.1: the learning rate each optimiser step
+    applies is lr·(0.5, 1, 1, 0.55) (warmup (u + 1) / 2, then the linear decay to 10 %); AdamW decays the matrices
+    by 0.1 and no 1-D parameter (norms, biases), with β = (0.9, 0.95)."""
+    data = write_rows(tmp_path / "pairs.jsonl", PAIRS)
+    lr = 2e-4
+    cfg, run = stage(tmp_path, tiny_model_dir, data=data, eval_data="", schedule="linear", warmup_steps=2,
+                     max_steps=4, weight_decay=0.1, lr=lr, zero_stage=0)
+    with run:
+        algo = DPO(cfg, run)
+        opt = algo.policy.eng.optimizer
+        applied = []
+        hook = opt.register_step_pre_hook(lambda o, args, kw: applied.append(o.param_groups[0]["lr"]))
+        try:
+            for s in range(4):
+                algo.step(s)
+        finally:
+            hook.remove()
+        groups = [(g["weight_decay"], [p.ndim for p in g["params"]], g["betas"]) for g in opt.param_groups]
+    assert applied == pytest.approx([lr * f for f in (0.5, 1.0, 1.0, 0.55)])
+    decay = {wd for wd, dims, _ in groups if all(d >= 2 for d in dims)}
+    no_decay = {wd for wd, dims, _ in groups if all(d < 2 for d in dims)}
+    assert decay == {0.1} and no_decay == {0.0} and len(decay | no_decay) == 2
+    assert all(dims for _, dims, _ in groups) and {b for _, _, b in groups} == {(0.9, 0.95)}

@@ -563,7 +563,8 @@ def test_a_whole_step_samples_its_prompts_skips_failed_rewards_and_distils_from_
     prompts step_indices(n, --prompts-per-step 2, s, --seed 3) with G = --num-generations 3 under the stage's
     Sampling (--max-new-tokens 5, --temperature 0.7, --top-k 7, --top-p 0.9, the seed derived from (seed, s)); a
     reward that raises ("boom") under --on-reward-error skip takes its sample out of its group's mean/std
-    (--advantage zscore over the other two), of the loss and of its normaliser; rewards/errors is 1/6; the teacher
+    (--advantage zscore over the other two), of the loss and of its normaliser, and of rewards/NAME's mean;
+    rewards/errors is 1/6; the teacher
     (--teacher: the saved start, the policy moved off it) gives the per-token reverse-KL term
     --distill-coef 0.3 · sg(log π_θ − log π_T) · log π_θ on every counted token, those of group 1 too (no
     reward spread: dropped from the policy-gradient term by --drop-zero-std-groups, not from distillation). The
@@ -628,6 +629,7 @@ def test_a_whole_step_samples_its_prompts_skips_failed_rewards_and_distils_from_
             assert got["reward"] == pytest.approx(good.mean().item(), rel=1e-6)
             assert got["reward_std"] == pytest.approx(good.std().item(), rel=1e-5)
             assert got["rewards/errors"] == pytest.approx(1 / 6)
+            assert got["rewards/value_reward.value"] == pytest.approx(good.mean().item(), rel=1e-6)  # scored only
             assert got["signal_frac"] == pytest.approx(5 / 6)
             assert got["kept_token_frac"] == pytest.approx((kept.sum() / counted.sum()).item())
             assert got["frac_reward_zero_std"] == pytest.approx(0.5)
@@ -707,16 +709,20 @@ def test_the_length_reward_shapes_each_group_and_evaluate_uses_the_eval_options(
     completions' RESPONSE lengths, added times 0.5 to the correct ones, min(0, λ) to the wrong ones; each sample's
     reward enters the step's advantages (--advantage mean) and its loss by hand. evaluate() samples
     max(--eval-k 1,2) = 2 completions of the --eval-samples 2 rows with the stage's sampling at --seed 5 and logs
-    exactly what align.evaluation.evaluate_policy gives for those settings, under eval/, and saves the same sampled
+    exactly what align.evaluation.evaluate_policy gives for those settings (--verifier FILE:FUNCTION judging),
+    under eval/, and saves the same sampled
     completions (OUT/eval_samples.jsonl, tagged with the step); final_metrics reports start/, the last eval/ and
     the gain in greedy pass@1. --micro-batch-size 0 takes the most rows that fit --micro-batch-tokens 200 (3)."""
     from align.evaluation import evaluate_policy
     from align.generation import Sampling
 
     T = 0.9
+    accept = tmp_path / "accept.py"  # --verifier: every answer right (the tiny model's never are under `math`)
+    accept.write_text("def judge(prompt, completion, **row):\n    return 1.0\n")
     with grpo(tmp_path, tiny_model_dir, reward=["math", "length:0.5"], num_generations=3,
               temperature=T, seed=5, eval_data=str(small_data()["arith_test"]), eval_samples=2, eval_k="1,2",
-              max_new_tokens=5, top_k=9, micro_batch_size=0, micro_batch_tokens=200) as algo:
+              max_new_tokens=5, top_k=9, micro_batch_size=0, micro_batch_tokens=200,
+              verifier=f"{accept}:judge") as algo:
         longest = max(map(len, algo.prompt_ids)) + 5  # --micro-batch-size 0: the most rows of this length in 200
         assert 200 // 6 < longest <= 200 // 3 and algo.micro == 3
         answers = [str(algo.rows[p]["answer"]) for p in range(2)]
@@ -738,7 +744,7 @@ def test_the_length_reward_shapes_each_group_and_evaluate_uses_the_eval_options(
         norm = grad_norm(want, model)
         want_eval, want_recs = evaluate_policy(algo.policy.eng, algo.tok, algo.eval_rows, algo.run.dist, ks=[1, 2],
                                                samples=2, sampling=Sampling(5, T, 9, 1.0, seed=5), gather=True,
-                                               verifier="auto")
+                                               verifier=f"{accept}:judge")
         got_eval = algo.evaluate(3)
         import json
 
@@ -751,6 +757,7 @@ def test_the_length_reward_shapes_each_group_and_evaluate_uses_the_eval_options(
     assert got["grad_norm"] == pytest.approx(norm, rel=1e-4)
     assert got_eval == {f"eval/{k}": v for k, v in want_eval.items()}
     assert {"eval/pass@1", "eval/pass@2"} <= set(got_eval), sorted(got_eval)
+    assert got_eval["eval/pass@1/greedy"] == got_eval["eval/pass@2"] == 1.0  # judged by --verifier
     assert saved == [{"step": 3, **rec} for rec in want_recs]  # the same samples: the same sampling and seed
     assert all(len(rec["samples"]) == 2 for rec in saved) and len({tuple(rec["samples"]) for rec in saved}) == 2
     last = {"eval/pass@1/greedy": 0.75, "eval/pass@2": 0.5, "reward": 1.25, "loss": 3.0}
@@ -850,6 +857,37 @@ def test_kl_is_logged_from_the_first_pass_of_num_iterations(tiny_model_dir, tmp_
                        hand_logp(plain(tiny_model_dir), ids, 1.0))
     assert got["kl"] == 0.0
     assert (moved * resp).sum() / resp.sum() > 1e-4
+
+
+def test_every_pass_of_num_iterations_carries_the_kl_term(tiny_model_dir, tmp_path):
+    """--beta 0.3 with --num-iterations 2: the second pass's loss is the clipped surrogate against π_old = θ0 plus
+    β · the token mean of k3(π_θ1, π_ref) (the reference the frozen start), and its gradient (the step's last
+    grad_norm) is that loss's, computed by hand at the weights the pass saw (θ1)."""
+    beta, eps, T = 0.3, 0.2, 1.0
+    with grpo(tmp_path, tiny_model_dir, beta=beta, lr=3e-2, num_iterations=2, epsilon=eps, epsilon_high=eps) as algo:
+        cs = completions(algo, [[([40, 41, EOS], 1.0, True), ([42, 43, EOS], 0.0, True)],
+                                [([44, 45, 46, 47], 2.0, False), ([48, EOS], 0.5, True)]])
+        fixed_rollouts(algo, lambda s: cs)
+        calls, backward = [], algo.policy.backward
+
+        def spy(loss):  # each update pass: its loss and the weights its forward ran at
+            calls.append((loss.item(), weights(algo.policy)))
+            backward(loss)
+
+        algo.policy.backward = spy
+        got = step(algo, 0)
+    assert len(calls) == 2
+    ids, resp = hand_batch(cs)
+    adv = group_adv([[1.0, 0.0], [2.0, 0.5]])
+    with torch.no_grad():
+        old = hand_logp(plain(tiny_model_dir), ids, T)  # θ0: π_old and the reference
+    model = plain(tiny_model_dir, calls[1][1])
+    lp = hand_logp(model, ids, T)
+    kl = (k3(lp, old) * resp).sum() / resp.sum()
+    want = clip_loss(lp, old, adv, resp, eps, eps, False, "token-mean") + beta * kl
+    assert beta * kl.item() > 1e-3 * abs(want.item())  # the KL term weighs in this pass
+    assert calls[1][0] == pytest.approx(want.item(), rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(grad_norm(want, model), rel=1e-4)
 
 
 def test_each_sample_of_a_rollout_is_of_its_own_rows_prompt(tiny_model_dir, tmp_path):

@@ -826,10 +826,12 @@ def test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stage
     """--schedule linear --warmup-steps 2 --max-steps 2 with 2 PPO epochs of one minibatch: 4 optimiser steps of
     each network in all; the learning rate each step applies is lr·f(u) for u = 0..3, f the warmup (u + 1) / 2,
     then the linear decay to 10 % over the optimiser steps (not the PPO steps): 0.5, 1, 1, 0.55 (--vf-lr for
-    the value network); AdamW runs with PPO's β = (0.9, 0.999)."""
+    the value network); AdamW runs with PPO's β = (0.9, 0.999) and --weight-decay 0.05 on each network's
+    matrices, none on its 1-D parameters (norms, biases). --on-alarm's β raise: ×3 of a β above 0; from 0, the
+    default 0.1."""
     lr, vf_lr = 2e-4, 5e-4
     with stage(files, tmp_path, schedule="linear", warmup_steps=2, max_steps=2, ppo_epochs=2, lr=lr,
-               vf_lr=vf_lr) as algo:
+               vf_lr=vf_lr, weight_decay=0.05) as algo:
         batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
         full = {**batch, **algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)}
         applied = {"policy": [], "value": []}
@@ -843,7 +845,16 @@ def test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stage
             for h in hooks:
                 h.remove()
         betas = {net.eng.optimizer.param_groups[0]["betas"] for net in (algo.policy, algo.value)}
+        decay = [{(g["weight_decay"], min(p.ndim for p in g["params"]) >= 2, max(p.ndim for p in g["params"]) >= 2)
+                  for g in net.eng.optimizer.param_groups} for net in (algo.policy, algo.value)]
+        algo.kl_ctl.value = 0.0
+        algo.raise_kl(3.0)
+        from_zero = algo.kl_ctl.value
+        algo.raise_kl(3.0)
+        raised = algo.kl_ctl.value
     f = [0.5, 1.0, 1.0, 0.55]
     assert applied["policy"] == pytest.approx([lr * x for x in f])
     assert applied["value"] == pytest.approx([vf_lr * x for x in f])
     assert betas == {(0.9, 0.999)}
+    assert decay == [{(0.05, True, True), (0.0, False, False)}] * 2  # matrices decayed, 1-D parameters not
+    assert from_zero == pytest.approx(0.1) and raised == pytest.approx(0.3)

@@ -235,6 +235,16 @@ MUTATIONS: list[Mutation] = [
     M("grpo wiring: the off-policy queue left out of the checkpoint", G,
       'return {"beta": self.beta, **({"rollouts": self.rollouts.state_dict()} if self.rollouts else {})}',
       'return {"beta": self.beta}', ("tests/test_async_grpo.py::test_the_queued_rollout_is_in_the_stages_checkpoint_state",)),
+    M("grpo wiring: held-out evaluation ignores --verifier", G,
+      "gather=self.cfg.gather,\n                                  verifier=self.cfg.verifier)",
+      'gather=self.cfg.gather,\n                                  verifier="auto")', (SHAPE,)),
+    M("grpo wiring: rewards/NAME averaged over every sample, skipped ones included", G,
+      'stats.mean(f"rewards/{k}", sum(v), len(v))', 'stats.mean(f"rewards/{k}", sum(v), len(r.completions))',
+      (WHOLE,)),
+    M("grpo wiring: the KL term only in the first of --num-iterations passes", G,
+      "kl = kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None",
+      "kl = kl_k3(logp, ref_logp[sl]) if ref_logp is not None and it == 0 else None",
+      (W + "test_every_pass_of_num_iterations_carries_the_kl_term",)),
 ]
 
 AUDIT: list[Mutation] = [

@@ -255,4 +255,13 @@ MUTATIONS: list[Mutation] = [
       (LR,)),
     M("ppo wiring: warmup starts at lr 0", "align/engine/build.py", "return (step + 1) / warmup", "return step / warmup",
       (LR,)),
+    M("ppo wiring: --weight-decay ignored", PPO,
+      "optim = Optim(cfg.lr, cfg.max_steps * self.updates_per_step, cfg.warmup_steps, cfg.schedule, cfg.weight_decay,",
+      "optim = Optim(cfg.lr, cfg.max_steps * self.updates_per_step, cfg.warmup_steps, cfg.schedule, 0.0,", (LR,)),
+    M("ppo wiring: an --on-alarm raise of a β of 0 leaves it 0", PPO,
+      "self.kl_ctl.value = old * factor if old > 0 else 0.1", "self.kl_ctl.value = old * factor", (LR,)),
+    M("ppo wiring: score() of texts returns raw rewards", "align/reward_model.py",
+      "return score_ids(eng, tokenizer, encode_scored(tokenizer, prompts, responses, max_length), batch_size)",
+      "return score_ids(eng, tokenizer, encode_scored(tokenizer, prompts, responses, max_length), batch_size, "
+      "normalize=False)", (RM_TOK,)),
 ]

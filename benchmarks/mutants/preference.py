@@ -11,6 +11,7 @@ SIMPO = T + "test_simpo_takes_gamma_and_response_lengths_and_loads_no_reference"
 ORPO = T + "test_orpo_with_the_rpo_nll_term_carries_its_gradient"
 RPO = T + "test_rpo_nll_term_on_dpo_against_the_ref_model"
 KTO = T + "test_kto_reference_point_weights_and_held_out"
+SCHEDULE = T + "test_the_lr_schedule_warmup_weight_decay_and_betas_reach_the_optimiser"
 KEYS = T + "test_online_sampling_keys_change_with_the_step_not_with_the_window"
 ONLINE = T + "test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing"
 PICK = T + "test_run_picks_the_variant_from_the_options"
@@ -165,4 +166,15 @@ MUTATIONS: list[Mutation] = [
     M("dpo wiring: online samples of a slot share one key", F,
       "places = [(s * cfg.batch_size + dist.rank * share + j) * K + k for s in steps",
       "places = [(s * cfg.batch_size + dist.rank * share + j) * K + 0 for s in steps", (KEYS,)),
+    # ---- a fifth audit: a resume inside an online window, the sampling seed, the schedule, weight decay's groups
+    M("online dpo wiring: a window entered off its --online-every boundary runs a full window", F,
+      "steps = range(step, min(cfg.max_steps, step - step % cfg.online_every + cfg.online_every))",
+      "steps = range(step, min(cfg.max_steps, step + cfg.online_every))", (KEYS,)),
+    M("online dpo wiring: sampling keys from torch's RNG, not the seed", F,
+      "Sampling(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed)",
+      "Sampling(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=None)", (KEYS,)),
+    M("dpo wiring: --schedule ignored (constant)", F, "Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule,",
+      'Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, "constant",', (SCHEDULE,)),
+    M("engine wiring: weight decay on every parameter (norms and biases too)", "align/engine/build.py",
+      '{"params": no_decay, "weight_decay": 0.0}', '{"params": no_decay, "weight_decay": weight_decay}', (SCHEDULE,)),
 ]
