@@ -858,3 +858,31 @@ def test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stage
     assert betas == {(0.9, 0.999)}
     assert decay == [{(0.05, True, True), (0.0, False, False)}] * 2  # matrices decayed, 1-D parameters not
     assert from_zero == pytest.approx(0.1) and raised == pytest.approx(0.3)
+
+
+def test_a_resume_restores_the_stages_state_and_keeps_the_start_evaluation(files, tmp_path):
+    """Two steps (a checkpoint after each, a held-out evaluation at the start), then --resume to three: the resumed
+    stage enters its first step with the adaptive β the first run had entering that step (the stage's own state,
+    restored from the checkpoint), evaluates at step 3 only (not `the start` again at the resumed weights), and
+    keeps the first run's start evaluation."""
+    base = dict(max_steps=2, save_every=1, eval_data=str(files["prompts"]), eval_samples=2, max_new_tokens=4,
+                target_kl=0.01)
+
+    def spy(algo, seen):
+        evaluate, step_ = algo.evaluate, algo.step
+        algo.evaluate = lambda s: seen["evaluated"].append(s) or evaluate(s)
+        algo.step = lambda s: seen["beta"].append((s, algo.kl_ctl.value)) or step_(s)
+
+    first, resumed = {"evaluated": [], "beta": []}, {"evaluated": [], "beta": []}
+    with stage(files, tmp_path, "resumed", **base) as algo:
+        spy(algo, first)
+        algo.run.fit(algo)
+        start = dict(algo.run.start_eval)
+    with stage(files, tmp_path, "resumed", **{**base, "max_steps": 3, "resume": True}) as algo:
+        spy(algo, resumed)
+        algo.run.fit(algo)
+        again = dict(algo.run.start_eval)
+    s0, beta = resumed["beta"][0]
+    assert s0 >= 1 and beta == pytest.approx(dict(first["beta"])[s0]) and beta != pytest.approx(first["beta"][0][1])
+    assert first["evaluated"][0] == 0 and 0 not in resumed["evaluated"] and resumed["evaluated"][-1] == 3
+    assert start and again == start

@@ -19,6 +19,7 @@ PTX2 = T + "test_each_update_takes_the_next_seeded_ptx_batch_cut_at_ptx_max_leng
 APPROX2 = T + "test_max_approx_kl_compares_the_epochs_token_mean"
 KEYS = T + "test_each_step_samples_with_new_keys_drawn_from_the_seed"
 RM_TOK = T + "test_a_reward_model_with_another_tokenizer_scores_the_decoded_texts_in_its_own_encoding"
+RESUME = T + "test_a_resume_restores_the_stages_state_and_keeps_the_start_evaluation"
 LR = T + "test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stages_betas"
 EVAL = T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model"
 PTXSFT = T + "test_ptx_from_sft_data_is_the_lm_loss_of_the_completions_only"
@@ -264,4 +265,9 @@ MUTATIONS: list[Mutation] = [
       "return score_ids(eng, tokenizer, encode_scored(tokenizer, prompts, responses, max_length), batch_size)",
       "return score_ids(eng, tokenizer, encode_scored(tokenizer, prompts, responses, max_length), batch_size, "
       "normalize=False)", (RM_TOK,)),
+    M("engine wiring: --resume does not restore the stage's own state", "align/engine/run.py",
+      '        if hasattr(algo, "load_state_dict"):\n            algo.load_state_dict(state["algorithm"])',
+      '        if False:\n            algo.load_state_dict(state["algorithm"])', (RESUME,)),
+    M("engine wiring: a resumed run evaluates the start again at its resumed weights", "align/engine/run.py",
+      'if start == 0 and getattr(algo, "eval_at_start", False):', 'if getattr(algo, "eval_at_start", False):', (RESUME,)),
 ]
