@@ -194,7 +194,8 @@ def test_sigmoid_reference_is_the_frozen_start_and_the_steps_are_the_hand_loss(t
 
 @pytest.mark.parametrize("precompute", [False, True])
 def test_ipo_mean_against_the_ref_model_uses_response_lengths(tmp_path, tiny_model_dir, other_model_dir, precompute):
-    """--loss ipo-mean, β 0.3, --ref-model another model (live, or --precompute-ref: the same numbers): at step 0 the
+    """--loss ipo-mean, β 0.3, --ref-model another model (live, or --precompute-ref: the same numbers, the reference
+    engine freed after its log-probs are taken at step 0): at step 0 the
     loss (Δ̄ − 1/(2β))² with Δ̄ of per-token means (ℓ − ℓ_ref)(y) = (log π − log π_ref)(y) / |y|, |y| the response's
     tokens with EOS, its rewards, log-probs and gradient norm are the hand values from the input model and the
     --ref-model; step 1's, with the policy after the update and the same --ref-model; the held-out accuracy and
@@ -219,6 +220,8 @@ def test_ipo_mean_against_the_ref_model_uses_response_lengths(tmp_path, tiny_mod
         pc0, pr0 = pair_logps(init, [ex[i] for i in idx0])
         loss0, rc0, rr0 = ipo_mean(pc0, pr0, ref_c[idx0], ref_r[idx0], n_c[idx0], n_r[idx0])
         m0 = step(algo, 0)
+        # --precompute-ref: the reference's log-probs taken once, its engine freed; else it stays, live
+        assert (algo.reference is None) == precompute and (algo.ref_train is not None) == precompute
         check_pair_metrics(m0, loss0, rc0, rr0, pc0, pr0)
         close(m0["grad_norm"], grad_norm(loss0.mean(), init), rel=1e-3)
 

@@ -450,9 +450,9 @@ def test_minibatches_are_a_new_order_each_epoch_and_step_drawn_from_the_seed(fil
 
 
 def test_the_step_wires_beta_the_score_and_the_reference_into_the_rewards(files, tmp_path):
-    """Steps with --ref-model (KL > 0 from the start) at --temperature 0.7. --fixed-kl keeps β = 0.2. The adaptive
-    controller with the target set 10% under the first step's KL (known from the fixed run: the same rollout)
-    gives β₁ = 0.2·(1 + 0.1·4/10) (n = 4 episodes, horizon 10); in step 1 the per-token rewards the update gets
+    """Steps with --ref-model (KL > 0 from the start) at --temperature 0.7, --init-kl-coef 0.3 (not the default
+    0.2). --fixed-kl keeps β = 0.3. The adaptive controller with the target set 10% under the first step's KL
+    (known from the fixed run: the same rollout) gives β₁ = 0.3·(1 + 0.1·4/10) (n = 4 episodes, horizon 10); in step 1 the per-token rewards the update gets
     (read back from its returns, γ = λ = 1) are −β₁·(log π_old − log π_ref) + s on the last token, with π_old the
     policy entering step 1 and π_ref the --ref-model (both at logits / T), s the RM's score of the sampled
     response less --missing-eos-penalty where it has no EOS; the step's metrics are those of that batch (KL per
@@ -461,12 +461,12 @@ def test_the_step_wires_beta_the_score_and_the_reference_into_the_rewards(files,
     from align.reward_model import normalized_reward
 
     temp, p = 0.7, 0.25
-    common = dict(ref_model=str(files["other"]), init_kl_coef=0.2, kl_horizon=10.0, gamma=1.0, lam=1.0, lr=1e-2,
+    common = dict(ref_model=str(files["other"]), init_kl_coef=0.3, kl_horizon=10.0, gamma=1.0, lam=1.0, lr=1e-2,
                   missing_eos_penalty=p, temperature=temp)
     with stage(files, tmp_path, "fixed", fixed_kl=True, **common) as algo:
         f0, f1 = algo.step(0).reduce("cpu"), algo.step(1).reduce("cpu")
-        assert algo.state_dict() == {"kl_coef": 0.2}
-    assert f0["kl_coef"] == f1["kl_coef"] == 0.2 and f0["objective/kl"] > 0.1
+        assert algo.state_dict() == {"kl_coef": 0.3}
+    assert f0["kl_coef"] == f1["kl_coef"] == 0.3 and f0["objective/kl"] > 0.1
     kl0 = f0["objective/kl"]
     target = kl0 / 1.1
     rm, ref_model = classifier(files["rm"]), causal_lm(files["other"])
@@ -488,8 +488,8 @@ def test_the_step_wires_beta_the_score_and_the_reference_into_the_rewards(files,
         a2 = algo.step(2).reduce("cpu")
         eos = algo.tok.eos_token_id
     assert a0["objective/kl"] == pytest.approx(kl0, rel=1e-6)
-    beta1 = 0.2 * (1 + 0.1 * 4 / 10)
-    assert a0["kl_coef"] == 0.2 and a1["kl_coef"] == pytest.approx(beta1, rel=1e-6)
+    beta1 = 0.3 * (1 + 0.1 * 4 / 10)
+    assert a0["kl_coef"] == 0.3 and a1["kl_coef"] == pytest.approx(beta1, rel=1e-6)
     e1 = min(max(a1["objective/kl"] / target - 1, -0.2), 0.2)
     assert state == {"kl_coef": pytest.approx(beta1 * (1 + e1 * 4 / 10), rel=1e-6)} and a2["kl_coef"] == 0.05
     for row in (a0, a1):
@@ -606,9 +606,9 @@ def test_the_step_samples_the_seeded_prompts_of_each_step_with_the_samplers_opti
 
 
 def test_each_update_takes_the_next_seeded_ptx_batch_cut_at_ptx_max_length(files, tmp_path):
-    """6 ptx texts, --ptx-batch-size 2, --ptx-max-length 8, 2 epochs of 2 minibatches (4 optimiser steps a PPO
+    """6 ptx texts, --ptx-batch-size 3, --ptx-max-length 8, 2 epochs of 2 minibatches (4 optimiser steps a PPO
     step): the ptx forward of the policy's u-th optimiser step of PPO step s (u counted over the step's epochs)
-    holds the texts step_indices(6, 2, 4·s + u, seed + 1) names, each BOS + text + EOS cut to 8 tokens; so the
+    holds the 3 texts step_indices(6, 3, 4·s + u, seed + 1) names, each BOS + text + EOS cut to 8 tokens; so the
     epochs of a step and the steps see new ptx batches."""
     from align.engine.run import step_indices
 
@@ -616,7 +616,7 @@ def test_each_update_takes_the_next_seeded_ptx_batch_cut_at_ptx_max_length(files
              for w in ("Red", "Blue", "Green", "Seven", "Nine", "Sam")]
     ptx = write_jsonl(tmp_path / "ptx6.jsonl", texts)
     got = []
-    with stage({**files, "text": ptx}, tmp_path, "ptx6", ptx_coef=0.3, ptx_batch_size=2, ptx_max_length=8,
+    with stage({**files, "text": ptx}, tmp_path, "ptx6", ptx_coef=0.3, ptx_batch_size=3, ptx_max_length=8,
                ppo_epochs=2, minibatch_size=2, seed=5) as algo:
         tok = algo.tok
         want_seqs = [([tok.bos_token_id] + tok(t["text"], add_special_tokens=False)["input_ids"]
@@ -639,7 +639,7 @@ def test_each_update_takes_the_next_seeded_ptx_batch_cut_at_ptx_max_length(files
             h.remove()
     assert len(got) == 8  # 2 steps × 2 epochs × 2 minibatches
     for k, rows in enumerate(got):
-        assert sorted(rows) == sorted(want_seqs[i] for i in step_indices(6, 2, k, 6)), k
+        assert len(rows) == 3 and sorted(rows) == sorted(want_seqs[i] for i in step_indices(6, 3, k, 6)), k
     assert got[0] != got[2] and got[1] != got[3]
 
 

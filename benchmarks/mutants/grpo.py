@@ -245,6 +245,13 @@ MUTATIONS: list[Mutation] = [
       "kl = kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None",
       "kl = kl_k3(logp, ref_logp[sl]) if ref_logp is not None and it == 0 else None",
       (W + "test_every_pass_of_num_iterations_carries_the_kl_term",)),
+    M("grpo wiring: --overlong-cache's length ignored", G,
+      "total += overlong([n], max_len=cfg.max_new_tokens, cache=cfg.overlong_cache)[0]",
+      "total += overlong([n], max_len=cfg.max_new_tokens, cache=1)[0]", (LENGTHS,)),
+    M("grpo wiring: --advantage ignored (zscore)", G, 'adv = objectives.get("advantage", self.cfg.advantage).fn(',
+      'adv = objectives.get("advantage", "zscore").fn(', (CLIP_TOKEN,)),
+    M("grpo wiring: one pass whatever --num-iterations", G, "for it in range(cfg.num_iterations):", "for it in range(1):",
+      (CLIP_TOKEN,)),
 ]
 
 AUDIT: list[Mutation] = [

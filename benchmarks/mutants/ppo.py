@@ -270,4 +270,17 @@ MUTATIONS: list[Mutation] = [
       '        if False:\n            algo.load_state_dict(state["algorithm"])', (RESUME,)),
     M("engine wiring: a resumed run evaluates the start again at its resumed weights", "align/engine/run.py",
       'if start == 0 and getattr(algo, "eval_at_start", False):', 'if getattr(algo, "eval_at_start", False):', (RESUME,)),
+    # ---- options no mutation had named yet (an inventory of the stage's cfg reads)
+    M("ppo wiring: --init-kl-coef ignored by the adaptive controller", PPO,
+      "rl.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon)",
+      "rl.AdaptiveKLController(0.2, cfg.target_kl, cfg.kl_horizon)", (STEP,)),
+    M("ppo wiring: --fixed-kl's β ignored", PPO, "rl.FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl",
+      "rl.FixedKLController(0.2) if cfg.fixed_kl", (STEP,)),
+    M("ppo wiring: --target-kl ignored", PPO, "rl.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon)",
+      "rl.AdaptiveKLController(cfg.init_kl_coef, 6.0, cfg.kl_horizon)", (STEP,)),
+    M("ppo wiring: --kl-horizon ignored", PPO, "rl.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon)",
+      "rl.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, 10000)", (STEP,)),
+    M("ppo wiring: --ptx-batch-size ignored", PPO,
+      "idx = self.run.indices(len(self.ptx), self.cfg.ptx_batch_size, update, seed=self.cfg.seed + 1)",
+      "idx = self.run.indices(len(self.ptx), 2, update, seed=self.cfg.seed + 1)", (PTX2,)),
 ]

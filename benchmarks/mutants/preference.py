@@ -177,4 +177,7 @@ MUTATIONS: list[Mutation] = [
       'Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, "constant",', (SCHEDULE,)),
     M("engine wiring: weight decay on every parameter (norms and biases too)", "align/engine/build.py",
       '{"params": no_decay, "weight_decay": 0.0}', '{"params": no_decay, "weight_decay": weight_decay}', (SCHEDULE,)),
+    M("online dpo wiring: --online-samples ignored", F, "K = cfg.online_samples", "K = 4", (ONLINE,)),
+    M("dpo wiring: --precompute-ref never precomputes (the reference stays live)", F,
+      "if cfg.precompute_ref and self.ref_train is None:", "if False and self.ref_train is None:", (IPO + "[True]",)),
 ]

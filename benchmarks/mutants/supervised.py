@@ -200,4 +200,7 @@ MUTATIONS: list[Mutation] = [
       "HEAD_KEY: self.cfg.head,", 'HEAD_KEY: "scalar",', (T + "test_rm_likelihood_head_scores_the_mean_response_log_prob",)),
     M("supervised wiring: --columns: a renamed column does not replace an existing one", "align/data.py",
       "for k, v in r.items() if k not in replaced}", "for k, v in r.items()}", ("tests/test_data.py::test_columns_mapping",)),
+    M("supervised wiring: sft --packing ignored", "stages/sft.py",
+      "self.examples = D.pack_examples(examples, cfg.max_length) if cfg.packing else examples",
+      "self.examples = examples", PACK),
 ]
