@@ -623,3 +623,35 @@ def test_held_out_pass_at_k_groups_each_problems_own_samples(chatty_model_dir, t
     assert "pass@8" not in m and m["problems"] == 3
     assert [r["greedy"] for r in recs] == greedy
     assert m["pass@1/greedy"] == pytest.approx(sum(len(g) % 2 == 0 for g in greedy) / 3)
+
+
+def test_sft_grad_clip_and_eval_every_reach_the_run(tiny_model_dir, tmp_path):
+    """--grad-clip 1e-12: the update's gradient is clipped to that norm before AdamW, whose step of a gradient far
+    below its ε moves no weight by more than 1e-4·lr (at the default clip 1.0 the same step moves them by ~lr);
+    the logged grad_norm is the norm before clipping. --eval-every 1 over --max-steps 3: the held-out evaluation
+    runs after steps 1 and 2 and at the end (3), each logged as eval/loss."""
+    from stages.sft import SFT
+
+    rows, held_rows = head("arithmetic/train.jsonl", 6), head("arithmetic/test.jsonl", 2)
+    data, held = write_rows(tmp_path / "train.jsonl", rows), write_rows(tmp_path / "held.jsonl", held_rows)
+    moved = {}
+    for clip in (1e-12, 1.0):
+        cfg = sft_config(tmp_path, f"clip{clip}", data, model=tiny_model_dir, grad_clip=clip)
+        with stage(SFT, cfg, "sft") as algo:
+            w0 = torch.cat([p.detach().flatten().clone() for p in algo.policy.module.parameters()])
+            algo.step(0)
+            norm = algo.policy.metrics()["grad_norm"]
+            w1 = torch.cat([p.detach().flatten() for p in algo.policy.module.parameters()])
+            moved[clip] = ((w1 - w0).abs().max().item(), norm)
+    lr = sft_config(tmp_path, "x", data, model=tiny_model_dir).lr
+    assert moved[1e-12][0] < 1e-4 * lr and moved[1.0][0] > 0.5 * lr
+    assert moved[1e-12][1] == pytest.approx(moved[1.0][1], rel=1e-5) and moved[1.0][1] > 1e-3  # before clipping
+    cfg = sft_config(tmp_path, "every", data, model=tiny_model_dir, eval_data=str(held), eval_every=1, max_steps=3)
+    evaluated = []
+    with stage(SFT, cfg, "sft") as algo:
+        evaluate = algo.evaluate
+        algo.evaluate = lambda s: evaluated.append(s) or evaluate(s)
+        algo.run.fit(algo)
+    logged = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert evaluated == [1, 2, 3]
+    assert sorted(r["step"] for r in logged if "eval/loss" in r) == [1, 2, 3]

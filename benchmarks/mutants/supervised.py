@@ -203,4 +203,9 @@ MUTATIONS: list[Mutation] = [
     M("supervised wiring: sft --packing ignored", "stages/sft.py",
       "self.examples = D.pack_examples(examples, cfg.max_length) if cfg.packing else examples",
       "self.examples = examples", PACK),
+    M("engine wiring: --grad-clip ignored", "align/engine/run.py", "dtype=self.dtype, grad_clip=cfg.grad_clip,",
+      "dtype=self.dtype, grad_clip=1.0,", (T + "test_sft_grad_clip_and_eval_every_reach_the_run",)),
+    M("engine wiring: --eval-every ignored", "align/engine/run.py",
+      "if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:", "if False:",
+      (T + "test_sft_grad_clip_and_eval_every_reach_the_run",)),
 ]
