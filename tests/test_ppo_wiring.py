@@ -705,17 +705,20 @@ def test_max_approx_kl_compares_the_epochs_token_mean(files, tmp_path):
 
 
 def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files, tmp_path):
-    """--eval-data (the prompts, with answers) --eval-samples 3 at --temperature 1.5: evaluate(0) answers 3
+    """--eval-data (held-out problems with answers) --eval-samples 3 at --temperature 1.5: evaluate(0) answers its 3 first
     problems greedily (the same answers on a second call: no sampling at T), logs eval/problems 3, eval/pass@1/greedy
     the verified fraction of the saved answers, eval/reward the mean of the RM's normalised scores of prompt +
     greedy answer (a fresh copy of the RM, one pair at a time), equal to the saved rm_score of each, and
     eval/kl 0 at step 0 and, later, the latest step's KL per episode (objective/kl, what RLMonitor's held-out hacking
     rule reads); the reward model, not the value network (--value-model: another classifier), scores.
     (The tiny policies' greedy answers are empty: which text is scored is not pinned here.)"""
+    from align.paths import DATA_DIR
     from align.reward_model import encode_scored, normalized_reward
 
-    with stage({**files, "policy": files["other"]}, tmp_path, "eval", eval_data=str(files["prompts"]), eval_samples=3, temperature=1.5,
-               max_new_tokens=5, value_model=str(files["value"])) as algo:
+    held_rows = [json.loads(x) for x in (DATA_DIR / "arithmetic/test.jsonl").read_text().splitlines()[:4]]
+    held = write_jsonl(tmp_path / "held.jsonl", held_rows)  # not the training prompts
+    with stage({**files, "policy": files["other"]}, tmp_path, "eval", eval_data=str(held), eval_samples=3,
+               temperature=1.5, max_new_tokens=5, value_model=str(files["value"])) as algo:
         got = algo.evaluate(0)
         recs = [json.loads(x) for x in (tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()]
         again = algo.evaluate(0)
@@ -726,6 +729,7 @@ def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files
         history["objective/kl"], history["kl"] = [0.4, 2.5], [0.01, 0.03]
         later = algo.evaluate(2)
     assert len(recs) == 3 and [r["greedy"] for r in recs] == [r["greedy"] for r in recs2] and got == again
+    assert [r["prompt"] for r in recs] == [r["prompt"] for r in held_rows[:3]]  # --eval-data's first 3, in order
     rm = classifier(files["rm"])
     pairs = encode_scored(rm_tok, [r["prompt"] for r in recs], [r["greedy"] for r in recs])
     with torch.no_grad():

@@ -283,4 +283,7 @@ MUTATIONS: list[Mutation] = [
     M("ppo wiring: --ptx-batch-size ignored", PPO,
       "idx = self.run.indices(len(self.ptx), self.cfg.ptx_batch_size, update, seed=self.cfg.seed + 1)",
       "idx = self.run.indices(len(self.ptx), 2, update, seed=self.cfg.seed + 1)", (PTX2,)),
+    M("ppo wiring: held-out evaluation on the training prompts", PPO,
+      'self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable"',
+      'self.eval_rows = fitting_rows(D.load_rows(cfg.data, "verifiable"', (T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model",)),
 ]
