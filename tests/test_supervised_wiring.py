@@ -217,6 +217,11 @@ def test_rm_likelihood_head_scores_the_mean_response_log_prob(tiny_model_dir, tm
     cfg = rm_config(tmp_path, "lik", data, model=tiny_model_dir, head="likelihood", likelihood_beta=3.0,
                     center_coef=0.05, eval_data=str(held))
     with stage(RewardModel, cfg, "rm") as algo:
+        from align.data import load_pairs
+
+        want = load_pairs(str(held), "", algo.tok, cfg.max_length, held_out=True)  # --eval-data's pairs, in order
+        assert [(e["prompt_ids"], e["chosen_ids"]) for e in algo.eval_examples] == \
+            [(e["prompt_ids"], e["chosen_ids"]) for e in want]
         got = check_rm_step(algo, 0)
         assert got["rewards/chosen"] < -1.0  # β · a mean log-prob of a random model: far below 0
         with torch.no_grad():

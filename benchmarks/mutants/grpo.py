@@ -252,6 +252,9 @@ MUTATIONS: list[Mutation] = [
       'adv = objectives.get("advantage", "zscore").fn(', (CLIP_TOKEN,)),
     M("grpo wiring: one pass whatever --num-iterations", G, "for it in range(cfg.num_iterations):", "for it in range(1):",
       (CLIP_TOKEN,)),
+    M("grpo wiring: held-out rows from the training data", G,
+      'self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable"',
+      'self.eval_rows = fitting_rows(D.load_rows(cfg.data, "verifiable"', (SHAPE,)),
 ]
 
 AUDIT: list[Mutation] = [

@@ -208,4 +208,8 @@ MUTATIONS: list[Mutation] = [
     M("engine wiring: --eval-every ignored", "align/engine/run.py",
       "if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:", "if False:",
       (T + "test_sft_grad_clip_and_eval_every_reach_the_run",)),
+    M("supervised wiring: rm held-out pairs from the training data", "stages/rm.py",
+      "self.eval_examples = (load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length, held_out=True)",
+      "self.eval_examples = (load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length, held_out=True)",
+      (T + "test_rm_likelihood_head_scores_the_mean_response_log_prob",)),
 ]
