@@ -753,6 +753,8 @@ def test_the_length_reward_shapes_each_group_and_evaluate_uses_the_eval_options(
     assert len(algo.eval_rows) == 2
     held = [json.loads(x) for x in Path(small_data()["arith_test"]).read_text().splitlines()[:2]]
     assert [r["prompt"] for r in algo.eval_rows] == [r["prompt"] for r in held]  # --eval-data's, in order
+    train = [json.loads(x) for x in Path(small_data()["arith"]).read_text().splitlines()]
+    assert [r["prompt"] for r in algo.rows] == [r["prompt"] for r in train]  # and the training prompts --data's
     assert got["rewards/math"] == pytest.approx(3 / 6)
     assert got["reward"] == pytest.approx(sum(map(sum, rewards)) / 6, rel=1e-6)
     assert got["loss"] == pytest.approx(want.item(), rel=1e-5)

@@ -723,13 +723,15 @@ def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files
         recs = [json.loads(x) for x in (tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()]
         again = algo.evaluate(0)
         recs2 = [json.loads(x) for x in (tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()]
-        rm_tok = algo.rm_tok
+        rm_tok, rows = algo.rm_tok, algo.rows
         # after training steps: the KL per episode of the latest batch (objective/kl), not the per-token kl
         history = algo.run.monitor.history
         history["objective/kl"], history["kl"] = [0.4, 2.5], [0.01, 0.03]
         later = algo.evaluate(2)
     assert len(recs) == 3 and [r["greedy"] for r in recs] == [r["greedy"] for r in recs2] and got == again
     assert [r["prompt"] for r in recs] == [r["prompt"] for r in held_rows[:3]]  # --eval-data's first 3, in order
+    train = [json.loads(x) for x in files["prompts"].read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in train]  # the training prompts: --data's
     rm = classifier(files["rm"])
     pairs = encode_scored(rm_tok, [r["prompt"] for r in recs], [r["greedy"] for r in recs])
     with torch.no_grad():

@@ -255,6 +255,8 @@ MUTATIONS: list[Mutation] = [
     M("grpo wiring: held-out rows from the training data", G,
       'self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable"',
       'self.eval_rows = fitting_rows(D.load_rows(cfg.data, "verifiable"', (SHAPE,)),
+    M("grpo wiring: training prompts read from --eval-data", G, 'self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)',
+      'self.rows = D.load_rows(cfg.eval_data or cfg.data, "prompts", cfg.columns)', (SHAPE,)),
 ]
 
 AUDIT: list[Mutation] = [

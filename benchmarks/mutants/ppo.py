@@ -286,4 +286,7 @@ MUTATIONS: list[Mutation] = [
     M("ppo wiring: held-out evaluation on the training prompts", PPO,
       'self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable"',
       'self.eval_rows = fitting_rows(D.load_rows(cfg.data, "verifiable"', (T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model",)),
+    M("ppo wiring: training prompts read from --eval-data", PPO, 'rows = D.load_rows(cfg.data, "prompts", cfg.columns)',
+      'rows = D.load_rows(cfg.eval_data or cfg.data, "prompts", cfg.columns)',
+      (T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model",)),
 ]
