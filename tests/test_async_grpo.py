@@ -102,8 +102,8 @@ def test_a_stale_step_is_the_off_policy_step_with_truncated_importance_weights(t
 
 def test_the_queued_rollout_is_in_the_stages_checkpoint_state(tiny_model_dir, tmp_path):
     """Staleness 1: after step 0 the queue holds rollout 1 (sampled from θ_0); the stage's state (what a
-    checkpoint saves, through JSON) carries it, and a stage restored from that state trains step 1 on exactly
-    those completions, one step stale, rather than sampling anew."""
+    checkpoint saves, through JSON) carries it — tokens, texts, EOS flags and the sampler's log-probs — and a stage
+    restored from that state trains step 1 on exactly those completions, one step stale, rather than sampling anew."""
     import json
 
     from stages.grpo import GRPO
@@ -120,7 +120,11 @@ def test_the_queued_rollout_is_in_the_stages_checkpoint_state(tiny_model_dir, tm
         algo.load_state_dict(state)
         (restored,) = algo.rollouts.queue
         assert (restored.step, restored.version) == (1, 0)
-        assert [(c.prompt_ids, c.ids) for c in restored.completions] == [(c.prompt_ids, c.ids) for c in pending.completions]
+        assert [(c.prompt_ids, c.ids, c.text, c.finished) for c in restored.completions] == \
+            [(c.prompt_ids, c.ids, c.text, c.finished) for c in pending.completions]
+        # the sampler's log-probs too: truncated IS after a resume weighs by θ_0's, not by nothing
+        assert all(c.logps is not None for c in pending.completions)
+        assert [c.logps for c in restored.completions] == [c.logps for c in pending.completions]
         trained = []
         learn = algo.learn
         algo.learn = lambda r, *a: trained.append([c.ids for c in r.completions]) or learn(r, *a)

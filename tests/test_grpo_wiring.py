@@ -894,6 +894,40 @@ def test_every_pass_of_num_iterations_carries_the_kl_term(tiny_model_dir, tmp_pa
     assert got["grad_norm"] == pytest.approx(grad_norm(want, model), rel=1e-4)
 
 
+def test_with_a_teacher_the_kl_reference_is_still_the_frozen_start(tiny_model_dir, other_model_dir, tmp_path):
+    """--beta 0.5 with --teacher another model: the KL term's reference is the policy's frozen start (kl 0 at step
+    0, where the policy is the start), the teacher only the distillation term's (reverse KL to it above 0)."""
+    with grpo(tmp_path, tiny_model_dir, beta=0.5, teacher=str(other_model_dir)) as algo:
+        cs = completions(algo, [[([40, 41, EOS], 1.0, True), ([42, EOS], 0.0, True)],
+                                [([43, 44, 45, 46], 2.0, False), ([47, EOS], 0.5, True)]])
+        fixed_rollouts(algo, lambda s: cs)
+        got = step(algo, 0)
+    assert got["kl"] == 0.0 and got["distill/reverse_kl"] > 1e-3
+
+
+def test_the_lr_schedule_warmup_weight_decay_and_betas_reach_grpos_optimiser(tiny_model_dir, tmp_path):
+    """--schedule linear --warmup-steps 2 --max-steps 4 --weight-decay 0.1: the learning rate each optimiser step
+    applies is lr·(0.5, 1, 1, 0.55); AdamW decays the matrices by 0.1 and no 1-D parameter, with GRPO's
+    β = (0.9, 0.999)."""
+    lr = 1e-3
+    with grpo(tmp_path, tiny_model_dir, schedule="linear", warmup_steps=2, max_steps=4, weight_decay=0.1, lr=lr) as algo:
+        cs = completions(algo, [[([40, 41, EOS], 1.0, True), ([42, EOS], 0.0, True)],
+                                [([43, 44, 45, 46], 2.0, False), ([47, EOS], 0.5, True)]])
+        fixed_rollouts(algo, lambda s: cs)
+        opt = algo.policy.eng.optimizer
+        applied = []
+        hook = opt.register_step_pre_hook(lambda o, args, kw: applied.append(o.param_groups[0]["lr"]))
+        try:
+            for s in range(4):
+                step(algo, s)
+        finally:
+            hook.remove()
+        groups = {(g["weight_decay"], min(p.ndim for p in g["params"]) >= 2, max(p.ndim for p in g["params"]) >= 2,
+                   g["betas"]) for g in opt.param_groups}
+    assert applied == pytest.approx([lr * f for f in (0.5, 1.0, 1.0, 0.55)])
+    assert groups == {(0.1, True, True, (0.9, 0.999)), (0.0, False, False, (0.9, 0.999))}
+
+
 def test_each_sample_of_a_rollout_is_of_its_own_rows_prompt(tiny_model_dir, tmp_path):
     """The stage's own rollout (HF sampling on the CPU): sample g of prompt p (row p·G + g, prompt-major) carries the
     token ids of row p's templated prompt, so every reward reads the row its completion answers."""

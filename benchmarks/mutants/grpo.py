@@ -257,6 +257,18 @@ MUTATIONS: list[Mutation] = [
       'self.eval_rows = fitting_rows(D.load_rows(cfg.data, "verifiable"', (SHAPE,)),
     M("grpo wiring: training prompts read from --eval-data", G, 'self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)',
       'self.rows = D.load_rows(cfg.eval_data or cfg.data, "prompts", cfg.columns)', (SHAPE,)),
+    M("grpo wiring: --warmup-steps ignored", G,
+      "Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay, (0.9, 0.999)),",
+      "Optim(cfg.lr, cfg.max_steps, 0, cfg.schedule, cfg.weight_decay, (0.9, 0.999)),",
+      (W + "test_the_lr_schedule_warmup_weight_decay_and_betas_reach_grpos_optimiser",)),
+    M("grpo wiring: the KL reference loaded from --teacher when one is given", G,
+      "self.reference = run.reference(self.policy, self.load_policy(source)) if cfg.beta else None",
+      "self.reference = run.reference(self.policy, self.load_policy(teacher_source or source)) if cfg.beta else None",
+      (W + "test_with_a_teacher_the_kl_reference_is_still_the_frozen_start",)),
+    M("grpo wiring: checkpointed rollouts lose their sampler log-probs", QUEUE_PY,
+      'return cls(**{**d, "completions": [Completion(**c) for c in d["completions"]]})',
+      'return cls(**{**d, "completions": [Completion(**{**c, "logps": None}) for c in d["completions"]]})',
+      ("tests/test_async_grpo.py::test_the_queued_rollout_is_in_the_stages_checkpoint_state",)),
 ]
 
 AUDIT: list[Mutation] = [
