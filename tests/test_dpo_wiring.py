@@ -402,10 +402,12 @@ def judge(prompt, completion, **row):
 '''
 
 
-def test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing(tmp_path, tiny_model_dir, other_model_dir):
+def test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing(tmp_path, tiny_model_dir, other_model_dir,
+                                                                          monkeypatch):
     """--online, 3 samples of each prompt ranked by a --verifier that logs every score, --ref-model another model,
     --online-every 2: the window of steps 0 and 1 is sampled at once, steps 0 and 1 sample nothing more, at most
-    --max-new-tokens each. Each slot's chosen answer is one of its prompt's samples with the judge's highest score,
+    --max-new-tokens each, the K samples of a slot all of its own prompt. Each slot's chosen answer is one of its
+    prompt's samples with the judge's highest score,
     the rejected one with the lowest; a slot whose samples all tie weighs 0. The samples are the policy's (their
     log-probs under the policy exceed the reference's). Each step's loss is the mean of −log σ(βΔ) over its
     weighted pairs only (step 1: with the policy after step 0's update), `pairs` their number, `online/reward` the
@@ -432,12 +434,27 @@ def test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing(tmp_p
         pc, pr = pair_logps(model, pairs)
         return -F.logsigmoid(beta * ((pc - rc) - (pr - rr))), (pc - rc) + (pr - rr)
 
+    import stages.dpo as dpo_module
+
+    sampled = []
+    generate = dpo_module.generate_on_rank
+
+    def spy(policy, tok, prompt_ids, *a, **kw):  # the prompts each sample continues, in the judge's order
+        out = generate(policy, tok, prompt_ids, *a, **kw)
+        sampled.extend(zip(prompt_ids, (c.prompt_ids for c in out)))
+        return out
+
+    monkeypatch.setattr(dpo_module, "generate_on_rank", spy)
     with run:
         algo = OnlineDPO(cfg, run)
         algo.sample_window(0)  # what step 0 does first: the pairs of its --online-every window
         windows = {s: algo.buffer[s] for s in (0, 1)}
         judged = scored()
         assert len(judged) == 2 * 4 * 3
+        # sample k of slot j continues slot j's prompt: the K samples of a slot are of one prompt (prompt-major)
+        window_idx = [i for s in (0, 1) for i in run.indices(len(algo.rows), cfg.batch_size, s)]
+        assert [p for p, _ in sampled] == [algo.prompt_ids[i] for i in window_idx for _ in range(3)]
+        assert all(p == q for p, q in sampled)
         # the window's prompts: those of run.indices(s) for each of its steps s, each --online-samples times
         assert [j["prompt"] for j in judged] == [algo.rows[i]["prompt"] for s in (0, 1)
                                                  for i in run.indices(len(algo.rows), cfg.batch_size, s)

@@ -180,4 +180,7 @@ MUTATIONS: list[Mutation] = [
     M("online dpo wiring: --online-samples ignored", F, "K = cfg.online_samples", "K = 4", (ONLINE,)),
     M("dpo wiring: --precompute-ref never precomputes (the reference stays live)", F,
       "if cfg.precompute_ref and self.ref_train is None:", "if False and self.ref_train is None:", (IPO + "[True]",)),
+    M("online dpo wiring: samples drawn group-major (a slot's K samples of different prompts)", F,
+      "prompts = [self.prompt_ids[i] for i in idx for _ in range(K)]",
+      "prompts = [self.prompt_ids[i] for _ in range(K) for i in idx]", (ONLINE,)),
 ]
