@@ -660,3 +660,20 @@ def test_sft_grad_clip_and_eval_every_reach_the_run(tiny_model_dir, tmp_path):
     logged = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     assert evaluated == [1, 2, 3]
     assert sorted(r["step"] for r in logged if "eval/loss" in r) == [1, 2, 3]
+
+
+def test_sft_held_out_loss_is_the_token_mean_over_every_chunk(tiny_model_dir, tmp_path):
+    """70 held-out examples (scored 64 at a time: two chunks of unequal size and token count): eval/loss is the
+    token-mean completion NLL over all 70 (Σ NLL / Σ completion tokens), not a mean of the chunks' means."""
+    from stages.sft import SFT
+
+    rows, held_rows = head("arithmetic/train.jsonl", 4), head("arithmetic/test.jsonl", 70)
+    data, held = write_rows(tmp_path / "train.jsonl", rows), write_rows(tmp_path / "held.jsonl", held_rows)
+    cfg = sft_config(tmp_path, "held70", data, model=tiny_model_dir, eval_data=str(held))
+    with stage(SFT, cfg, "sft") as algo, torch.no_grad():
+        pairs = prompt_completion(algo.tok, held_rows)
+        total, n = hand_nll(algo.policy.module, pairs)
+        (a, na), (b, nb) = hand_nll(algo.policy.module, pairs[:64]), hand_nll(algo.policy.module, pairs[64:])
+        got = algo.evaluate(0)["eval/loss"]
+    assert got == pytest.approx((total / n).item(), rel=1e-5)
+    assert abs((a / na + b / nb).item() / 2 - got) > 1e-4  # the chunks' mean would differ

@@ -212,4 +212,8 @@ MUTATIONS: list[Mutation] = [
       "self.eval_examples = (load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length, held_out=True)",
       "self.eval_examples = (load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length, held_out=True)",
       (T + "test_rm_likelihood_head_scores_the_mean_response_log_prob",)),
+    M("supervised wiring: sft held-out loss a mean of the chunks' means", "stages/sft.py",
+      'stats.mean("eval/loss", *completion_nll(self.policy(**D.model_inputs(b)).logits, b["labels"]))',
+      'stats.mean("eval/loss", (lambda s, c: s / c)(*completion_nll(self.policy(**D.model_inputs(b)).logits, b["labels"])), 1)',
+      (T + "test_sft_held_out_loss_is_the_token_mean_over_every_chunk",)),
 ]
