@@ -216,4 +216,7 @@ MUTATIONS: list[Mutation] = [
       'stats.mean("eval/loss", *completion_nll(self.policy(**D.model_inputs(b)).logits, b["labels"]))',
       'stats.mean("eval/loss", (lambda s, c: s / c)(*completion_nll(self.policy(**D.model_inputs(b)).logits, b["labels"])), 1)',
       (T + "test_sft_held_out_loss_is_the_token_mean_over_every_chunk",)),
+    M("supervised wiring: preference pairs with chosen == rejected kept", "align/data.py",
+      '        elif row["chosen"] == row["rejected"]:', "        elif False:",
+      ("tests/test_pref_data.py::test_drop_reasons_are_counted", "tests/test_pref_data.py::test_identical_only_fails_naming_the_file")),
 ]
