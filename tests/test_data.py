@@ -334,3 +334,23 @@ def test_load_rows_takes_the_first_format_the_renamed_columns_fit(tmp_path):
     assert D.load_rows(unpaired, ("unpaired", "preference"))[0]["label"] is True
     with pytest.raises(UserError, match="no 'prompt', 'completion', 'label' column for unpaired data"):
         D.load_rows(pairs, ("unpaired", "preference"))
+
+
+def test_unpaired_rows_cut_the_prompt_from_the_left_to_fit(shipped_tokenizer):
+    """KTO's rows: prompt + completion longer than max_length keep the prompt's END (the template's tail that leads
+    into the completion) and the whole completion + EOS, as pairs and SFT examples do."""
+    row = {"prompt": "word " * 40 + "What is 2+2?", "completion": "It is 4.", "label": True}
+    p = D.encode_prompts(shipped_tokenizer, [row["prompt"]])[0]
+    c = D.encode_completions(shipped_tokenizer, [row["completion"]])[0]
+    (e,) = D.unpaired_examples(shipped_tokenizer, [row], max_length=len(c) + 10)
+    assert e["completion_ids"] == c and e["prompt_ids"] == p[-10:] and len(p) > 10 and e["label"] is True
+
+
+def test_normalized_reward_reads_an_artifacts_offset_and_scale_keys():
+    """(raw − offset) / scale from a model config's keys, or from an artifact's reward_offset / reward_scale."""
+    from align.reward_model import OFFSET_KEY, SCALE_KEY, normalized_reward
+
+    x = torch.tensor([3.0, 5.0])
+    assert normalized_reward(x, {OFFSET_KEY: 1.0, SCALE_KEY: 2.0}).tolist() == [1.0, 2.0]
+    assert normalized_reward(x, {"reward_offset": 1.0, "reward_scale": 4.0}).tolist() == [0.5, 1.0]
+    assert normalized_reward(x, {}).tolist() == [3.0, 5.0]

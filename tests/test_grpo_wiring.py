@@ -630,6 +630,8 @@ def test_a_whole_step_samples_its_prompts_skips_failed_rewards_and_distils_from_
             assert got["reward_std"] == pytest.approx(good.std().item(), rel=1e-5)
             assert got["rewards/errors"] == pytest.approx(1 / 6)
             assert got["rewards/value_reward.value"] == pytest.approx(good.mean().item(), rel=1e-6)  # scored only
+            # throughput: the rollout's tokens over the generation's time, not another phase's
+            assert got["completions/tokens_per_s"] == pytest.approx(got["tokens"] / got["time/generate"], rel=1e-3)
             assert got["signal_frac"] == pytest.approx(5 / 6)
             assert got["kept_token_frac"] == pytest.approx((kept.sum() / counted.sum()).item())
             assert got["frac_reward_zero_std"] == pytest.approx(0.5)

@@ -853,6 +853,10 @@ def test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stage
         betas = {net.eng.optimizer.param_groups[0]["betas"] for net in (algo.policy, algo.value)}
         decay = [{(g["weight_decay"], min(p.ndim for p in g["params"]) >= 2, max(p.ndim for p in g["params"]) >= 2)
                   for g in net.eng.optimizer.param_groups} for net in (algo.policy, algo.value)]
+        history = algo.run.monitor.history  # final_metrics: the first and last windows of the run's series
+        history["reward"], history["gold_reward"] = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 6
+        history["objective/kl"] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
+        final = algo.final_metrics({"eval/reward": 0.5}, {"eval/reward": 0.1})
         algo.kl_ctl.value = 0.0
         algo.raise_kl(3.0)
         from_zero = algo.kl_ctl.value
@@ -864,6 +868,9 @@ def test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stage
     assert betas == {(0.9, 0.999)}
     assert decay == [{(0.05, True, True), (0.0, False, False)}] * 2  # matrices decayed, 1-D parameters not
     assert from_zero == pytest.approx(0.1) and raised == pytest.approx(0.3)
+    assert final["reward/first3"] == pytest.approx(1.0) and final["reward/last3"] == pytest.approx(4.0)
+    assert final["objective/kl/last3"] == pytest.approx(0.5) and final["start/reward"] == 0.1
+    assert final["eval/reward"] == 0.5
 
 
 def test_a_resume_restores_the_stages_state_and_keeps_the_start_evaluation(files, tmp_path):

@@ -269,6 +269,9 @@ MUTATIONS: list[Mutation] = [
       'return cls(**{**d, "completions": [Completion(**c) for c in d["completions"]]})',
       'return cls(**{**d, "completions": [Completion(**{**c, "logps": None}) for c in d["completions"]]})',
       ("tests/test_async_grpo.py::test_the_queued_rollout_is_in_the_stages_checkpoint_state",)),
+    M("grpo wiring: tokens_per_s over the update's time", G,
+      'stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/generate"], 1e-9))',
+      'stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/update"], 1e-9))', (WHOLE,)),
 ]
 
 AUDIT: list[Mutation] = [

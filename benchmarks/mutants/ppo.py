@@ -289,4 +289,7 @@ MUTATIONS: list[Mutation] = [
     M("ppo wiring: training prompts read from --eval-data", PPO, 'rows = D.load_rows(cfg.data, "prompts", cfg.columns)',
       'rows = D.load_rows(cfg.eval_data or cfg.data, "prompts", cfg.columns)',
       (T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model",)),
+    M("ppo wiring: final_metrics' first and last windows swapped", PPO,
+      'part = series[:w] if name == "first" else series[-w:]', 'part = series[-w:] if name == "first" else series[:w]',
+      (LR,)),
 ]

@@ -219,4 +219,8 @@ MUTATIONS: list[Mutation] = [
     M("supervised wiring: preference pairs with chosen == rejected kept", "align/data.py",
       '        elif row["chosen"] == row["rejected"]:', "        elif False:",
       ("tests/test_pref_data.py::test_drop_reasons_are_counted", "tests/test_pref_data.py::test_identical_only_fails_naming_the_file")),
+    M("supervised wiring: KTO rows cut the prompt from the right", "align/data.py",
+      'out.append({"prompt_ids": p[max(0, len(p) + len(c) - max_length):], "completion_ids": c, "label": bool(label)})',
+      'out.append({"prompt_ids": p[: max(0, max_length - len(c))], "completion_ids": c, "label": bool(label)})',
+      ("tests/test_data.py::test_unpaired_rows_cut_the_prompt_from_the_left_to_fit",)),
 ]
