@@ -64,9 +64,8 @@ def copy_forced() -> bool:
 def copies_small(weight_bytes: int) -> bool:
     """Whether a GPU decoder keeps a fused copy of weights it could read in place: below SMALL_COPY_BYTES, where
     the copy costs little memory (and lives only during the rollout) and one q/k/v and one gate/up matmul a layer
-    instead of five decode faster (2.79 vs 3.16 ms per token at Qwen2.5-1.5B
-    on an H200); above it the second copy's memory matters
-    more (15 GiB at 8B) and large matmuls gain little from fusing."""
+    instead of five decode faster (2.79 vs 3.16 ms per token at Qwen2.5-1.5B on an H200); above it the second
+    copy's memory matters more (15 GiB at 8B) and large matmuls gain little from fusing."""
     return copy_setting() != "0" and weight_bytes <= SMALL_COPY_BYTES
 
 

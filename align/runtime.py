@@ -80,6 +80,14 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def attention_backends() -> None:
+    """The scaled_dot_product_attention backends every run uses on a GPU (benchmarks that time a piece of a stage
+    call this too): cuDNN's fused attention builds an execution plan on the CPU for every new (batch, length,
+    mask) shape, ~4 ms per call, measured on H100 with variable-length training batches
+    (docs/results-history.md); flash / memory-efficient attention launch in microseconds."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def init(timeout_s: int | None = None) -> Dist:
     """Start (once) the process group DeepSpeed needs, even for a single process.
 
@@ -110,10 +118,7 @@ def init(timeout_s: int | None = None) -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
-        # cuDNN's fused attention builds an execution plan on the CPU for every new (batch, length, mask)
-        # shape: ~4 ms per call, measured on H100 with variable-length training batches (docs/results-history.md);
-        # flash / memory-efficient attention launch in microseconds.
-        torch.backends.cuda.enable_cudnn_sdp(False)
+        attention_backends()
     backend = "nccl" if cuda else "gloo"
     if "ALIGN_GLOBAL_RANK" in os.environ:  # --rollout-gpus: the trainers' own group, on the launcher's store
         torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("align/trainers",

@@ -63,6 +63,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from align.fast_generate import FastDecoder
+    from align.runtime import attention_backends
+
+    attention_backends()  # the attention kernels a stage's decoder runs (align.runtime.init sets the same)
 
     d = V.make_model(a.model, Path("/tmp/rollout-probe"))
     m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
