@@ -359,6 +359,43 @@ def save_tiny_model(out: Path, seed: int, silent_head: bool = False) -> Path:
     return out
 
 
+def greedy_ids(model, prompt_ids: list, max_new: int, eos: int) -> list:
+    """`model`'s greedy continuation of ONE prompt, token by token by argmax over its full forward (unpadded, no
+    cache): at most `max_new` tokens, EOS included when it comes."""
+    import torch
+
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new):
+            ids.append(int(model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+            if ids[-1] == eos:
+                break
+    return ids[len(prompt_ids):]
+
+
+@contextlib.contextmanager
+def applied_lrs(*optimizers):
+    """[the learning rate each optimizer step applied (its first group's), ...] per optimizer, while the block
+    runs (a pre-step hook: the rate the step uses)."""
+    got = [[] for _ in optimizers]
+    hooks = [opt.register_step_pre_hook(lambda o, args, kw, out=out: out.append(o.param_groups[0]["lr"]))
+             for opt, out in zip(optimizers, got)]
+    try:
+        yield got
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def decay_groups(optimizer) -> set[tuple]:
+    """{(weight decay, what the group holds: "matrices" (every parameter ≥ 2-D), "1-d" (norms, biases), "mixed" or
+    "empty", betas)} of each parameter group."""
+    def kind(params):
+        dims = [p.ndim for p in params]
+        return ("empty" if not dims else "matrices" if min(dims) >= 2 else "1-d" if max(dims) < 2 else "mixed")
+    return {(g["weight_decay"], kind(g["params"]), g["betas"]) for g in optimizer.param_groups}
+
+
 def eos_prone(model_dir: Path, prompt_ids: list[int], a: float, out: Path | None = None):
     """The model saved in `model_dir` (fp32, dropout off) with its (tied) EOS output row set along its mean last
     hidden state of `prompt_ids`, scaled by `a`: EOS becomes likely, so samples of one batch end at different steps.

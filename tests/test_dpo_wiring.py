@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from align.engine.run import StageRun
 from stages.dpo import DPO, KTO, DPOConfig, OnlineDPO
+from tests.conftest import applied_lrs, decay_groups, greedy_ids
 
 # prompts of very different lengths, responses of very different lengths (chosen shorter or longer than rejected):
 # a length or a sum that counts prompt tokens, or the wrong row's, shows in every number
@@ -509,18 +510,6 @@ def test_run_picks_the_variant_from_the_options(monkeypatch):
     assert picked == [("dpo", DPO), ("dpo", DPO), ("dpo", KTO), ("dpo", OnlineDPO), ("dpo", OnlineDPO)]
 
 
-def greedy_ids(model, prompt_ids: list, max_new: int, eos: int) -> list:
-    """The input model's greedy continuation of ONE prompt (EOS included when it comes), by argmax, unpadded."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(max_new):
-            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-            ids.append(nxt)
-            if nxt == eos:
-                break
-    return ids[len(prompt_ids):]
-
-
 def test_online_samples_at_the_temperature_option(tmp_path, tiny_model_dir):
     """--online --temperature 1e-4 (non-default): the samples of a window are drawn at that temperature, so every
     one of the --online-samples 2 samples of each slot's prompt is the input model's GREEDY continuation (at T 1
@@ -723,16 +712,9 @@ def test_the_lr_schedule_warmup_weight_decay_and_betas_reach_the_optimiser(tmp_p
     with run:
         algo = DPO(cfg, run)
         opt = algo.policy.eng.optimizer
-        applied = []
-        hook = opt.register_step_pre_hook(lambda o, args, kw: applied.append(o.param_groups[0]["lr"]))
-        try:
+        with applied_lrs(opt) as (applied,):
             for s in range(4):
                 algo.step(s)
-        finally:
-            hook.remove()
-        groups = [(g["weight_decay"], [p.ndim for p in g["params"]], g["betas"]) for g in opt.param_groups]
+        groups = decay_groups(opt)
     assert applied == pytest.approx([lr * f for f in (0.5, 1.0, 1.0, 0.55)])
-    decay = {wd for wd, dims, _ in groups if all(d >= 2 for d in dims)}
-    no_decay = {wd for wd, dims, _ in groups if all(d < 2 for d in dims)}
-    assert decay == {0.1} and no_decay == {0.0} and len(decay | no_decay) == 2
-    assert all(dims for _, dims, _ in groups) and {b for _, _, b in groups} == {(0.9, 0.95)}
+    assert groups == {(0.1, "matrices", (0.9, 0.95)), (0.0, "1-d", (0.9, 0.95))}

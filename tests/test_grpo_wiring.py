@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from align.generation import Completion
-from tests.conftest import eos_prone, small_data, stage_in_process
+from tests.conftest import applied_lrs, decay_groups, eos_prone, greedy_ids, small_data, stage_in_process
 
 EOS, PAD = 2, 0  # the shipped tokenizer's
 
@@ -840,13 +840,8 @@ def test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_
     gs = generate_local(greedy_model, tok, ps, Sampling(max_new_tokens=n_new, temperature=0), 3, "cpu", fast=fast)
     assert {g.finished for g in gs} == {True, False}
     for p, g in zip(ps, gs):
-        ids = list(p)
-        with torch.no_grad():
-            for _ in range(n_new):
-                ids.append(int(greedy_model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-                if ids[-1] == EOS:
-                    break
-        assert g.ids == ids[len(p) :] and g.finished == (ids[-1] == EOS) and g.logps is None
+        want = greedy_ids(greedy_model, p, n_new, EOS)
+        assert g.ids == want and g.finished == (want[-1] == EOS) and g.logps is None
 
 
 def test_kl_is_logged_from_the_first_pass_of_num_iterations(tiny_model_dir, tmp_path):
@@ -917,17 +912,12 @@ def test_the_lr_schedule_warmup_weight_decay_and_betas_reach_grpos_optimiser(tin
                                 [([43, 44, 45, 46], 2.0, False), ([47, EOS], 0.5, True)]])
         fixed_rollouts(algo, lambda s: cs)
         opt = algo.policy.eng.optimizer
-        applied = []
-        hook = opt.register_step_pre_hook(lambda o, args, kw: applied.append(o.param_groups[0]["lr"]))
-        try:
+        with applied_lrs(opt) as (applied,):
             for s in range(4):
                 step(algo, s)
-        finally:
-            hook.remove()
-        groups = {(g["weight_decay"], min(p.ndim for p in g["params"]) >= 2, max(p.ndim for p in g["params"]) >= 2,
-                   g["betas"]) for g in opt.param_groups}
+        groups = decay_groups(opt)
     assert applied == pytest.approx([lr * f for f in (0.5, 1.0, 1.0, 0.55)])
-    assert groups == {(0.1, True, True, (0.9, 0.999)), (0.0, False, False, (0.9, 0.999))}
+    assert groups == {(0.1, "matrices", (0.9, 0.999)), (0.0, "1-d", (0.9, 0.999))}
 
 
 def test_each_sample_of_a_rollout_is_of_its_own_rows_prompt(tiny_model_dir, tmp_path):

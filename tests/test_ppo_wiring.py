@@ -19,7 +19,7 @@ from align.engine.stats import Stats
 from align.generation import Completion
 from align.rollout import Rollout
 from stages.ppo import PPO, PPOConfig
-from tests.conftest import stage_in_process
+from tests.conftest import applied_lrs, decay_groups, stage_in_process
 
 BASE = dict(zero_stage=0, compile=False, eval_data="", ptx_coef=0.0, prompts_per_step=4, minibatch_size=4,
             micro_batch_size=2, ppo_epochs=1, max_new_tokens=6, schedule="constant", warmup_steps=0, seed=0)
@@ -840,19 +840,11 @@ def test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stage
                vf_lr=vf_lr, weight_decay=0.05) as algo:
         batch = rollout(algo).batch(algo.tok.pad_token_id, "cpu")
         full = {**batch, **algo.advantages(batch, torch.tensor([1.0, -1.0, 0.5, -0.5]), 0.1)}
-        applied = {"policy": [], "value": []}
-        hooks = [net.eng.optimizer.register_step_pre_hook(
-                 lambda opt, args, kw, name=name: applied[name].append(opt.param_groups[0]["lr"]))
-                 for name, net in (("policy", algo.policy), ("value", algo.value))]
-        try:
+        with applied_lrs(algo.policy.eng.optimizer, algo.value.eng.optimizer) as (policy_lrs, value_lrs):
             algo.update(0, full, Stats())
             algo.update(1, full, Stats())
-        finally:
-            for h in hooks:
-                h.remove()
         betas = {net.eng.optimizer.param_groups[0]["betas"] for net in (algo.policy, algo.value)}
-        decay = [{(g["weight_decay"], min(p.ndim for p in g["params"]) >= 2, max(p.ndim for p in g["params"]) >= 2)
-                  for g in net.eng.optimizer.param_groups} for net in (algo.policy, algo.value)]
+        decay = [decay_groups(net.eng.optimizer) for net in (algo.policy, algo.value)]
         history = algo.run.monitor.history  # final_metrics: the first and last windows of the run's series
         history["reward"], history["gold_reward"] = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 6
         history["objective/kl"] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
@@ -863,10 +855,10 @@ def test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the_stage
         algo.raise_kl(3.0)
         raised = algo.kl_ctl.value
     f = [0.5, 1.0, 1.0, 0.55]
-    assert applied["policy"] == pytest.approx([lr * x for x in f])
-    assert applied["value"] == pytest.approx([vf_lr * x for x in f])
+    assert policy_lrs == pytest.approx([lr * x for x in f])
+    assert value_lrs == pytest.approx([vf_lr * x for x in f])
     assert betas == {(0.9, 0.999)}
-    assert decay == [{(0.05, True, True), (0.0, False, False)}] * 2  # matrices decayed, 1-D parameters not
+    assert decay == [{(0.05, "matrices", (0.9, 0.999)), (0.0, "1-d", (0.9, 0.999))}] * 2  # matrices decayed only
     assert from_zero == pytest.approx(0.1) and raised == pytest.approx(0.3)
     assert final["reward/first3"] == pytest.approx(1.0) and final["reward/last3"] == pytest.approx(4.0)
     assert final["objective/kl/last3"] == pytest.approx(0.5) and final["start/reward"] == 0.1

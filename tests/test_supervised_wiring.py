@@ -14,7 +14,7 @@ import torch
 
 from align import runtime
 from align.engine.run import StageRun, step_indices
-from tests.conftest import ROOT, eos_prone, stage_in_process
+from tests.conftest import ROOT, eos_prone, greedy_ids, stage_in_process
 
 
 @pytest.fixture(autouse=True)
@@ -538,14 +538,7 @@ def judge(prompt, completion, **row):
 
 def greedy_text(module, tok, prompt_ids: list, max_new: int) -> str:
     """The model's greedy continuation of ONE prompt by argmax (stops at EOS), decoded."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(max_new):
-            nxt = int(module(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax())
-            ids.append(nxt)
-            if nxt == tok.eos_token_id:
-                break
-    return tok.decode(ids[len(prompt_ids):], skip_special_tokens=True)
+    return tok.decode(greedy_ids(module, prompt_ids, max_new, tok.eos_token_id), skip_special_tokens=True)
 
 
 def test_sft_held_out_pass_at_1_and_max_length(chatty_model_dir, tmp_path):
