@@ -8,7 +8,8 @@ CI has no GPU: run this on a lent machine before merging a change to a hot path 
 engine), and after it, back to back. A baseline is `benchmarks/baselines/SHAPE.json`: the harness command, the
 commit, the card, the date and the metrics (each phase's median seconds per step, peak GiB). A phase slower than
 baseline × (1 + --tolerance), or a peak above baseline × (1 + --memory-tolerance), fails the shape; a baseline
-taken on another card is not compared (it says so). The harnesses are the *_vs_trl scripts (ours only).
+taken on another card is not compared (it says so). The harnesses are the *_vs_trl scripts (ours only) and
+benchmarks.ppo_speed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ SHAPES = {
                           ["time/generate", "time/reward", "time/logprobs", "time/update", "time/step", "peak_gib"]),
     "dpo-0.5b": ("benchmarks.dpo_vs_trl", ["--models", "0.5b", "--steps", "6", "--only", "ours"], "dpo_vs_trl.json",
                  "ours-0.5b", ["time/step", "peak_gib"]),
+    "ppo-0.5b": ("benchmarks.ppo_speed", ["--models", "0.5b", "--steps", "4"], "ppo_speed.json", "ours-0.5b",
+                 ["time/generate", "time/reward", "time/score", "time/update", "time/step", "peak_gib"]),
 }
 SMALL = 0.02  # seconds: a phase this short is compared with this much slack besides the tolerance (timer noise)
 

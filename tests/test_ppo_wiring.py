@@ -19,7 +19,7 @@ from align.engine.stats import Stats
 from align.generation import Completion
 from align.rollout import Rollout
 from stages.ppo import PPO, PPOConfig
-from tests.conftest import applied_lrs, decay_groups, stage_in_process
+from tests.conftest import applied_lrs, decay_groups, greedy_ids, stage_in_process
 
 BASE = dict(zero_stage=0, compile=False, eval_data="", ptx_coef=0.0, prompts_per_step=4, minibatch_size=4,
             micro_batch_size=2, ppo_epochs=1, max_new_tokens=6, schedule="constant", warmup_steps=0, seed=0)
@@ -704,20 +704,22 @@ def test_max_approx_kl_compares_the_epochs_token_mean(files, tmp_path):
         assert tb == pytest.approx(t, rel=1e-5)
 
 
-def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files, tmp_path):
+def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files, tmp_path, chatty_model_dir):
     """--eval-data (held-out problems with answers) --eval-samples 3 at --temperature 1.5: evaluate(0) answers its 3 first
     problems greedily (the same answers on a second call: no sampling at T), logs eval/problems 3, eval/pass@1/greedy
     the verified fraction of the saved answers, eval/reward the mean of the RM's normalised scores of prompt +
     greedy answer (a fresh copy of the RM, one pair at a time), equal to the saved rm_score of each, and
     eval/kl 0 at step 0 and, later, the latest step's KL per episode (objective/kl, what RLMonitor's held-out hacking
-    rule reads); the reward model, not the value network (--value-model: another classifier), scores.
-    (The tiny policies' greedy answers are empty: which text is scored is not pinned here.)"""
+    rule reads); the reward model, not the value network (--value-model: another classifier), scores. The answers
+    are the policy's own greedy decode (a policy whose greedy answers are visible text, decoded here by argmax
+    token by token), not samples at --temperature."""
+    from align.data import encode_prompts
     from align.paths import DATA_DIR
     from align.reward_model import encode_scored, normalized_reward
 
     held_rows = [json.loads(x) for x in (DATA_DIR / "arithmetic/test.jsonl").read_text().splitlines()[:4]]
     held = write_jsonl(tmp_path / "held.jsonl", held_rows)  # not the training prompts
-    with stage({**files, "policy": files["other"]}, tmp_path, "eval", eval_data=str(held), eval_samples=3,
+    with stage({**files, "policy": chatty_model_dir}, tmp_path, "eval", eval_data=str(held), eval_samples=3,
                temperature=1.5, max_new_tokens=5, value_model=str(files["value"])) as algo:
         got = algo.evaluate(0)
         recs = [json.loads(x) for x in (tmp_path / "eval" / "eval_samples.jsonl").read_text().splitlines()]
@@ -730,6 +732,10 @@ def test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model(files
         later = algo.evaluate(2)
     assert len(recs) == 3 and [r["greedy"] for r in recs] == [r["greedy"] for r in recs2] and got == again
     assert [r["prompt"] for r in recs] == [r["prompt"] for r in held_rows[:3]]  # --eval-data's first 3, in order
+    policy, eos = causal_lm(chatty_model_dir), rm_tok.eos_token_id
+    want_text = [rm_tok.decode(greedy_ids(policy, p, 5, eos), skip_special_tokens=True)
+                 for p in encode_prompts(rm_tok, [r["prompt"] for r in recs])]
+    assert [r["greedy"] for r in recs] == want_text and all(want_text)
     train = [json.loads(x) for x in files["prompts"].read_text().splitlines()]
     assert [r["prompt"] for r in rows] == [r["prompt"] for r in train]  # the training prompts: --data's
     rm = classifier(files["rm"])
