@@ -3,6 +3,7 @@
     python -m benchmarks.guard                 # every shape; exit 1 when a phase is slower than its baseline
     python -m benchmarks.guard --only grpo-qwen2.5-1.5b --tolerance 0.05
     python -m benchmarks.guard --update        # measure and store the figures as the new baselines
+    python -m benchmarks.guard --against /tmp/old   # the code before a change, run just before, as the baseline
 
 CI has no GPU: run this on a lent machine before merging a change to a hot path (the decoder, the update, the
 engine), and after it, back to back. A baseline is `benchmarks/baselines/SHAPE.json`: the harness command, the
@@ -50,13 +51,18 @@ def compare(base: dict, now: dict, tolerance: float, memory_tolerance: float) ->
     return rows
 
 
-def measure(shape: str) -> tuple[dict, str]:
-    """Run the shape's harness (ours only) and return (its metrics, the command)."""
+def measure(shape: str, tree: Path | None = None) -> tuple[dict, str]:
+    """Run the shape's harness (ours only) and return (its metrics, the command); `tree`: in that copy of the
+    repository (its code first on the path) instead of this one."""
+    import os
+
     module, args, js, key, metrics = SHAPES[shape]
     out = Path(tempfile.mkdtemp(prefix=f"align-guard-{shape}-"))
     cmd = [sys.executable, "-m", module, *args, "--out", str(out)]
-    print(f"[{shape}] {' '.join(cmd[1:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent)
+    here = tree or Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    print(f"[{shape}{f' in {tree}' if tree else ''}] {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, check=True, cwd=here, env=env)
     res = json.loads((out / js).read_text())["results"].get(key)
     if not res:
         raise SystemExit(f"[{shape}] the harness gave no result for {key}: see the logs under {out}")
@@ -90,6 +96,10 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.03, help="a phase may be this much slower (relative)")
     ap.add_argument("--memory-tolerance", type=float, default=0.01, help="peak memory may be this much higher")
     ap.add_argument("--update", action="store_true", help="store the measured figures as the baselines")
+    ap.add_argument("--against", default="", help="a copy of the code before a change (a checkout or an unpacked "
+                    "`git archive`): each shape runs there first, then here, back to back, and is compared with "
+                    "that run instead of the stored baseline (figures of another day or machine differ by more "
+                    "than the tolerance)")
     a = ap.parse_args()
     shapes = [s for s in a.only.split(",") if s] or list(SHAPES)
     unknown = [s for s in shapes if s not in SHAPES]
@@ -97,9 +107,11 @@ def main() -> None:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
     here, failed, lines = card(), [], []
     for shape in shapes:
-        now, cmd = measure(shape)
         path = BASELINES / f"{shape}.json"
         base = json.loads(path.read_text()) if path.exists() else None
+        if a.against:
+            base = {"card": here, "metrics": measure(shape, Path(a.against).resolve())[0]}
+        now, cmd = measure(shape)
         if base and base["card"] == here:
             for k, b, v, ok in compare(base["metrics"], now, a.tolerance, a.memory_tolerance):
                 lines.append(f"| {shape} | {k} | {b:.3f} | {v:.3f} | {v / b if b else float('nan'):.3f} | "
@@ -115,7 +127,8 @@ def main() -> None:
             tmp.write_text(json.dumps({"shape": shape, "command": cmd, "commit": commit(), "card": here,
                                        "date": datetime.date.today().isoformat(), "metrics": now}, indent=1) + "\n")
             tmp.replace(path)
-    print(f"\n### GPU speed guard on {here} at {commit()} (tolerance {a.tolerance:.0%} on time, "
+    against = f", against {a.against} run just before" if a.against else ""
+    print(f"\n### GPU speed guard on {here} at {commit()}{against} (tolerance {a.tolerance:.0%} on time, "
           f"{a.memory_tolerance:.0%} on memory)\n| shape | metric | baseline | now | now / baseline | |\n|---|---|---|---|---|---|")
     print("\n".join(lines))
     if a.update:
