@@ -1,0 +1,33 @@
+"""Every stage, run for a few steps with its options at distinctive non-default values, gives the figures stored
+in tests/fixtures/golden/ (tests/golden.py: what is compared, and how to regenerate after an intended change)."""
+
+import json
+
+import pytest
+
+from tests import golden
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return golden.inputs(tmp_path_factory.mktemp("golden_inputs"))
+
+
+@pytest.mark.parametrize("name", list(golden.RUNS))
+def test_a_short_run_gives_the_stored_figures(name, files, tmp_path, single_process):
+    want = json.loads((golden.GOLDEN / f"{name}.json").read_text())
+    got = golden.run(name, files, tmp_path / name)
+    diff = golden.differences(want, got)
+    assert not diff, (f"{name}: {len(diff)} figures differ from tests/fixtures/golden/{name}.json (an intended change "
+                      f"of behaviour: `python -m tests.golden --update {name}`, and say why in the commit):\n"
+                      + "\n".join(diff[:20]))
+
+
+def test_the_comparison_sees_a_changed_figure_and_a_missing_one():
+    want = {"steps": [{"loss": 1.0, "kl": 0.5}], "answers": ["12"], "weights": {"w": [1.0, 2.0, 3.0]}}
+    assert golden.differences(want, json.loads(json.dumps(want))) == []
+    assert golden.differences(want, {**want, "steps": [{"loss": 1.0 + 5e-5, "kl": 0.5}]}) == []  # rounding
+    assert golden.differences(want, {**want, "steps": [{"loss": 1.001, "kl": 0.5}]}) == ["steps[0].loss: 1.001, stored 1.0"]
+    assert golden.differences(want, {**want, "steps": [{"loss": 1.0}]}) == ["steps[0].kl: missing"]
+    assert golden.differences(want, {**want, "answers": ["13"]}) == ["answers[0]: '13', stored '12'"]
+    assert golden.differences(want, {**want, "weights": {}}) == ["weights.w: missing"]
