@@ -36,6 +36,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from align import decode_attention
 from align.engine.lora import effective_weight, is_peft
 from align.sampling import choose, sampled_logprobs
 
@@ -266,6 +267,11 @@ class FastDecoder:
         self.recaptured_for: dict[str, int] = {}  # ... by what moved: "weights", "cache"
         self._side = None  # the warm-up stream of every capture
         self.bucket = int(os.environ.get("ALIGN_DECODE_BUCKET", 256)) if self.use_graphs else 1  # see attn_len
+        # the decode step's attention: the split-KV kernel on a GPU (align.decode_attention), SDPA elsewhere
+        # (ALIGN_DECODE_ATTN=sdpa: SDPA on a GPU too)
+        self.split_kv = (cuda and self.dtype in (torch.bfloat16, torch.float16)
+                         and os.environ.get("ALIGN_DECODE_ATTN", "split") != "sdpa"
+                         and decode_attention.supports(self.head_dim, self.n_heads // self.n_kv))
         self.vocab = cfg.vocab_size
         self._shape_key = None
         self._graphs: dict = {}
@@ -516,8 +522,12 @@ class FastDecoder:
         # ([B, KV, G, D] against [B, KV, n, D]), so one fused attention kernel reads each K/V slot once, with no
         # copy of K/V per query head and no [B, H, n] score tensor in memory
         qg = q.view(B, self.n_kv, G, self.head_dim)
-        o = F.scaled_dot_product_attention(qg, kc[:, :, :n], vc[:, :, :n], attn_mask=bias[:, None, None, :].to(q.dtype),
-                                           scale=self.scale).reshape(B, self.nq)
+        if self.split_kv:  # one program per (row, KV head, 128 cache slots), combined by log-sum-exp
+            o = decode_attention.attention(qg, kc[:, :, :n], vc[:, :, :n], bias, self.scale).reshape(B, self.nq)
+        else:
+            o = F.scaled_dot_product_attention(qg, kc[:, :, :n], vc[:, :, :n],
+                                               attn_mask=bias[:, None, None, :].to(q.dtype),
+                                               scale=self.scale).reshape(B, self.nq)
         x = x + F.linear(o, L["o"], L.get("o_b"))
         return x + self._mlp(L, _rms(x, L["ln2"], self.eps))
 

@@ -6,7 +6,8 @@ Per variant: the first rollout (compile + graph capture), the median of three re
 simulated training step (the decoder's `release`, a large allocation and free, `load_weights`: what GRPO does
 between rollouts), with the graph re-captures it cost. Variants: the default (the decoder reads the module's own
 weights: separate q/k/v and gate/up matmuls), a weight copy (fused q/k/v and gate/up), one graph over the whole
-cache (no 256-slot buckets), and greedy decoding (no keyed sampling noise, no sampler log-probs).
+cache (no 256-slot buckets), greedy decoding (no keyed sampling noise, no sampler log-probs), and the fused SDPA
+kernel in place of the split-KV decode attention (align.decode_attention).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from align.generation import Sampling
 from benchmarks import vs_trl as V
 
 VARIANTS = {"default": {}, "copy (fused qkv, gate/up)": {"ALIGN_FAST_DECODER_COPY": "1"},
-            "one graph (bucket 4096)": {"ALIGN_DECODE_BUCKET": "4096"}, "greedy": {}}
+            "one graph (bucket 4096)": {"ALIGN_DECODE_BUCKET": "4096"}, "greedy": {},
+            "SDPA attention": {"ALIGN_DECODE_ATTN": "sdpa"}}
 
 
 def timed(fn) -> float:
