@@ -61,7 +61,7 @@ if triton is not None:
             cols = j + tl.arange(0, BLOCK_N)
             ok = cols < hi
             k = tl.load(K + b * s_kb + h * s_kh + cols[:, None] * s_kn + d[None, :], mask=ok[:, None], other=0.0)
-            x = tl.dot(q, tl.trans(k)) * scale
+            x = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # a scalar argument may arrive as fp64
             x += tl.load(Bias + b * s_bb + cols, mask=ok, other=float("-inf"))[None, :]
             m_new = tl.maximum(m, tl.max(x, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
