@@ -395,4 +395,8 @@ AUDIT: list[Mutation] = [
       'stats.mean("completions/clipped_ratio", finished.sum(), n)', (TOKEN_MEAN,)),
     M("grpo wiring: tokens metric counts the prompts", G, 'stats.sum("tokens", lengths.sum())',
       'stats.sum("tokens", lengths.sum() + sum(len(c.prompt_ids) for c in r.completions))', (TOKEN_MEAN,)),
+    M("grpo wiring: the fast decoder ignores --top-k", "align/fast_generate.py",
+      "z = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)",
+      "z = filter_logits(logits / sampling.temperature, 0, sampling.top_p)",
+      ("tests/test_fast_generate.py::test_sampling_rules",)),
 ]
