@@ -31,3 +31,8 @@ def test_the_comparison_sees_a_changed_figure_and_a_missing_one():
     assert golden.differences(want, {**want, "steps": [{"loss": 1.0}]}) == ["steps[0].kl: missing"]
     assert golden.differences(want, {**want, "answers": ["13"]}) == ["answers[0]: '13', stored '12'"]
     assert golden.differences(want, {**want, "weights": {}}) == ["weights.w: missing"]
+    # a weight's signed sums within REL·‖w‖ (‖w‖ = √2 here), its Σw² within REL
+    assert golden.differences(want, {**want, "weights": {"w": [1.0001, 2.0, 3.0001]}}) == []
+    assert golden.differences(want, {**want, "weights": {"w": [1.001, 2.0, 3.0]}}) == ["weights.w[0]: 1.001, stored 1.0"]
+    assert golden.differences(want, {**want, "weights": {"w": [1.0, 2.0004, 2.999]}}) == [
+        "weights.w[1]: 2.0004, stored 2.0", "weights.w[2]: 2.999, stored 3.0"]
