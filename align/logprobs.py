@@ -18,8 +18,7 @@ import contextlib
 
 import torch
 
-from align.losses import token_logprobs
-from align.rl import entropy_from_logits
+from align.objectives.tokens import entropy_from_logits, token_logprobs
 
 
 class _LinearLogprob(torch.autograd.Function):

@@ -4,7 +4,7 @@ A reward model is a `save_pretrained` model whose config names its head (`align_
   * scalar (the default): an AutoModelForSequenceClassification (num_labels=1); the score is read at the last
     non-padding token (transformers does it; the config carries `pad_token_id`), InstructGPT's reward model;
   * likelihood: an AutoModelForCausalLM; the score is β · the mean log-probability of the response tokens under
-    its own LM head (`align_reward_beta`; losses.likelihood_reward). A small model that cannot learn a scalar
+    its own LM head (`align_reward_beta`; objectives.reward.likelihood_reward). A small model that cannot learn a scalar
     verdict at its last token often already ranks answers by their likelihood.
 Both are trained with the same Bradley–Terry loss, and carry align's normalisation
     normalised = (raw − align_reward_offset) / align_reward_scale
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from align.errors import UserError
-from align.losses import likelihood_reward
+from align.objectives.reward import likelihood_reward
 from align.models import LOAD_ERRORS, REWARD_HEAD_KEY
 
 OFFSET_KEY = "align_reward_offset"

@@ -2,7 +2,7 @@
 right-padded token tensors the losses see.
 
 `Rollout.batch()` also carries `sampler_logp` [N, L−1] (when the decoder returned them): the sampler's own log-prob
-of every response token at the sampling temperature, compared with the trainer's (rl.rollout_mismatch).
+of every response token at the sampling temperature, compared with the trainer's (objectives.offpolicy.rollout_mismatch).
 
 In `Rollout.batch()`, `response_mask[i, t] = 1` when target token t+1 of row i is a response token (the EOS
 included; prompt, padding and anything after EOS excluded). Rows are prompt-major: sample g of prompt p is row
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from align import rl, runtime
+from align import runtime
 from align.data import pad
 from align.generation import Completion, Sampling, generate_on_rank
+from align.objectives.offpolicy import rollout_mismatch
 
 
 @dataclass
@@ -91,7 +92,7 @@ def record_mismatch(stats, mb: dict, trainer_logp, prefix: str = "rollout/") -> 
     on purpose (--max-staleness) logs them as rollout/stale_logp_abs_diff and rollout/stale_kl (`prefix`): there
     they measure how far the policy moved since, not a broken decoder."""
     if "sampler_logp" in mb:
-        abs_sum, kl_sum, n = rl.rollout_mismatch(mb["sampler_logp"], trainer_logp, mb["response_mask"])
+        abs_sum, kl_sum, n = rollout_mismatch(mb["sampler_logp"], trainer_logp, mb["response_mask"])
         stats.mean(f"{prefix}logp_abs_diff", abs_sum, n)
         stats.mean(f"{prefix}kl", kl_sum, n)
 
@@ -106,8 +107,8 @@ def record_completions(stats, r: Rollout) -> None:
     stats.mean("completions/mean_length", lengths.sum(), n)
     stats.mean("completions/clipped_ratio", n - finished.sum(), n)
     stats.mean("completions/mean_terminated_length", (lengths * finished).sum(), finished.sum(), math.nan)
-    stats.value("distinct_1", rl.distinct_n(ids, 1))
-    stats.value("distinct_2", rl.distinct_n(ids, 2))
+    stats.value("distinct_1", distinct_n(ids, 1))
+    stats.value("distinct_2", distinct_n(ids, 2))
 
 
 def select(batch: dict, idx) -> dict:
@@ -127,3 +128,13 @@ def timed(times: dict, key: str):
     times[key] = time.time() - t
     if cuda:
         times["memory/" + key.split("/", 1)[-1]] = torch.cuda.max_memory_allocated() / 2**30
+
+
+def distinct_n(sequences: list[list[int]], n: int) -> float:
+    """Distinct-n (Li et al. 2016): unique n-grams / total n-grams over a set of generations."""
+    unique, total = set(), 0
+    for s in sequences:
+        grams = list(zip(*(s[i:] for i in range(n))))
+        unique.update(grams)
+        total += len(grams)
+    return len(unique) / total if total else 0.0

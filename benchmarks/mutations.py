@@ -1,6 +1,6 @@
 """Mutation benchmark: do the tests fail when the code is wrong?
 
-Each mutation (benchmarks/mutants/: the formulas of align/objectives, align/rl.py, align/losses.py and RLMonitor's
+Each mutation (benchmarks/mutants/: the formulas of align/objectives and RLMonitor's
 checks; the wiring of each stage to them) changes one snippet of one file: drop GAE's λ, flip a sign, use the
 policy as its own reference, detach a loss term, count the prompt in a length, shuffle every epoch alike, ... It is
 applied to a temporary copy of the repository (never to this checkout), the tests it names run there (`pytest -x -q

@@ -41,8 +41,8 @@ from align.errors import UserError
 from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
 from align.generation import Sampling, generate_on_rank
 from align.logprobs import logprobs
-from align.losses import IGNORE, rpo_nll
-from align.objectives.preference import Pairs
+from align.objectives.preference import Pairs, dpo_loss, kto_loss
+from align.objectives.tokens import IGNORE
 from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import load_reward_model, require_trained, score
@@ -223,16 +223,11 @@ class DPO:
             return torch.stack([self.ref_train[i] for i in idx]).t().to(self.run.dist.device)
         return self.chunked_logps(self.reference, pairs, max(self.micro, DPO_REF_TOKENS // (2 * longest_row(pairs))))
 
-    def objective(self, pairs: Pairs):
-        """(loss per pair, reward of chosen, of rejected) of --loss."""
+    def pair_loss(self, pairs: Pairs) -> tuple[torch.Tensor, dict]:
+        """(loss per pair, metrics per pair) of --loss (+ RPO's NLL with --nll-coef): objectives.dpo_loss."""
         cfg = self.cfg
-        return cfg.objective.fn(pairs, cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma)
-
-    def pair_loss(self, pc, pr, lengths, ref):
-        """The objective for pairs with summed log-probs pc, pr, lengths (|y_w|, |y_l|) and the reference's
-        log-probs `ref` ([2, n]; None without a reference)."""
-        rc, rr = (None, None) if ref is None else ref.to(pc.dtype)
-        return self.objective(Pairs(pc, pr, rc, rr, *lengths))
+        return dpo_loss(pairs, cfg.loss, cfg.beta, label_smoothing=cfg.label_smoothing, gamma=cfg.simpo_gamma,
+                        nll_coef=cfg.nll_coef)
 
     def step(self, step: int) -> Stats:
         cfg, stats = self.cfg, Stats()
@@ -253,14 +248,11 @@ class DPO:
             w = weights[sl].to(device)
             pc, pr = pair_logps(self.policy, b)
             lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
-            loss, rw_c, rw_r = self.pair_loss(pc, pr, tuple(lengths), None if ref is None else ref[:, sl])
-            if cfg.nll_coef:
-                nll = rpo_nll(pc, lengths[0], cfg.nll_coef)
-                stats.mean("loss/nll", (nll * w).sum(), w.sum())
-                loss = loss + nll
+            rc, rr = (None, None) if ref is None else ref[:, sl].to(pc.dtype)
+            loss, metrics = self.pair_loss(Pairs(pc, pr, rc, rr, *lengths))
             self.policy.backward((loss * w).sum() / max(n_pairs, 1.0))  # the mean over the global batch's pairs
-            for name, total in zip(KEYS, (loss, rw_c, rw_r, (rw_c > rw_r).float(), rw_c - rw_r, pc, pr)):
-                stats.mean(name, (total.detach().float() * w).sum(), w.sum())
+            for name, x in metrics.items():
+                stats.mean(name, (x.float() * w).sum(), w.sum())
             stats.sum("pairs", w.sum())
 
     def evaluate(self, step: int) -> dict:
@@ -287,8 +279,9 @@ class DPO:
         ref = None
         if not cfg.reference_free:
             ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)
-        _, rc, rr = self.objective(Pairs(pol[:, 0], pol[:, 1], None if ref is None else ref[:, 0],
-                                         None if ref is None else ref[:, 1], n[:, 0], n[:, 1]))
+        _, m = self.pair_loss(Pairs(pol[:, 0], pol[:, 1], None if ref is None else ref[:, 0],
+                               None if ref is None else ref[:, 1], n[:, 0], n[:, 1]))
+        rc, rr = m["rewards/chosen"], m["rewards/rejected"]
         return {"eval/rewards/accuracies": (rc > rr).float().mean().item(), "eval/rewards/margins": (rc - rr).mean().item(),
                 "eval/logps/chosen": pol[:, 0].mean().item()}
 
@@ -347,8 +340,8 @@ class KTO(DPO):
             pol = row_logps(self.policy, matched)
             with torch.no_grad():
                 ref = row_logps(self.reference, matched)
-            loss, reward, z0 = cfg.objective.fn(pol, ref.to(pol.dtype), kl_sums, matched["desirable"], cfg.beta,
-                                                cfg.desirable_weight, cfg.undesirable_weight)
+            loss, reward, z0 = kto_loss(pol, ref.to(pol.dtype), kl_sums, matched["desirable"], cfg.beta,
+                                        cfg.desirable_weight, cfg.undesirable_weight)
             self.policy.backward(loss.sum() / cfg.batch_size)
             good = matched["desirable"].float()
             stats.mean("loss", loss.sum(), len(loss))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from align import data as D
-from align import disagg, objectives, rl, runtime
+from align import disagg, objectives, runtime
 from align.async_rl import LocalSampler, Rollouts
 from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
@@ -39,6 +39,8 @@ from align.generation import Sampling
 from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
 from align.objectives.advantages import zero_spread
+from align.objectives.grpo import GRPOBatch, GRPOCoefs, grpo_loss
+from align.objectives.policy import LOSS_AGGREGATIONS
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
@@ -64,7 +66,7 @@ class GRPOConfig(RLConfig):
     ratio: str = opt("token", "Importance ratio: token, or sequence (the same as --loss gspo).",
                      choices=("token", "sequence"))
     loss_agg: str = opt("token-mean", "seq-mean-token-mean (GRPO), token-mean (DAPO) or seq-sum (Dr. GRPO).",
-                         choices=rl.LOSS_AGGREGATIONS)
+                         choices=LOSS_AGGREGATIONS)
     epsilon: float = opt(0.2, "Clip range below 1 (and above, unless --epsilon-high).", gt=0)
     epsilon_high: float = opt(0.28, "Clip range above 1 (DAPO clip-higher).", gt=0)
     num_iterations: int = opt(1, "Updates per rollout batch (π_old ≠ π_θ after the first).", ge=1)
@@ -307,38 +309,27 @@ class GRPO:
                stats: Stats) -> None:
         cfg = self.cfg
         n = batch["input_ids"].shape[0]
-        policy_loss, kl_k3 = objectives.get("policy_loss", cfg.policy_loss).fn, objectives.get("kl", "k3").fn
+        coefs = GRPOCoefs(cfg.policy_loss, cfg.epsilon, cfg.epsilon_high, self.beta, cfg.tis_cap, cfg.distill_coef,
+                          cfg.loss_agg, cfg.max_new_tokens)
         for it in range(cfg.num_iterations):
             for i in range(0, n, self.micro):
                 sl = slice(i, i + self.micro)
                 mb = select(batch, sl)
-                mask = mb["loss_mask"]
                 logp, ent = logprobs(self.policy, mb, temperature=cfg.temperature, with_entropy=(it == 0))
                 old = old_logp[sl] if old_logp is not None else logp.detach()
-                per_tok, low, high = policy_loss(logp, old, adv[sl, None], mask, cfg.epsilon, cfg.epsilon_high)
-                if cfg.tis_cap and "sampler_logp" in mb:
-                    per_tok = per_tok * rl.truncated_is_weights(old, mb["sampler_logp"], cfg.tis_cap)
-                kl = kl_k3(logp, ref_logp[sl]) if ref_logp is not None else None
-                if kl is not None:
-                    per_tok = per_tok + self.beta * kl
-                distill = None
-                if "teacher_logp" in mb:  # on every counted token: a group without reward signal still distils
-                    d_loss, distill = rl.reverse_kl_distill(logp, mb["teacher_logp"])
-                    per_tok = per_tok * mask + cfg.distill_coef * d_loss * mb["counted_mask"]
-                    mask = mb["counted_mask"]
-                loss = rl.aggregate_loss(per_tok, mask, cfg.loss_agg, n_tokens=n_tokens, n_seqs=n_seqs,
-                                         max_len=cfg.max_new_tokens)
+                loss, metrics = grpo_loss(GRPOBatch(logp, old, adv[sl], mb["loss_mask"],
+                                                    ref_logp[sl] if ref_logp is not None else None,
+                                                    mb.get("sampler_logp"), mb.get("teacher_logp"),
+                                                    mb.get("counted_mask")), coefs, n_tokens=n_tokens, n_seqs=n_seqs)
                 self.policy.backward(loss)
-                # clipping over every pass (the first is at ratio 1 unless the rollout is stale); the rest of the pass 0
-                for name, x in (("clip_ratio/low", low), ("clip_ratio/high", high), ("clip_ratio", low | high),
-                                ("kl", kl if it == 0 else None)):
-                    if x is not None:
-                        stats.mean(name, (x.detach().float() * mb["loss_mask"]).sum(), mb["loss_mask"].sum())
+                # clipping over every pass (the first is at ratio 1 unless the rollout is stale); kl and the
+                # distillation KL of the first pass
+                for name, (x, m) in metrics.items():
+                    if name.startswith("clip_ratio") or it == 0:
+                        stats.mean(name, (x.detach().float() * m).sum(), m.sum())
                 if it == 0:
                     stats.sum("loss", loss)
                     record_mismatch(stats, mb, old, "rollout/stale_" if self.stale else "rollout/")
-                    if distill is not None:
-                        stats.mean("distill/reverse_kl", (distill * mask).sum(), mask.sum())
                     # over every sampled token, the dropped groups' too: measured even when no group has signal
                     stats.mean("entropy", (ent * mb["response_mask"]).sum(), mb["response_mask"].sum())
 

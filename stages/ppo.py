@@ -9,7 +9,7 @@ Per step:
   2. score s = r(prompt + response up to EOS), normalised; + c·(gold − the batch's other episodes' mean gold),
      gold the verifier's reward on prompts with an `answer` (--gold-reward-coef c, default 0: gold is then only
      logged beside the RM's score); − --missing-eos-penalty without EOS; clipped to ±--reward-clip
-     (rl.episode_score);
+     (episode_score);
   3. per-token rewards r_t = −β·KL_t on every response token (KL_t: k1 = log π_old − log π_ref, or k3),
      + s on the last one;
   4. advantages: GAE(γ, λ) on V_φ's per-token values, whitened over the batch; returns R = A + V_old;
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from align import data as D
-from align import objectives, rl, runtime
+from align import objectives, runtime
 from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info, warn
@@ -42,9 +42,10 @@ from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_s
 from align.generation import Sampling
 from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
-from align.losses import completion_nll
-from align.objectives.kl import kl_k3
-from align.objectives.policy import clipped_surrogate
+from align.objectives.kl import AdaptiveKLController, FixedKLController
+from align.objectives.ppo import (PPOPolicyBatch, episode_score, explained_variance, gae, leave_one_out_mean,
+                                   ppo_policy_loss, ppo_value_loss, token_rewards, whiten)
+from align.objectives.tokens import completion_nll
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
@@ -209,8 +210,8 @@ class PPO:
         offload = cfg.offload_frozen and run.zero_stage == 3
         self.reference = run.reference(self.policy, self.load(load_causal_lm, sources["reference"], self.tok), offload)
         self.rm = run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
-        self.kl_ctl = (rl.FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
-                       else rl.AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
+        self.kl_ctl = (FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
+                       else AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
         self.announce()
 
@@ -302,8 +303,8 @@ class PPO:
         if cfg.gold_reward_coef:  # the other episodes' mean gold, over the whole batch (every process)
             sums = torch.stack([gold.sum(), gold.new_tensor(float(len(gold)))]).double()
             total, n = runtime.all_reduce_sum(sums).tolist()
-            baseline = rl.leave_one_out_mean(gold, total, n)
-        s = rl.episode_score(proxy, gold, r.finished.flatten().to(device), cfg.gold_reward_coef, baseline,
+            baseline = leave_one_out_mean(gold, total, n)
+        s = episode_score(proxy, gold, r.finished.flatten().to(device), cfg.gold_reward_coef, baseline,
                              cfg.missing_eos_penalty, cfg.reward_clip)
         return proxy, s, gold
 
@@ -315,8 +316,8 @@ class PPO:
         ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature)
         old_values = batched_values(self.value, batch, self.micro) * mask
         kl = objectives.get("kl", cfg.kl_estimator).fn(old_logp, ref_logp) * mask
-        adv, returns = rl.gae(rl.token_rewards(s, kl, mask, beta), old_values, mask, cfg.gamma, cfg.lam)
-        adv = rl.whiten(adv, mask, reduce=runtime.all_reduce_sum)
+        adv, returns = gae(token_rewards(s, kl, mask, beta), old_values, mask, cfg.gamma, cfg.lam)
+        adv = whiten(adv, mask, reduce=runtime.all_reduce_sum)
         return {"old_logp": old_logp, "ref_logp": ref_logp, "old_values": old_values, "kl": kl, "adv": adv,
                 "returns": returns}
 
@@ -359,19 +360,17 @@ class PPO:
             mask = mm["response_mask"]
             logp, ent = logprobs(self.policy, mm, temperature=cfg.temperature, with_entropy=True,
                                  entropy_grad=bool(cfg.ent_coef))
-            pg, low, high = clipped_surrogate(logp, mm["old_logp"], mm["adv"], mask, cfg.cliprange)
-            if cfg.tis_cap and "sampler_logp" in mm:
-                pg = pg * rl.truncated_is_weights(mm["old_logp"], mm["sampler_logp"], cfg.tis_cap)
-            per_tok = pg - cfg.ent_coef * ent if cfg.ent_coef else pg
-            self.policy.backward(rl.aggregate_loss(per_tok, mask, "token-mean", n_tokens=n_tok, n_seqs=0, max_len=0))
-            values = token_values(self.value, mm)
-            vf, vclip = rl.clipped_value_loss(values, mm["old_values"], mm["returns"], cfg.cliprange_value)
-            self.value.backward(cfg.vf_coef * rl.aggregate_loss(vf, mask, "token-mean", n_tokens=n_tok, n_seqs=0, max_len=0))
-            approx_kl = kl_k3(mm["old_logp"], logp.detach())  # approx-KL(π_old‖π_θ)
-            for name, x in (("loss", pg), ("loss/policy", pg), ("loss/value", vf), ("clip_ratio", low | high),
-                            ("clip_ratio/low", low), ("clip_ratio/high", high), ("val/clipfrac", vclip),
-                            ("policy/approxkl", approx_kl), ("entropy", ent)):
-                stats.mean(name, (x.detach().double() * mask).sum(), mask.sum())
+            loss, metrics = ppo_policy_loss(PPOPolicyBatch(logp, mm["old_logp"], mm["adv"], ent, mask,
+                                                           mm.get("sampler_logp")),
+                                            cliprange=cfg.cliprange, ent_coef=cfg.ent_coef, tis_cap=cfg.tis_cap,
+                                            n_tokens=n_tok)
+            self.policy.backward(loss)
+            v_loss, v_metrics = ppo_value_loss(token_values(self.value, mm), mm["old_values"], mm["returns"], mask,
+                                               cliprange_value=cfg.cliprange_value, vf_coef=cfg.vf_coef, n_tokens=n_tok)
+            self.value.backward(v_loss)
+            for name, x in {**metrics, **v_metrics}.items():
+                stats.mean(name, (x.double() * mask).sum(), mask.sum())
+            approx_kl = metrics["policy/approxkl"]
             kl_sums += torch.stack([(approx_kl * mask).sum(), mask.sum()]).double()
         return kl_sums
 
@@ -420,7 +419,7 @@ class PPO:
             stats.mean("gold_reward", gold.sum(), n)
         stats.mean("kl", ro["kl"].sum(), mask.sum())
         record_completions(stats, r)
-        stats.value("val/explained_variance", rl.explained_variance(ro["old_values"], ro["returns"], mask,
+        stats.value("val/explained_variance", explained_variance(ro["old_values"], ro["returns"], mask,
                                                                     reduce=runtime.all_reduce_sum))
 
     # ---- evaluation, state and the end

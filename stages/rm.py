@@ -35,7 +35,7 @@ from align.engine.run import Output, StageRun, chunks, train
 from align.engine.stats import Stats
 from align.errors import UserError
 from align.generation import Sampling, generate
-from align.losses import bradley_terry_loss, centering_penalty
+from align.objectives.reward import rm_loss
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import (BETA_KEY, HEAD_KEY, HEADS, OFFSET_KEY, SCALE_KEY, encode_scored, load_reward_model,
@@ -166,14 +166,10 @@ class RewardModel:
         for mb in chunks(batch, self.micro):
             b = D.to_device(D.collate_pairs(mb, self.tok.pad_token_id), self.run.dist.device)
             rc, rr = raw_rewards(self.rm, b).view(2, -1)  # one forward: chosen rows, then rejected rows
-            per_pair = bradley_terry_loss(rc, rr, b["margin"].to(rc.dtype))
-            if cfg.center_coef:
-                per_pair = per_pair + centering_penalty(rc, rr, cfg.center_coef)
+            per_pair, metrics = rm_loss(rc, rr, b["margin"].to(rc.dtype), cfg.center_coef)
             self.rm.backward(per_pair.sum() / cfg.batch_size)  # the mean over the pairs of the global batch
-            d = (rc - rr).detach()
-            for name, total in (("loss", per_pair.sum()), ("accuracy", (d > 0).sum()), ("rewards/chosen", rc.sum()),
-                                ("rewards/rejected", rr.sum()), ("margin", d.sum())):
-                stats.mean(name, total, len(mb))
+            for name, x in metrics.items():
+                stats.mean(name, x.sum(), len(mb))
             stats.sum("pairs", len(mb))
         return stats
 

@@ -24,7 +24,7 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.evaluation import evaluate_policy, fitting_rows
 from align.generation import Sampling
-from align.losses import completion_nll
+from align.objectives.tokens import completion_nll
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 

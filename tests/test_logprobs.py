@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from align.logprobs import linear_logprobs, logprobs, supports_fused
-from align.rl import entropy_from_logits
+from align.objectives.tokens import entropy_from_logits
 
 
 def test_linear_logprobs_matches_log_softmax_and_grads():

@@ -1,11 +1,11 @@
-"""losses.completion_nll and losses.token_logprobs against hand-computed values."""
+"""objectives.tokens: completion_nll and token_logprobs against hand-computed values."""
 
 import math
 
 import pytest
 import torch
 
-from align.losses import IGNORE, completion_nll, token_logprobs
+from align.objectives.tokens import IGNORE, completion_nll, token_logprobs
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 

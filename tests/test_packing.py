@@ -3,7 +3,7 @@
 import torch
 
 from align import data as D
-from align.losses import completion_nll, token_logprobs
+from align.objectives.tokens import completion_nll, token_logprobs
 from align.models import load_causal_lm, load_tokenizer, resolve
 
 

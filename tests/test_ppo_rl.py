@@ -1,9 +1,11 @@
-"""PPO's pure estimators (align/rl.py) against hand-computed values, numerical gradients and masks."""
+"""PPO's pure estimators (align/objectives/ppo.py) against hand-computed values, numerical gradients and masks."""
 
 import pytest
 import torch
 
-from align import objectives, rl
+from align import objectives
+from align.objectives import kl, ppo
+from align.objectives.moments import masked_sums
 
 # one prompt token, three response tokens, one pad | two prompt tokens, three response tokens to the end
 MASK = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0, 1.0]])
@@ -12,7 +14,7 @@ MASK = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 1.0, 1.0, 1.0]])
 # ---- per-token rewards
 def test_token_rewards_kl_on_every_response_token_score_on_the_last():
     kl = torch.tensor([[9.0, 0.5, 0.2, 0.1, 9.0], [9.0, 9.0, 0.3, 0.3, 0.3]])
-    r = rl.token_rewards(torch.tensor([2.0, -1.0]), kl, MASK, beta=0.1)
+    r = ppo.token_rewards(torch.tensor([2.0, -1.0]), kl, MASK, beta=0.1)
     torch.testing.assert_close(r, torch.tensor([[0.0, -0.05, -0.02, -0.01 + 2.0, 0.0],
                                                 [0.0, 0.0, -0.03, -0.03, -0.03 - 1.0]]))
 
@@ -21,21 +23,21 @@ def test_token_rewards_row_without_response_gets_nothing_and_gradcheck():
     mask = torch.tensor([[0.0, 0.0, 0.0], [0.0, 1.0, 1.0]], dtype=torch.float64)
     kl = torch.rand(2, 3, dtype=torch.float64, requires_grad=True)
     score = torch.randn(2, dtype=torch.float64, requires_grad=True)
-    assert (rl.token_rewards(score, kl, mask, 0.2)[0] == 0).all()
-    assert torch.autograd.gradcheck(lambda k, s: rl.token_rewards(s, k, mask, 0.2), (kl, score))
+    assert (ppo.token_rewards(score, kl, mask, 0.2)[0] == 0).all()
+    assert torch.autograd.gradcheck(lambda k, s: ppo.token_rewards(s, k, mask, 0.2), (kl, score))
 
 
 def test_last_token_index():
-    assert rl.last_token_index(MASK).tolist() == [3, 4]
-    assert rl.last_token_index(torch.zeros(1, 4)).tolist() == [0]
+    assert ppo.last_token_index(MASK).tolist() == [3, 4]
+    assert ppo.last_token_index(torch.zeros(1, 4)).tolist() == [0]
 
 
 def test_leave_one_out_mean_by_hand():
     x = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    torch.testing.assert_close(rl.leave_one_out_mean(x, 3.0, 4), torch.tensor([2 / 3, 1.0, 2 / 3, 2 / 3]))
+    torch.testing.assert_close(ppo.leave_one_out_mean(x, 3.0, 4), torch.tensor([2 / 3, 1.0, 2 / 3, 2 / 3]))
     # this process's two episodes of a batch of 4 whose other process holds [0, 0]: total 1, n 4
-    torch.testing.assert_close(rl.leave_one_out_mean(torch.tensor([1.0, 0.0]), 1.0, 4), torch.tensor([0.0, 1 / 3]))
-    assert rl.leave_one_out_mean(torch.tensor([1.0]), 1.0, 1).tolist() == [0.0]  # one episode: no baseline
+    torch.testing.assert_close(ppo.leave_one_out_mean(torch.tensor([1.0, 0.0]), 1.0, 4), torch.tensor([0.0, 1 / 3]))
+    assert ppo.leave_one_out_mean(torch.tensor([1.0]), 1.0, 1).tolist() == [0.0]  # one episode: no baseline
 
 
 def test_leave_one_out_baseline_leaves_the_policy_gradient_unbiased():
@@ -56,20 +58,20 @@ def test_leave_one_out_baseline_leaves_the_policy_gradient_unbiased():
         return total
 
     assert expected(lambda x: 0.0) == pytest.approx(n)  # d/dp E[Σ g_i] = n
-    assert expected(lambda x: rl.leave_one_out_mean(x, float(x.sum()), n)) == pytest.approx(n)
+    assert expected(lambda x: ppo.leave_one_out_mean(x, float(x.sum()), n)) == pytest.approx(n)
     assert expected(lambda x: x.mean()) == pytest.approx(n * (n - 1) / n)
 
 
 def test_episode_score_rm_plus_centred_gold_minus_missing_eos_then_clip():
     rm, gold = torch.tensor([0.5, -1.0, 2.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 0.0])
     finished = torch.tensor([True, False, True, False])
-    torch.testing.assert_close(rl.episode_score(rm, gold, finished), rm)  # defaults: the RM's score alone
-    torch.testing.assert_close(rl.episode_score(rm, gold, finished, gold_coef=2.0, missing_eos_penalty=1.0),
+    torch.testing.assert_close(ppo.episode_score(rm, gold, finished), rm)  # defaults: the RM's score alone
+    torch.testing.assert_close(ppo.episode_score(rm, gold, finished, gold_coef=2.0, missing_eos_penalty=1.0),
                                torch.tensor([2.5, 0.0, 2.0, -1.0]))
-    b = rl.leave_one_out_mean(gold, 2.0, 4)  # [1/3, 1/3, 2/3, 2/3]
-    torch.testing.assert_close(rl.episode_score(rm, gold, finished, 3.0, b),
+    b = ppo.leave_one_out_mean(gold, 2.0, 4)  # [1/3, 1/3, 2/3, 2/3]
+    torch.testing.assert_close(ppo.episode_score(rm, gold, finished, 3.0, b),
                                torch.tensor([0.5 + 2.0, -1.0 + 2.0, 2.0 - 2.0, 0.0 - 2.0]))
-    torch.testing.assert_close(rl.episode_score(rm, gold, finished, 2.0, 0.0, 1.0, clip=1.5),
+    torch.testing.assert_close(ppo.episode_score(rm, gold, finished, 2.0, 0.0, 1.0, clip=1.5),
                                torch.tensor([1.5, 0.0, 1.5, -1.0]))
 
 
@@ -77,7 +79,7 @@ def test_episode_score_rm_plus_centred_gold_minus_missing_eos_then_clip():
 def test_gae_by_hand_with_masks():
     rewards = torch.tensor([[0.0, 0.1, -0.2, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
     values = torch.tensor([[9.0, 0.5, 0.4, 0.3, 9.0], [9.0, 9.0, 1.0, 1.0, 1.0]])  # 9: outside the mask
-    adv, ret = rl.gae(rewards, values, MASK, gamma=0.9, lam=0.8)
+    adv, ret = ppo.gae(rewards, values, MASK, gamma=0.9, lam=0.8)
     # row 0: δ3 = 1 − 0.3 = 0.7; δ2 = −0.2 + 0.9·0.3 − 0.4 = −0.33, A2 = −0.33 + 0.72·0.7 = 0.174;
     #        δ1 = 0.1 + 0.9·0.4 − 0.5 = −0.04, A1 = −0.04 + 0.72·0.174 = 0.08528
     # row 1: δ4 = 2 − 1 = 1; δ3 = 0.9 − 1 = −0.1, A3 = −0.1 + 0.72 = 0.62; A2 = −0.1 + 0.72·0.62 = 0.3464
@@ -88,7 +90,7 @@ def test_gae_by_hand_with_masks():
 def test_gae_with_gamma_lambda_one_is_return_minus_value():
     rewards = torch.tensor([[0.0, -0.1, -0.1, 1.0, 0.0]])
     values = torch.tensor([[5.0, 0.2, 0.3, 0.4, 5.0]])
-    adv, ret = rl.gae(rewards, values, MASK[:1], gamma=1.0, lam=1.0)
+    adv, ret = ppo.gae(rewards, values, MASK[:1], gamma=1.0, lam=1.0)
     torch.testing.assert_close(ret, torch.tensor([[0.0, 0.8, 0.9, 1.0, 0.0]]))
     torch.testing.assert_close(adv, torch.tensor([[0.0, 0.6, 0.6, 0.6, 0.0]]))
 
@@ -97,45 +99,45 @@ def test_gae_ignores_everything_outside_the_mask_and_gradcheck():
     rewards, values = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
     poisoned_r, poisoned_v = rewards.clone(), values.clone()
     poisoned_r[MASK == 0], poisoned_v[MASK == 0] = 1e6, -1e6
-    a1, r1 = rl.gae(rewards, values, MASK, 0.99, 0.95)
-    a2, r2 = rl.gae(poisoned_r, poisoned_v, MASK, 0.99, 0.95)
+    a1, r1 = ppo.gae(rewards, values, MASK, 0.99, 0.95)
+    a2, r2 = ppo.gae(poisoned_r, poisoned_v, MASK, 0.99, 0.95)
     torch.testing.assert_close(a1, a2)
     torch.testing.assert_close(r1, r2)
     assert (a1[MASK == 0] == 0).all() and (r1[MASK == 0] == 0).all()
     r, v = rewards.requires_grad_(), values.requires_grad_()
-    assert torch.autograd.gradcheck(lambda r, v: rl.gae(r, v, MASK.double(), 0.9, 0.8), (r, v))
+    assert torch.autograd.gradcheck(lambda r, v: ppo.gae(r, v, MASK.double(), 0.9, 0.8), (r, v))
 
 
 # ---- whitening, explained variance
 def test_whiten_by_hand_and_masked():
     x = torch.tensor([[1.0, 2.0, 3.0, 99.0]])
     m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # mean 2, unbiased var 1
-    torch.testing.assert_close(rl.whiten(x, m), torch.tensor([[-1.0, 0.0, 1.0, 0.0]]))
-    torch.testing.assert_close(rl.whiten(x, m, shift_mean=False), torch.tensor([[1.0, 2.0, 3.0, 0.0]]))
+    torch.testing.assert_close(ppo.whiten(x, m), torch.tensor([[-1.0, 0.0, 1.0, 0.0]]))
+    torch.testing.assert_close(ppo.whiten(x, m, shift_mean=False), torch.tensor([[1.0, 2.0, 3.0, 0.0]]))
     xd = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: rl.whiten(t, MASK.double()), (xd,))
+    assert torch.autograd.gradcheck(lambda t: ppo.whiten(t, MASK.double()), (xd,))
 
 
 def test_whiten_of_a_constant_is_zero_not_nan():
     """Every masked advantage equal (variance 0): (x − μ)·(0 + eps)^−½ = 0, not 0/0; the masked-out entry is 0."""
     x, m = torch.tensor([[2.0, 2.0, 2.0, 7.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    assert rl.whiten(x, m).tolist() == [[0.0, 0.0, 0.0, 0.0]]
-    assert rl.whiten(x, m, shift_mean=False).tolist() == [[2.0, 2.0, 2.0, 0.0]]
+    assert ppo.whiten(x, m).tolist() == [[0.0, 0.0, 0.0, 0.0]]
+    assert ppo.whiten(x, m, shift_mean=False).tolist() == [[2.0, 2.0, 2.0, 0.0]]
 
 
 def test_whiten_with_a_reduce_uses_the_global_batch():
     """Two 'ranks' whose statistics are summed whiten exactly like the whole batch."""
     x, m = torch.randn(4, 6), (torch.rand(4, 6) > 0.3).float()
-    total = rl.masked_sums(x[:2], m[:2]) + rl.masked_sums(x[2:], m[2:])
-    parts = torch.cat([rl.whiten(x[:2], m[:2], reduce=lambda s: total), rl.whiten(x[2:], m[2:], reduce=lambda s: total)])
-    torch.testing.assert_close(parts, rl.whiten(x, m))
+    total = masked_sums(x[:2], m[:2]) + masked_sums(x[2:], m[2:])
+    parts = torch.cat([ppo.whiten(x[:2], m[:2], reduce=lambda s: total), ppo.whiten(x[2:], m[2:], reduce=lambda s: total)])
+    torch.testing.assert_close(parts, ppo.whiten(x, m))
 
 
 def test_explained_variance_by_hand():
     m = torch.ones(1, 3)
     # residual [0, 0, 1]: var 1/3; target [1, 2, 4]: var 7/3 -> 1 − 1/7
-    assert rl.explained_variance(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0, 2.0, 4.0]]), m) == pytest.approx(6 / 7)
-    assert rl.explained_variance(torch.tensor([[1.0, 2.0, 4.0]]), torch.tensor([[1.0, 2.0, 4.0]]), m) == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[1.0, 2.0, 4.0]]), m) == pytest.approx(6 / 7)
+    assert ppo.explained_variance(torch.tensor([[1.0, 2.0, 4.0]]), torch.tensor([[1.0, 2.0, 4.0]]), m) == pytest.approx(1.0)
 
 
 # ---- clipped value loss
@@ -143,7 +145,7 @@ def test_clipped_value_loss_by_hand():
     old = torch.zeros(3)
     values = torch.tensor([0.5, 0.1, -0.5], requires_grad=True)
     returns = torch.tensor([1.0, 1.0, 0.0])
-    loss, clipped = rl.clipped_value_loss(values, old, returns, clip=0.2)
+    loss, clipped = ppo.clipped_value_loss(values, old, returns, clip=0.2)
     # V_clip = [0.2, 0.1, −0.2]; (V−R)² = [0.25, 0.81, 0.25]; (V_clip−R)² = [0.64, 0.81, 0.04]
     torch.testing.assert_close(loss, torch.tensor([0.32, 0.405, 0.125]), atol=1e-6, rtol=0)
     assert clipped.tolist() == [True, False, False]
@@ -156,7 +158,7 @@ def test_clipped_value_loss_gradcheck_inside_the_clip_range():
     old = torch.zeros(4, dtype=torch.float64)
     v = (torch.rand(4, dtype=torch.float64) * 0.2 - 0.1).requires_grad_()
     ret = torch.randn(4, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda t: rl.clipped_value_loss(t, old, ret, 0.2)[0], (v,))
+    assert torch.autograd.gradcheck(lambda t: ppo.clipped_value_loss(t, old, ret, 0.2)[0], (v,))
 
 
 # ---- KL estimators and controllers
@@ -167,7 +169,7 @@ def test_kl_estimators_registered():
 
 
 def test_adaptive_kl_controller_by_hand():
-    c = rl.AdaptiveKLController(0.1, target=1.0, horizon=100)
+    c = kl.AdaptiveKLController(0.1, target=1.0, horizon=100)
     assert c.update(2.0, 10) == pytest.approx(0.1 * 1.02)  # e = clip(1, ±0.2) = 0.2: β·(1 + 0.2·10/100)
     assert c.update(1.1, 10) == pytest.approx(0.1 * 1.02 * 1.01)  # e = 0.1
     assert c.update(1.0, 10) == pytest.approx(0.1 * 1.02 * 1.01)  # on target: unchanged
@@ -175,7 +177,7 @@ def test_adaptive_kl_controller_by_hand():
 
 
 def test_adaptive_kl_controller_over_a_synthetic_stream():
-    c = rl.AdaptiveKLController(0.05, target=2.0, horizon=1000)
+    c = kl.AdaptiveKLController(0.05, target=2.0, horizon=1000)
     betas = [c.update(kl, 32) for kl in [3.0] * 20]  # above target: β rises every step
     assert all(b2 > b1 for b1, b2 in zip([0.05] + betas, betas))
     assert betas[-1] == pytest.approx(0.05 * (1 + 0.2 * 32 / 1000) ** 20)
@@ -183,7 +185,7 @@ def test_adaptive_kl_controller_over_a_synthetic_stream():
     betas = [c.update(kl, 32) for kl in [1.5] * 20]  # below: falls, e = 1.5/2 − 1 = −0.25 -> −0.2
     assert all(b2 < b1 for b1, b2 in zip([high] + betas, betas))
     assert betas[-1] == pytest.approx(high * (1 - 0.2 * 32 / 1000) ** 20)
-    fixed = rl.FixedKLController(0.05)
+    fixed = kl.FixedKLController(0.05)
     assert [fixed.update(kl, 32) for kl in (0.0, 9.0)] == [0.05, 0.05]
 
 

@@ -2,8 +2,8 @@
 advantages and update run on fixed rollouts, and every number compared with the same quantity written out by hand
 from fresh copies of the models (their own forwards): which model is the reference, which terms carry gradient
 (the gradients the update's backward passes give each parameter, read with tensor hooks), which signs, which
-tokens count, which options reach which term, and the data order. The formulas themselves (align/rl.py,
-align/objectives) are unit-tested in tests/test_ppo_rl.py; here: that the stage calls them with the right inputs.
+tokens count, which options reach which term, and the data order. The formulas themselves (align/objectives) are
+unit-tested in tests/test_ppo_rl.py; here: that the stage calls them with the right inputs.
 
 Every stage runs ZeRO-0 in fp32 (the weights are plain tensors: hooks and copies read them) and uncompiled."""
 

@@ -9,8 +9,9 @@ import torch
 
 from align import objectives
 from align.errors import UserError
-from align.losses import bradley_terry_loss, centering_penalty, likelihood_reward, rpo_nll, sequence_logps
-from align.objectives.preference import Pairs, kto_loss, log_odds
+from align.objectives.preference import Pairs, kto_loss, log_odds, rpo_nll
+from align.objectives.reward import bradley_terry_loss, centering_penalty, likelihood_reward
+from align.objectives.tokens import sequence_logps
 
 D = torch.float64
 

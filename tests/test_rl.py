@@ -1,4 +1,4 @@
-"""RL objectives and estimators against hand-computed values and numerical gradients (align/objectives, align/rl.py,
+"""RL objectives and estimators against hand-computed values and numerical gradients (align/objectives,
 align/rewards.py)."""
 
 import math
@@ -6,15 +6,19 @@ import math
 import pytest
 import torch
 
-from align import objectives, rl
+from align import objectives
 from align.objectives import advantages as A
 from align.objectives import kl as K
 from align.objectives import policy as P
 from align.objectives import shaping as S
+from align.objectives.distill import reverse_kl_distill
+from align.objectives.moments import masked_sums
+from align.objectives.offpolicy import rollout_mismatch, truncated_is_weights
+from align.objectives.tokens import entropy_from_logits
 from align.errors import UserError
 from align.generation import Completion
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import rollout_batch
+from align.rollout import distinct_n, rollout_batch
 
 
 # ---- advantages
@@ -65,7 +69,7 @@ def test_batch_advantage_uses_the_batch_std():
     a = A.batch_advantages(r, eps=0.0)
     torch.testing.assert_close(a, torch.tensor([[1.0, -1.0], [0.0, 0.0]]))
     # with the other rank's rewards [[0, 0], [0, 0]] summed in by `reduce`: std of 8 values, 3 ones = sqrt(15/56)
-    other = rl.masked_sums(torch.zeros(2, 2), torch.ones(2, 2))
+    other = masked_sums(torch.zeros(2, 2), torch.ones(2, 2))
     a2 = A.batch_advantages(r, reduce=lambda s: s + other, eps=0.0)
     torch.testing.assert_close(a2, torch.tensor([[1.0, -1.0], [0.0, 0.0]]) * 0.5 / math.sqrt(15 / 56))
 
@@ -207,18 +211,18 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
 
 def test_aggregations_by_hand():
     # token-mean: (1+2+3+4+5)/5 = 3
-    assert rl.aggregate_loss(LOSS, MASK, "token-mean", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(3.0)
+    assert P.aggregate_loss(LOSS, MASK, "token-mean", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(3.0)
     # seq-mean-token-mean: ((1+2+3)/3 + (4+5)/2) / 2 = (2 + 4.5) / 2 = 3.25
-    assert rl.aggregate_loss(LOSS, MASK, "seq-mean-token-mean", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(3.25)
+    assert P.aggregate_loss(LOSS, MASK, "seq-mean-token-mean", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(3.25)
     # seq-sum (Dr. GRPO): 15 / (2 * 4) = 1.875
-    assert rl.aggregate_loss(LOSS, MASK, "seq-sum", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(1.875)
+    assert P.aggregate_loss(LOSS, MASK, "seq-sum", n_tokens=5, n_seqs=2, max_len=4).item() == pytest.approx(1.875)
 
 
 def test_aggregation_with_global_counts_splits_exactly():
     """Two micro-batches (or ranks) with global counts sum to the whole-batch value."""
-    for mode in rl.LOSS_AGGREGATIONS:
-        whole = rl.aggregate_loss(LOSS, MASK, mode, n_tokens=5, n_seqs=2, max_len=4)
-        parts = sum(rl.aggregate_loss(LOSS[i : i + 1], MASK[i : i + 1], mode, n_tokens=5, n_seqs=2, max_len=4)
+    for mode in P.LOSS_AGGREGATIONS:
+        whole = P.aggregate_loss(LOSS, MASK, mode, n_tokens=5, n_seqs=2, max_len=4)
+        parts = sum(P.aggregate_loss(LOSS[i : i + 1], MASK[i : i + 1], mode, n_tokens=5, n_seqs=2, max_len=4)
                     for i in range(2))
         assert parts.item() == pytest.approx(whole.item())
 
@@ -226,16 +230,16 @@ def test_aggregation_with_global_counts_splits_exactly():
 def test_masked_tokens_never_reach_the_loss():
     poisoned = LOSS.clone()
     poisoned[MASK == 0] = float("nan")
-    for mode in rl.LOSS_AGGREGATIONS:
-        v = rl.aggregate_loss(torch.nan_to_num(poisoned, nan=1e9) * MASK, MASK, mode, n_tokens=5, n_seqs=2, max_len=4)
-        assert v.item() == pytest.approx(rl.aggregate_loss(LOSS, MASK, mode, n_tokens=5, n_seqs=2, max_len=4).item())
+    for mode in P.LOSS_AGGREGATIONS:
+        v = P.aggregate_loss(torch.nan_to_num(poisoned, nan=1e9) * MASK, MASK, mode, n_tokens=5, n_seqs=2, max_len=4)
+        assert v.item() == pytest.approx(P.aggregate_loss(LOSS, MASK, mode, n_tokens=5, n_seqs=2, max_len=4).item())
 
 
 def test_aggregation_gradcheck():
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
-    for mode in rl.LOSS_AGGREGATIONS:
+    for mode in P.LOSS_AGGREGATIONS:
         assert torch.autograd.gradcheck(
-            lambda t: rl.aggregate_loss(t, MASK.double(), mode, n_tokens=5, n_seqs=2, max_len=4), (x,))
+            lambda t: P.aggregate_loss(t, MASK.double(), mode, n_tokens=5, n_seqs=2, max_len=4), (x,))
 
 
 # ---- rollout masks
@@ -251,8 +255,8 @@ def test_response_mask_covers_response_and_eos_only():
 
 # ---- misc estimators
 def test_distinct_n_and_overlong_and_length_reward_by_hand():
-    assert rl.distinct_n([[1, 2, 3], [1, 2, 4]], 1) == pytest.approx(4 / 6)
-    assert rl.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)  # (1,2) (2,3) (1,2) (2,4)
+    assert distinct_n([[1, 2, 3], [1, 2, 4]], 1) == pytest.approx(4 / 6)
+    assert distinct_n([[1, 2, 3], [1, 2, 4]], 2) == pytest.approx(3 / 4)  # (1,2) (2,3) (1,2) (2,4)
     # budget 20, cache 5: 0 up to 15 tokens, then (15 − n) / 5, floored at −1 (a truncated answer counts as 21)
     assert S.overlong_penalty([10, 15, 17, 20, 21, 25], max_len=20, cache=5) == pytest.approx([0, 0, -0.4, -1, -1, -1])
     # lengths 10, 20, 30: λ = 0.5, 0, -0.5; wrong answers get min(0, λ)
@@ -264,7 +268,7 @@ def test_distinct_n_and_overlong_and_length_reward_by_hand():
 def test_entropy_from_logits_by_hand():
     z = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
     # H = -(0.5 ln 0.5 + 2 * 0.25 ln 0.25) = 1.0397
-    assert rl.entropy_from_logits(z).item() == pytest.approx(1.039721, abs=1e-5)
+    assert entropy_from_logits(z).item() == pytest.approx(1.039721, abs=1e-5)
 
 
 # ---- reward functions
@@ -306,7 +310,7 @@ def test_reverse_kl_distill_is_an_unbiased_policy_gradient_of_the_reverse_kl():
     logp = z.log_softmax(-1)
     kl = (logp.exp() * (logp - teacher)).sum()
     want = torch.autograd.grad(kl, z, retain_graph=True)[0]
-    loss, k1 = rl.reverse_kl_distill(logp, teacher)
+    loss, k1 = reverse_kl_distill(logp, teacher)
     torch.testing.assert_close(k1, (logp - teacher).detach())
     probs = logp.exp().detach()
     got = sum(probs[y] * torch.autograd.grad(loss[y], z, retain_graph=True)[0] for y in range(6))
@@ -349,10 +353,10 @@ def test_truncated_is_weights_by_hand():
     """w = min(π_train / π_sampler, C): 0.5 / 0.25 = 2 capped at 1.5; 0.2 / 0.4 = 0.5; equal: 1. No gradient."""
     old = torch.log(torch.tensor([0.5, 0.2, 0.3], requires_grad=True))
     sampler = torch.log(torch.tensor([0.25, 0.4, 0.3]))
-    w = rl.truncated_is_weights(old, sampler, cap=1.5)
+    w = truncated_is_weights(old, sampler, cap=1.5)
     assert w.tolist() == pytest.approx([1.5, 0.5, 1.0])
     assert not w.requires_grad
-    assert rl.truncated_is_weights(old, sampler, cap=3.0).tolist() == pytest.approx([2.0, 0.5, 1.0])
+    assert truncated_is_weights(old, sampler, cap=3.0).tolist() == pytest.approx([2.0, 0.5, 1.0])
 
 
 def test_rollout_mismatch_by_hand():
@@ -360,7 +364,7 @@ def test_rollout_mismatch_by_hand():
     sampler = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
     trainer = torch.tensor([[-1.5, -2.0, -9.0, -3.7]])  # Δ = +0.5, 0, (masked), −0.3
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
-    abs_sum, k3_sum, n = rl.rollout_mismatch(sampler, trainer, mask)
+    abs_sum, k3_sum, n = rollout_mismatch(sampler, trainer, mask)
     assert abs_sum.item() == pytest.approx(0.8) and n.item() == 3  # |+0.5| + |−0.3|, not their sum 0.2
     assert k3_sum.item() == pytest.approx(math.exp(-0.5) + 0.5 - 1 + math.exp(0.3) - 0.3 - 1)
-    assert rl.rollout_mismatch(trainer, trainer, mask)[:2] == (0.0, 0.0)
+    assert rollout_mismatch(trainer, trainer, mask)[:2] == (0.0, 0.0)

@@ -237,7 +237,7 @@ def test_likelihood_head_end_to_end(rm, tmp_path, tiny_model_dir):
     normalisation; rm eval and rm score read the same rewards; and PPO takes it as --reward-model, its value
     network starting from the reward model's body with a new scalar head."""
     from align.data import preference_examples
-    from align.losses import likelihood_reward
+    from align.objectives.reward import likelihood_reward
     from align.reward_model import HEAD_KEY, normalized_reward
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 

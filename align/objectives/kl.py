@@ -23,3 +23,33 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, clamp: float = 20.0) -> to
     gradient keeps pulling it back."""
     r = (ref_logp - logp).clamp(max=clamp)
     return torch.exp(r) - r - 1
+
+
+# ---- the KL coefficient β of PPO's per-token penalty
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"):
+
+        e = clip(KL / KL_target − 1, −0.2, 0.2),   β ← β · (1 + e · n / horizon)
+
+    KL is the batch's mean per-episode KL, n the episodes in the batch. β rises while KL > target and
+    falls while KL < target, by at most 20% · n / horizon per update."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, kl: float, n_episodes: int) -> float:
+        e = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + e * n_episodes / self.horizon
+        return self.value
+
+
+class FixedKLController:
+    """A constant β (--fixed-kl)."""
+
+    def __init__(self, init_kl_coef: float):
+        self.value = init_kl_coef
+
+    def update(self, kl: float, n_episodes: int) -> float:
+        return self.value

@@ -4,7 +4,7 @@
 
 logp / old_logp: log π_θ and log π_old of the sampled tokens [N, T]; adv broadcasts against them ([N, 1]); mask
 [N, T] the tokens the loss may see; low / high: where a clip is active from below / above (the clip_ratio
-metrics). The caller aggregates the loss over the mask (rl.aggregate_loss). Trait `on_policy`: the loss has no
+metrics). The caller aggregates the loss over the mask (aggregate_loss, below). Trait `on_policy`: the loss has no
 importance ratio, so it is only right on the policy's own fresh samples (one iteration per batch, no KL term).
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from align.objectives.registry import register
+
+LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-sum")
 
 
 @register("policy_loss", "clip", help="PPO's clipped surrogate", on_policy=False)
@@ -85,3 +87,24 @@ def reinforce(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mas
     baseline being the advantage estimator's. No importance ratio, so nothing is clipped (low = high = False)."""
     none = torch.zeros_like(logp, dtype=torch.bool)
     return -adv * logp, none, none
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *, n_tokens: float, n_seqs: float,
+                   max_len: int) -> torch.Tensor:
+    """Reduce a [N, T] per-token loss to a scalar. Counts are GLOBAL (all ranks, all micro-batches), so
+    micro-batching and data parallelism do not change the objective.
+
+    seq-mean-token-mean (GRPO): (1/N) Σ_i (1/|o_i|) Σ_t ℓ_it      — N = n_seqs
+    token-mean (DAPO):          (1/Σ_i |o_i|) Σ_i Σ_t ℓ_it      — Σ|o_i| = n_tokens
+    seq-sum (Dr. GRPO):         (1/(N·L_max)) Σ_i Σ_t ℓ_it       — a constant normaliser, no length bias
+    """
+    mask = mask.to(per_token.dtype)
+    summed = per_token * mask
+    if mode == "token-mean":
+        return summed.sum() / max(n_tokens, 1.0)
+    if mode == "seq-mean-token-mean":
+        lengths = mask.sum(dim=1).clamp(min=1)
+        return (summed.sum(dim=1) / lengths).sum() / max(n_seqs, 1.0)
+    if mode == "seq-sum":
+        return summed.sum() / (max(n_seqs, 1.0) * max_len)
+    raise ValueError(f"loss aggregation {mode!r} not in {LOSS_AGGREGATIONS}")

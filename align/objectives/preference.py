@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from align.objectives.registry import register
+from align.objectives.registry import get, register
 
 
 @dataclass
@@ -130,3 +130,32 @@ def kto_loss(policy: torch.Tensor, ref: torch.Tensor, kl_sums: torch.Tensor, des
     loss = torch.where(desirable, w_desirable * (1 - torch.sigmoid(beta * (r - z0))),
                        w_undesirable * (1 - torch.sigmoid(beta * (z0 - r))))
     return loss, (beta * r).detach(), z0
+
+
+def rpo_nll(policy_chosen: torch.Tensor, chosen_len: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-pair NLL term of RPO (Pang et al. 2024, "Iterative Reasoning Preference Optimization"):
+    α · (−log π_θ(y_w|x) / |y_w|), added to the preference loss. DPO only widens the gap between the two
+    answers and on near-identical pairs (a right and a wrong digit) it lowers the likelihood of both; the NLL term
+    keeps the chosen answer likely. Inputs are per pair: summed log-probs and response lengths."""
+    return -alpha * policy_chosen / chosen_len
+
+
+def dpo_loss(pairs: Pairs, loss: str, beta: float, *, label_smoothing: float = 0.0, gamma: float = 0.0,
+             nll_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole loss of `align dpo` on pairs, per pair (the stage averages it over the global batch):
+
+        ℓ = ℓ_pref(pairs; β, ε, γ) + α · (−log π(y_w|x) / |y_w|)
+
+    ℓ_pref the preference loss registered as `loss` (sigmoid: DPO, ipo, ipo-mean, hinge, simpo, orpo), the second
+    term RPO's NLL (rpo_nll) with α = --nll-coef (0: off). Returns (ℓ [B], metrics [B] each, detached, TRL's names:
+    loss, rewards/chosen and rewards/rejected (the loss's own implicit rewards, also the held-out accuracy's),
+    rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, and loss/nll with α > 0)."""
+    per_pair, rw_c, rw_r = get("preference", loss).fn(pairs, beta, label_smoothing=label_smoothing, gamma=gamma)
+    metrics = {}
+    if nll_coef:
+        nll = rpo_nll(pairs.policy_chosen, pairs.chosen_len, nll_coef)
+        metrics["loss/nll"] = nll.detach()
+        per_pair = per_pair + nll
+    return per_pair, {**metrics, "loss": per_pair.detach(), "rewards/chosen": rw_c, "rewards/rejected": rw_r,
+                      "rewards/accuracies": (rw_c > rw_r).float(), "rewards/margins": rw_c - rw_r,
+                      "logps/chosen": pairs.policy_chosen.detach(), "logps/rejected": pairs.policy_rejected.detach()}

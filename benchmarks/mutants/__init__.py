@@ -1,6 +1,6 @@
 """The mutation benchmark's mutations: one-line changes of the code that a test must catch.
 
-`formulas`: the math (align/objectives, rl.py, losses.py) and RLMonitor's checks. `ppo`, `grpo`, `preference` (DPO and its variants), `supervised` (RM, SFT, the data order): the
+`formulas`: the math (align/objectives) and RLMonitor's checks. `ppo`, `grpo`, `preference` (DPO and its variants), `supervised` (RM, SFT, the data order): the
 wiring of each stage to its formulas (which model is the reference, which terms carry gradient, which signs, which
 tokens count, which order the data comes in). Each module holds a list MUTATIONS; ALL is every one of them.
 """

@@ -1,4 +1,4 @@
-"""Mutations of the formulas (align/objectives, align/rl.py, align/losses.py) and of RLMonitor's checks."""
+"""Mutations of the formulas (align/objectives) and of RLMonitor's checks."""
 
 from benchmarks.mutants import Mutation
 
@@ -66,7 +66,7 @@ MUTATIONS = [
       "r = (ref_logp - logp).clamp(-clamp, clamp)", RL_TESTS),
     M("k3: no cap above", "align/objectives/kl.py", "r = (ref_logp - logp).clamp(max=clamp)", "r = ref_logp - logp",
       RL_TESTS),
-    # ---- preference losses (align/objectives/preference.py, align/losses.py)
+    # ---- preference and reward-model losses (align/objectives/preference.py, reward.py)
     M("dpo: label smoothing sign", "align/objectives/preference.py",
       "- label_smoothing * F.logsigmoid(-d)", "+ label_smoothing * F.logsigmoid(-d)", PREF_TESTS),
     M("dpo: rewards without β", "align/objectives/preference.py",
@@ -96,37 +96,37 @@ MUTATIONS = [
       "z0 = (kl_sums[0] / kl_sums[1].clamp(min=1)).detach()", PREF_TESTS),
     M("kto: weights swapped", "align/objectives/preference.py",
       "loss = torch.where(desirable, w_desirable *", "loss = torch.where(desirable, w_undesirable *", PREF_TESTS),
-    M("bradley-terry: margin added", "align/losses.py", "diff = diff - margin", "diff = diff + margin", PREF_TESTS),
-    M("centring: difference, not sum", "align/losses.py", "return coef * (r_chosen + r_rejected) ** 2",
+    M("bradley-terry: margin added", "align/objectives/reward.py", "diff = diff - margin", "diff = diff + margin", PREF_TESTS),
+    M("centring: difference, not sum", "align/objectives/reward.py", "return coef * (r_chosen + r_rejected) ** 2",
       "return coef * (r_chosen - r_rejected) ** 2", PREF_TESTS),
-    M("rpo: NLL not per token", "align/losses.py", "return -alpha * policy_chosen / chosen_len",
+    M("rpo: NLL not per token", "align/objectives/preference.py", "return -alpha * policy_chosen / chosen_len",
       "return -alpha * policy_chosen", PREF_TESTS),
     # ---- reward shaping (align/objectives/shaping.py)
     M("overlong: no floor at −1", "align/objectives/shaping.py",
       "else max(-1.0, (start - n) / cache) for n in lengths]", "else (start - n) / cache for n in lengths]", RL_TESTS),
     M("length reward: wrong answers keep λ > 0", "align/objectives/shaping.py",
       "return [lm if c else min(0.0, lm) for lm, c in zip(lam, correct)]", "return lam", RL_TESTS),
-    # ---- PPO estimators and loss aggregation (align/rl.py)
-    M("gae: λ dropped", "align/rl.py", "last = (delta + gamma * lam * last) * mask[:, t]",
+    # ---- PPO estimators (align/objectives/ppo.py) and loss aggregation (policy.py)
+    M("gae: λ dropped", "align/objectives/ppo.py", "last = (delta + gamma * lam * last) * mask[:, t]",
       "last = (delta + gamma * last) * mask[:, t]", PPO_TESTS),
-    M("gae: no bootstrap from V(t+1)", "align/rl.py", "delta = rewards[:, t] + gamma * next_value - values[:, t]",
+    M("gae: no bootstrap from V(t+1)", "align/objectives/ppo.py", "delta = rewards[:, t] + gamma * next_value - values[:, t]",
       "delta = rewards[:, t] - values[:, t]", PPO_TESTS),
-    M("token rewards: KL penalty sign", "align/rl.py", "rewards = -beta * kl * mask", "rewards = beta * kl * mask",
+    M("token rewards: KL penalty sign", "align/objectives/ppo.py", "rewards = -beta * kl * mask", "rewards = beta * kl * mask",
       PPO_TESTS),
-    M("whiten: eps dropped", "align/rl.py", "out = (x - mean) * torch.rsqrt(var + eps)",
+    M("whiten: eps dropped", "align/objectives/ppo.py", "out = (x - mean) * torch.rsqrt(var + eps)",
       "out = (x - mean) * torch.rsqrt(var)", PPO_TESTS),
-    M("whiten: shift_mean ignored", "align/rl.py", "    if not shift_mean:\n        out = out + mean",
+    M("whiten: shift_mean ignored", "align/objectives/ppo.py", "    if not shift_mean:\n        out = out + mean",
       "    if shift_mean:\n        out = out + mean", PPO_TESTS),
-    M("value loss: min instead of max", "align/rl.py", "return 0.5 * torch.maximum(unclipped_sq, clipped_sq)",
+    M("value loss: min instead of max", "align/objectives/ppo.py", "return 0.5 * torch.maximum(unclipped_sq, clipped_sq)",
       "return 0.5 * torch.minimum(unclipped_sq, clipped_sq)", PPO_TESTS),
-    M("adaptive KL: error not clipped", "align/rl.py", "e = min(max(kl / self.target - 1.0, -0.2), 0.2)",
+    M("adaptive KL: error not clipped", "align/objectives/kl.py", "e = min(max(kl / self.target - 1.0, -0.2), 0.2)",
       "e = kl / self.target - 1.0", PPO_TESTS),
-    M("aggregate seq-mean-token-mean: no per-sequence mean", "align/rl.py",
+    M("aggregate seq-mean-token-mean: no per-sequence mean", "align/objectives/policy.py",
       "return (summed.sum(dim=1) / lengths).sum() / max(n_seqs, 1.0)", "return summed.sum() / max(n_seqs, 1.0)",
       RL_TESTS),
-    M("aggregate seq-sum: no L_max", "align/rl.py", "return summed.sum() / (max(n_seqs, 1.0) * max_len)",
+    M("aggregate seq-sum: no L_max", "align/objectives/policy.py", "return summed.sum() / (max(n_seqs, 1.0) * max_len)",
       "return summed.sum() / max(n_seqs, 1.0)", RL_TESTS),
-    M("distillation: k1 not detached", "align/rl.py", "k1 = (logp - teacher_logp).detach()",
+    M("distillation: k1 not detached", "align/objectives/distill.py", "k1 = (logp - teacher_logp).detach()",
       "k1 = logp - teacher_logp", RL_TESTS),
     # ---- RLMonitor's checks (align/monitor.py)
     M("monitor above: >= instead of >", "align/monitor.py", "    m = _mean(xs[-window:])\n    if m > max_value:",
@@ -200,13 +200,13 @@ MUTATIONS = [
     M("monitor rollout mismatch: 16-bit tolerance for fp32", "align/monitor.py",
       'return MISMATCH_TOLERANCE["fp32" if precision in ("fp32", "auto", "") else "16-bit"]',
       'return MISMATCH_TOLERANCE["16-bit"]', MONITOR_TESTS),
-    # ---- rollout/trainer agreement (align/rl.py)
-    M("tis: uncapped", "align/rl.py", "return torch.exp(old_logp.detach() - sampler_logp).clamp(max=cap)",
+    # ---- rollout/trainer agreement (align/objectives/offpolicy.py)
+    M("tis: uncapped", "align/objectives/offpolicy.py", "return torch.exp(old_logp.detach() - sampler_logp).clamp(max=cap)",
       "return torch.exp(old_logp.detach() - sampler_logp)", RL_TESTS),
-    M("tis: ratio inverted", "align/rl.py", "return torch.exp(old_logp.detach() - sampler_logp).clamp(max=cap)",
+    M("tis: ratio inverted", "align/objectives/offpolicy.py", "return torch.exp(old_logp.detach() - sampler_logp).clamp(max=cap)",
       "return torch.exp(sampler_logp - old_logp.detach()).clamp(max=cap)", RL_TESTS),
-    M("rollout mismatch: signed difference", "align/rl.py", "return (diff.abs() * mask).sum(),",
+    M("rollout mismatch: signed difference", "align/objectives/offpolicy.py", "return (diff.abs() * mask).sum(),",
       "return (diff * mask).sum(),", RL_TESTS),
-    M("rollout mismatch: mask ignored", "align/rl.py", "return (diff.abs() * mask).sum(),",
+    M("rollout mismatch: mask ignored", "align/objectives/offpolicy.py", "return (diff.abs() * mask).sum(),",
       "return diff.abs().sum(),", RL_TESTS),
 ]
