@@ -281,9 +281,8 @@ class DPO:
             ref = self.ref_eval if self.ref_eval is not None else self.logps_of(self.reference, self.eval_examples)
         _, m = self.pair_loss(Pairs(pol[:, 0], pol[:, 1], None if ref is None else ref[:, 0],
                                None if ref is None else ref[:, 1], n[:, 0], n[:, 1]))
-        rc, rr = m["rewards/chosen"], m["rewards/rejected"]
-        return {"eval/rewards/accuracies": (rc > rr).float().mean().item(), "eval/rewards/margins": (rc - rr).mean().item(),
-                "eval/logps/chosen": pol[:, 0].mean().item()}
+        return {"eval/rewards/accuracies": m["rewards/accuracies"].mean().item(),
+                "eval/rewards/margins": m["rewards/margins"].mean().item(), "eval/logps/chosen": pol[:, 0].mean().item()}
 
     def final_metrics(self, last: dict, start: dict) -> dict:
         final = {**{f"train/{k}": last[k] for k in self.train_keys}, **{k: v for k, v in last.items() if k.startswith("eval/")}}

@@ -133,7 +133,7 @@ MUTATIONS = [
     # Metric from the wrong quantity: held-out accuracy compares the policy's summed log-probs of chosen and
     # rejected instead of the loss's implicit rewards (the reference ignored, lengths not normalised).
     M("audit9 dpo: held-out accuracy from the policy's summed log-probs, not the implicit rewards", "stages/dpo.py",
-      '"eval/rewards/accuracies": (rc > rr).float().mean().item()',
+      '"eval/rewards/accuracies": m["rewards/accuracies"].mean().item()',
       '"eval/rewards/accuracies": (pol[:, 0] > pol[:, 1]).float().mean().item()', DPO),
 
     # ------------------------------------------------------------------------------------------------ RM (8)
