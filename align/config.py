@@ -178,7 +178,7 @@ class StageConfig(Options):
 
             parse_columns(self.columns)
         if self.deepspeed:
-            from align.engine import ds_file
+            from align import ds_file
 
             try:
                 ds_file.read(self.deepspeed, offload_optimizer=getattr(self, "offload_optimizer", False))

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from align import decode_attention
-from align.engine.lora import effective_weight, is_peft
+from align.lora import effective_weight, is_peft
 from align.sampling import choose, sampled_logprobs
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
@@ -194,7 +194,7 @@ class FastDecoder:
         self.cfg = cfg
         self.device = torch.device(device)
         p0 = next(module.parameters())
-        from align.engine.build import autocast_dtype
+        from align.models import autocast_dtype
 
         # --precision bf16-mixed: fp32 weights, bf16 compute -> a bf16 inference copy
         self.dtype = dtype or autocast_dtype(module) or (p0.dtype if p0.numel() else torch.bfloat16)

@@ -134,7 +134,8 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
             traceback.print_exc()
             warn(f"fast generation failed ({type(e).__name__}: {e}); falling back to HF generate for this process")
             os.environ["ALIGN_FAST_GENERATION"] = "0"
-    from align.engine.build import autocast_dtype, eager
+    from align.models import autocast_dtype
+    from align.runtime import eager
 
     cfg = _generation_config(tokenizer, s)
     amp = autocast_dtype(module)  # --precision bf16-mixed: generate under the autocast the engine's forward uses
@@ -165,7 +166,7 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
 
 def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None,
                    keys=None) -> list[Completion]:
-    from align.engine.lora import parked_base
+    from align.lora import parked_base
     from align.fast_generate import bare, decoder_for
 
     dec = decoder_for(bare(module), device)

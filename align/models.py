@@ -42,7 +42,7 @@ class ModelSource:
 
     @property
     def adapter_dir(self) -> Path | None:
-        from align.engine.lora import ADAPTER_DIR
+        from align.lora import ADAPTER_DIR
 
         return self.model_dir / ADAPTER_DIR if self.base is not None else None
 
@@ -99,7 +99,7 @@ def resolve(spec: str, expect: str | None = "policy") -> ModelSource:
         if not (model_dir / "config.json").is_file():
             raise UserError(f"{path}: this {art.get('stage')} artifact holds no model (no {MODEL_DIR}/config.json).")
         source = ModelSource(spec, model_dir, artifact=art)
-        from align.engine.lora import is_adapter_only
+        from align.lora import is_adapter_only
 
         if is_adapter_only(model_dir):
             source.base = adapter_base(path, art)
@@ -261,7 +261,7 @@ def load_causal_lm(source: ModelSource, tokenizer, dtype, seed: int = 0, trust_r
 def with_saved_adapter(model, source: ModelSource):
     """`model` (loaded from `source.base`) with `source`'s saved LoRA adapter merged in and align's own config
     keys (a reward model's head and normalisation) taken from `source`'s config."""
-    from align.engine.lora import merge_saved_adapter
+    from align.lora import merge_saved_adapter
 
     merge_saved_adapter(model, source.adapter_dir)
     for k, v in source.config.items():
@@ -332,3 +332,19 @@ def check_length(source: ModelSource, length: int, flag: str = "--max-length") -
 def count_parameters(model) -> int:
     """Parameter count that also works on ZeRO-3 partitioned models (ds_numel is the full size)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
+AUTOCAST_ATTR = "_align_autocast_dtype"
+
+
+def mark_autocast(model: torch.nn.Module, cfg: dict) -> None:
+    """Under --precision bf16-mixed, note the autocast dtype on the module: DeepSpeed's forward applies it, and
+    generation (which runs the bare module, outside the engine's forward) reads it with `autocast_dtype`."""
+    import torch
+
+    if cfg.get("torch_autocast", {}).get("enabled"):
+        object.__setattr__(model, AUTOCAST_ATTR, torch.bfloat16)  # a plain attribute, not a submodule
+
+
+def autocast_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    return getattr(module, AUTOCAST_ATTR, None)

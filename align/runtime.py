@@ -231,7 +231,7 @@ def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | N
                merge: bool = True, max_shard_size: int | str = "5GB") -> None:
     """Write a plain `save_pretrained` directory (safetensors + tokenizer, weights in files of at most
     `max_shard_size` with an index when there are several) on rank 0; a LoRA model: its adapter in adapter/ and,
-    with `merge`, the merged model (engine.lora.save).
+    with `merge`, the merged model (align.lora.save).
 
     Under ZeRO-3, `module.save_pretrained()` alone would write empty shards; the consolidated state dict
     must be gathered on every rank first.
@@ -241,7 +241,7 @@ def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | N
     else:
         state = {k: v.detach().cpu() for k, v in eng.module.state_dict().items()} if dist.is_main else None
     if dist.is_main:
-        from align.engine import lora
+        from align import lora
 
         module = eng.module
         if extra_config:
@@ -331,3 +331,8 @@ def shard(items: list, dist: Dist, pad: bool = False) -> list:
 def gather(local: torch.Tensor, n: int) -> torch.Tensor:
     """Every rank's `shard(..., pad=True)` results, concatenated in rank order on every rank, first n rows."""
     return torch.cat(all_gather_objects(local.cpu()))[:n]
+
+
+def eager():
+    """A context in which compiled blocks run eagerly (HF generate: its growing KV cache would recompile)."""
+    return torch.compiler.set_stance("force_eager")

@@ -21,6 +21,7 @@ costs its tests' own time, not an interpreter's start.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import signal
@@ -75,6 +76,18 @@ def check_snippets(mutations: list[Mutation]) -> None:
         sys.exit("mutations out of step with the code:\n  " + "\n  ".join(bad))
 
 
+def baseline_parts(tests: list[str], n: int) -> list[tuple[str, ...]]:
+    """The unmutated tests in at most `n` parts of whole test files (a file's module fixtures are built once), the
+    files dealt in turn to the part with the fewest tests so far."""
+    by_file: dict[str, list[str]] = {}
+    for t in tests:
+        by_file.setdefault(t.split("::")[0], []).append(t)
+    parts: list[list[str]] = [[] for _ in range(max(1, min(n, len(by_file))))]
+    for f in sorted(by_file, key=lambda f: -len(by_file[f])):
+        min(parts, key=len).extend(by_file[f])
+    return [tuple(p) for p in parts]
+
+
 def preload(names: list[str]) -> int:
     """Import here, before the mutations' forks, every module the unmutated tests imported that is not the
     project's own (transformers' lazily loaded model and tokenizer classes, safetensors, datasets, ...): each child
@@ -109,7 +122,7 @@ def _child(root: Path, tests: tuple[str, ...], log: Path) -> None:
 
         code = int(pytest.main(["-x", "-q", "-n", "0", "-p", "no:cacheprovider", *tests]))
         if os.environ.get("ALIGN_MUTATIONS_IMPORTED"):  # the baseline: what its tests imported, for preload()
-            Path(os.environ["ALIGN_MUTATIONS_IMPORTED"]).write_text("\n".join(sys.modules))
+            (Path(os.environ["ALIGN_MUTATIONS_IMPORTED"]) / str(os.getpid())).write_text("\n".join(sys.modules))
     except BaseException:  # noqa: BLE001 — whatever happened, the parent reads an exit code
         import traceback
 
@@ -199,18 +212,24 @@ def main() -> int:
         slots = [Slot(Path(tmp) / f"copy{i}") for i in range(max(1, args.jobs))]
         for s in slots:
             copy_repo(s.root)
-        # unmutated first: every test a mutation names passes (in one process, which says what they import)
+        # unmutated first: every test a mutation names passes (a share of the test files in each slot's process,
+        # which says what they import)
         baseline = sorted({t for m in mutations for t in m.tests})
         failed = []
-        imported = Path(tmp) / "imported.txt"
+        imported = Path(tmp) / "imported"
+        imported.mkdir()
         os.environ["ALIGN_MUTATIONS_IMPORTED"] = str(imported)
-        run_all(slots[:1], [(None, tuple(baseline))],
+        run_all(slots, [(None, part) for part in baseline_parts(baseline, len(slots))],
                 lambda m, code, s, log: failed.append(log) if code != 0 else None, BASELINE_TIMEOUT_S)
         del os.environ["ALIGN_MUTATIONS_IMPORTED"]
         if failed:
             print(failed[0][-6000:], file=sys.stderr)
             sys.exit("the tests fail without any mutation (output above)")
-        n = preload(imported.read_text().splitlines())
+        n = preload(sorted({name for f in imported.iterdir() for name in f.read_text().splitlines()}))
+        # what is imported now lives as long as the process: out of the collector's reach, so that each child's
+        # gc.collect (pytest runs two at a session's end) walks only what its own tests made, not torch's heap
+        gc.collect()
+        gc.freeze()
         print(f"unmutated: {len(baseline)} tests pass ({time.time() - t0:.0f} s); {n} more modules preloaded",
               file=sys.stderr, flush=True)
         results: dict[str, tuple[str, float]] = {}

@@ -466,8 +466,9 @@ def run(cfg: GRPOConfig) -> dict:
 
 def decoder(cfg: GRPOConfig) -> dict:
     """A --rollout-gpus process: the policy's architecture (LoRA adapters included), then rollouts on request."""
-    from align.engine.build import compute_dtype, mark_autocast, resolve_precision
-    from align.engine.lora import with_lora
+    from align.engine.build import compute_dtype, resolve_precision
+    from align.models import mark_autocast
+    from align.lora import with_lora
 
     source = resolve(cfg.model)
     tok = load_tokenizer(source, cfg.trust_remote_code)

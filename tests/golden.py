@@ -196,14 +196,46 @@ def weight_differences(want: list, got: list, where: str) -> list[str]:
     return out + [f"{where}[{i}]: {got[i]!r}, stored {want[i]!r}" for i in (0, 2) if not abs(got[i] - want[i]) <= scale]
 
 
+def implicit_reward_scale(want: dict, prefix: str) -> float | None:
+    """How far rounding moves a DPO implicit reward β(log π − log π_ref) of the dict `want`: it is a difference of
+    two sequence log-probs of magnitude |logps/chosen|, each known to ~1e-8 of itself on fp32 CPU kernels, so
+    another CPU moves it by up to ABS·|logp| absolute (1e-4 at |logp| 100; an option wired wrongly moves the
+    figures by 1e-3 and more). None where the dict logs no log-prob."""
+    logp = want.get(prefix + "logps/chosen")
+    return None if not isinstance(logp, (int, float)) else ABS * max(1.0, abs(logp))
+
+
+def reward_differences(want: dict, got: dict, at) -> tuple[list[str], set[str]]:
+    """The implicit rewards of a DPO step (`rewards/chosen`, `/rejected`, `/margins`, with or without `eval/`)
+    within `implicit_reward_scale`; `rewards/accuracies` is the share of pairs with margin > 0, and where the
+    stored rewards are all ~0 (the policy is still the reference: step 0, a tie in every pair) it is the sign of
+    rounding, not compared. Returns the differences and the keys it judged."""
+    out, judged = [], set()
+    for prefix in ("", "eval/", "train/"):
+        scale = implicit_reward_scale(want, prefix)
+        keys = [prefix + "rewards/" + k for k in ("chosen", "rejected", "margins")]
+        if scale is None or not all(isinstance(want.get(k), (int, float)) and k in got for k in keys[2:]):
+            continue
+        for k in (k for k in keys if isinstance(want.get(k), (int, float)) and isinstance(got.get(k), (int, float))):
+            judged.add(k)
+            if not abs(got[k] - want[k]) <= scale:
+                out.append(f"{at(k)}: {got[k]!r}, stored {want[k]!r}")
+        acc = prefix + "rewards/accuracies"
+        if acc in want and acc in got and all(abs(want.get(k, 0.0)) <= scale for k in keys):
+            judged.add(acc)
+    return out, judged
+
+
 def differences(want, got, where: str = "") -> list[str]:
-    """Where `got` departs from `want` (numbers within REL / ABS)."""
+    """Where `got` departs from `want` (numbers within REL / ABS; DPO's implicit rewards: `reward_differences`)."""
     if isinstance(want, dict) and isinstance(got, dict):
         at = lambda k: f"{where}.{k}" if where else str(k)  # noqa: E731
         out = [f"{at(k)}: missing" for k in want if k not in got]
         out += [f"{at(k)}: unexpected" for k in got if k not in want]
+        rewards, judged = reward_differences(want, got, at)
+        out += rewards
         for k in want:
-            if k in got:
+            if k in got and k not in judged:
                 out += differences(want[k], got[k], at(k))
         return out
     if isinstance(want, list) and isinstance(got, list):

@@ -4,6 +4,7 @@ blocks, and mask-free forwards of right-padded batches."""
 import pytest
 import torch
 
+from align import runtime
 from align.engine import build
 
 
@@ -106,7 +107,7 @@ def test_compiled_blocks_give_the_eager_log_probs_and_gradients():
     """Regional compilation (here with dynamo's aot_eager backend: the same graph capture and autograd split as
     inductor, without building kernels) under gradient checkpointing, with the fused log-prob head and ragged
     lengths: the update's log-probs and gradients are the eager model's; the state-dict keys do not change; HF
-    generate runs the blocks eagerly under `build.eager()` (no new graph) and samples the same tokens."""
+    generate runs the blocks eagerly under `runtime.eager()` (no new graph) and samples the same tokens."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -158,7 +159,7 @@ def test_compiled_blocks_give_the_eager_log_probs_and_gradients():
     prompt = torch.randint(3, 101, (2, 5))
     for model in (ref, m):
         model.eval()
-    with torch.no_grad(), build.eager():
+    with torch.no_grad(), runtime.eager():
         a = m.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     b = ref.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(a, b) and counters["stats"]["unique_graphs"] == graphs

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from align.engine.lora import merged_state_dict
+from align.lora import merged_state_dict
 from tests.conftest import _DIST_ENV, assert_user_error, parity_reward, run_align, small_data
 
 ARITH = small_data()["arith"]
@@ -205,7 +205,7 @@ def test_the_adapter_branch_runs_in_the_activations_dtype():
     gradients close to peft's own."""
     from peft import LoraConfig, get_peft_model
 
-    from align.engine.lora import apply_in_activation_dtype, fuse_lora_forward
+    from align.lora import apply_in_activation_dtype, fuse_lora_forward
     from tests.test_fast_generate import make
 
     ids = torch.tensor([[1, 5, 9, 11, 7, 30, 31, 32]] * 4)
@@ -253,7 +253,7 @@ def test_the_adapter_branch_runs_in_the_activations_dtype():
 def test_lora_linear_is_its_formula_with_exact_gradients():
     """`lora_linear` = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ on hand values; its gradients (an in-place add into the base
     output) pass gradcheck (float64) for x, A and B; fp32 adapters beside bf16 activations get fp32 grads."""
-    from align.engine.lora import lora_linear
+    from align.lora import lora_linear
 
     x = torch.tensor([[1.0, 2.0], [0.0, -1.0]])
     w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # [out 3, in 2]
@@ -286,7 +286,7 @@ def test_lora_layers_compute_through_one_buffer_unless_they_cannot(monkeypatch):
     with the adapters switched off it is the base model; with dropout on, peft's forward runs."""
     from peft import LoraConfig, get_peft_model
 
-    from align.engine import lora
+    from align import lora
     from tests.test_fast_generate import make
 
     ids = torch.tensor([[1, 5, 9, 11, 7, 30, 31, 32]] * 3)
@@ -331,7 +331,7 @@ def test_the_frozen_base_waits_in_host_memory_during_a_rollout(monkeypatch):
     `generate` on the peft model; the parameter objects are the same before and after."""
     from peft import LoraConfig, get_peft_model
 
-    from align.engine.lora import parked_base
+    from align.lora import parked_base
     from align.generation import Sampling, generate_local
     from tests.test_fast_generate import PROMPTS, Tok, make
 

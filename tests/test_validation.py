@@ -14,7 +14,7 @@ from align import pipeline as P
 from align import registry
 from align.cli import main
 from align.console import console
-from align.engine import ds_file
+from align import ds_file
 from align.errors import UserError
 from tests.conftest import small_data
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from align import ds_file
 from align.config import PRECISIONS
-from align.engine import ds_file
-from align.engine.lora import is_peft
 from align.errors import UserError
+from align.lora import is_peft
+from align.models import mark_autocast
 
 
 def resolve_precision(device: torch.device, precision: str = "auto", offload: bool = False) -> str:
@@ -138,20 +139,6 @@ def frozen_config(cfg: dict, offload_params: bool = False) -> dict:
     return {**cfg, "zero_optimization": zero, "bf16": {"enabled": cfg["bf16"]["enabled"]}}
 
 
-AUTOCAST_ATTR = "_align_autocast_dtype"
-
-
-def mark_autocast(model: torch.nn.Module, cfg: dict) -> None:
-    """Under --precision bf16-mixed, note the autocast dtype on the module: DeepSpeed's forward applies it, and
-    generation (which runs the bare module, outside the engine's forward) reads it with `autocast_dtype`."""
-    if cfg.get("torch_autocast", {}).get("enabled"):
-        object.__setattr__(model, AUTOCAST_ATTR, torch.bfloat16)  # a plain attribute, not a submodule
-
-
-def autocast_dtype(module: torch.nn.Module) -> torch.dtype | None:
-    return getattr(module, AUTOCAST_ATTR, None)
-
-
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's transformer blocks: the modules of the classes it names in `_no_split_modules`."""
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -224,11 +211,6 @@ def _recomputed(block: torch.nn.Module, forward):
         return forward(*args, **kwargs)
 
     return run
-
-
-def eager():
-    """A context in which compiled blocks run eagerly (HF generate: its growing KV cache would recompile)."""
-    return torch.compiler.set_stance("force_eager")
 
 
 def load_partitioned(cfg: dict, load, dtype):

@@ -121,7 +121,7 @@ def model_bytes(module, merge: bool = True) -> int:
     """The bytes of the saved model/ of `module` (full tensors, ZeRO-3 partitioned or not, in their dtype): its
     parameters and persistent buffers; a LoRA model: the merged model and the adapter, with --no-merge the
     adapter alone."""
-    from align.engine.lora import is_peft
+    from align.lora import is_peft
 
     def size(p) -> int:
         return getattr(p, "ds_numel", p.numel()) * p.element_size()

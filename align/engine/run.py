@@ -43,8 +43,8 @@ from align.engine import checkpoint, disk, outdir, plan
 from align.engine.alarm import BEST_DIR, Alarms
 from align.engine.build import (Optim, Trained, adamw, compiles, compute_dtype, ds_config, engine_stage, frozen_config,
                                 load_partitioned, lr_lambda, own_clipping, resolve_precision, wrap)
-from align.engine.lora import AdaptersOff, check_targets, is_peft, with_lora
 from align.errors import Terminated, UserError
+from align.lora import AdaptersOff, check_targets, is_peft, with_lora
 from align.models import skeleton
 from align.optim import AdamWSR
 
