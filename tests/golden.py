@@ -214,7 +214,7 @@ def reward_differences(want: dict, got: dict, at) -> tuple[list[str], set[str]]:
     for prefix in ("", "eval/", "train/"):
         scale = implicit_reward_scale(want, prefix)
         keys = [prefix + "rewards/" + k for k in ("chosen", "rejected", "margins")]
-        if scale is None or not all(isinstance(want.get(k), (int, float)) and k in got for k in keys[2:]):
+        if scale is None or not isinstance(want.get(keys[2]), (int, float)) or keys[2] not in got:
             continue
         for k in (k for k in keys if isinstance(want.get(k), (int, float)) and isinstance(got.get(k), (int, float))):
             judged.add(k)

@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from align import config as C
+from align import ds_file
 from align import pipeline as P
 from align import registry
 from align.cli import main
 from align.console import console
-from align import ds_file
 from align.errors import UserError
 from tests.conftest import small_data
 
