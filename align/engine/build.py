@@ -182,6 +182,13 @@ def compile_blocks(model: torch.nn.Module, backend: str = "inductor") -> int:
     # tensors. Under dynamic shapes those tensors went into the checkpointed block's graph as CPU ops, and the
     # first step compiled them as C++ kernels one by one (53 of its 62 s of compile at 135M on an H200).
     torch._dynamo.config.specialize_float = True
+    # transformers >= 5.25 routes a layer's hub-kernel functions through a context variable that its forward sets
+    # and resets (the `kernels` package): a side effect inside the checkpointed block, which dynamo refuses to trace
+    # under checkpointing unless told not to replay it in the recompute, and then runs the whole block eagerly,
+    # uncompiled and with no word. The variable only selects which kernel runs; the recompute's ops are the traced
+    # ones.
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     found = blocks(model)
     checkpointed = bool(getattr(model, "is_gradient_checkpointing", False))
     if checkpointed:  # recompute INSIDE the compiled block (transformers' wrapper may sit outside it)
