@@ -11,8 +11,10 @@ the script (exit 2): keep the lists in step with the code.
     python -m benchmarks.mutations -k gspo    # those whose name contains "gspo"
     python -m benchmarks.mutations --jobs 1   # one at a time (default: one per core, at most 4)
     python -m benchmarks.mutations --mutants FILE.py   # the list MUTATIONS of another file (e.g. an audit's)
+    ALIGN_SUITE_RECORD=DIR python -m pytest -q && python -m benchmarks.mutations --after-suite DIR   # CI
 
-CI runs it after the test suite (.ci/run; a few minutes on 2 cores). Each mutation's tests run in a process forked
+CI runs it after the test suite (.ci/run; a few minutes on 2 cores), with --after-suite: the suite's run has just
+shown every named test passing unmutated, so the benchmark does not run them once more first. Each mutation's tests run in a process forked
 from this one after it imported torch, transformers, deepspeed, pytest and every other module the unmutated tests
 imported (never align, stages or tests: those are imported in the child, from the mutated copy), so a mutation
 costs its tests' own time, not an interpreter's start.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
 import signal
@@ -102,6 +105,37 @@ def preload(names: list[str]) -> int:
         except Exception:  # noqa: BLE001 — a module that cannot be imported on its own is imported by the tests
             pass
     return n
+
+
+def unmutated_pass(slots: list["Slot"], tests: list[str], tmp: Path) -> list[str]:
+    """Every named test, unmutated, in a share of the test files per slot (exit when one fails); returns the modules
+    they imported, for preload()."""
+    failed = []
+    imported = tmp / "imported"
+    imported.mkdir()
+    os.environ["ALIGN_MUTATIONS_IMPORTED"] = str(imported)
+    run_all(slots, [(None, part) for part in baseline_parts(tests, len(slots))],
+            lambda m, code, s, log: failed.append(log) if code != 0 else None, BASELINE_TIMEOUT_S)
+    del os.environ["ALIGN_MUTATIONS_IMPORTED"]
+    if failed:
+        print(failed[0][-6000:], file=sys.stderr)
+        sys.exit("the tests fail without any mutation (output above)")
+    return sorted({name for f in imported.iterdir() for name in f.read_text().splitlines()})
+
+
+def suite_passed(tests: list[str], record: Path) -> list[str]:
+    """--after-suite: what the suite just run under ALIGN_SUITE_RECORD=`record` wrote (tests/conftest.py): every
+    named test (a node id, or a file: all of its tests) must have passed there, else exit 2 naming those that did
+    not (renamed, skipped, deselected). Returns the modules its processes imported, for preload()."""
+    runs = [json.loads(f.read_text()) for f in sorted(record.glob("*.json"))]
+    if not runs:
+        sys.exit(f"--after-suite {record}: no record of a suite run there (run pytest with ALIGN_SUITE_RECORD={record})")
+    passed = {t for r in runs for t in r["passed"]}
+    files = {t.split("::")[0] for t in passed}
+    missing = [t for t in tests if t not in (passed if "::" in t else files)]
+    if missing:
+        sys.exit("named tests that did not pass in the suite run:\n  " + "\n  ".join(missing))
+    return sorted({m for r in runs for m in r["modules"]})
 
 
 def _child(root: Path, tests: tuple[str, ...], log: Path) -> None:
@@ -196,6 +230,8 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="mutations run at once")
     ap.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds one mutation's tests may take "
                                                                       "(past it: not caught)")
+    ap.add_argument("--after-suite", default="", metavar="DIR",
+                    help="the suite has just passed with ALIGN_SUITE_RECORD=DIR: no unmutated pass of the named tests")
     ap.add_argument("--mutants", default="", help="a Python file whose list MUTATIONS (of benchmarks.mutants.Mutation) "
                                                   "is run instead of the benchmark's")
     args = ap.parse_args()
@@ -215,23 +251,17 @@ def main() -> int:
         # unmutated first: every test a mutation names passes (a share of the test files in each slot's process,
         # which says what they import)
         baseline = sorted({t for m in mutations for t in m.tests})
-        failed = []
-        imported = Path(tmp) / "imported"
-        imported.mkdir()
-        os.environ["ALIGN_MUTATIONS_IMPORTED"] = str(imported)
-        run_all(slots, [(None, part) for part in baseline_parts(baseline, len(slots))],
-                lambda m, code, s, log: failed.append(log) if code != 0 else None, BASELINE_TIMEOUT_S)
-        del os.environ["ALIGN_MUTATIONS_IMPORTED"]
-        if failed:
-            print(failed[0][-6000:], file=sys.stderr)
-            sys.exit("the tests fail without any mutation (output above)")
-        n = preload(sorted({name for f in imported.iterdir() for name in f.read_text().splitlines()}))
+        if args.after_suite:
+            modules = suite_passed(baseline, Path(args.after_suite))
+        else:
+            modules = unmutated_pass(slots, baseline, Path(tmp))
+        n = preload(modules)
         # what is imported now lives as long as the process: out of the collector's reach, so that each child's
         # gc.collect (pytest runs two at a session's end) walks only what its own tests made, not torch's heap
         gc.collect()
         gc.freeze()
-        print(f"unmutated: {len(baseline)} tests pass ({time.time() - t0:.0f} s); {n} more modules preloaded",
-              file=sys.stderr, flush=True)
+        print(f"unmutated: {len(baseline)} tests pass{' (in the suite just run)' if args.after_suite else ''} "
+              f"({time.time() - t0:.0f} s); {n} more modules preloaded", file=sys.stderr, flush=True)
         results: dict[str, tuple[str, float]] = {}
 
         def done(m, code, seconds, log):

@@ -486,3 +486,21 @@ LONGEST_FIRST = ["test_exact_resume.py", "test_lora.py", "test_disagg.py", "test
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+# ALIGN_SUITE_RECORD=DIR (CI, .ci/run): each test process writes DIR/PID.json with the ids of the tests that passed in
+# it and the modules it imported, so that the mutation benchmark run right after the suite needs no unmutated pass of
+# its own (`python -m benchmarks.mutations --after-suite DIR`: every test a mutation names must be among them).
+_PASSED: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed and os.environ.get("ALIGN_SUITE_RECORD"):
+        _PASSED.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    d = os.environ.get("ALIGN_SUITE_RECORD")
+    if d:
+        Path(d).mkdir(parents=True, exist_ok=True)
+        (Path(d) / f"{os.getpid()}.json").write_text(json.dumps({"passed": _PASSED, "modules": sorted(sys.modules)}))
