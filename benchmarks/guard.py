@@ -4,6 +4,7 @@
     python -m benchmarks.guard --only grpo-qwen2.5-1.5b --tolerance 0.05
     python -m benchmarks.guard --update        # measure and store the figures as the new baselines
     python -m benchmarks.guard --against /tmp/old   # the code before a change, run just before, as the baseline
+    python -m benchmarks.guard --against /tmp/old --repeat 3   # the two trees alternated 3 times, medians compared
 
 CI has no GPU: run this on a lent machine before merging a change to a hot path (the decoder, the update, the
 engine), and after it, back to back. A baseline is `benchmarks/baselines/SHAPE.json`: the harness command, the
@@ -49,6 +50,15 @@ def compare(base: dict, now: dict, tolerance: float, memory_tolerance: float) ->
         limit = b * (1 + memory_tolerance) if k == "peak_gib" else b * (1 + tolerance) + (SMALL if b < 10 * SMALL else 0)
         rows.append((k, b, v, v <= limit))
     return rows
+
+
+def median_metrics(runs: list[dict]) -> dict:
+    """Each metric's median over `runs` (the metrics of repeated harness runs; a metric missing in a run is
+    missing in the result)."""
+    import statistics
+
+    keys = set.intersection(*(set(r) for r in runs)) if runs else set()
+    return {k: statistics.median(r[k] for r in runs) for k in sorted(keys)}
 
 
 def measure(shape: str, tree: Path | None = None) -> tuple[dict, str]:
@@ -100,6 +110,8 @@ def main() -> None:
                     "`git archive`): each shape runs there first, then here, back to back, and is compared with "
                     "that run instead of the stored baseline (figures of another day or machine differ by more "
                     "than the tolerance)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each shape (with --against: the two trees "
+                    "alternated); each metric's median is compared")
     a = ap.parse_args()
     shapes = [s for s in a.only.split(",") if s] or list(SHAPES)
     unknown = [s for s in shapes if s not in SHAPES]
@@ -109,9 +121,15 @@ def main() -> None:
     for shape in shapes:
         path = BASELINES / f"{shape}.json"
         base = json.loads(path.read_text()) if path.exists() else None
+        before, after = [], []
+        for _ in range(a.repeat):  # alternated, so that a drift of the machine falls on both alike
+            if a.against:
+                before.append(measure(shape, Path(a.against).resolve())[0])
+            m, cmd = measure(shape)
+            after.append(m)
         if a.against:
-            base = {"card": here, "metrics": measure(shape, Path(a.against).resolve())[0]}
-        now, cmd = measure(shape)
+            base = {"card": here, "metrics": median_metrics(before)}
+        now = median_metrics(after)
         if base and base["card"] == here:
             for k, b, v, ok in compare(base["metrics"], now, a.tolerance, a.memory_tolerance):
                 lines.append(f"| {shape} | {k} | {b:.3f} | {v:.3f} | {v / b if b else float('nan'):.3f} | "
@@ -128,6 +146,7 @@ def main() -> None:
                                        "date": datetime.date.today().isoformat(), "metrics": now}, indent=1) + "\n")
             tmp.replace(path)
     against = f", against {a.against} run just before" if a.against else ""
+    against += f", medians of {a.repeat} runs" if a.repeat > 1 else ""
     print(f"\n### GPU speed guard on {here} at {commit()}{against} (tolerance {a.tolerance:.0%} on time, "
           f"{a.memory_tolerance:.0%} on memory)\n| shape | metric | baseline | now | now / baseline | |\n|---|---|---|---|---|---|")
     print("\n".join(lines))
