@@ -25,8 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from align import data as D
-from align import disagg, objectives, runtime
-from align.async_rl import LocalSampler, Rollouts
+from align import objectives, runtime
 from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
@@ -34,17 +33,19 @@ from align.engine.build import Optim, rows_within
 from align.engine.run import Output, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
-from align.generation import Sampling
-from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
+from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.advantages import zero_spread
 from align.objectives.grpo import GRPOBatch, GRPOCoefs, grpo_loss
 from align.objectives.policy import LOSS_AGGREGATIONS
-from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import Rollout, record_completions, record_mismatch, sample, select, timed
+from align.rollout import disagg
+from align.rollout.batch import Rollout, record_completions, record_mismatch, sample, select, timed
+from align.rollout.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
+from align.rollout.generation import Sampling
+from align.rollout.queue import LocalSampler, Rollouts
+from align.rollout.sampling import derive
 
 
 @dataclass
@@ -341,7 +342,7 @@ class GRPO:
             with timed(times, "time/generate"):
                 r = self.local_rollout(step)
             zero_std = self.learn(r, stats, times)
-        else:  # off-policy by up to --max-staleness steps (align.async_rl), or from decoder ranks
+        else:  # off-policy by up to --max-staleness steps (align.rollout.queue), or from decoder ranks
             pending = self.rollouts.before_update(step, times)
             idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
             r = Rollout([self.rows[i] for i in idx], pending.completions, cfg.num_generations)
@@ -467,8 +468,8 @@ def run(cfg: GRPOConfig) -> dict:
 def decoder(cfg: GRPOConfig) -> dict:
     """A --rollout-gpus process: the policy's architecture (LoRA adapters included), then rollouts on request."""
     from align.engine.build import compute_dtype, resolve_precision
-    from align.models import mark_autocast
     from align.lora import with_lora
+    from align.models import mark_autocast
 
     source = resolve(cfg.model)
     tok = load_tokenizer(source, cfg.trust_remote_code)

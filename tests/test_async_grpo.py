@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from align.async_rl import LocalSampler, Rollouts
 from align.engine.run import StageRun
+from align.rollout.queue import LocalSampler, Rollouts
 from tests.conftest import parity_reward, small_data
 
 
@@ -63,7 +63,7 @@ def test_a_stale_step_is_the_off_policy_step_with_truncated_importance_weights(t
     trainer's θ_1), its gradient −A · w · ∇log π_θ1; A = r − the group's mean (--advantage mean), r the parity
     reward. Computed here from the rollout's logged sampler log-probs on plain copies of θ_0 and θ_1."""
     from align.models import load_causal_lm, load_tokenizer, resolve
-    from align.rollout import rollout_batch
+    from align.rollout.batch import rollout_batch
     from stages.grpo import GRPO
 
     cap = 1.2

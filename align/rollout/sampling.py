@@ -6,7 +6,7 @@ of the token at position t of that prompt's completion is a hash of (key, t, voc
 generator: stateless, so a row's noise never depends on which rows share its batch, and cheap enough to compute
 inside the compiled decode step (fused into the sampling kernel, nothing materialised). A token is drawn by the
 exponential race, argmax(p / E) with E ~ Exp(1) per vocabulary entry, which samples softmax(z) exactly like a
-multinomial draw. HF `generate` (a logits processor) and the fast decoder (align.fast_generate) share `choose`, so
+multinomial draw. HF `generate` (a logits processor) and the fast decoder (align.rollout.fast.decoder) share `choose`, so
 they sample the same tokens from the same logits.
 """
 

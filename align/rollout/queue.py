@@ -1,7 +1,7 @@
 """Off-policy rollouts (--max-staleness K): the rollouts of the steps to come, sampled ahead of their step.
 
 Step t trains on the rollout of step t, sampled from the weights of step max(0, t − K) — θ_s is the policy
-after s updates — so with a decoder of its own (--rollout-gpus, align.disagg) the rollout of step t + K is
+after s updates — so with a decoder of its own (--rollout-gpus, align.rollout.disagg) the rollout of step t + K is
 sampled while step t trains:
 
     step t:  publish θ_t to the sampler  ·  take rollout t (queued)  ·  ask for rollout t + K (from θ_t)
@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from align import runtime
-from align.generation import Completion
+from align.rollout.generation import Completion
 
 
 @dataclass

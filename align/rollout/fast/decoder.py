@@ -36,9 +36,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from align import decode_attention
 from align.lora import effective_weight, is_peft
-from align.sampling import choose, sampled_logprobs
+from align.rollout.fast import decode_attention
+from align.rollout.sampling import choose, sampled_logprobs
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # computed by the model's own rotary module
@@ -267,7 +267,7 @@ class FastDecoder:
         self.recaptured_for: dict[str, int] = {}  # ... by what moved: "weights", "cache"
         self._side = None  # the warm-up stream of every capture
         self.bucket = int(os.environ.get("ALIGN_DECODE_BUCKET", 256)) if self.use_graphs else 1  # see attn_len
-        # the decode step's attention: the split-KV kernel on a GPU (align.decode_attention), SDPA elsewhere
+        # the decode step's attention: the split-KV kernel on a GPU (align.rollout.fast.decode_attention), SDPA elsewhere
         # (ALIGN_DECODE_ATTN=sdpa: SDPA on a GPU too)
         self.split_kv = (cuda and self.dtype in (torch.bfloat16, torch.float16)
                          and os.environ.get("ALIGN_DECODE_ATTN", "split") != "sdpa"
@@ -383,7 +383,7 @@ class FastDecoder:
         self.widx = torch.zeros(1, dtype=torch.long, device=d)  # cache slot the next token is written to
         self.sidx = torch.zeros(1, dtype=torch.long, device=d)  # column of `out` the next token goes to
         self.finished = torch.zeros(B, dtype=torch.bool, device=d)
-        self.keys = torch.zeros(B, dtype=torch.long, device=d)  # each row's sampling key (align.sampling)
+        self.keys = torch.zeros(B, dtype=torch.long, device=d)  # each row's sampling key (align.rollout.sampling)
         self.out = None
         self.out_logp = None
         self.last_logps = None  # the last `generate`'s sampling log-probs per row (None when greedy)
@@ -547,7 +547,7 @@ class FastDecoder:
 
     def _choose(self, logits: torch.Tensor, position, sampling) -> torch.Tensor:
         """The token at `position` of each row: argmax, or the exponential race with the row's keyed noise
-        (align.sampling: computed here, inside the compiled step, from the keys and the position alone)."""
+        (align.rollout.sampling: computed here, inside the compiled step, from the keys and the position alone)."""
         if sampling.greedy:
             return logits.argmax(-1)
         z = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
@@ -628,7 +628,7 @@ class FastDecoder:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling, eos: int, pad: int, keys=None) -> list[list[int]]:
         """Tokens generated for each prompt (rows padded after EOS with `pad`, length <= max_new_tokens); `keys`:
-        each prompt's sampling key (align.sampling; default: drawn from torch's RNG)."""
+        each prompt's sampling key (align.rollout.sampling; default: drawn from torch's RNG)."""
         n = len(prompts)
         B = n if not self.use_graphs else max(8, 1 << (n - 1).bit_length())  # graph shapes: powers of two
         P = max(len(p) for p in prompts)

@@ -1,0 +1,1 @@
+"""The fast decoder: rollouts of Llama-family policies from a compiled, CUDA-graph-captured decode step."""
