@@ -23,7 +23,8 @@ def check(name: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from align.rollout.fast.decoder import FastDecoder, unsupported_reason
+    from align.rollout.fast.decoder import FastDecoder
+    from align.rollout.fast.support import unsupported_reason
     from align.rollout.generation import Sampling
     from benchmarks import vs_trl as V
 

@@ -50,7 +50,7 @@ def stale_decoder(onset: int):
 
 @contextlib.contextmanager
 def stale_fast_decoder(onset: int):
-    """The fast decoder (align.rollout.fast.decoder, forced on CPU) stops refreshing its weight copy from its `onset`-th
+    """The fast decoder (align.rollout.fast, forced on CPU) stops refreshing its weight copy from its `onset`-th
     load on (0-based): every later rollout decodes with the weights of load onset − 1. The decoder is made to
     keep a copy (ALIGN_FAST_DECODER_COPY), as it does under ZeRO-3, LoRA or bf16-mixed: one that reads the
     policy's own tensors cannot go stale."""

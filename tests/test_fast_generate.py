@@ -1,4 +1,4 @@
-"""align.rollout.fast.decoder on CPU (eager: no compile, no CUDA graphs): the fast decoder must reproduce HF
+"""align.rollout.fast on CPU (eager: no compile, no CUDA graphs): the fast decoder must reproduce HF
 `generate` token for token under greedy decoding, for every family it takes (Llama with default, linear, yarn and
 Llama-3 RoPE; Qwen2's q/k/v biases; Qwen3's per-head q/k norms; Mistral), grouped KV heads, tied and untied heads,
 with left-padded prompts of different lengths; its logits must equal the HF forward's; and its sampling rules must
@@ -7,9 +7,10 @@ behave."""
 import pytest
 import torch
 
-from align.rollout.fast.decoder import FastDecoder, filter_logits, unsupported_reason
+from align.rollout.fast.decoder import FastDecoder
+from align.rollout.fast.support import unsupported_reason
 from align.rollout.generation import Sampling, generate_local, use_fast_path
-from align.rollout.sampling import prompt_keys
+from align.rollout.sampling import filter_logits, prompt_keys
 
 EOS, PAD = 2, 0
 
@@ -317,7 +318,7 @@ def dec_rows(dec, s):
 def test_the_decoder_keeps_a_copy_where_it_must(monkeypatch):
     """A copy under ZeRO-3, LoRA, another dtype or device, ALIGN_FAST_DECODER_COPY=1, and on a GPU for a model of
     at most SMALL_COPY_BYTES (=0: none there); none otherwise (a CPU decoder of the module's own tensors)."""
-    from align.rollout.fast.decoder import SMALL_COPY_BYTES, copies_small, copy_reason
+    from align.rollout.fast.weights import SMALL_COPY_BYTES, copies_small, copy_reason
 
     m = make("llama", True)
     assert copy_reason(m, "cpu", torch.float32) is None

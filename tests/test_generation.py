@@ -177,8 +177,7 @@ def test_a_prompts_samples_do_not_depend_on_the_batch_layout(setup):
 def test_keyed_sampling_follows_the_distribution():
     """The race with keyed noise samples softmax(z): over 20,000 keys at one position, and over 20,000 positions
     of one key; after top-k / top-p filtering only kept tokens are drawn."""
-    from align.rollout.fast.decoder import filter_logits
-    from align.rollout.sampling import choose, prompt_keys
+    from align.rollout.sampling import choose, filter_logits, prompt_keys
 
     z = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     p = z.softmax(-1)[0]

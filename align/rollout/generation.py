@@ -69,8 +69,7 @@ def _keyed_sampler(s: Sampling, keys: list[int], prompt_len: int, device, logps:
     sampling log-probs ([B]) are appended to `logps`."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from align.rollout.fast.decoder import filter_logits
-    from align.rollout.sampling import choose
+    from align.rollout.sampling import choose, filter_logits
 
     key_t = torch.tensor(keys, device=device)
 
@@ -94,21 +93,21 @@ def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bo
 
 def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None = None,
                   length: int | None = None) -> bool:
-    """The compiled static-cache decoder (align.rollout.fast.decoder) is used on CUDA by default for the models it
-    supports (`fast_generate.SUPPORTED`) and rollouts of up to `length` tokens; `fast=False` or
+    """The compiled static-cache decoder (align.rollout.fast) is used on CUDA by default for the models it
+    supports (`fast.support.SUPPORTED`) and rollouts of up to `length` tokens; `fast=False` or
     ALIGN_FAST_GENERATION=0 selects HF `generate`; `fast=True` forces it (also on CPU, eagerly: tests). Never with
     `synced_gpus` (sharded weights). On a GPU the choice and its reason are logged once per process."""
-    from align.rollout.fast import decoder as FG
+    from align.rollout.fast import support
 
-    module = FG.bare(module)
-    if synced_gpus or fast is False or not FG.enabled_by_env():
+    module = support.bare(module)
+    if synced_gpus or fast is False or not support.enabled_by_env():
         return False
     wanted = bool(fast) or torch.device(device).type == "cuda"
-    why = FG.unsupported_reason(module, length)
+    why = support.unsupported_reason(module, length)
     if wanted:
         from align.console import info
 
-        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({FG.describe(module)})", once=True)
+        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({support.describe(module)})", once=True)
     return wanted and why is None
 
 
@@ -167,7 +166,8 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
 def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None,
                    keys=None) -> list[Completion]:
     from align.lora import parked_base
-    from align.rollout.fast.decoder import bare, decoder_for
+    from align.rollout.fast.decoder import decoder_for
+    from align.rollout.fast.support import bare
 
     dec = decoder_for(bare(module), device)
     parked = parked_base(module, device)  # LoRA: the base W is not read while the decoder's merged copy decodes

@@ -88,7 +88,7 @@ MUTATIONS = [
       '"completions/mean_length": sum(len(o.prompt_ids) + len(o.ids) for o in outs) / len(outs)', GRPO),
     # Bound off by one: top-k masks logits <= the k-th largest, so only k−1 tokens stay (top-k 1: every logit
     # masked, a uniform draw). Both samplers (HF and fast) share filter_logits. Needs --top-k > 0.
-    M("audit9 grpo: top-k keeps k − 1 tokens (the k-th masked too)", "align/rollout/fast/decoder.py",
+    M("audit9 grpo: top-k keeps k − 1 tokens (the k-th masked too)", "align/rollout/sampling.py",
       "logits = logits.masked_fill(logits < kth, neg)", "logits = logits.masked_fill(logits <= kth, neg)", GRPO),
     # Seeding: the HF sampler's noise is keyed by the absolute position (prompt included) instead of the
     # response position: samples now depend on the prompt's padded width (the batch's company) and differ from
