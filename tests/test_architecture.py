@@ -101,7 +101,7 @@ def test_the_layer_check_sees_an_import_up_inside_a_function_and_a_module_in_no_
 
 
 # the classes still over the limit, at most as long as they are now (each to be split by concern); no other may pass it
-STILL_LONG = {"StageRun": 488, "GRPO": 313}
+STILL_LONG = {"StageRun": 488}
 
 
 def test_no_class_over_300_lines_in_align_or_stages(tmp_path):

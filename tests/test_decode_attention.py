@@ -1,6 +1,7 @@
-"""The split-KV decode attention kernel (align.rollout.fast.decode_attention) against SDPA, run by Triton's interpreter on CPU
-tensors (TRITON_INTERPRET=1; the interpreter's bf16 matmul is wrong, so fp32 and fp16 here: bf16 is checked on a
-GPU by tests/test_gpu_paths.py). Needs Triton, which the CPU install does not carry: skipped without it."""
+"""The split-KV decode attention kernel (align.rollout.fast.decode_attention) against SDPA, run by Triton's
+interpreter on CPU tensors (TRITON_INTERPRET=1; the interpreter's bf16 matmul is wrong, so fp32 and fp16 here: bf16
+is checked on a GPU by tests/test_gpu_paths.py). Needs Triton, which the CPU install does not carry: skipped
+without it."""
 
 import os
 

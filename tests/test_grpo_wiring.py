@@ -54,16 +54,18 @@ def completions(algo, spec: list[list[tuple]]) -> list[Completion]:
 
 
 def fixed_rollouts(algo, make):
-    """The stage's step samples `make(step)` (a list of Completions, prompt-major) instead of its own samples."""
+    """The stage's step samples `make(step)` (a list of Completions of its first prompts, prompt-major) instead of
+    its own samples, and pairs them with those prompts' rows (its step's rows: the first ones)."""
     from align.rollout.batch import Rollout
 
-    G = algo.cfg.num_generations
+    G, made = algo.cfg.num_generations, []
 
     def local_rollout(step):
-        cs = make(step)
-        return Rollout(algo.rows[: len(cs) // G], cs, G)
+        made[:] = make(step)
+        return Rollout(algo.rows[: len(made) // G], made, G)
 
     algo.local_rollout = local_rollout
+    algo.run.indices = lambda n, size, step, seed=None: list(range(len(made) // G))
 
 
 def step(algo, s: int) -> dict:
@@ -447,7 +449,7 @@ def test_a_run_one_step_off_trains_each_step_on_the_rollout_of_the_weights_befor
 def test_the_samplers_logprobs_are_the_trainers_at_the_sampling_temperature(tiny_model_dir, tmp_path):
     """The log-prob the sampler reports for each sampled token is log softmax(z / T)[token] of the trainer's
     logits z at the stage's temperature T = 0.6 (not at T = 1), unfiltered by --top-k 20: for the stage's own
-    rollouts (HF generate, the CPU path) and for the fast decoder (align.rollout.fast.decoder, eager on CPU) sampling
+    rollouts (HF generate, the CPU path) and for the fast decoder (align.rollout.fast, eager on CPU) sampling
     from the policy. Each step samples with keys of its own: the same prompt at the same weights gives other
     samples at the next step."""
     from align.rollout.generation import generate_local

@@ -107,7 +107,8 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
     if wanted:
         from align.console import info
 
-        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({support.describe(module)})", once=True)
+        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({support.describe(module)})",
+             once=True)
     return wanted and why is None
 
 

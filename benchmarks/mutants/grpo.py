@@ -1,5 +1,6 @@
-"""Wiring mutations of stages/grpo.py, the off-policy queue (align/rollout/queue.py) and the rollout (align/rollout/batch.py,
-the samplers' log-probs in align/rollout/generation.py and align/rollout/fast/decoder.py), caught by tests/test_grpo_wiring.py.
+"""Wiring mutations of stages/grpo.py, the rollout queue (align/rollout/queue.py) and the rollout
+(align/rollout/batch.py, the samplers' log-probs in align/rollout/generation.py and align/rollout/fast/decoder.py),
+caught by tests/test_grpo_wiring.py.
 
 MUTATIONS: the benchmark's. AUDIT: more mutations of the same kinds, each checked to be caught by the tests it
 names too, left out of the default run to keep CI short (`python -m benchmarks.mutations --mutants FILE` runs a
@@ -239,7 +240,7 @@ MUTATIONS: list[Mutation] = [
       "                                  None if row_lp is None else row_lp[: len(resp)]))\n        if on_batch:\n"
       "            on_batch(len(chunk))\n    module.train(was_training)", (EOS_HF,)),
     M("grpo wiring: the off-policy queue left out of the checkpoint", G,
-      'return {"beta": self.beta, **({"rollouts": self.rollouts.state_dict()} if self.rollouts else {})}',
+      'return {"beta": self.beta, **({} if self.rollouts.synchronous else {"rollouts": self.rollouts.state_dict()})}',
       'return {"beta": self.beta}', ("tests/test_async_grpo.py::test_the_queued_rollout_is_in_the_stages_checkpoint_state",)),
     M("grpo wiring: held-out evaluation ignores --verifier", G,
       "gather=self.cfg.gather,\n                                  verifier=self.cfg.verifier)",
@@ -373,8 +374,8 @@ AUDIT: list[Mutation] = [
     M("grpo wiring: a rollback keeps the queue of later steps", QUEUE_PY,
       "if self.queue and self.queue[0].step != step:", "if False:", (QUEUE + "[1]",)),
     M("grpo wiring: the queued rollout paired with its version's rows", G,
-      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)\n            r = Rollout(",
-      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, pending.version)\n            r = Rollout(",
+      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)\n        r = Rollout(",
+      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, pending.version)\n        r = Rollout(",
       (STALE,)),
     M("grpo wiring: stale flag inverted", G, "self.stale = pending.version != step",
       "self.stale = pending.version == step", (STALE,)),

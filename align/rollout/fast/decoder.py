@@ -78,7 +78,8 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         clock = _DebugClock() if os.environ.get("ALIGN_FAST_DEBUG") == "1" else None
         # one runner per attention length the decode steps will need (writing slots P .. P + new - 2), all
         # made before the prefill: a capture's warm-up scribbles on the state
-        runners = {k: self._runner(sampling, eos, pad, k) for k in sorted({self.attn_len(w) for w in range(P, P + new - 1)})}
+        runners = {k: self._runner(sampling, eos, pad, k)
+                   for k in sorted({self.attn_len(w) for w in range(P, P + new - 1)})}
         if clock:
             clock.lap()
         self._first_token(ids, mask, sampling, eos, pad, keys, n)
