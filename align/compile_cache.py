@@ -1,7 +1,7 @@
 """torch.compile's work kept across runs, and the time it costs a run.
 
 The GPU runs compile the transformer blocks (align.engine.build.compile_blocks) and the fast decoder's step
-(align.fast_generate): about a minute in a process's first steps. Inductor caches what it compiles — the FX
+(align.rollout.fast): about a minute in a process's first steps. Inductor caches what it compiles — the FX
 graph cache and the AOTAutograd cache (forward and backward), and the Triton kernels under the same directory —
 keyed by the graph, the torch / Triton versions and the device, so a later process that compiles the same
 graphs (the same command again, every stage of a pipeline on the same model shape) loads them instead of

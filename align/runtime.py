@@ -134,7 +134,7 @@ _STORE = None
 
 
 def shared_store(timeout: timedelta):
-    """The launcher's key-value store, shared by every process of the run whatever its role (align.disagg: the
+    """The launcher's key-value store, shared by every process of the run whatever its role (align.rollout.disagg: the
     trainers' group and the bridge to the decoders are built on it)."""
     global _STORE
     if _STORE is None:

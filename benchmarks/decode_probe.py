@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from align.fast_generate import FastDecoder
-from align.generation import Sampling
+from align.rollout.fast.decoder import FastDecoder
+from align.rollout.generation import Sampling
 from benchmarks import vs_trl as V
 
 

@@ -23,8 +23,9 @@ def check(name: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from align.fast_generate import FastDecoder, unsupported_reason
-    from align.generation import Sampling
+    from align.rollout.fast.decoder import FastDecoder
+    from align.rollout.fast.support import unsupported_reason
+    from align.rollout.generation import Sampling
     from benchmarks import vs_trl as V
 
     cfg = V.config(name, bos_token_id=1, eos_token_id=2, pad_token_id=0)

@@ -8,14 +8,14 @@ import contextlib
 
 @contextlib.contextmanager
 def stale_decoder(onset: int):
-    """Rollouts from step `onset` on (0-based: the `onset`-th call of align.rollout's generation) decode with the
+    """Rollouts from step `onset` on (0-based: the `onset`-th call of align.rollout.batch's generation) decode with the
     weights the policy had at step onset − 1: a decoder copy not refreshed after the updates since, as when an
     inference engine's weight sync breaks. HF-generate path (CPU); the trainer keeps training the real weights."""
     import torch
 
-    import align.rollout as R
+    import align.rollout.batch as R
     from align import runtime
-    from align.generation import generate_local
+    from align.rollout.generation import generate_local
 
     original, calls, frozen = R.generate_on_rank, [0], {}
 
@@ -50,14 +50,14 @@ def stale_decoder(onset: int):
 
 @contextlib.contextmanager
 def stale_fast_decoder(onset: int):
-    """The fast decoder (align.fast_generate, forced on CPU) stops refreshing its weight copy from its `onset`-th
+    """The fast decoder (align.rollout.fast, forced on CPU) stops refreshing its weight copy from its `onset`-th
     load on (0-based): every later rollout decodes with the weights of load onset − 1. The decoder is made to
     keep a copy (ALIGN_FAST_DECODER_COPY), as it does under ZeRO-3, LoRA or bf16-mixed: one that reads the
     policy's own tensors cannot go stale."""
     import os
 
-    import align.generation as G
-    from align.fast_generate import FastDecoder
+    import align.rollout.generation as G
+    from align.rollout.fast.decoder import FastDecoder
 
     load, use_fast, calls = FastDecoder.load_weights, G.use_fast_path, [0]
 

@@ -29,11 +29,11 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from align import data as D
-    from align.generation import Sampling, generate_local
     from align.logprobs import logprobs
     from align.paths import DATA_DIR
     from align.rewards import math_fn
-    from align.rollout import rollout_batch
+    from align.rollout.batch import rollout_batch
+    from align.rollout.generation import Sampling, generate_local
 
     torch.manual_seed(a.seed)
     random.seed(a.seed)

@@ -27,8 +27,8 @@ import tomllib
 from pathlib import Path
 
 from align.artifacts import read_artifact
-from align.evaluation import EVAL_SAMPLES
 from align.pipeline import apply_overrides, reference, toml_value
+from align.rollout.evaluation import EVAL_SAMPLES
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE = ROOT / "pipelines" / "pretrained.toml"

@@ -7,8 +7,8 @@ were all destroyed trips the caching allocator's `use_count > 0` assert (seen in
 import torch
 from transformers import AutoModelForCausalLM
 
-from align.fast_generate import FastDecoder
-from align.generation import Sampling
+from align.rollout.fast.decoder import FastDecoder
+from align.rollout.generation import Sampling
 from benchmarks import vs_trl as V
 
 with torch.device("cuda"):

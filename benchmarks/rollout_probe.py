@@ -7,7 +7,7 @@ simulated training step (the decoder's `release`, a large allocation and free, `
 between rollouts), with the graph re-captures it cost. Variants: the default (the decoder reads the module's own
 weights: separate q/k/v and gate/up matmuls), a weight copy (fused q/k/v and gate/up), one graph over the whole
 cache (no 256-slot buckets), greedy decoding (no keyed sampling noise, no sampler log-probs), and the fused SDPA
-kernel in place of the split-KV decode attention (align.decode_attention).
+kernel in place of the split-KV decode attention (align.rollout.fast.decode_attention).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from align.generation import Sampling
+from align.rollout.generation import Sampling
 from benchmarks import vs_trl as V
 
 VARIANTS = {"default": {}, "copy (fused qkv, gate/up)": {"ALIGN_FAST_DECODER_COPY": "1"},
@@ -64,7 +64,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from align.fast_generate import FastDecoder
+    from align.rollout.fast.decoder import FastDecoder
     from align.runtime import attention_backends
 
     attention_backends()  # the attention kernels a stage's decoder runs (align.runtime.init sets the same)

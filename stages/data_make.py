@@ -290,10 +290,10 @@ def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
 
     from align import data as D
     from align.console import TrainProgress
-    from align.runtime import quiet_libraries
-    from align.generation import Sampling, generate_local
     from align.models import load_causal_lm, load_tokenizer, resolve
     from align.rewards import guess_verifier, verifier_fn, verify
+    from align.rollout.generation import Sampling, generate_local
+    from align.runtime import quiet_libraries
 
     if cfg.task != "prefs":
         raise UserError(f"--from-model makes preference pairs: use `align data make prefs`, not {cfg.task!r}.")

@@ -28,25 +28,25 @@ from dataclasses import dataclass
 import torch
 
 from align import data as D
-from align.data import load_pairs
 from align import objectives, runtime
 from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
+from align.data import load_pairs
 from align.engine.build import Optim, batch_layout
 from align.engine.plan import DPO_REF_TOKENS, longest_row
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
-from align.generation import Sampling, generate_on_rank
 from align.logprobs import logprobs
+from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.preference import Pairs, dpo_loss, kto_loss
 from align.objectives.tokens import IGNORE
-from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import guess_verifier, row_fields, verifier_fn
+from align.rollout.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
+from align.rollout.generation import Sampling, generate_on_rank
 
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "logps/rejected")

@@ -9,11 +9,11 @@ from align.artifacts import describe_inputs
 from align.config import SamplingConfig, StageConfig, opt, positive_ints
 from align.console import info
 from align.engine.run import StageRun, seed_all
-from align.evaluation import evaluate_policy, fitting_rows
-from align.generation import Sampling
 from align.models import load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.rewards import REWARDS, verifier_fn
+from align.rollout.evaluation import evaluate_policy, fitting_rows
+from align.rollout.generation import Sampling
 from align.tasks import write_jsonl
 
 

@@ -25,8 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from align import data as D
-from align import disagg, objectives, runtime
-from align.async_rl import LocalSampler, Rollouts
+from align import objectives, runtime
 from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
@@ -34,17 +33,19 @@ from align.engine.build import Optim, rows_within
 from align.engine.run import Output, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
-from align.generation import Sampling
-from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
+from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.advantages import zero_spread
 from align.objectives.grpo import GRPOBatch, GRPOCoefs, grpo_loss
 from align.objectives.policy import LOSS_AGGREGATIONS
-from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import Rollout, record_completions, record_mismatch, sample, select, timed
+from align.rollout import disagg
+from align.rollout.batch import Rollout, record_completions, record_mismatch, sample, select, timed
+from align.rollout.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
+from align.rollout.generation import Sampling
+from align.rollout.queue import LocalSampler, Rollouts
+from align.rollout.sampling import derive
 
 
 @dataclass
@@ -142,6 +143,31 @@ class GRPOConfig(RLConfig):
         return positive_ints(self.eval_k, "--eval-k")
 
 
+def reward(cfg: GRPOConfig, fns: list, row: dict, c) -> tuple[float | None, dict]:
+    """(Σ w_k f_k + overlong penalty, {name: f_k}) of completion `c` of data row `row` under the reward functions
+    `fns` (parse_rewards); None when a function failed and --on-reward-error is skip. A failure under skip or
+    zero is counted in parts["errors"]."""
+    parts, total = {"errors": 0.0}, 0.0
+    for r in fns:
+        if r.fn is None:  # a group reward (length), added per group in score()
+            continue
+        try:
+            v = call_reward(r, row["prompt"], c.text, row, cfg.reward_timeout)
+        except RewardError as e:
+            if cfg.on_reward_error == "fail":
+                raise UserError(f"{e}. Fix the function, or pass --on-reward-error skip|zero.") from None
+            if cfg.on_reward_error == "skip":
+                return None, {"errors": 1.0}
+            v, parts["errors"] = 0.0, 1.0
+        parts[r.name] = v
+        total += r.weight * v
+    if cfg.overlong_cache:
+        n = len(c.ids) if c.finished else cfg.max_new_tokens + 1
+        overlong = objectives.get("shaping", "overlong").fn
+        total += overlong([n], max_len=cfg.max_new_tokens, cache=cfg.overlong_cache)[0]
+    return total, parts
+
+
 class GRPO:
     progress = ("reward", "frac_reward_zero_std", "eval/pass@1/greedy")
     eval_at_start = True
@@ -199,25 +225,6 @@ class GRPO:
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
              f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}")
 
-    def rollout_queue(self) -> Rollouts | None:
-        """The rollouts sampled ahead of their step (--max-staleness) or by decoder ranks (--rollout-gpus); None:
-        each step samples its own."""
-        cfg = self.cfg
-        if not (cfg.max_staleness or cfg.rollout_gpus):
-            return None
-        if cfg.max_staleness and not cfg.tis_cap:
-            info(f"--max-staleness {cfg.max_staleness} without --tis-cap: the stale samples' loss is not reweighted by "
-                 "π_train / π_sampler")
-        if cfg.rollout_gpus:
-            info(f"rollouts: {cfg.rollout_gpus} of {disagg.world()} processes decode, the others train; each step trains "
-                 f"on a rollout {cfg.max_staleness} update(s) old (--max-staleness), TIS cap {cfg.tis_cap:g} "
-                 "(--rollout-gpus 0: every process samples and trains, on-policy)")
-            sampler = disagg.RemoteSampler(self.policy.eng, self.run.dist, self.step_prompts, self.sampling_of,
-                                           cfg.num_generations)
-        else:
-            sampler = LocalSampler(lambda step: self.local_rollout(step).completions)
-        return Rollouts(cfg.max_staleness, cfg.max_steps, sampler)
-
     def micro_rows(self, n_local: int, longest: int) -> int:
         """Rows per micro-batch: --micro-batch-size, or (0) as many as --micro-batch-tokens allows; divides n_local."""
         cfg = self.cfg
@@ -237,34 +244,46 @@ class GRPO:
 
         return load
 
-    # ---- 1-2. rollout and rewards
+    # ---- 1. rollout
 
-    def reward(self, row: dict, c) -> tuple[float | None, dict]:
-        """(Σ w_k f_k + overlong penalty, {name: f_k}) of one completion; None when a function failed and
-        --on-reward-error is skip. A failure under skip or zero is counted in parts["errors"]."""
-        cfg, parts, total = self.cfg, {"errors": 0.0}, 0.0
-        for r in self.reward_fns:
-            if r.fn is None:  # a group reward (length), added per group in score()
-                continue
-            try:
-                v = call_reward(r, row["prompt"], c.text, row, cfg.reward_timeout)
-            except RewardError as e:
-                if cfg.on_reward_error == "fail":
-                    raise UserError(f"{e}. Fix the function, or pass --on-reward-error skip|zero.") from None
-                if cfg.on_reward_error == "skip":
-                    return None, {"errors": 1.0}
-                v, parts["errors"] = 0.0, 1.0
-            parts[r.name] = v
-            total += r.weight * v
-        if cfg.overlong_cache:
-            n = len(c.ids) if c.finished else cfg.max_new_tokens + 1
-            overlong = objectives.get("shaping", "overlong").fn
-            total += overlong([n], max_len=cfg.max_new_tokens, cache=cfg.overlong_cache)[0]
-        return total, parts
+    def rollout_queue(self) -> Rollouts:
+        """Where each step's rollout comes from: the policy engine samples it, in the step (--max-staleness 0: the
+        synchronous algorithm) or K steps ahead (--max-staleness K), or decoder ranks do (--rollout-gpus)."""
+        cfg = self.cfg
+        if cfg.max_staleness and not cfg.tis_cap:
+            info(f"--max-staleness {cfg.max_staleness} without --tis-cap: the stale samples' loss is not reweighted by "
+                 "π_train / π_sampler")
+        if cfg.rollout_gpus:
+            info(f"rollouts: {cfg.rollout_gpus} of {disagg.world()} processes decode, the others train; each step trains "
+                 f"on a rollout {cfg.max_staleness} update(s) old (--max-staleness), TIS cap {cfg.tis_cap:g} "
+                 "(--rollout-gpus 0: every process samples and trains, on-policy)")
+            sampler = disagg.RemoteSampler(self.policy.eng, self.run.dist, self.step_prompts, self.sampling_of,
+                                           cfg.num_generations)
+        else:
+            sampler = LocalSampler(lambda step: self.local_rollout(step).completions)
+        return Rollouts(cfg.max_staleness, cfg.max_steps, sampler)
+
+    def sampling_of(self, step: int) -> Sampling:
+        """The sampling settings of rollout `step`: its samples are keyed by (seed, step)."""
+        return replace(self.sampling, seed=derive(self.cfg.seed, step))
+
+    def local_rollout(self, step: int) -> Rollout:
+        """This rank's share of rollout `step`, sampled now by the policy engine."""
+        cfg = self.cfg
+        idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
+        return sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
+                      cfg.num_generations, self.sampling_of(step), self.run.dist, cfg.gather)
+
+    def step_prompts(self, step: int) -> list[list[int]]:
+        """The token ids of every prompt of rollout `step` (all ranks')."""
+        return [self.prompt_ids[i] for i in step_indices(len(self.rows), self.cfg.prompts_per_step, step, self.cfg.seed)]
+
+    # ---- 2. rewards
 
     def score(self, r: Rollout) -> None:
         """r.rewards [P, G], r.valid [P, G] and r.parts (per reward function)."""
-        G, results = r.group_size, [self.reward(row, c) for row, c in zip(r.sample_rows, r.completions)]
+        G = r.group_size
+        results = [reward(self.cfg, self.reward_fns, row, c) for row, c in zip(r.sample_rows, r.completions)]
         r.valid = r.grouped(torch.tensor([float(v is not None) for v, _ in results]))
         r.rewards = r.grouped(torch.tensor([v if v is not None else 0.0 for v, _ in results]))
         length_fn = next((f for f in self.reward_fns if f.name == "length"), None)
@@ -333,42 +352,24 @@ class GRPO:
                     # over every sampled token, the dropped groups' too: measured even when no group has signal
                     stats.mean("entropy", (ent * mb["response_mask"]).sum(), mb["response_mask"].sum())
 
-    # ---- the step
+    # ---- the step: 1-4
 
     def step(self, step: int) -> Stats:
+        """Rollout `step` (align.rollout.queue: sampled now from the current weights, or ahead of its step from
+        older ones, or by decoder ranks), then its rewards, advantages and update."""
         cfg, stats, times = self.cfg, Stats(), {}
-        if self.rollouts is None:  # synchronous: rollout `step` sampled now, from the current weights
-            with timed(times, "time/generate"):
-                r = self.local_rollout(step)
-            zero_std = self.learn(r, stats, times)
-        else:  # off-policy by up to --max-staleness steps (align.async_rl), or from decoder ranks
-            pending = self.rollouts.before_update(step, times)
-            idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
-            r = Rollout([self.rows[i] for i in idx], pending.completions, cfg.num_generations)
-            times["time/generate"] = pending.seconds
-            self.stale = pending.version != step
-            zero_std = self.learn(r, stats, times)
-            self.rollouts.after_update(times)
+        pending = self.rollouts.before_update(step, times)
+        idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
+        r = Rollout([self.rows[i] for i in idx], pending.completions, cfg.num_generations)
+        self.stale = pending.version != step
+        zero_std = self.learn(r, stats, times)
+        self.rollouts.after_update(times)
+        if not self.rollouts.synchronous:
             stats.value("rollout/staleness", step - pending.version)
-            if cfg.rollout_gpus:
-                times["time/wait_decoder"] = pending.idle
+        if cfg.rollout_gpus:
+            times["time/wait_decoder"] = pending.idle
         self.record(r, zero_std, stats, times)
         return stats
-
-    def sampling_of(self, step: int) -> Sampling:
-        """The sampling settings of rollout `step`: its samples are keyed by (seed, step)."""
-        return replace(self.sampling, seed=derive(self.cfg.seed, step))
-
-    def local_rollout(self, step: int) -> Rollout:
-        """This rank's share of rollout `step`, sampled now by the policy engine."""
-        cfg = self.cfg
-        idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
-        return sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
-                      cfg.num_generations, self.sampling_of(step), self.run.dist, cfg.gather)
-
-    def step_prompts(self, step: int) -> list[list[int]]:
-        """The token ids of every prompt of rollout `step` (all ranks')."""
-        return [self.prompt_ids[i] for i in step_indices(len(self.rows), self.cfg.prompts_per_step, step, self.cfg.seed)]
 
     def learn(self, r: Rollout, stats: Stats, times: dict) -> torch.Tensor:
         """Score rollout `r` and update the policy on it; returns its groups without reward spread."""
@@ -421,13 +422,12 @@ class GRPO:
         return f"beta {old:g} -> {self.beta:g}"
 
     def state_dict(self) -> dict:
-        """β, and the rollouts sampled ahead of their step (collective: every rank's)."""
-        return {"beta": self.beta, **({"rollouts": self.rollouts.state_dict()} if self.rollouts else {})}
+        """β, and the rollouts sampled ahead of their step (collective: every rank's; none when synchronous)."""
+        return {"beta": self.beta, **({} if self.rollouts.synchronous else {"rollouts": self.rollouts.state_dict()})}
 
     def load_state_dict(self, state: dict) -> None:
         self.beta = state.get("beta", self.cfg.beta)
-        if self.rollouts is not None:
-            self.rollouts.load_state_dict(state.get("rollouts") or [[] for _ in range(self.run.dist.world_size)])
+        self.rollouts.load_state_dict(state.get("rollouts") or [[] for _ in range(self.run.dist.world_size)])
 
     # ---- evaluation and the end
 
@@ -453,8 +453,7 @@ class GRPO:
 
     def close(self, failed: bool = False) -> None:
         """The decoder ranks stop (--rollout-gpus); `failed`: the bridge is dropped without a word to them."""
-        if self.rollouts is not None:
-            self.rollouts.sampler.close(failed)
+        self.rollouts.sampler.close(failed)
 
 
 def run(cfg: GRPOConfig) -> dict:
@@ -467,8 +466,8 @@ def run(cfg: GRPOConfig) -> dict:
 def decoder(cfg: GRPOConfig) -> dict:
     """A --rollout-gpus process: the policy's architecture (LoRA adapters included), then rollouts on request."""
     from align.engine.build import compute_dtype, resolve_precision
-    from align.models import mark_autocast
     from align.lora import with_lora
+    from align.models import mark_autocast
 
     source = resolve(cfg.model)
     tok = load_tokenizer(source, cfg.trust_remote_code)

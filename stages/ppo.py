@@ -38,20 +38,20 @@ from align.engine.build import Optim
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
-from align.generation import Sampling
-from align.sampling import derive
 from align.logprobs import batched_logprobs, logprobs
 from align.objectives.kl import AdaptiveKLController, FixedKLController
+from align.rollout.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
+from align.rollout.generation import Sampling
+from align.rollout.sampling import derive
 from align.objectives.ppo import (PPOPolicyBatch, episode_score, explained_variance, gae, leave_one_out_mean,
                                    ppo_policy_loss, ppo_value_loss, token_rewards, whiten)
-from align.objectives.tokens import completion_nll
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
+from align.objectives.tokens import completion_nll
 from align.paths import DATA_DIR
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
                                 score_ids)
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import Rollout, record_completions, record_mismatch, sample, select, timed
+from align.rollout.batch import Rollout, record_completions, record_mismatch, sample, select, timed
 
 DEFAULT_SFT, DEFAULT_RM = "runs/arithmetic/sft", "runs/arithmetic/rm"  # pipelines/arithmetic.toml's, as --data's default
 

@@ -24,20 +24,20 @@ from pathlib import Path
 import torch
 
 from align import data as D
-from align.data import load_pairs
 from align import runtime
 from align.artifacts import describe_inputs
 from align.config import StageConfig, SupervisedConfig, defaults, opt
 from align.console import info
+from align.data import load_pairs
 from align.engine.build import Optim, batch_layout
 from align.engine.plan import longest_row
 from align.engine.run import Output, StageRun, chunks, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.generation import Sampling, generate
-from align.objectives.reward import rm_loss
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.objectives.reward import rm_loss
 from align.paths import DATA_DIR
+from align.rollout.generation import Sampling, generate
 from align.reward_model import (BETA_KEY, HEAD_KEY, HEADS, OFFSET_KEY, SCALE_KEY, encode_scored, load_reward_model,
                                 normalized_reward, raw_rewards, score_ids)
 

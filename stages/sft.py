@@ -22,11 +22,11 @@ from align.engine.plan import longest_row
 from align.engine.run import Output, chunks, train
 from align.engine.stats import Stats
 from align.errors import UserError
-from align.evaluation import evaluate_policy, fitting_rows
-from align.generation import Sampling
-from align.objectives.tokens import completion_nll
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.objectives.tokens import completion_nll
 from align.paths import DATA_DIR
+from align.rollout.evaluation import evaluate_policy, fitting_rows
+from align.rollout.generation import Sampling
 
 
 @dataclass

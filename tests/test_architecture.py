@@ -53,11 +53,13 @@ def layers() -> dict[str, int]:
 
 
 def layer_of(module: str, table: dict[str, int]) -> int | None:
+    """The layer of `module`: its own entry (`rollout.sampling`), else its innermost package's (`rollout.fast.*`
+    before `rollout.*`)."""
     name = module.removeprefix("align.")
-    for pattern, n in table.items():
-        if name == pattern or (pattern.endswith(".*") and (name == pattern[:-2] or name.startswith(pattern[:-1]))):
-            return n
-    return None
+    if name in table:
+        return table[name]
+    packages = [p for p in table if p.endswith(".*") and (name == p[:-2] or name.startswith(p[:-1]))]
+    return table[max(packages, key=len)] if packages else None
 
 
 def upward_imports(g: dict[str, set[str]], table: dict[str, int]) -> list[str]:
@@ -88,6 +90,7 @@ def test_align_imports_point_down_the_layers():
 def test_the_layer_check_sees_an_import_up_inside_a_function_and_a_module_in_no_layer(tmp_path):
     table = layers()
     assert table["engine.*"] > table["models"] and table["objectives.*"] < table["data"]
+    assert layer_of("align.rollout.sampling", table) < layer_of("align.rollout.queue", table) == table["rollout.*"]
     f = tmp_path / "m.py"
     f.write_text("import os\n\ndef f():\n    from align.engine import build\n    return build\n")
     found = {i for i in imports(f, package="align") if i.startswith("align")}
@@ -98,7 +101,7 @@ def test_the_layer_check_sees_an_import_up_inside_a_function_and_a_module_in_no_
 
 
 # the classes still over the limit, at most as long as they are now (each to be split by concern); no other may pass it
-STILL_LONG = {"FastDecoder": 511, "StageRun": 488, "GRPO": 313}
+STILL_LONG = {"StageRun": 488}
 
 
 def test_no_class_over_300_lines_in_align_or_stages(tmp_path):

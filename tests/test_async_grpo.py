@@ -1,13 +1,15 @@
-"""Off-policy GRPO (--max-staleness) in one process: the queue at staleness 0 is the synchronous step bit for bit,
-and a step at staleness 1 is the off-policy step with truncated importance sampling written out by hand."""
+"""Off-policy GRPO (--max-staleness) in one process: the stage's step at staleness 0 (the queue's synchronous case)
+is the synchronous step written out, bit for bit, and a step at staleness 1 is the off-policy step with truncated
+importance sampling written out by hand."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from align.async_rl import LocalSampler, Rollouts
 from align.engine.run import StageRun
+from align.engine.stats import Stats
+from align.rollout.batch import timed
 from tests.conftest import parity_reward, small_data
 
 
@@ -30,26 +32,44 @@ def weights(algo) -> dict:
     return {k: v.detach().clone() for k, v in algo.policy.module.state_dict().items()}
 
 
-def steps(cfg, n: int, queue: bool = False) -> tuple[list[dict], dict]:
-    """n steps of a GRPO run built in this process (with `queue`: through the off-policy queue at staleness 0):
-    (each step's metrics but timings, the weights after them)."""
+def synchronous_step(algo, step: int) -> Stats:
+    """GRPO's synchronous step written out: rollout `step` sampled now from the current weights (a phase of the
+    step, timed), then its rewards, advantages and update, and the step's metrics."""
+    stats, times = Stats(), {}
+    with timed(times, "time/generate"):
+        r = algo.local_rollout(step)
+    algo.record(r, algo.learn(r, stats, times), stats, times)
+    return stats
+
+
+def steps(cfg, n: int, written_out: bool = False) -> tuple[list[dict], dict, dict]:
+    """n steps of a GRPO run built in this process (`written_out`: each step the synchronous step written out, not
+    the stage's): (each step's metrics, the weights after them, the stage's resumable state)."""
     from stages.grpo import GRPO
 
     with StageRun(cfg, "grpo") as run:
         algo = GRPO(cfg, run)
-        assert algo.rollouts is None  # --max-staleness 0 in one process: the synchronous step
-        if queue:
-            algo.rollouts = Rollouts(0, cfg.max_steps, LocalSampler(lambda s: algo.local_rollout(s).completions))
+        if written_out:
+            algo.step = lambda s: synchronous_step(algo, s)
         rows = [run._step(algo, s)[0] for s in range(n)]
-        return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in rows], weights(algo)
+        return rows, weights(algo), algo.state_dict()
 
 
 def test_the_queue_at_staleness_0_is_the_synchronous_step_bit_for_bit(tiny_model_dir, tmp_path):
-    sync, w_sync = steps(config(tmp_path, tiny_model_dir, "sync"), 3)
-    queued, w_queued = steps(config(tmp_path, tiny_model_dir, "queued"), 3, queue=True)
-    assert [r.pop("rollout/staleness") for r in queued] == [0, 0, 0]
-    assert queued == sync and sync[0]["loss"] != sync[1]["loss"]
+    """--max-staleness 0 in one process: the stage's step takes its rollout from the queue, whose LocalSampler
+    samples rollout t in step t, right before its update; that is the synchronous step, bit for bit: the same
+    metrics (no rollout/staleness nor time/wait: nothing is stale or waited for), the same weights, and a state
+    without rollouts (none is kept between steps: a checkpoint holds what it held without the queue)."""
+    sync, w_sync, _ = steps(config(tmp_path, tiny_model_dir, "sync"), 3, written_out=True)
+    queued, w_queued, state = steps(config(tmp_path, tiny_model_dir, "queued"), 3)
+    assert [list(r) for r in queued] == [list(r) for r in sync] and "time/generate" in sync[0]
+
+    def timeless(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and "per_s" not in k} for r in rows]
+
+    assert timeless(queued) == timeless(sync) and sync[0]["loss"] != sync[1]["loss"]
     assert all(torch.equal(w_sync[k], w_queued[k]) for k in w_sync)
+    assert state == {"beta": 0.0}
 
 
 def response_logprobs(model, batch: dict, temperature: float) -> torch.Tensor:
@@ -63,7 +83,7 @@ def test_a_stale_step_is_the_off_policy_step_with_truncated_importance_weights(t
     trainer's θ_1), its gradient −A · w · ∇log π_θ1; A = r − the group's mean (--advantage mean), r the parity
     reward. Computed here from the rollout's logged sampler log-probs on plain copies of θ_0 and θ_1."""
     from align.models import load_causal_lm, load_tokenizer, resolve
-    from align.rollout import rollout_batch
+    from align.rollout.batch import rollout_batch
     from stages.grpo import GRPO
 
     cap = 1.2

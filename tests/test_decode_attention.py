@@ -1,6 +1,7 @@
-"""The split-KV decode attention kernel (align.decode_attention) against SDPA, run by Triton's interpreter on CPU
-tensors (TRITON_INTERPRET=1; the interpreter's bf16 matmul is wrong, so fp32 and fp16 here: bf16 is checked on a
-GPU by tests/test_gpu_paths.py). Needs Triton, which the CPU install does not carry: skipped without it."""
+"""The split-KV decode attention kernel (align.rollout.fast.decode_attention) against SDPA, run by Triton's
+interpreter on CPU tensors (TRITON_INTERPRET=1; the interpreter's bf16 matmul is wrong, so fp32 and fp16 here: bf16
+is checked on a GPU by tests/test_gpu_paths.py). Needs Triton, which the CPU install does not carry: skipped
+without it."""
 
 import os
 
@@ -10,7 +11,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from align import decode_attention  # noqa: E402
+from align.rollout.fast import decode_attention  # noqa: E402
 
 NEG = torch.finfo(torch.float32).min
 

@@ -124,7 +124,7 @@ def test_a_failing_run_drops_the_bridge_without_a_stop_message():
     """A run that fails (a trainer gone mid-collective) aborts the bridge: a decoder may be mid-exchange and would
     never match a "stop", and that broadcast would block in C past the launcher's SIGKILL, before the run could
     write its failure. A run that ends well says "stop" first."""
-    from align import disagg
+    from align.rollout import disagg
 
     said = []
 

@@ -104,7 +104,7 @@ def test_each_rank_holds_only_its_shard(runs):
 def test_generation_does_not_depend_on_the_number_of_processes_or_the_batch_size(runs, tmp_path):
     """`align eval` with one seed: the same greedy answers, the same samples and so the same sampled pass@k for
     any --nproc and --batch-size, ZeRO-3 weights gathered for generation or not (each prompt's sampling noise
-    comes from the seed and its index: align/sampling.py). One run of two processes, batches of 5 (against the
+    comes from the seed and its index: align/rollout/sampling.py). One run of two processes, batches of 5 (against the
     default 64) and the ZeRO-3 shards not gathered, against one process: a dependence on any of the three shows;
     two processes gathering the weights against one: test_lora.py's --no-merge test (`align eval --nproc 2`)."""
     _, _, two = runs

@@ -1,4 +1,4 @@
-"""align.fast_generate on CPU (eager: no compile, no CUDA graphs): the fast decoder must reproduce HF
+"""align.rollout.fast on CPU (eager: no compile, no CUDA graphs): the fast decoder must reproduce HF
 `generate` token for token under greedy decoding, for every family it takes (Llama with default, linear, yarn and
 Llama-3 RoPE; Qwen2's q/k/v biases; Qwen3's per-head q/k norms; Mistral), grouped KV heads, tied and untied heads,
 with left-padded prompts of different lengths; its logits must equal the HF forward's; and its sampling rules must
@@ -7,9 +7,10 @@ behave."""
 import pytest
 import torch
 
-from align.fast_generate import FastDecoder, filter_logits, unsupported_reason
-from align.generation import Sampling, generate_local, use_fast_path
-from align.sampling import prompt_keys
+from align.rollout.fast.decoder import FastDecoder
+from align.rollout.fast.support import unsupported_reason
+from align.rollout.generation import Sampling, generate_local, use_fast_path
+from align.rollout.sampling import filter_logits, prompt_keys
 
 EOS, PAD = 2, 0
 
@@ -261,7 +262,7 @@ def test_sampling_logprobs_are_the_trainers(fast, temperature, top_k):
     """Both decoders return the log-prob of each sampled token under log_softmax(logits / T) of the logits they
     sampled from (before top-k): what align.logprobs scores at T, to fp32 rounding."""
     from align.logprobs import logprobs
-    from align.rollout import rollout_batch
+    from align.rollout.batch import rollout_batch
 
     m = make("llama", False)
     s = Sampling(max_new_tokens=8, temperature=temperature, top_k=top_k, seed=3)
@@ -309,7 +310,7 @@ def test_the_decoder_reads_the_modules_own_weights_in_place():
 
 
 def dec_rows(dec, s):
-    from align.generation import _decode_chunks
+    from align.rollout.generation import _decode_chunks
 
     return _decode_chunks(dec, Tok(), PROMPTS, s, 4)
 
@@ -317,7 +318,7 @@ def dec_rows(dec, s):
 def test_the_decoder_keeps_a_copy_where_it_must(monkeypatch):
     """A copy under ZeRO-3, LoRA, another dtype or device, ALIGN_FAST_DECODER_COPY=1, and on a GPU for a model of
     at most SMALL_COPY_BYTES (=0: none there); none otherwise (a CPU decoder of the module's own tensors)."""
-    from align.fast_generate import SMALL_COPY_BYTES, copies_small, copy_reason
+    from align.rollout.fast.weights import SMALL_COPY_BYTES, copies_small, copy_reason
 
     m = make("llama", True)
     assert copy_reason(m, "cpu", torch.float32) is None

@@ -1,4 +1,4 @@
-"""align.generation on a ZeRO-3 engine (one process, gloo, CPU): batching, gather modes, EOS, sampling.
+"""align.rollout.generation on a ZeRO-3 engine (one process, gloo, CPU): batching, gather modes, EOS, sampling.
 
 runtime.init() starts a single-process torch.distributed group inside the pytest process; that is fine as long
 as every in-process user goes through runtime.init() (it is idempotent). The env vars it exports are restored
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from align import runtime
-from align.engine import build
 from align.data import encode_prompts
-from align.generation import Sampling, generate, trim_at_eos
+from align.engine import build
 from align.models import load_causal_lm, load_tokenizer, resolve
+from align.rollout.generation import Sampling, generate, trim_at_eos
 
 PROMPTS = ["Hi", "What is 1 + 2?", "Sam has 7 coins. He loses 3. How many coins does Sam have now?"]
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
@@ -164,7 +164,7 @@ def test_a_prompts_samples_do_not_depend_on_the_batch_layout(setup):
     for bs in (1, 5):
         assert [c.ids for c in gen(setup, prompts, SAMPLED, batch_size=bs)] == ref, bs
     assert [c.ids for c in gen(setup, prompts, SAMPLED, batch_size=5, gather=False)] == ref
-    from align.generation import generate_local
+    from align.rollout.generation import generate_local
 
     with runtime.gathered_for_generation(setup["eng"], True) as module:
         alone = generate_local(module, setup["tok"], prompts[5:7], SAMPLED, 64, "cpu", indices=[5, 6])
@@ -177,8 +177,7 @@ def test_a_prompts_samples_do_not_depend_on_the_batch_layout(setup):
 def test_keyed_sampling_follows_the_distribution():
     """The race with keyed noise samples softmax(z): over 20,000 keys at one position, and over 20,000 positions
     of one key; after top-k / top-p filtering only kept tokens are drawn."""
-    from align.fast_generate import filter_logits
-    from align.sampling import choose, prompt_keys
+    from align.rollout.sampling import choose, filter_logits, prompt_keys
 
     z = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     p = z.softmax(-1)[0]
@@ -195,7 +194,7 @@ def test_sampling_draws_from_the_whole_distribution(setup):
     """Temperature 1, no top-k / top-p: the log-probability of the sampled tokens averages minus the entropy of
     the distributions they were drawn from. (HF `generate` given top_k=None keeps its default top 50: -5.8 against
     -6.2 on this model, which is what the HF path sampled before.)"""
-    from align.generation import generate_local
+    from align.rollout.generation import generate_local
 
     model, tok, p = setup["plain"], setup["tok"], setup["prompts"][2]
     out = generate_local(model, tok, [p] * 300, Sampling(max_new_tokens=4, temperature=1.0, seed=3), 300, "cpu",

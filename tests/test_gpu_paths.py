@@ -75,7 +75,7 @@ def test_rl_phases_log_their_cuda_peak_and_the_run_keeps_its_own():
     from types import SimpleNamespace
 
     from align import runtime
-    from align.rollout import timed
+    from align.rollout.batch import timed
 
     MiB = 2**20
     big = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
@@ -247,9 +247,9 @@ def test_split_kv_decode_attention_equals_sdpa_in_bf16_and_in_the_compiled_decod
     decodes the same greedy tokens as with SDPA (ALIGN_DECODE_ATTN=sdpa)."""
     import os
 
-    from align import decode_attention
-    from align.fast_generate import FastDecoder
-    from align.generation import Sampling
+    from align.rollout.fast import decode_attention
+    from align.rollout.fast.decoder import FastDecoder
+    from align.rollout.generation import Sampling
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for n in (100, 256, 768):

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from align.engine.run import StageRun
 from align.data import pad
+from align.engine.run import StageRun
 from align.engine.stats import Stats
-from align.generation import Completion
-from align.rollout import Rollout
+from align.rollout.batch import Rollout
+from align.rollout.generation import Completion
 from stages.grpo import GRPO, GRPOConfig
 
 

@@ -4,7 +4,7 @@ truncated IS with the sampler's log-probs aligned to the response tokens, the te
 log-probs, the version tags of the off-policy queue, and which tokens count (response tokens only).
 
 Every expected value is computed here by hand from plain copies of the models (their own forwards at the sampling
-temperature), on batches built here from the completions (not with align.rollout), and compared with what the
+temperature), on batches built here from the completions (not with align.rollout.batch), and compared with what the
 stage built in-process logs (its metrics, its gradient norm) or does (the weights it changes). Rollouts are fixed
 completions handed to the stage's step in place of sampling (`fixed_rollouts`); rewards are the completions' text
 read as a number (`value_reward`), so every advantage is chosen by the test.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from align.generation import Completion
+from align.rollout.generation import Completion
 from tests.conftest import applied_lrs, decay_groups, eos_prone, greedy_ids, small_data, stage_in_process
 
 EOS, PAD = 2, 0  # the shipped tokenizer's
@@ -54,16 +54,18 @@ def completions(algo, spec: list[list[tuple]]) -> list[Completion]:
 
 
 def fixed_rollouts(algo, make):
-    """The stage's step samples `make(step)` (a list of Completions, prompt-major) instead of its own samples."""
-    from align.rollout import Rollout
+    """The stage's step samples `make(step)` (a list of Completions of its first prompts, prompt-major) instead of
+    its own samples, and pairs them with those prompts' rows (its step's rows: the first ones)."""
+    from align.rollout.batch import Rollout
 
-    G = algo.cfg.num_generations
+    G, made = algo.cfg.num_generations, []
 
     def local_rollout(step):
-        cs = make(step)
-        return Rollout(algo.rows[: len(cs) // G], cs, G)
+        made[:] = make(step)
+        return Rollout(algo.rows[: len(made) // G], made, G)
 
     algo.local_rollout = local_rollout
+    algo.run.indices = lambda n, size, step, seed=None: list(range(len(made) // G))
 
 
 def step(algo, s: int) -> dict:
@@ -357,12 +359,12 @@ def test_truncated_is_weights_the_pg_term_by_the_sampler_logprobs_of_each_respon
 
 @pytest.mark.parametrize("K", [0, 1, 2])
 def test_the_queue_tags_each_rollout_with_the_weights_it_was_sampled_from(K):
-    """align.async_rl.Rollouts with a sampler that reports the weights it samples from (the number of updates so
+    """align.rollout.queue.Rollouts with a sampler that reports the weights it samples from (the number of updates so
     far): from the first step on, step t trains on rollout t, sampled from the weights of step max(0, t − K), and
     its tag (`version`) says so; every rollout is sampled once, none past --max-steps; a queue saved after step 2
     and loaded into a new one (a resume) gives steps 3.. the same rollouts; going back to step 2 with that queue
     (of later rollouts) samples rollout 2 anew, from the current weights."""
-    from align.async_rl import LocalSampler, Rollouts
+    from align.rollout.queue import LocalSampler, Rollouts
 
     updates, requested, max_steps = [0], [], 6
 
@@ -447,10 +449,10 @@ def test_a_run_one_step_off_trains_each_step_on_the_rollout_of_the_weights_befor
 def test_the_samplers_logprobs_are_the_trainers_at_the_sampling_temperature(tiny_model_dir, tmp_path):
     """The log-prob the sampler reports for each sampled token is log softmax(z / T)[token] of the trainer's
     logits z at the stage's temperature T = 0.6 (not at T = 1), unfiltered by --top-k 20: for the stage's own
-    rollouts (HF generate, the CPU path) and for the fast decoder (align.fast_generate, eager on CPU) sampling
+    rollouts (HF generate, the CPU path) and for the fast decoder (align.rollout.fast, eager on CPU) sampling
     from the policy. Each step samples with keys of its own: the same prompt at the same weights gives other
     samples at the next step."""
-    from align.generation import generate_local
+    from align.rollout.generation import generate_local
 
     T = 0.6
     data = tmp_path / "one.jsonl"  # one prompt: every step samples it
@@ -571,8 +573,8 @@ def test_a_whole_step_samples_its_prompts_skips_failed_rewards_and_distils_from_
     loss, its gradient, distill/reverse_kl, reward, reward_std, signal_frac are computed by hand from the models' forwards, two steps."""
     import stages.grpo as grpo_module
     from align.engine.run import step_indices
-    from align.rollout import Rollout
-    from align.sampling import derive
+    from align.rollout.batch import Rollout
+    from align.rollout.sampling import derive
 
     T, coef, seed, G, P = 0.7, 0.3, 3, 3, 2
     texts = [["1.0", "boom", "0.25"], ["0.5", "0.5", "0.5"]]  # group 1: no reward spread (dropped from the PG term)
@@ -711,12 +713,12 @@ def test_the_length_reward_shapes_each_group_and_evaluate_uses_the_eval_options(
     completions' RESPONSE lengths, added times 0.5 to the correct ones, min(0, λ) to the wrong ones; each sample's
     reward enters the step's advantages (--advantage mean) and its loss by hand. evaluate() samples
     max(--eval-k 1,2) = 2 completions of the --eval-samples 2 rows with the stage's sampling at --seed 5 and logs
-    exactly what align.evaluation.evaluate_policy gives for those settings (--verifier FILE:FUNCTION judging),
+    exactly what align.rollout.evaluation.evaluate_policy gives for those settings (--verifier FILE:FUNCTION judging),
     under eval/, and saves the same sampled
     completions (OUT/eval_samples.jsonl, tagged with the step); final_metrics reports start/, the last eval/ and
     the gain in greedy pass@1. --micro-batch-size 0 takes the most rows that fit --micro-batch-tokens 200 (3)."""
-    from align.evaluation import evaluate_policy
-    from align.generation import Sampling
+    from align.rollout.evaluation import evaluate_policy
+    from align.rollout.generation import Sampling
 
     T = 0.9
     accept = tmp_path / "accept.py"  # --verifier: every answer right (the tiny model's never are under `math`)
@@ -806,15 +808,15 @@ def test_reinforce_pp_keeps_groups_without_spread_and_skipped_samples_leave_the_
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token(tiny_model_dir, fast):
-    """align.generation.generate_local (HF generate: fast=False, the CPU path of every stage's rollouts; the fast
+    """align.rollout.generation.generate_local (HF generate: fast=False, the CPU path of every stage's rollouts; the fast
     decoder: fast=True) on a tiny model made to emit EOS often, 12 rows in ONE batch that stop at different steps:
     a row that stopped is its tokens up to and INCLUDING its first EOS (finished), one that did not is exactly
     --max-new-tokens tokens without EOS (not finished); its text is those tokens decoded; its sampler log-probs
     are one per kept token (not the padded steps after its EOS while other rows went on), each log softmax(z / T)
     of the model's own logits z on that row alone. Greedy rows are the hand argmax continuation, EOS included."""
     from align.data import encode_prompts
-    from align.generation import Sampling, generate_local
     from align.models import load_tokenizer, resolve
+    from align.rollout.generation import Sampling, generate_local
 
     tok = load_tokenizer(resolve(str(tiny_model_dir)))
     ps = encode_prompts(tok, ["What is 2+3?", "Tom has 3 apples and buys 4 more. How many?", "hi"])

@@ -180,7 +180,7 @@ def test_the_fast_decoder_decodes_with_the_adapter():
     `generate` gives on the peft model — and not what the base model gives."""
     from peft import LoraConfig, get_peft_model
 
-    from align.generation import Sampling, generate_local
+    from align.rollout.generation import Sampling, generate_local
     from tests.test_fast_generate import PROMPTS, Tok, make
 
     s = Sampling(max_new_tokens=10, temperature=0.0)
@@ -331,8 +331,8 @@ def test_the_frozen_base_waits_in_host_memory_during_a_rollout(monkeypatch):
     `generate` on the peft model; the parameter objects are the same before and after."""
     from peft import LoraConfig, get_peft_model
 
-    from align.generation import Sampling, generate_local
     from align.lora import parked_base
+    from align.rollout.generation import Sampling, generate_local
     from tests.test_fast_generate import PROMPTS, Tok, make
 
     monkeypatch.setenv("ALIGN_PARK_BASE", "1")  # on CUDA it is on by default; here it is asked for

@@ -241,9 +241,9 @@ def test_grpo_adds_the_shaping_terms_to_its_rewards():
     3-token answer, a wrong 8-token one and a correct one truncated at 10 tokens (it counts as 11).
     math: 1, 0, 1. Overlong (0 up to 6 tokens, then (6 − n)/4, floored at −1): 0, −0.5, −1.
     Length (λ = 0.5 − (n − 3)/(10 − 3); a wrong answer gets min(0, λ)): 0.5, −5/7 + 0.5 = −0.2143, −0.5."""
-    from align.generation import Completion
     from align.rewards import parse_rewards
-    from align.rollout import Rollout
+    from align.rollout.batch import Rollout
+    from align.rollout.generation import Completion
     from stages.grpo import GRPO, GRPOConfig
 
     algo = object.__new__(GRPO)  # score() needs the config and the reward functions only

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from align.engine.stats import Stats
-from align.generation import Completion
-from align.rollout import Rollout
+from align.rollout.batch import Rollout
+from align.rollout.generation import Completion
 from stages.ppo import PPO, PPOConfig
 from tests.conftest import applied_lrs, decay_groups, greedy_ids, stage_in_process
 

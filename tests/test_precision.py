@@ -97,7 +97,7 @@ def test_bf16_mixed_keeps_fp32_weights_computes_in_bf16_and_small_updates_count(
     with --precision bf16 the bf16 module cannot see it (2^-7 steps near 1.0), however exact its fp32 master."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from align.generation import Sampling, generate_local
+    from align.rollout.generation import Sampling, generate_local
 
     def norm_gain_after_one_step(precision):
         runtime.init()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from align import objectives
+from align.errors import UserError
 from align.objectives import advantages as A
 from align.objectives import kl as K
 from align.objectives import policy as P
@@ -15,10 +16,9 @@ from align.objectives.distill import reverse_kl_distill
 from align.objectives.moments import masked_sums
 from align.objectives.offpolicy import rollout_mismatch, truncated_is_weights
 from align.objectives.tokens import entropy_from_logits
-from align.errors import UserError
-from align.generation import Completion
 from align.rewards import RewardError, call_reward, parse_rewards
-from align.rollout import distinct_n, rollout_batch
+from align.rollout.batch import distinct_n, rollout_batch
+from align.rollout.generation import Completion
 
 
 # ---- advantages

@@ -585,7 +585,7 @@ PARITY = "def parity(prompt, completion, **row):\n    return float(len(completio
 
 @pytest.mark.parametrize("use_evaluate", [False, True])
 def test_held_out_pass_at_k_groups_each_problems_own_samples(chatty_model_dir, tmp_path, use_evaluate):
-    """align.evaluation.evaluate_policy with 3 problems and --samples 4 (k = 1, 2, 4; 8 dropped: k > n): problem i's
+    """align.rollout.evaluation.evaluate_policy with 3 problems and --samples 4 (k = 1, 2, 4; 8 dropped: k > n): problem i's
     saved samples are exactly the 4 the sampler gives ITS prompt (sampling keys i·4 … i·4 + 3, generated here
     alone, not sliced from the stage's batch), its n_correct is the verifier's count over them, and each pass@k is
     the mean over problems of the unbiased 1 − C(n−c, k) / C(n, k) of those counts (through align.passk and
@@ -593,9 +593,9 @@ def test_held_out_pass_at_k_groups_each_problems_own_samples(chatty_model_dir, t
     from math import comb
 
     from align.data import encode_prompts
-    from align.evaluation import evaluate_policy
-    from align.generation import Sampling, generate_local
     from align.rewards import verifier_fn
+    from align.rollout.evaluation import evaluate_policy
+    from align.rollout.generation import Sampling, generate_local
     from stages.sft import SFT
 
     judge = tmp_path / "parity.py"

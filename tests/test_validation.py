@@ -233,7 +233,7 @@ def test_set_problems_name_the_set_flag_and_its_paths_are_from_the_current_direc
 
 
 def test_a_warning_about_prompts_that_do_not_fit_is_printed_once(capsys):
-    from align.evaluation import fitting
+    from align.rollout.evaluation import fitting
 
     rows, ids = [{"prompt": "a"}, {"prompt": "b"}], [[1] * 3, [1] * 30]
     for _ in range(3):  # e.g. grpo's evaluations at the start, every --eval-every and the end

@@ -19,13 +19,13 @@ fp32):
 * LoRA (--lora-r): the base weights frozen (r bytes), the adapters A [r, in] and B [out, r] on each targeted
   Linear trained in fp32 (`per_param("fp32", z)`); a score head trains in full. The reference of a LoRA policy is
   the policy with its adapters off: no second copy.
-* rollout (grpo, ppo, online dpo): align.fast_generate's inference copy of the policy (every parameter, bf16),
+* rollout (grpo, ppo, online dpo): align.rollout.fast's inference copy of the policy (every parameter, bf16),
   its KV cache 2 · layers · B · kv_heads · slots · head_dim · 2 bytes (B: the rows rounded up to a power of two,
   at least 8; slots: prompt + new tokens rounded up to 128, + 1), the sampling buffers (4 · B · vocab fp32) and the
   prefill's attention scores (B · heads · P² · (8 + e) + B · P² · 4 bytes, one layer at a time). The copy and
   the cache are freed before the update (`FastDecoder.release`), so the peak is the larger phase, not the sum.
   Under LoRA the frozen base waits in host memory during the rollout (`lora.parked_base`). What the fast decoder
-  does not take (fast_generate.unsupported_config, a CPU, --no-gather) decodes with transformers' generate: its KV
+  does not take (fast.support.unsupported_config, a CPU, --no-gather) decodes with transformers' generate: its KV
   cache, no copy. ZeRO-3 on several processes gathers the policy's whole weights for the rollout.
 * GRPO with --rollout-gpus N: the trainers hold no rollout terms; a column of its own ("decoder rank") holds what
   each decoder process does: the policy unsharded in the module's dtype (LoRA: its fp32 adapters too) and the
@@ -84,16 +84,16 @@ class Arch:
     mlp_bias: bool = False
     qk_norm: bool = False
     model_type: str = "llama"
-    config: dict | None = field(default=None, compare=False, repr=False)  # for align.fast_generate's rules
+    config: dict | None = field(default=None, compare=False, repr=False)  # for align.rollout.fast.support's rules
 
 
 def decoder_reason(a: Arch, length: int) -> str | None:
-    """Why align.fast_generate would not decode this model's rollouts of `length` tokens (None: it would)."""
+    """Why align.rollout.fast would not decode this model's rollouts of `length` tokens (None: it would)."""
     if a.config is None:
         return None
     from types import SimpleNamespace
 
-    from align.fast_generate import unsupported_config
+    from align.rollout.fast.support import unsupported_config
 
     return unsupported_config(SimpleNamespace(**a.config), length)
 
@@ -378,11 +378,11 @@ def _reference(cfg, models: dict, plan: Plan) -> Model | None:
 
 
 def decoder_copies(a: Arch, lora_r: int, s: Setup) -> bool:
-    """Whether the fast decoder keeps a weight copy of its own (align.fast_generate.copy_reason): under ZeRO-3
+    """Whether the fast decoder keeps a weight copy of its own (align.rollout.fast.weights.copy_reason): under ZeRO-3
     (gathered weights), LoRA (merged weights), weights in another dtype than it decodes in (bf16-mixed) or a model
     small enough that the fused copy is worth its memory; else it reads the module's own tensors
     (ALIGN_FAST_DECODER_COPY=1: a copy all the same; =0: none where it can do without)."""
-    from align.fast_generate import copies_small, copy_forced
+    from align.rollout.fast.weights import copies_small, copy_forced
 
     return copy_forced() or s.zero_stage == 3 or bool(lora_r) or s.r != s.e or copies_small(n_params(a) * s.e)
 
@@ -756,9 +756,9 @@ def device_for(cfg) -> Device:
     else the free memory of its GPU (torch.cuda.mem_get_info), else total RAM (informational)."""
     import torch
 
-    from align.fast_generate import enabled_by_env
+    from align.rollout.fast.support import enabled_by_env
 
-    # the trainers (--rollout-gpus: a trainer's WORLD_SIZE counts the trainers, align.disagg)
+    # the trainers (--rollout-gpus: a trainer's WORLD_SIZE counts the trainers, align.rollout.disagg)
     world = int(os.environ.get("WORLD_SIZE") or cfg.nproc * cfg.nnodes - decoders_of(cfg))
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     fake = os.environ.get(ENV_BUDGET)

@@ -69,32 +69,32 @@ MUTATIONS = [
       "old if ref_logp is not None else None,", GRPO),
     # Metric over the wrong set: completions/mean_terminated_length sums the lengths of ALL completions (the
     # truncated ones too) over the count of finished ones. Default config whenever some completion is truncated.
-    M("audit9 grpo: mean_terminated_length sums the truncated completions too", "align/rollout.py",
+    M("audit9 grpo: mean_terminated_length sums the truncated completions too", "align/rollout/batch.py",
       "(lengths * finished).sum(), finished.sum(), math.nan)",
       "lengths.sum(), finished.sum(), math.nan)", GRPO),
     # Which tokens count (metric): distinct_1/2 are computed over prompt + completion tokens, so the prompts'
     # n-grams (repeated G times per prompt) enter the diversity metrics RLMonitor watches. Default config.
-    M("audit9 grpo: distinct-n counts the prompt tokens", "align/rollout.py",
+    M("audit9 grpo: distinct-n counts the prompt tokens", "align/rollout/batch.py",
       "runtime.all_gather_objects([c.ids for c in r.completions])",
       "runtime.all_gather_objects([c.prompt_ids + c.ids for c in r.completions])", GRPO),
     # Off-by-one in steps: the rollouts missing at the start (or after a resume) are sampled for step+1.. instead
     # of step..: step 0 trains on rollout 1's completions paired with step 0's rows (wrong prompts' answers
     # scored). Needs --max-staleness > 0.
-    M("audit9 grpo: the queue's missing rollouts sampled one step ahead", "align/async_rl.py",
+    M("audit9 grpo: the queue's missing rollouts sampled one step ahead", "align/rollout/queue.py",
       "j = step + len(self.queue)  #", "j = step + len(self.queue) + 1  #", GRPO),
     # Which tokens count (metric): held-out completions/mean_length counts the prompt tokens. Default eval.
-    M("audit9 grpo: held-out completions/mean_length counts the prompt", "align/evaluation.py",
+    M("audit9 grpo: held-out completions/mean_length counts the prompt", "align/rollout/evaluation.py",
       '"completions/mean_length": sum(len(o.ids) for o in outs) / len(outs)',
       '"completions/mean_length": sum(len(o.prompt_ids) + len(o.ids) for o in outs) / len(outs)', GRPO),
     # Bound off by one: top-k masks logits <= the k-th largest, so only k−1 tokens stay (top-k 1: every logit
     # masked, a uniform draw). Both samplers (HF and fast) share filter_logits. Needs --top-k > 0.
-    M("audit9 grpo: top-k keeps k − 1 tokens (the k-th masked too)", "align/fast_generate.py",
+    M("audit9 grpo: top-k keeps k − 1 tokens (the k-th masked too)", "align/rollout/sampling.py",
       "logits = logits.masked_fill(logits < kth, neg)", "logits = logits.masked_fill(logits <= kth, neg)", GRPO),
     # Seeding: the HF sampler's noise is keyed by the absolute position (prompt included) instead of the
     # response position: samples now depend on the prompt's padded width (the batch's company) and differ from
     # the fast decoder's for the same key. Default config on CPU (HF generate).
     M("audit9 grpo: the HF sampler's noise keyed by the absolute position, not the response position",
-      "align/generation.py", "tok = choose(z, key_t, input_ids.shape[1] - prompt_len)",
+      "align/rollout/generation.py", "tok = choose(z, key_t, input_ids.shape[1] - prompt_len)",
       "tok = choose(z, key_t, input_ids.shape[1])", GRPO),
 
     # ------------------------------------------------------------------------------------------------ DPO (8)

@@ -1,5 +1,6 @@
-"""Wiring mutations of stages/grpo.py, the off-policy queue (align/async_rl.py) and the rollout (align/rollout.py,
-the samplers' log-probs in align/generation.py and align/fast_generate.py), caught by tests/test_grpo_wiring.py.
+"""Wiring mutations of stages/grpo.py, the rollout queue (align/rollout/queue.py) and the rollout
+(align/rollout/batch.py, the samplers' log-probs in align/rollout/generation.py and align/rollout/fast/decoder.py),
+caught by tests/test_grpo_wiring.py.
 
 MUTATIONS: the benchmark's. AUDIT: more mutations of the same kinds, each checked to be caught by the tests it
 names too, left out of the default run to keep CI short (`python -m benchmarks.mutations --mutants FILE` runs a
@@ -32,14 +33,14 @@ RPP = W + "test_reinforce_pp_keeps_groups_without_spread_and_skipped_samples_lea
 
 EOS_HF = W + "test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token[False]"
 EOS_FAST = W + "test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token[True]"
-GEN = "align/generation.py"
+GEN = "align/rollout/generation.py"
 
-G, ROLLOUT, QUEUE_PY = "stages/grpo.py", "align/rollout.py", "align/async_rl.py"
+G, ROLLOUT, QUEUE_PY = "stages/grpo.py", "align/rollout/batch.py", "align/rollout/queue.py"
 MUTATIONS: list[Mutation] = [
     M('grpo wiring: kl logged over every pass of --num-iterations', 'stages/grpo.py',
       'if name.startswith("clip_ratio") or it == 0:',
       'if True:', (W + "test_kl_is_logged_from_the_first_pass_of_num_iterations",)),
-    M("grpo wiring: rollout prompts repeated group-major (a sample paired with another row)", "align/rollout.py",
+    M("grpo wiring: rollout prompts repeated group-major (a sample paired with another row)", "align/rollout/batch.py",
       "prompts = [p for p in prompt_ids for _ in range(group_size)]",
       "prompts = [p for _ in range(group_size) for p in prompt_ids]",
       (W + "test_each_sample_of_a_rollout_is_of_its_own_rows_prompt",)),
@@ -92,10 +93,10 @@ MUTATIONS: list[Mutation] = [
       'rollout_mismatch(mb["sampler_logp"], trainer_logp, mb["response_mask"])',
       'rollout_mismatch(mb["sampler_logp"], trainer_logp, mb["loss_mask"])', (TIS,)),
     # ---- the sampler's temperature
-    M("grpo wiring: HF sampler's log-probs at T = 1", "align/generation.py",
+    M("grpo wiring: HF sampler's log-probs at T = 1", "align/rollout/generation.py",
       "logps.append(sampled_logprobs(scores, tok, s.temperature))", "logps.append(sampled_logprobs(scores, tok, 1.0))",
       (TEMP,)),
-    M("grpo wiring: fast decoder's log-probs at T = 1", "align/fast_generate.py",
+    M("grpo wiring: fast decoder's log-probs at T = 1", "align/rollout/fast/decoder.py",
       "self.out_logp.index_copy_(1, self.sidx, sampled_logprobs(logits, nxt, sampling.temperature)[:, None])",
       "self.out_logp.index_copy_(1, self.sidx, sampled_logprobs(logits, nxt, 1.0)[:, None])", (TEMP,)),
     # ---- the off-policy queue
@@ -212,7 +213,7 @@ MUTATIONS: list[Mutation] = [
       "    v = torch.ones_like(rewards) if valid is None else valid\n"
       "    sums = masked_sums(rewards, torch.ones_like(rewards))",
       (RPP,)),
-    # ---- where a rollout ends (align/generation.py): its EOS kept, one sampler log-prob per kept token
+    # ---- where a rollout ends (align/rollout/generation.py): its EOS kept, one sampler log-prob per kept token
     M("grpo wiring: completions lose their EOS (trim_at_eos off by one)", GEN,
       "return ids[: ids.index(eos_id) + 1], True", "return ids[: ids.index(eos_id)], True", (EOS_HF, EOS_FAST)),
     M("grpo wiring: HF sampler's log-probs keep the post-EOS steps", GEN,
@@ -239,7 +240,7 @@ MUTATIONS: list[Mutation] = [
       "                                  None if row_lp is None else row_lp[: len(resp)]))\n        if on_batch:\n"
       "            on_batch(len(chunk))\n    module.train(was_training)", (EOS_HF,)),
     M("grpo wiring: the off-policy queue left out of the checkpoint", G,
-      'return {"beta": self.beta, **({"rollouts": self.rollouts.state_dict()} if self.rollouts else {})}',
+      'return {"beta": self.beta, **({} if self.rollouts.synchronous else {"rollouts": self.rollouts.state_dict()})}',
       'return {"beta": self.beta}', ("tests/test_async_grpo.py::test_the_queued_rollout_is_in_the_stages_checkpoint_state",)),
     M("grpo wiring: held-out evaluation ignores --verifier", G,
       "gather=self.cfg.gather,\n                                  verifier=self.cfg.verifier)",
@@ -303,7 +304,7 @@ AUDIT: list[Mutation] = [
     M('grpo wiring: TIS weights the KL term too', 'align/objectives/grpo.py',
       '    if c.tis_cap and b.sampler_logp_NT is not None:\n        per_tok = per_tok * truncated_is_weights(b.old_logp_NT, b.sampler_logp_NT, c.tis_cap)\n    kl = kl_k3(b.logp_NT, b.ref_logp_NT) if b.ref_logp_NT is not None else None\n    if kl is not None:\n        per_tok = per_tok + c.beta * kl\n',
       '    kl = kl_k3(b.logp_NT, b.ref_logp_NT) if b.ref_logp_NT is not None else None\n    if kl is not None:\n        per_tok = per_tok + c.beta * kl\n    if c.tis_cap and b.sampler_logp_NT is not None:\n        per_tok = per_tok * truncated_is_weights(b.old_logp_NT, b.sampler_logp_NT, c.tis_cap)\n', (TIS,)),
-    M("grpo wiring: fast decoder's first log-prob at T = 1", "align/fast_generate.py",
+    M("grpo wiring: fast decoder's first log-prob at T = 1", "align/rollout/fast/decoder.py",
       "self.out_logp[:, 0] = sampled_logprobs(logits, first, sampling.temperature)",
       "self.out_logp[:, 0] = sampled_logprobs(logits, first, 1.0)", (TEMP,)),
     M("grpo wiring: rollouts sampled at T = 1", G,
@@ -357,10 +358,10 @@ AUDIT: list[Mutation] = [
       'truncated_is_weights(b.sampler_logp_NT, b.old_logp_NT, c.tis_cap)', (TIS,)),
     M("grpo wiring: mismatch of the sampler with itself", G, "record_mismatch(stats, mb, old,",
       'record_mismatch(stats, mb, mb["sampler_logp"],', (TIS,)),
-    M("grpo wiring: HF sampler's log-probs after top-k", "align/generation.py",
+    M("grpo wiring: HF sampler's log-probs after top-k", "align/rollout/generation.py",
       "logps.append(sampled_logprobs(scores, tok, s.temperature))",
       "logps.append(z.log_softmax(-1).gather(-1, tok[:, None])[:, 0])", (TEMP,)),
-    M("grpo wiring: fast decoder's log-probs after top-k", "align/fast_generate.py",
+    M("grpo wiring: fast decoder's log-probs after top-k", "align/rollout/fast/decoder.py",
       "self.out_logp.index_copy_(1, self.sidx, sampled_logprobs(logits, nxt, sampling.temperature)[:, None])",
       "self.out_logp.index_copy_(1, self.sidx, sampled_logprobs(filter_logits(logits / sampling.temperature, "
       "sampling.top_k, sampling.top_p), nxt, 1.0)[:, None])", (TEMP,)),
@@ -373,8 +374,8 @@ AUDIT: list[Mutation] = [
     M("grpo wiring: a rollback keeps the queue of later steps", QUEUE_PY,
       "if self.queue and self.queue[0].step != step:", "if False:", (QUEUE + "[1]",)),
     M("grpo wiring: the queued rollout paired with its version's rows", G,
-      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)\n            r = Rollout(",
-      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, pending.version)\n            r = Rollout(",
+      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)\n        r = Rollout(",
+      "idx = self.run.indices(len(self.rows), cfg.prompts_per_step, pending.version)\n        r = Rollout(",
       (STALE,)),
     M("grpo wiring: stale flag inverted", G, "self.stale = pending.version != step",
       "self.stale = pending.version == step", (STALE,)),
@@ -399,7 +400,7 @@ AUDIT: list[Mutation] = [
       'stats.mean("completions/clipped_ratio", finished.sum(), n)', (TOKEN_MEAN,)),
     M("grpo wiring: tokens metric counts the prompts", G, 'stats.sum("tokens", lengths.sum())',
       'stats.sum("tokens", lengths.sum() + sum(len(c.prompt_ids) for c in r.completions))', (TOKEN_MEAN,)),
-    M("grpo wiring: the fast decoder ignores --top-k", "align/fast_generate.py",
+    M("grpo wiring: the fast decoder ignores --top-k", "align/rollout/fast/decoder.py",
       "z = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)",
       "z = filter_logits(logits / sampling.temperature, 0, sampling.top_p)",
       ("tests/test_fast_generate.py::test_sampling_rules",)),

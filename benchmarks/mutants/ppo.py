@@ -29,7 +29,7 @@ MUTATIONS: list[Mutation] = [
     M("ppo wiring: eval/kl read from the per-token kl, not the per-episode objective/kl", PPO,
       'kl = self.run.monitor.history.get("objective/kl", [0.0])[-1] if step else 0.0',
       'kl = self.run.monitor.history.get("kl", [0.0])[-1] if step else 0.0', (EVAL,)),
-    M("ppo wiring: held-out answers sampled at --temperature, not greedy", "align/evaluation.py",
+    M("ppo wiring: held-out answers sampled at --temperature, not greedy", "align/rollout/evaluation.py",
       "outs = generate(eng, tokenizer, prompts, greedy, dist,",
       "outs = generate(eng, tokenizer, prompts, Sampling(sampling.max_new_tokens, 1.0), dist,", (EVAL,)),
     M("ppo wiring: held-out answers one token shorter than --max-new-tokens", PPO,

@@ -13,7 +13,7 @@ ONPOL = (T + "test_rm_normalisation_on_policy_samples_end_in_eos",)
 SFTPASS = (T + "test_sft_held_out_pass_at_1_and_max_length",)
 PASSK = T + "test_held_out_pass_at_k_groups_each_problems_own_samples"
 PASSK_OWN, PASSK_EVALUATE = (PASSK + "[False]",), (PASSK + "[True]",)
-EV = "align/evaluation.py"
+EV = "align/rollout/evaluation.py"
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -185,7 +185,7 @@ MUTATIONS: list[Mutation] = [
       "p = p[max(0, len(p) + len(r) - max_length):]", "p = p[max(0, len(p) + len(r) - max_length) + 1:]", NORM),
     M("supervised wiring: rm: scored response cut instead of the prompt", "align/reward_model.py",
       "p = p[max(0, len(p) + len(r) - max_length):]", "r = r[: max(0, max_length - len(p))]", NORM),
-    # ---- held-out pass@k (align/evaluation.py)
+    # ---- held-out pass@k (align/rollout/evaluation.py)
     M("supervised wiring: evaluation: pass@k groups sliced without the sample stride", EV,
       "group = many[i * samples : (i + 1) * samples]", "group = many[i : i + samples]", PASSK_OWN),
     M("supervised wiring: evaluation: samples drawn prompt-minor (interleaved)", EV,

@@ -8,11 +8,11 @@ from pathlib import Path
 from align import runtime
 from align.console import TrainProgress, warn
 from align.data import encode_prompts
-from align.generation import Sampling, generate
+from align.errors import UserError
 from align.models import context_length
 from align.passk import mean_pass_at_k
-from align.errors import UserError
 from align.rewards import guess_verifier, verifier_fn, verify
+from align.rollout.generation import Sampling, generate
 from align.tasks import write_jsonl
 
 EVAL_SAMPLES = "eval_samples.jsonl"  # a training stage's latest held-out evaluation, one problem a line

@@ -6,8 +6,8 @@ of the token at position t of that prompt's completion is a hash of (key, t, voc
 generator: stateless, so a row's noise never depends on which rows share its batch, and cheap enough to compute
 inside the compiled decode step (fused into the sampling kernel, nothing materialised). A token is drawn by the
 exponential race, argmax(p / E) with E ~ Exp(1) per vocabulary entry, which samples softmax(z) exactly like a
-multinomial draw. HF `generate` (a logits processor) and the fast decoder (align.fast_generate) share `choose`, so
-they sample the same tokens from the same logits.
+multinomial draw. HF `generate` (a logits processor) and the fast decoder (align.rollout.fast) share `filter_logits`
+(top-k, top-p) and `choose`, so they sample the same tokens from the same logits.
 """
 
 from __future__ import annotations
@@ -62,6 +62,23 @@ def exponential_noise(keys: torch.Tensor, position, vocab: int) -> torch.Tensor:
     h = _fmix32(row[:, None] ^ col[None, :])
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: in (0, 1), exact in float32
     return -torch.log(u)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then top-p (nucleus) filtering of [B, V] fp32 logits (already divided by the temperature); the
+    same rule as HF's warpers: keep the smallest set whose probability reaches top_p, always the top token."""
+    neg = torch.finfo(logits.dtype).min
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, neg)
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=False, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cum <= (1 - top_p)
+        remove_sorted[:, -1] = False
+        remove = remove_sorted.scatter(1, idx, remove_sorted)
+        logits = logits.masked_fill(remove, neg)
+    return logits
 
 
 def choose(z: torch.Tensor, keys: torch.Tensor, position) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch
 
 from align import runtime
 from align.data import pad
-from align.generation import Completion, Sampling, generate_on_rank
 from align.objectives.offpolicy import rollout_mismatch
+from align.rollout.generation import Completion, Sampling, generate_on_rank
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 
 from align import runtime
 from align.errors import UserError
-from align.generation import Completion, Sampling, generate_local
+from align.rollout.generation import Completion, Sampling, generate_local
 
 BUCKET_BYTES = 256 * 2**20  # a weight broadcast's bucket
 
@@ -245,7 +245,7 @@ def lost_decoders():
 
 
 class RemoteSampler:
-    """The trainers' side of the decoders (align.async_rl's sampler): `publish` sends the new weights, `request`
+    """The trainers' side of the decoders (align.rollout.queue's sampler): `publish` sends the new weights, `request`
     asks for a rollout, `receive` waits for it and hands every trainer its share."""
 
     def __init__(self, engine, dist, prompts, sampling, group: int):

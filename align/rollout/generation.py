@@ -4,7 +4,7 @@ Batched sampling with a KV cache, left padding, stop at EOS, temperature / top-k
 the weights are gathered once per generation phase (see runtime.gathered_for_generation); with
 `gather=False` they stay sharded and every rank joins every forward (`synced_gpus`).
 
-Sampling draws each prompt's random numbers from a key of its own (align.sampling): with `Sampling.seed` set,
+Sampling draws each prompt's random numbers from a key of its own (align.rollout.sampling): with `Sampling.seed` set,
 prompt i's samples depend on (seed, i) alone — i its index in the list given to `generate` (over every rank) —
 not on the batch size, the number of processes or the other prompts.
 """
@@ -17,7 +17,7 @@ import torch
 
 from align import runtime
 from align.data import pad
-from align.sampling import sampled_logprobs
+from align.rollout.sampling import sampled_logprobs
 
 
 @dataclass
@@ -58,19 +58,18 @@ def sampling_keys(s: Sampling, indices) -> list[int] | None:
     torch's RNG (this process's)."""
     if s.greedy:
         return None
-    from align.sampling import prompt_keys
+    from align.rollout.sampling import prompt_keys
 
     return prompt_keys(s.seed if s.seed is not None else int(torch.randint(0, 2**62, ())), indices)
 
 
 def _keyed_sampler(s: Sampling, keys: list[int], prompt_len: int, device, logps: list):
     """A logits processor for HF's greedy search that samples: temperature, top-k / top-p, then the race of
-    align.sampling with each row's key; the sampled token is given score 0, every other one -inf. Each step's
+    align.rollout.sampling with each row's key; the sampled token is given score 0, every other one -inf. Each step's
     sampling log-probs ([B]) are appended to `logps`."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from align.fast_generate import filter_logits
-    from align.sampling import choose
+    from align.rollout.sampling import choose, filter_logits
 
     key_t = torch.tensor(keys, device=device)
 
@@ -94,21 +93,22 @@ def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bo
 
 def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None = None,
                   length: int | None = None) -> bool:
-    """The compiled static-cache decoder (align.fast_generate) is used on CUDA by default for the models it
-    supports (`fast_generate.SUPPORTED`) and rollouts of up to `length` tokens; `fast=False` or
+    """The compiled static-cache decoder (align.rollout.fast) is used on CUDA by default for the models it
+    supports (`fast.support.SUPPORTED`) and rollouts of up to `length` tokens; `fast=False` or
     ALIGN_FAST_GENERATION=0 selects HF `generate`; `fast=True` forces it (also on CPU, eagerly: tests). Never with
     `synced_gpus` (sharded weights). On a GPU the choice and its reason are logged once per process."""
-    from align import fast_generate as FG
+    from align.rollout.fast import support
 
-    module = FG.bare(module)
-    if synced_gpus or fast is False or not FG.enabled_by_env():
+    module = support.bare(module)
+    if synced_gpus or fast is False or not support.enabled_by_env():
         return False
     wanted = bool(fast) or torch.device(device).type == "cuda"
-    why = FG.unsupported_reason(module, length)
+    why = support.unsupported_reason(module, length)
     if wanted:
         from align.console import info
 
-        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({FG.describe(module)})", once=True)
+        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({support.describe(module)})",
+             once=True)
     return wanted and why is None
 
 
@@ -167,7 +167,8 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
 def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None,
                    keys=None) -> list[Completion]:
     from align.lora import parked_base
-    from align.fast_generate import bare, decoder_for
+    from align.rollout.fast.decoder import decoder_for
+    from align.rollout.fast.support import bare
 
     dec = decoder_for(bare(module), device)
     parked = parked_base(module, device)  # LoRA: the base W is not read while the decoder's merged copy decodes

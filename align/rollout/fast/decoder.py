@@ -1,0 +1,173 @@
+"""FastDecoder: the fast decoder's parts (align/rollout/fast/__init__.py) together, the token each step
+samples, and `generate`: the prompts' prefill, then one decode step per token until every row has ended."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from align.rollout.fast.cache import KVCache
+from align.rollout.fast.graphs import CompiledStep
+from align.rollout.fast.layers import LayerMath, rms
+from align.rollout.fast.weights import DecoderWeights
+from align.rollout.sampling import choose, filter_logits, sampled_logprobs
+
+
+class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
+    """Inference copy + static cache + (on CUDA) compiled, graph-captured decode step for one model."""
+
+    def __init__(self, module, device, dtype=None, use_graphs: bool | None = None, check_every: int | None = None):
+        self.cfg = module.config
+        self.device = torch.device(device)
+        p0 = next(module.parameters())
+        from align.models import autocast_dtype
+
+        # --precision bf16-mixed: fp32 weights, bf16 compute -> a bf16 inference copy
+        self.dtype = dtype or autocast_dtype(module) or (p0.dtype if p0.numel() else torch.bfloat16)
+        cuda = self.device.type == "cuda"
+        self.use_graphs = cuda if use_graphs is None else use_graphs
+        # how often decode asks whether every row has finished: on a GPU the answer costs a host sync, on a CPU
+        # nothing (and every extra step a full batch forward)
+        self.check_every = check_every or (32 if cuda else 1)
+        self._init_layout(module, cuda)
+        self._init_weights(module)  # stable addresses for the life of the decoder
+        self._init_graphs()
+        self._shape_key = None  # (rows, capacity) of the allocated cache
+
+    def release(self) -> None:
+        """Free the inference weights and the KV cache between rollouts (the training step
+        needs the memory: at 0.5B the weights alone are 0.9 GiB): the tensors stay (no recompile), their storage
+        goes. `load_weights` and the next `generate` take it back (the cache zeroed) and re-capture the graphs
+        only if the allocator placed a buffer elsewhere."""
+        self._release_weights()
+        self._release_cache()
+
+    def _step_out(self, x: torch.Tensor, sampling, eos: int, pad: int) -> None:
+        """Final norm, LM head, the next token chosen; EOS tracking and the cache / position bookkeeping."""
+        logits = F.linear(rms(x, self.norm, self.eps), self.head).float()
+        nxt = self._choose(logits, self.sidx, sampling)
+        if not sampling.greedy:  # the sampler's log-probs, as the trainer scores them (rollout/logp_abs_diff)
+            self.out_logp.index_copy_(1, self.sidx, sampled_logprobs(logits, nxt, sampling.temperature)[:, None])
+        nxt = torch.where(self.finished, torch.full_like(nxt, pad), nxt)
+        self.out.index_copy_(1, self.sidx, nxt[:, None])
+        self.finished.logical_or_(nxt == eos)
+        self.cur_tok.copy_(nxt)
+        self.cur_pos.add_(1)
+        self.widx.add_(1)
+        self.sidx.add_(1)
+
+    def _choose(self, logits: torch.Tensor, position, sampling) -> torch.Tensor:
+        """The token at `position` of each row: argmax, or the exponential race with the row's keyed noise
+        (align.rollout.sampling: computed here, inside the compiled step, from the keys and the position alone)."""
+        if sampling.greedy:
+            return logits.argmax(-1)
+        z = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
+        return choose(z, self.keys, position)
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling, eos: int, pad: int, keys=None) -> list[list[int]]:
+        """Tokens generated for each prompt (rows padded after EOS with `pad`, length <= max_new_tokens); `keys`:
+        each prompt's sampling key (align.rollout.sampling; default: drawn from torch's RNG)."""
+        n, P, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
+        ids, mask = self._inputs(prompts, P, new, pad)
+        clock = _DebugClock() if os.environ.get("ALIGN_FAST_DEBUG") == "1" else None
+        # one runner per attention length the decode steps will need (writing slots P .. P + new - 2), all
+        # made before the prefill: a capture's warm-up scribbles on the state
+        runners = {k: self._runner(sampling, eos, pad, k)
+                   for k in sorted({self.attn_len(w) for w in range(P, P + new - 1)})}
+        if clock:
+            clock.lap()
+        self._first_token(ids, mask, sampling, eos, pad, keys, n)
+        steps = 1
+        while steps < new:
+            runners[self.attn_len(P + steps - 1)]()
+            steps += 1
+            if steps % self.check_every == 0 and bool(self.finished[:n].all()):
+                break
+        if clock:
+            clock.report(self, n, steps)
+        # the sampling log-prob of every generated token (positions after EOS hold garbage: cut with the tokens)
+        self.last_logps = None if sampling.greedy else self.out_logp[:n, :steps].tolist()
+        return self.out[:n, :steps].tolist()
+
+    def _inputs(self, prompts: list[list[int]], P: int, new: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache and output buffers for the prompts (rows: a power of two with graphs, the last prompt
+        repeated) and their left-padded ids and mask [B, P] on the device."""
+        n = len(prompts)
+        B = n if not self.use_graphs else max(8, 1 << (n - 1).bit_length())  # graph shapes: powers of two
+        cap = P + new
+        cap = -(-cap // 128) * 128 if self.use_graphs else cap  # few shapes: one compile per (B, cap)
+        if self._shape_key is not None and self._shape_key[0] == B and self._shape_key[1] >= cap:
+            cap = self._shape_key[1]  # keep the captured graphs: a larger cache is fine
+        self._alloc(B, cap)
+        self._restore()
+        rows = prompts + [prompts[-1]] * (B - n)
+        ids = torch.full((B, P), pad, dtype=torch.long)
+        mask = torch.zeros(B, P, dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, P - len(p) :] = torch.tensor(p)
+            mask[i, P - len(p) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        if self.out is None or self._out_len < new:
+            self.out = torch.full((B, new), pad, dtype=torch.long, device=self.device)
+            self.out_logp = torch.zeros(B, new, dtype=torch.float32, device=self.device)
+            self._out_len = new
+            self._graphs, self._warm = {}, set()  # the graphs hold the old `out` (a new shape: compiled again)
+        return ids, mask
+
+    def _first_token(self, ids: torch.Tensor, mask: torch.Tensor, sampling, eos: int, pad: int, keys, n: int) -> None:
+        """The prefill and each row's first token; the decode state set for the step that writes slot P."""
+        B, P = ids.shape
+        # the attention mask AFTER the captures: their warm-up opens slots 0-1 (`_step`) for every row
+        self.attn_bias.fill_(torch.finfo(torch.float32).min)
+        self.attn_bias[:, :P].masked_fill_(mask.bool(), 0.0)
+        if not sampling.greedy:
+            keys = torch.randint(0, 1 << 32, (n,)).tolist() if keys is None else list(keys)
+            self.keys.copy_(torch.tensor(keys + keys[-1:] * (B - n)))
+        logits = self._prefill(ids, mask)
+        first = self._choose(logits, 0, sampling)
+        self.out.fill_(pad)
+        self.out[:, 0] = first
+        if not sampling.greedy:
+            self.out_logp[:, 0] = sampled_logprobs(logits, first, sampling.temperature)
+        self.finished.copy_(first == eos)
+        self.cur_tok.copy_(first)
+        self.cur_pos.copy_(mask.sum(-1))
+        self.widx.fill_(P)
+        self.sidx.fill_(1)
+
+
+class _DebugClock:
+    """ALIGN_FAST_DEBUG=1: a rollout's time to make its runners (captures) and to prefill and decode, on stderr."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.lap()
+
+    def lap(self) -> None:
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def report(self, dec: FastDecoder, n: int, steps: int) -> None:
+        self.lap()
+        t0, t1, t2 = self.times
+        B, cap = dec._shape_key
+        print(f"[fast decoder] rows {n}/{B} cap {cap} graphs {dec.use_graphs} runner {t1 - t0:.2f}s "
+              f"prefill+decode {t2 - t1:.2f}s for {steps} tokens = {(t2 - t1) / steps * 1e3:.2f} ms/token; "
+              f"graph re-captures {dec.recaptures} {dec.recaptured_for} grad {torch.is_grad_enabled()} dynamo counters {dict(torch._dynamo.utils.counters['stats'])}",
+              file=sys.stderr, flush=True)
+
+
+def decoder_for(module, device) -> FastDecoder:
+    """The module's persistent FastDecoder (created on first use), with the module's current weights in it."""
+    dec = getattr(module, "_align_fast_decoder", None)
+    if dec is None:
+        dec = FastDecoder(module, device)
+        object.__setattr__(module, "_align_fast_decoder", dec)  # plain attribute: not a submodule/param
+    dec.load_weights(module)
+    return dec

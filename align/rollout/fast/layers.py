@@ -1,0 +1,147 @@
+"""The fast decoder's layer math, as HF's Llama / Qwen2 / Qwen3 / Mistral forward computes it: RMSNorm, RoPE
+(the frequencies and scale of the model's own rotary module), q/k/v with Qwen3's per-head q/k norm, the SiLU MLP,
+grouped-query attention; the eager prefill of the prompts and one layer's step for one token per row."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from align.rollout.fast import decode_attention
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama/Qwen2 RMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos + rot * sin
+
+
+class LayerMath:
+    """FastDecoder's math: the model's layout (`_init_layout`), and the forward over the weights (`embed`,
+    `layers`, ...: DecoderWeights) that fills and reads the KV cache (`k_cache`, `v_cache`, the write slot
+    `widx`: KVCache)."""
+
+    def _init_layout(self, module, cuda: bool) -> None:
+        """The model's dimensions, RoPE and per-layer options (from its config and first layer), and the decode
+        step's attention kernel."""
+        cfg = self.cfg
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        # RoPE frequencies and cos/sin scale as the model's own rotary module computed them (default, linear,
+        # llama3, yarn; `dynamic` below its original context, where it equals the default)
+        rotary = module.model.rotary_emb
+        self.inv_freq = rotary.original_inv_freq.detach().float().to(self.device)
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        layer0 = module.model.layers[0]
+        a, m = layer0.self_attn, layer0.mlp
+        self.qk_norm = hasattr(a, "q_norm")  # Qwen3: RMSNorm over each head's q and k before RoPE
+        self.qkv_bias = a.q_proj.bias is not None
+        self.o_bias = a.o_proj.bias is not None
+        self.mlp_bias = m.gate_proj.bias is not None
+        self.nq, self.nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.inter = cfg.intermediate_size
+        self.vocab = cfg.vocab_size
+        # the decode step's attention: the split-KV kernel on a GPU (align.rollout.fast.decode_attention), SDPA
+        # elsewhere (ALIGN_DECODE_ATTN=sdpa: SDPA on a GPU too)
+        self.split_kv = (cuda and self.dtype in (torch.bfloat16, torch.float16)
+                         and os.environ.get("ALIGN_DECODE_ATTN", "split") != "sdpa"
+                         and decode_attention.supports(self.head_dim, self.n_heads // self.n_kv))
+
+    def _rope(self, pos: torch.Tensor):
+        freqs = pos[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
+
+    def _qk(self, L, q: torch.Tensor, k: torch.Tensor):
+        """Qwen3's per-head q/k RMSNorm (q [..., H, D], k [..., KV, D]); identity for the other families."""
+        if not self.qk_norm:
+            return q, k
+        return rms(q, L["qn"], self.eps), rms(k, L["kn"], self.eps)
+
+    def _qkv(self, L, h):
+        """q, k, v of h: one fused matmul on the decoder's copy, three on the module's own weights."""
+        if "qkv" in L:
+            return F.linear(h, L["qkv"], L.get("qkv_b")).split([self.nq, self.nk, self.nk], dim=-1)
+        return tuple(F.linear(h, L[k], L.get(f"{k}_b")) for k in ("q", "k", "v"))
+
+    def _mlp(self, L, h):
+        if "gu" in L:
+            g, u = F.linear(h, L["gu"], L.get("gu_b")).split(self.inter, dim=-1)
+        else:
+            g, u = F.linear(h, L["gate"], L.get("gate_b")), F.linear(h, L["up"], L.get("up_b"))
+        return F.linear(F.silu(g) * u, L["down"], L.get("down_b"))
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """ids/mask [B, P] (left-padded). Fills cache slots [0, P) and returns the last position's logits [B, V]."""
+        B, P = ids.shape
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        cos, sin = self._rope(pos)  # [B, P, D]
+        cos, sin = cos[:, None], sin[:, None]
+        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+        allowed = causal[None] & mask.bool()[:, None, :]  # [B, Pq, Pk]
+        bias = torch.zeros(B, 1, 1, P, P, device=ids.device, dtype=torch.float32)
+        bias = bias.masked_fill(~allowed[:, None, None], torch.finfo(torch.float32).min)
+        G = self.n_heads // self.n_kv
+        x = F.embedding(ids, self.embed)
+        for li, L in enumerate(self.layers):
+            h = rms(x, L["ln1"], self.eps)
+            q, k, v = self._qkv(L, h)
+            q, k = self._qk(L, q.view(B, P, self.n_heads, self.head_dim), k.view(B, P, self.n_kv, self.head_dim))
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = v.view(B, P, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            self.k_cache[li][:, :, :P].copy_(k)
+            self.v_cache[li][:, :, :P].copy_(v)
+            qg = q.reshape(B, self.n_kv, G, P, self.head_dim)
+            s = torch.matmul(qg, k[:, :, None].transpose(-1, -2)).float() * self.scale + bias
+            pr = s.softmax(-1).to(self.dtype)
+            o = torch.matmul(pr, v[:, :, None])  # [B, KV, G, P, D]
+            o = o.reshape(B, self.n_heads, P, self.head_dim).transpose(1, 2).reshape(B, P, self.nq)
+            x = x + F.linear(o, L["o"], L.get("o_b"))
+            x = x + self._mlp(L, rms(x, L["ln2"], self.eps))
+        x = rms(x[:, -1], self.norm, self.eps)
+        return F.linear(x, self.head).float()
+
+    def _step_in(self):
+        """The current tokens' embeddings and RoPE cos/sin (the decode step's first compiled piece)."""
+        cos, sin = self._rope(self.cur_pos)  # [B, D]
+        return F.embedding(self.cur_tok, self.embed), cos[:, None], sin[:, None]
+
+    def _layer_step(self, L: dict, kc: torch.Tensor, vc: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """One layer for one token per row: writes k/v at slot widx, attends to the first n = bias.shape[1]
+        slots (`bias` is attn_bias[:, :n], n > widx)."""
+        B, n, G = x.shape[0], bias.shape[1], self.n_heads // self.n_kv
+        h = rms(x, L["ln1"], self.eps)
+        q, k, v = self._qkv(L, h)
+        q, k = self._qk(L, q.view(B, self.n_heads, self.head_dim), k.view(B, self.n_kv, self.head_dim))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        kc.index_copy_(2, self.widx, k[:, :, None])
+        vc.index_copy_(2, self.widx, v.view(B, self.n_kv, 1, self.head_dim))
+        # grouped-query attention for one token: the G query heads of a KV head are its G "query positions"
+        # ([B, KV, G, D] against [B, KV, n, D]), so one fused attention kernel reads each K/V slot once, with no
+        # copy of K/V per query head and no [B, H, n] score tensor in memory
+        qg = q.view(B, self.n_kv, G, self.head_dim)
+        if self.split_kv:  # one program per (row, KV head, 128 cache slots), combined by log-sum-exp
+            o = decode_attention.attention(qg, kc[:, :, :n], vc[:, :, :n], bias, self.scale).reshape(B, self.nq)
+        else:
+            o = F.scaled_dot_product_attention(qg, kc[:, :, :n], vc[:, :, :n],
+                                               attn_mask=bias[:, None, None, :].to(q.dtype),
+                                               scale=self.scale).reshape(B, self.nq)
+        x = x + F.linear(o, L["o"], L.get("o_b"))
+        return x + self._mlp(L, rms(x, L["ln2"], self.eps))

@@ -1,0 +1,212 @@
+"""The fast decoder's weights: the module's own tensors read in place, or one fused inference copy of its own.
+
+The copy is kept where the module's tensors are not what decoding needs (ZeRO-3 shards, bf16-mixed's fp32
+weights, LoRA adapters to merge) and, on a GPU, for a small model, whose fused q/k/v and gate/up matmuls decode
+faster (`copy_reason`); ALIGN_FAST_DECODER_COPY=1 / 0 forces it / avoids it wherever it can.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from align.lora import effective_weight, is_peft
+
+SMALL_COPY_BYTES = 4 << 30  # on a GPU, a policy up to this size (~2B parameters in bf16) decodes from a fused copy
+
+
+def copy_setting() -> str:
+    """ALIGN_FAST_DECODER_COPY: "1" a weight copy wherever the decoder runs, "0" the module's own weights wherever
+    it can read them, unset: the rule of `copy_reason`."""
+    v = os.environ.get("ALIGN_FAST_DECODER_COPY", "").strip().lower()
+    return "" if not v else "0" if v in ("0", "false", "no", "off") else "1"
+
+
+def copy_forced() -> bool:
+    return copy_setting() == "1"
+
+
+def copies_small(weight_bytes: int) -> bool:
+    """Whether a GPU decoder keeps a fused copy of weights it could read in place: below SMALL_COPY_BYTES, where
+    the copy costs little memory (and lives only during the rollout) and one q/k/v and one gate/up matmul a layer
+    instead of five decode faster (2.79 vs 3.16 ms per token at Qwen2.5-1.5B on an H200); above it the second
+    copy's memory matters more (15 GiB at 8B) and large matmuls gain little from fusing."""
+    return copy_setting() != "0" and weight_bytes <= SMALL_COPY_BYTES
+
+
+def copy_reason(module, device, dtype) -> str | None:
+    """Why the decoder keeps its own copy of the module's weights (None: it decodes from them in place)."""
+    if copy_forced():
+        return "ALIGN_FAST_DECODER_COPY"
+    if is_peft(module) or any(hasattr(m, "get_delta_weight") for m in module.modules()):
+        return "LoRA: the decoder decodes W + (α/r) B A"
+    want = torch.device(device)
+    if want.type == "cuda" and want.index is None and torch.cuda.is_available():
+        want = torch.device("cuda", torch.cuda.current_device())
+    for p in module.parameters():
+        if hasattr(p, "ds_id"):
+            return "ZeRO-3: the weights are gathered only for the copy"
+        if p.dtype != dtype or p.device != want:
+            return f"weights in {p.dtype} on {p.device}, decoding in {dtype} on {want}"
+    size = sum(p.numel() for p in module.parameters()) * torch.finfo(dtype).bits // 8
+    if want.type == "cuda" and copies_small(size):
+        return f"a small model ({size / 2**30:.1f} GiB): fused q/k/v and gate/up matmuls decode faster"
+    return None
+
+
+class DecoderWeights:
+    """FastDecoder's weights: `embed`, `norm`, `head` and, per layer, the dict `layers[i]` ("ln1", "ln2", "o",
+    "down", the q/k norms and biases a family has; "qkv" and "gu" fused in the copy, "q", "k", "v", "gate", "up"
+    apart on the module's own tensors). The copy's tensors are views of ONE buffer, whose storage `release` gives
+    back between rollouts. Reads the layout LayerMath set (dims, biases); a tensor that moved drops the captured
+    graphs (CompiledStep._drop_graphs): they hold its old address."""
+
+    def _init_weights(self, module) -> None:
+        self.tied = bool(getattr(self.cfg, "tie_word_embeddings", False))
+        self.layers = [{} for _ in range(self.n_layers)]
+        self.copy_reason = copy_reason(module, self.device, self.dtype)
+        self._bound = None  # shared weights: the module tensors' addresses the decoder last read
+        if self.copy_reason is None:
+            self._wbuf = None
+        else:
+            self._alloc_copy(self._copy_shapes())
+
+    def _copy_shapes(self) -> dict:
+        """The shape of every tensor of the fused copy: "embed", "norm", "head" (untied) and (layer, name)."""
+        cfg, nq, nk, inter = self.cfg, self.nq, self.nk, self.inter
+        shapes = {"embed": (cfg.vocab_size, self.hidden), "norm": (self.hidden,)}
+        if not self.tied:
+            shapes["head"] = (cfg.vocab_size, self.hidden)
+        for i in range(self.n_layers):
+            shapes.update({(i, "ln1"): (self.hidden,), (i, "ln2"): (self.hidden,), (i, "qkv"): (nq + 2 * nk, self.hidden),
+                           (i, "o"): (self.hidden, nq), (i, "gu"): (2 * inter, self.hidden), (i, "down"): (self.hidden, inter)})
+            if self.qk_norm:
+                shapes[i, "qn"], shapes[i, "kn"] = (self.head_dim,), (self.head_dim,)
+            if self.qkv_bias:
+                shapes[i, "qkv_b"] = (nq + 2 * nk,)
+            if self.o_bias:
+                shapes[i, "o_b"] = (self.hidden,)
+            if self.mlp_bias:
+                shapes[i, "gu_b"], shapes[i, "down_b"] = (2 * inter,), (self.hidden,)
+        return shapes
+
+    def _alloc_copy(self, shapes: dict) -> None:
+        """Every weight of the copy a view of ONE buffer (offsets 64-element aligned), so that `release` can hand
+        the whole inference copy back to the allocator between rollouts and `load_weights` take it again in one
+        piece."""
+        align = lambda n: -(-n // 64) * 64  # noqa: E731
+        offsets, total = {}, 0
+        for k, shp in shapes.items():
+            offsets[k] = total
+            total += align(math.prod(shp))
+        self._wbuf = torch.empty(total, device=self.device, dtype=self.dtype)
+        view = {k: self._wbuf[o : o + math.prod(shapes[k])].view(shapes[k]) for k, o in offsets.items()}
+        self.embed, self.norm = view["embed"], view["norm"]
+        self.head = self.embed if self.tied else view["head"]
+        for k, t in view.items():
+            if isinstance(k, tuple):
+                self.layers[k[0]][k[1]] = t
+        self._wptr = self._wbuf.data_ptr()
+
+    @property
+    def shares_weights(self) -> bool:
+        return self._wbuf is None
+
+    @torch.no_grad()
+    def load_weights(self, module) -> None:
+        """The module's current weights for the next rollout: read in place (`shares_weights`), else copied in
+        (call with ZeRO-3 params gathered), into the buffer `release` gave back if it did; a LoRA layer's as
+        merged, W + (α/r) B A."""
+        if self.shares_weights:
+            return self._bind(module)
+        self._take_weights()
+        mm = module.model
+        self.embed.copy_(mm.embed_tokens.weight)
+        if not self.tied:
+            self.head.copy_(module.lm_head.weight)
+        self.norm.copy_(mm.norm.weight)
+        nq, nk, inter = self.nq, self.nk, self.inter
+        for L, layer in zip(self.layers, mm.layers):
+            a, m = layer.self_attn, layer.mlp
+            L["ln1"].copy_(layer.input_layernorm.weight)
+            L["ln2"].copy_(layer.post_attention_layernorm.weight)
+            L["qkv"][:nq].copy_(effective_weight(a.q_proj))
+            L["qkv"][nq : nq + nk].copy_(effective_weight(a.k_proj))
+            L["qkv"][nq + nk :].copy_(effective_weight(a.v_proj))
+            L["o"].copy_(effective_weight(a.o_proj))
+            L["gu"][:inter].copy_(effective_weight(m.gate_proj))
+            L["gu"][inter:].copy_(effective_weight(m.up_proj))
+            L["down"].copy_(effective_weight(m.down_proj))
+            if self.qk_norm:
+                L["qn"].copy_(a.q_norm.weight)
+                L["kn"].copy_(a.k_norm.weight)
+            if self.qkv_bias:
+                L["qkv_b"][:nq].copy_(a.q_proj.bias)
+                L["qkv_b"][nq : nq + nk].copy_(a.k_proj.bias)
+                L["qkv_b"][nq + nk :].copy_(a.v_proj.bias)
+            if self.o_bias:
+                L["o_b"].copy_(a.o_proj.bias)
+            if self.mlp_bias:
+                L["gu_b"][:inter].copy_(m.gate_proj.bias)
+                L["gu_b"][inter:].copy_(m.up_proj.bias)
+                L["down_b"].copy_(m.down_proj.bias)
+
+    def _bind(self, module) -> None:
+        """Point the decoder at the module's own tensors (q/k/v and gate/up as separate matrices). Rebound only
+        when a tensor moved (the captured graphs hold addresses: they are re-captured then); an optimizer step
+        writes in place, so a bound decoder reads each step's weights without any copy."""
+        mm = module.model
+        named = {"embed": mm.embed_tokens.weight, "norm": mm.norm.weight}
+        if not self.tied:
+            named["head"] = module.lm_head.weight
+        for i, layer in enumerate(mm.layers):
+            a, m = layer.self_attn, layer.mlp
+            lin = {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": m.gate_proj, "up": m.up_proj,
+                   "down": m.down_proj}
+            for k, linear in lin.items():
+                named[i, k] = linear.weight
+                if linear.bias is not None:
+                    named[i, f"{k}_b"] = linear.bias
+            named[i, "ln1"], named[i, "ln2"] = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            if self.qk_norm:
+                named[i, "qn"], named[i, "kn"] = a.q_norm.weight, a.k_norm.weight
+        ptrs = tuple(t.data_ptr() for t in named.values())
+        if ptrs == self._bound:
+            return
+        if self._bound is not None and self._graphs:
+            self._drop_graphs("weights")
+        self._bound = ptrs
+        self.embed, self.norm = named["embed"].detach(), named["norm"].detach()
+        self.head = self.embed if self.tied else named["head"].detach()
+        for L in self.layers:
+            L.clear()
+        for k, t in named.items():
+            if isinstance(k, tuple):
+                self.layers[k[0]][k[1]] = t.detach()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the decoder's own weight copy (0: it reads the module's)."""
+        if self.shares_weights:
+            return 0
+        n = self.embed.numel() + (0 if self.tied else self.head.numel()) + self.norm.numel()
+        n += sum(t.numel() for L in self.layers for t in L.values())
+        return n * self.embed.element_size()
+
+    def _release_weights(self) -> None:
+        """The copy's storage back to the allocator (its tensors stay: no recompile); `_take_weights` takes it
+        again."""
+        if self._wbuf is not None and self._wbuf.untyped_storage().nbytes():
+            self._wptr = self._wbuf.data_ptr()
+            self._wbuf.untyped_storage().resize_(0)
+
+    def _take_weights(self) -> None:
+        """The weight buffer's storage back after `release` (contents undefined: `load_weights` fills it); the
+        captured graphs are dropped if it came back at another address."""
+        t = self._wbuf
+        if t.untyped_storage().nbytes():
+            return
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+        if t.data_ptr() != self._wptr and self._graphs:
+            self._drop_graphs("weights")
