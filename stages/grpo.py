@@ -19,6 +19,7 @@ Log-probs are taken at the sampling temperature, as sampled.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import os
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -32,7 +33,7 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
 from align.engine.build import Optim, rows_within
-from align.engine.plan import (DECODER, Data, Model, Plan, RLPlan, Setup, decoder_terms, frozen_weights,
+from align.engine.plan import (DECODER, Data, Device, Family, Model, Plan, RLPlan, Setup, decoder_terms, frozen_weights,
                                memory_changes, micro_changes, model_state, nproc_changes, reference_model,
                                rollout_changes, rollout_terms, score_terms, trained_model, update_terms, zero3_blocks)
 from align.engine.run import Output, step_indices, train
@@ -201,14 +202,14 @@ class GRPOPlan(RLPlan):
             plan.add("reference: weights", model_state(ref, s)["weights"])
         if self.decoders:
             decoder_terms(plan, policy, self.decoders, cfg.prompts_per_step * cfg.num_generations, prompt,
-                    cfg.max_new_tokens, s)
+                          cfg.max_new_tokens, s)
         else:
             rollout_terms(plan, policy, n, prompt, cfg.max_new_tokens, s)
         score_terms(plan, ([policy] if cfg.num_iterations > 1 else []) + others, micro, prompt + cfg.max_new_tokens, s)
         zero3_blocks(plan, [policy, *others], s)
         update_terms(plan, a, micro, prompt + cfg.max_new_tokens, s)
 
-    def changes(self, device, data):
+    def changes(self, device: Device, data: Data) -> Iterator[Family]:
         """No decoder ranks (every process trains), a smaller micro-batch, gradient checkpointing, LoRA, optimizer
         offload, a smaller rollout, more processes."""
         if self.decoders:

@@ -24,6 +24,7 @@ Only response tokens (EOS included) enter a loss: prompt, padding and post-EOS p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
@@ -36,7 +37,7 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info, warn
 from align.engine.build import Optim
-from align.engine.plan import (Data, Model, Plan, RLPlan, Setup, activation_bytes, chunked_logit_bytes,
+from align.engine.plan import (Data, Device, Family, Model, Plan, RLPlan, Setup, activation_bytes, chunked_logit_bytes,
                                frozen_weights, full_logit_bytes, memory_changes, micro_changes, model_state,
                                nproc_changes, reference_model, rollout_changes, rollout_terms, score_terms,
                                trained_model, zero3_blocks)
@@ -183,7 +184,7 @@ class PPOPlan(RLPlan):
         plan.add(f"activations + logits ({role} pass, {micro} rows x {longest} tokens, {logits} logits)", passes[role],
                  "update")
 
-    def changes(self, device, data):
+    def changes(self, device: Device, data: Data) -> Iterator[Family]:
         """A smaller micro-batch, LoRA, optimizer offload, a smaller rollout (its minibatch no larger), more
         processes."""
         yield micro_changes(self, device, data)

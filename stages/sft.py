@@ -8,6 +8,7 @@ the same gradient. Held-out: the same loss, and greedy pass@1 when the data carr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,7 +20,7 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim
-from align.engine.plan import (Data, Model, Plan, Setup, SupervisedPlan, full_logit_bytes, inference_bytes,
+from align.engine.plan import (Data, Device, Family, Model, Plan, Setup, SupervisedPlan, full_logit_bytes, inference_bytes,
                                memory_changes, micro_changes, nproc_changes, trained_model, update_terms)
 from align.engine.run import Output, chunks, train
 from align.engine.stats import Stats
@@ -68,7 +69,7 @@ class SFTPlan(SupervisedPlan):
             plan.add(f"eval: logits ({EVAL_ROWS} x {length} x {a.vocab}, fp32 loss)",
                      full_logit_bytes(EVAL_ROWS, length, a.vocab, s), "eval")
 
-    def changes(self, device, data):
+    def changes(self, device: Device, data: Data) -> Iterator[Family]:
         """A smaller micro-batch, no held-out loss (its 64-row forwards), LoRA, optimizer offload, more processes."""
         yield micro_changes(self, device, data)
         if self.cfg.eval_data:
