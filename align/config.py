@@ -75,10 +75,21 @@ def help_text(f: dataclasses.Field) -> str:
     return f"{text} [{allowed(f.metadata)}]" if "choices" not in f.metadata and allowed(f.metadata) else text
 
 
-@dataclass
+@dataclass(frozen=True)
 class Options:
     """Base of every command's config: `validate()` refuses a value outside its option's declared choices or
-    bounds, naming the flag; a subclass adds checks across options after `super().validate()`."""
+    bounds, naming the flag; a subclass adds checks across options after `super().validate()`. A config is
+    frozen: what a run derives from it (its micro-batch, precision, ZeRO stage) goes into the run's layout
+    (align.engine.layout), never back into the config."""
+
+    def resolved(self):
+        """This config with its automatic values made concrete (a new config; by default itself): `build` and a
+        stage's entry call it once, before `validate()`."""
+        return self
+
+    def paths(self) -> dict[str, str]:
+        """The options that name a file or directory (declared `path=True`), by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("path")}
 
     def validate(self):
         for f in dataclasses.fields(self):
@@ -126,7 +137,7 @@ def defaults(**values):
     return decorate
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageConfig(Options):
     """Flags every stage shares."""
 
@@ -186,7 +197,7 @@ class StageConfig(Options):
                 raise UserError(str(e), option="deepspeed") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig(StageConfig):
     """Flags of every stage that trains a model (sft, rm, dpo, ppo, grpo). A stage changes their defaults with
     @defaults."""
@@ -270,7 +281,7 @@ class TrainConfig(StageConfig):
             verifier_fn(self.verifier)  # an unknown name fails here, before --out is touched
 
 
-@dataclass
+@dataclass(frozen=True)
 class SupervisedConfig(TrainConfig):
     """A stage that trains on a fixed dataset (sft, rm, dpo)."""
 
@@ -279,7 +290,7 @@ class SupervisedConfig(TrainConfig):
                                "cut from the left, a response never.", ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingConfig(Options):
     """How responses are sampled (eval, rollouts)."""
 
@@ -289,7 +300,7 @@ class SamplingConfig(Options):
     top_p: float = opt(1.0, "Top-p sampling (1: off).", gt=0, le=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RLConfig(SamplingConfig, TrainConfig):
     """An RL stage (ppo, grpo): rollouts of the policy on prompts, pass@k on held-out verifiable data."""
 
@@ -367,7 +378,7 @@ def build(cls, toml_path: str | None, explicit: dict):
             values[k] = check_value(cls, k, v, str(toml_path))
     for k, v in explicit.items():
         values[k] = check_value(cls, k, list(v) if isinstance(v, tuple) else v, "", flag(k))
-    cfg = cls(**values)
+    cfg = cls(**values).resolved()
     cfg.validate()
     return cfg
 

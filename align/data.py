@@ -272,6 +272,17 @@ def sft_examples(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
     return out
 
 
+def longest_row(examples: list[dict]) -> int | None:
+    """Tokens of the longest row the tokenised examples make: an SFT row, a pair's prompt + its longer response,
+    a KTO row's prompt + completion (None: no examples)."""
+    def tokens(e: dict) -> int:
+        if "input_ids" in e:
+            return len(e["input_ids"])
+        return len(e["prompt_ids"]) + max(len(e.get(k, ())) for k in ("chosen_ids", "rejected_ids", "completion_ids"))
+
+    return max(map(tokens, examples), default=None)
+
+
 def pad(seqs: list[list[int]], value: int, side: str = "right") -> list[list[int]]:
     width = max(len(s) for s in seqs)
     return [s + [value] * (width - len(s)) if side == "right" else [value] * (width - len(s)) + s for s in seqs]

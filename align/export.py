@@ -20,7 +20,7 @@ from align.errors import UserError
 KEY_METRICS = 8  # per stage in the model card
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExportConfig(Options):
     run: str = opt("", "The run to export: a stage's --out directory (a complete artifact holding a policy).")
     to: str = opt("", "The directory to write: model weights (safetensors), tokenizer, chat template, README.md.")

@@ -293,7 +293,7 @@ def run_metrics(run: Path) -> Path:
 # ----------------------------------------------------------------------------------------- `align report`
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReportConfig(Options):
     runs: list[str] = opt([], "Run directories (a stage's --out) or metrics.jsonl files; several are overlaid.")
     out: str = opt("", "The PNG to write (default: RUN/report.png for one run, report.png here for several).")

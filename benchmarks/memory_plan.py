@@ -31,21 +31,21 @@ def print_plans(names=NAMES, free_gib: float = 141.0, prompts: int = 8, generati
     from align import config as C
     from align.console import console
     from align.engine import plan as P
-    from stages.grpo import GRPOConfig
+    from stages.grpo import GRPOConfig, GRPOPlan
 
     flags = {"model": "plan-only", "prompts_per_step": prompts, "num_generations": generations,
              "max_new_tokens": new_tokens, **_parse(GRPOConfig, extra)}
-    cfg = C.build(GRPOConfig, None, flags)
+    stage = GRPOPlan(C.build(GRPOConfig, None, flags))
     device = P.Device("cuda", free_gib * 2**30, 1, True, True, f"{free_gib:g} GiB free, one GPU")
     plans = {}
     for name in names:
         model = P.Model("policy", P.arch(config(name)))
-        plans[name] = p = P.estimate("grpo", cfg, {"policy": model}, device, P.Data(prompt_tokens))
+        plans[name] = p = P.estimate(stage, {"policy": model}, device, P.Data(prompt_tokens))
         console.print(f"\n[bold]{name}[/]: {model.params / 1e9:.2f}B parameters, {prompts} prompts x G "
                       f"{generations} x ({prompt_tokens} + {new_tokens} tokens)")
         P.show(p, device.source)
         if not p.fits:
-            found = P.smallest_change("grpo", cfg, {"policy": model}, device, P.Data(prompt_tokens))
+            found = P.smallest_change(stage, {"policy": model}, device, P.Data(prompt_tokens))
             console.print(f"smallest change that fits: {found[0]} (peak {P.gib(found[1].peak)})" if found else
                           "no change tried fits")
     return plans

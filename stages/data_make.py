@@ -26,7 +26,7 @@ from align.console import info, summary_table
 from align.errors import UserError
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataMakeConfig(Options):
     task: str = opt("arithmetic", "Task: digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, or rg:NAME "
                                   "(a reasoning-gym task).")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -33,8 +34,9 @@ from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.data import load_pairs
-from align.engine.build import Optim, batch_layout
-from align.engine.plan import DPO_REF_TOKENS, longest_row
+from align.engine.build import Optim
+from align.engine.plan import (Data, Model, Plan, Setup, SupervisedPlan, chunked_logit_bytes, inference_bytes,
+                               model_state, reference_model, rollout_terms, trained_model, update_terms)
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -48,11 +50,12 @@ from align.rewards import guess_verifier, row_fields, verifier_fn
 from align.rollout.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
 from align.rollout.generation import Sampling, generate_on_rank
 
+DPO_REF_TOKENS = 16384  # tokens per forward of the live reference (DPO.reference_logps)
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "logps/rejected")
 
 
-@dataclass
+@dataclass(frozen=True)
 @defaults(out="runs/dpo", max_steps=300)
 class DPOConfig(SupervisedConfig):
     ref_model: str = opt("", "Frozen reference model (default: the input --model).", path=True)
@@ -111,6 +114,51 @@ class DPOConfig(SupervisedConfig):
             raise UserError("--reward-model ranks sampled pairs: it needs --online.")
 
 
+@dataclass(frozen=True)
+class DPOPlan(SupervisedPlan):
+    """DPO in the memory plan: the policy's update on 2 rows a pair; a live reference's forwards of a step's pairs
+    in a phase of their own before it (--precompute-ref: 32 pairs at a time, then the reference is freed); with
+    --online, a rollout of the policy and the judging reward model."""
+
+    cfg: DPOConfig
+    name: ClassVar[str] = "dpo"
+
+    @property
+    def auto_micro(self) -> bool:
+        return not self.cfg.online
+
+    def models(self) -> dict[str, str]:
+        cfg = self.cfg
+        return {"policy": cfg.model, **({"reference": cfg.ref_model} if cfg.ref_model else {}),
+                **({"reward model": cfg.reward_model} if cfg.reward_model and cfg.online else {})}
+
+    def phases(self) -> tuple[str, ...]:
+        return (("rollout",) if self.cfg.online else ()) + (() if self.cfg.reference_free else ("reference pass",)) + (
+            "update",)
+
+    def terms(self, plan: Plan, models: dict[str, Model], s: Setup, data: Data) -> None:
+        cfg, a = self.cfg, models["policy"].arch
+        length, rows = data.sequence(cfg.max_length), 2 * self.micro_rows(s.world, data)[0]
+        policy = trained_model(cfg, "policy", a)
+        plan.add_state(policy, s)
+        ref = None if cfg.reference_free else reference_model(plan, models, cfg.lora_r, cfg.ref_model)
+        if ref is not None:
+            phases = ("reference pass",) if cfg.precompute_ref else plan.phases
+            plan.add("reference: weights", model_state(ref, s)["weights"], *phases)
+        if not cfg.reference_free:  # (a LoRA policy's reference: the policy itself, its adapters off)
+            # --precompute-ref: 32 pairs at a time; live: a step's pairs in forwards of up to DPO_REF_TOKENS tokens
+            # (at least a micro-batch), before the policy's micro-batches
+            ref_rows = 64 if cfg.precompute_ref else max(rows, 2 * (DPO_REF_TOKENS // (2 * max(length, 1))))
+            arch = ref.arch if ref is not None else a
+            plan.add("reference pass: forward", inference_bytes(arch, ref_rows, length, s) +
+                     chunked_logit_bytes(ref_rows * length, arch.vocab), "reference pass")
+        if "reward model" in models:
+            plan.add("reward model: weights", model_state(models["reward model"], s)["weights"])
+        if cfg.online:
+            rollout_terms(plan, policy, 64, data.prompt(), cfg.max_new_tokens, s)
+        update_terms(plan, a, rows, length, s)
+
+
 def row_logps(model, batch: dict) -> torch.Tensor:
     """[N]: log π(y|x) summed over each row's response tokens (never averaged). The rows are right-padded, so no
     attention mask is passed (causal attention never looks right) and attention runs its fused causal kernel."""
@@ -150,12 +198,9 @@ class DPO:
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
-        run.check_lora(source)
-        dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=None),
-                        sequence_tokens=longest_row(self.examples))
-        # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
+        dist = run.open(inputs, DPOPlan(cfg), lora=(source,), sequence_tokens=D.longest_row(self.examples),
+                        prompt_tokens=max(map(len, self.prompt_ids), default=None))
+        self.micro, accum = run.layout.micro, run.layout.accum
 
         def load(src):
             return lambda dtype: disable_dropout(load_causal_lm(src, self.tok, dtype, cfg.seed, cfg.trust_remote_code))
@@ -165,7 +210,7 @@ class DPO:
         if cfg.reference_free:
             self.reference = None
         else:
-            self.reference = run.reference(self.policy, load(ref_source))
+            self.reference = run.reference(self.policy, load(ref_source), ref_model=cfg.ref_model)
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
@@ -177,7 +222,8 @@ class DPO:
              f"{f' (ε {cfg.label_smoothing})' if cfg.label_smoothing else ''}"
              f"{f' + RPO NLL α {cfg.nll_coef}' if cfg.nll_coef else ''}, reference "
              f"{'none' if cfg.reference_free else 'precomputed' if cfg.precompute_ref else 'live'}, "
-             f"{dist.world_size} process(es), ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} "
+             f"{dist.world_size} process(es), ZeRO-{run.layout.zero_stage}, {run.layout.precision}, micro batch "
+             f"{self.micro} "
              f"pairs x accum {accum}")
 
     def load_train(self) -> list[dict]:
@@ -221,7 +267,7 @@ class DPO:
             return None
         if self.ref_train is not None:
             return torch.stack([self.ref_train[i] for i in idx]).t().to(self.run.dist.device)
-        return self.chunked_logps(self.reference, pairs, max(self.micro, DPO_REF_TOKENS // (2 * longest_row(pairs))))
+        return self.chunked_logps(self.reference, pairs, max(self.micro, DPO_REF_TOKENS // (2 * D.longest_row(pairs))))
 
     def pair_loss(self, pairs: Pairs) -> tuple[torch.Tensor, dict]:
         """(loss per pair, metrics per pair) of --loss (+ RPO's NLL with --nll-coef): objectives.dpo_loss."""

@@ -17,7 +17,7 @@ from align.rollout.generation import Sampling
 from align.tasks import write_jsonl
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig(SamplingConfig, StageConfig):
     out: str = opt("runs/eval", "Output directory (metrics and samples).", path=True)
     data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data: {prompt, answer}.", path=True)

@@ -19,8 +19,10 @@ Log-probs are taken at the sampling temperature, as sampled.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import os
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +32,9 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt, positive_ints
 from align.console import info
 from align.engine.build import Optim, rows_within
+from align.engine.plan import (DECODER, Data, Device, Family, Model, Plan, RLPlan, Setup, decoder_terms, frozen_weights,
+                               memory_changes, micro_changes, model_state, nproc_changes, reference_model,
+                               rollout_changes, rollout_terms, score_terms, trained_model, update_terms, zero3_blocks)
 from align.engine.run import Output, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -48,7 +53,7 @@ from align.rollout.queue import LocalSampler, Rollouts
 from align.rollout.sampling import derive
 
 
-@dataclass
+@dataclass(frozen=True)
 @defaults(out="runs/grpo", max_steps=150, lr=5e-5, schedule="constant", warmup_steps=5, micro_batch_size=0,
           eval_every=0)
 class GRPOConfig(RLConfig):
@@ -114,9 +119,9 @@ class GRPOConfig(RLConfig):
         if objectives.get("policy_loss", self.policy_loss).on_policy and (self.num_iterations != 1 or self.beta):
             name = "--reinforce" if self.reinforce else f"--loss {self.loss}"
             raise UserError(f"{name} is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
-        self.resolve_rollout_gpus()
-        if self.rollout_gpus:
-            disagg.require_trainers(self.rollout_gpus, self.launched_world())
+        gpus = self.resolved().rollout_gpus
+        if gpus:
+            disagg.require_trainers(gpus, self.launched_world())
         self.ks()
         parse_rewards(self.reward)  # an unknown reward or a bad weight fails here, before --out is touched
 
@@ -125,19 +130,20 @@ class GRPOConfig(RLConfig):
         the roles are split), else the one --nproc × --nnodes will start."""
         return int(os.environ.get("ALIGN_GLOBAL_WORLD") or os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes)
 
-    def resolve_rollout_gpus(self) -> None:
-        """--rollout-gpus -1 (auto) becomes a number: on W >= 2 GPU processes of one machine, W // 2 decoders
-        one step off with TIS (measured fastest on 2 GPUs at 0.5B and 8B: docs/async.md); else 0 (synchronous).
-        Run in every process before the roles are split, so all of them agree."""
+    def resolved(self) -> GRPOConfig:
+        """--rollout-gpus -1 (auto) made a number: on W >= 2 GPU processes of one machine, W // 2 decoders one step
+        off with TIS (--max-staleness and --tis-cap where left at 0; measured fastest on 2 GPUs at 0.5B and 8B:
+        docs/async.md); else 0 (synchronous). Every process resolves it before the roles are split, so all of them
+        agree."""
         if self.rollout_gpus >= 0:
-            return
+            return self
         import torch
 
         world = self.launched_world()
-        self.rollout_gpus = world // 2 if world >= 2 and self.nnodes == 1 and torch.cuda.is_available() else 0
-        if self.rollout_gpus:
-            self.max_staleness = self.max_staleness or 1
-            self.tis_cap = self.tis_cap or 2.0
+        gpus = world // 2 if world >= 2 and self.nnodes == 1 and torch.cuda.is_available() else 0
+        if not gpus:
+            return replace(self, rollout_gpus=0)
+        return replace(self, rollout_gpus=gpus, max_staleness=self.max_staleness or 1, tis_cap=self.tis_cap or 2.0)
 
     def ks(self) -> list[int]:
         return positive_ints(self.eval_k, "--eval-k")
@@ -168,12 +174,86 @@ def reward(cfg: GRPOConfig, fns: list, row: dict, c) -> tuple[float | None, dict
     return total, parts
 
 
+@dataclass(frozen=True)
+class GRPOPlan(RLPlan):
+    """GRPO in the memory plan: the rollout of G samples per prompt (or, with --rollout-gpus, a decoder rank's
+    column), the no-gradient passes of π_old, the reference, the teacher and the reward model, and the update;
+    under LoRA on a GPU a micro-batch left at 0 keeps the update within the rollout's memory."""
+
+    cfg: GRPOConfig
+    name: ClassVar[str] = "grpo"
+    lora_within_rollout: ClassVar[bool] = True
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.cfg.gradient_checkpointing
+
+    @property
+    def decoders(self) -> int:
+        return max(self.cfg.rollout_gpus, 0)  # (its auto value -1 is resolved before the run)
+
+    def models(self) -> dict[str, str]:
+        cfg = self.cfg
+        return {"policy": cfg.model, **({"teacher": cfg.teacher} if cfg.teacher else {}),
+                **({"reward model": cfg.reward_model} if cfg.reward_model else {})}
+
+    def phases(self) -> tuple[str, ...]:
+        return (DECODER if self.decoders else "rollout", "score", "update")
+
+    def micro_rows(self, world: int, data: Data) -> tuple[int, int]:
+        return self._rows(world, self.cfg.micro_batch_size, data)
+
+    def batch(self, world: int, micro_batch_size: int, data: Data) -> tuple[int, int]:
+        micro, n = self._rows(world, micro_batch_size, data)
+        if n % micro:
+            raise UserError(f"--micro-batch-size {micro} must divide the {n} sequences per process and step.")
+        return micro, n // micro
+
+    def _rows(self, world: int, micro_batch_size: int, data: Data) -> tuple[int, int]:
+        """(rows per micro-batch: `micro_batch_size`, or (0) as many as --micro-batch-tokens allows; the
+        sequences per process and step)."""
+        cfg = self.cfg
+        n = cfg.prompts_per_step // world * cfg.num_generations
+        longest = data.prompt() + cfg.max_new_tokens
+        return min(micro_batch_size or rows_within(n, longest, cfg.micro_batch_tokens), n), n
+
+    def terms(self, plan: Plan, models: dict[str, Model], s: Setup, data: Data) -> None:
+        cfg, a, prompt = self.cfg, models["policy"].arch, data.prompt()
+        micro, n = self.micro_rows(s.world, data)
+        policy = trained_model(cfg, "policy", a)
+        plan.add_state(policy, s)
+        ref = reference_model(plan, models, cfg.lora_r) if cfg.beta else None
+        others = ([ref] if ref else []) + frozen_weights(plan, models, ("teacher", "reward model"), s)
+        if ref:
+            plan.add("reference: weights", model_state(ref, s)["weights"])
+        if self.decoders:
+            decoder_terms(plan, policy, self.decoders, cfg.prompts_per_step * cfg.num_generations, prompt,
+                          cfg.max_new_tokens, s)
+        else:
+            rollout_terms(plan, policy, n, prompt, cfg.max_new_tokens, s)
+        score_terms(plan, ([policy] if cfg.num_iterations > 1 else []) + others, micro, prompt + cfg.max_new_tokens, s)
+        zero3_blocks(plan, [policy, *others], s)
+        update_terms(plan, a, micro, prompt + cfg.max_new_tokens, s)
+
+    def changes(self, device: Device, data: Data) -> Iterator[Family]:
+        """No decoder ranks (every process trains), a smaller micro-batch, gradient checkpointing, LoRA, optimizer
+        offload, a smaller rollout, more processes."""
+        if self.decoders:
+            yield [({"rollout_gpus": 0}, replace(device, world=device.world + self.decoders))]
+        yield micro_changes(self, device, data)
+        if not self.cfg.gradient_checkpointing:
+            yield [({"gradient_checkpointing": True}, device)]
+        yield from memory_changes(self.cfg, device)
+        yield from rollout_changes(self.cfg, device)
+        yield nproc_changes(self, device)
+
+
 class GRPO:
     progress = ("reward", "frac_reward_zero_std", "eval/pass@1/greedy")
     eval_at_start = True
 
     def __init__(self, cfg: GRPOConfig, run):
-        cfg.resolve_rollout_gpus()  # a config built without validate() (in-process callers)
+        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model)
         self.reward_fns = parse_rewards(cfg.reward)
@@ -200,11 +280,8 @@ class GRPO:
         if cfg.prompts_per_step % runtime.world_size():
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
         n_local = cfg.prompts_per_step // runtime.world_size() * cfg.num_generations
-        longest = max(map(len, self.prompt_ids), default=0) + cfg.max_new_tokens
-        self.micro = self.micro_rows(n_local, longest)
-        run.check_lora(source)
-        dist = run.open(inputs, prompt_tokens=max(map(len, self.prompt_ids), default=0))
-        self.micro = self.micro_rows(n_local, longest)  # again: the memory plan may have made a 0 (auto) smaller
+        dist = run.open(inputs, GRPOPlan(cfg), lora=(source,), prompt_tokens=max(map(len, self.prompt_ids), default=0))
+        self.micro = run.layout.micro
         self.policy = run.train("policy", self.load_policy(source),
                                 # β2 = 0.999 (not SFT's 0.95): policy gradients are noisy, a longer memory keeps steps small
                                 Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay, (0.9, 0.999)),
@@ -219,19 +296,12 @@ class GRPO:
         self.stale = False  # the rollout being trained on was sampled from older weights
         info(f"grpo: {count_parameters(self.policy.module) / 1e6:.2f}M parameters, {len(self.rows)} prompts, "
              f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "
-             f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x {n_local // self.micro}, "
+             f"ZeRO-{run.layout.zero_stage}, {run.layout.precision}, micro batch {self.micro} x "
+             f"{n_local // self.micro}, "
              f"rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
              f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}")
-
-    def micro_rows(self, n_local: int, longest: int) -> int:
-        """Rows per micro-batch: --micro-batch-size, or (0) as many as --micro-batch-tokens allows; divides n_local."""
-        cfg = self.cfg
-        micro = min(cfg.micro_batch_size or rows_within(n_local, longest, cfg.micro_batch_tokens), n_local)
-        if n_local % micro:
-            raise UserError(f"--micro-batch-size {micro} must divide the {n_local} sequences per process and step.")
-        return micro
 
     def load_policy(self, source):
         cfg = self.cfg
@@ -457,7 +527,7 @@ class GRPO:
 
 
 def run(cfg: GRPOConfig) -> dict:
-    cfg.resolve_rollout_gpus()
+    cfg = cfg.resolved()
     if cfg.rollout_gpus and not cfg.plan and disagg.split(cfg.rollout_gpus):  # --plan: one process plans them all
         return decoder(cfg)
     return train(cfg, "grpo", GRPO)

@@ -13,7 +13,7 @@ from align.paths import TOKENIZER_DIR
 from align.runtime import quiet_libraries
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelInitConfig(Options):
     preset: str = opt("tiny", "Model preset: tiny (~0.5M params, CPU) or small (~63M, GPU).", choices=PRESETS)
     out: str = opt("runs/base", "Output artifact directory.", path=True)

@@ -24,8 +24,10 @@ Only response tokens (EOS included) enter a loss: prompt, padding and post-EOS p
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -35,6 +37,10 @@ from align.artifacts import describe_inputs
 from align.config import RLConfig, defaults, opt
 from align.console import info, warn
 from align.engine.build import Optim
+from align.engine.plan import (Data, Device, Family, Model, Plan, RLPlan, Setup, activation_bytes, chunked_logit_bytes,
+                               frozen_weights, full_logit_bytes, memory_changes, micro_changes, model_state,
+                               nproc_changes, reference_model, rollout_changes, rollout_terms, score_terms,
+                               trained_model, zero3_blocks)
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -56,7 +62,7 @@ from align.rollout.batch import Rollout, record_completions, record_mismatch, sa
 DEFAULT_SFT, DEFAULT_RM = "runs/arithmetic/sft", "runs/arithmetic/rm"  # pipelines/arithmetic.toml's, as --data's default
 
 
-@dataclass
+@dataclass(frozen=True)
 @defaults(out="runs/ppo", max_steps=50, prompts_per_step=64, micro_batch_size=16, schedule="constant", warmup_steps=0,
           eval_every=5)
 class PPOConfig(RLConfig):
@@ -108,6 +114,83 @@ class PPOConfig(RLConfig):
         elif self.gold_reward_coef:
             raise UserError(f"--gold-reward-coef {self.gold_reward_coef} trains on the gold reward, but --gold-reward "
                             "is off; name a verifier (e.g. --gold-reward math) or set --gold-reward-coef 0.")
+
+
+@dataclass(frozen=True)
+class PPOPlan(RLPlan):
+    """PPO in the memory plan: four models (the policy and the value network trained, the reference and the
+    reward model frozen), a rollout of one response per prompt, the no-gradient passes, and the update's largest
+    pass (the policy's, the value network's or the ptx batch's)."""
+
+    cfg: PPOConfig
+    name: ClassVar[str] = "ppo"
+
+    auto_micro: ClassVar[bool] = False  # --micro-batch-size 0 is the whole minibatch share, as asked
+
+    @property
+    def offload_frozen(self) -> bool:
+        return self.cfg.offload_frozen
+
+    def models(self) -> dict[str, str]:
+        cfg = self.cfg
+        return {"policy": cfg.model, **({"reference": cfg.ref_model} if cfg.ref_model else {}),
+                **({"reward model": cfg.reward_model} if cfg.reward_model else {}),
+                "value": cfg.value_model or cfg.reward_model}
+
+    def phases(self) -> tuple[str, ...]:
+        return ("rollout", "score", "update")
+
+    def micro_rows(self, world: int, data: Data) -> tuple[int, int]:
+        n = self.cfg.minibatch_size // world
+        return min(self.cfg.micro_batch_size or n, n), n
+
+    def batch(self, world: int, micro_batch_size: int, data: Data) -> tuple[int, int]:
+        n = self.cfg.minibatch_size // world
+        micro = min(micro_batch_size or n, n)
+        if n % micro:
+            raise UserError(f"--micro-batch-size {micro} must divide the {n} episodes per process and minibatch.")
+        return micro, n // micro
+
+    def terms(self, plan: Plan, models: dict[str, Model], s: Setup, data: Data) -> None:
+        cfg, prompt = self.cfg, data.prompt(self.cfg.max_prompt_length)
+        micro, _ = self.micro_rows(s.world, data)
+        policy = trained_model(cfg, "policy", models["policy"].arch)
+        value = trained_model(cfg, "value", models["value"].arch, "score")
+        plan.add_state(policy, s)
+        plan.add_state(value, s)
+        ref = reference_model(plan, models, cfg.lora_r, cfg.ref_model)
+        if ref:
+            plan.add("reference: weights", model_state(ref, s)["weights"])
+        others = ([ref] if ref else []) + frozen_weights(plan, models, ("reward model",), s)
+        rollout_terms(plan, policy, cfg.prompts_per_step // s.world, prompt, cfg.max_new_tokens, s)
+        score_terms(plan, [policy, value, *others], micro, prompt + cfg.max_new_tokens, s)
+        zero3_blocks(plan, [policy, value, *others], s)
+        self.update_pass(plan, policy, value, micro, prompt + cfg.max_new_tokens, s)
+
+    def update_pass(self, plan: Plan, policy: Model, value: Model, micro: int, longest: int, s: Setup) -> None:
+        """The update's largest pass: the policy's activations and logits (full with an entropy bonus, which takes
+        the plain path), the value network's, or the ptx batch's with its full logits."""
+        cfg, a = self.cfg, policy.arch
+        logits = "full" if cfg.ent_coef else "chunked"
+        head = (full_logit_bytes(micro, longest, a.vocab, s) if cfg.ent_coef else
+                chunked_logit_bytes(micro * longest, a.vocab))
+        passes = {"policy": activation_bytes(a, micro, longest, s) + head,
+                  "value": activation_bytes(value.arch, micro, longest, s)}
+        if cfg.ptx_coef:
+            rows = max(1, cfg.ptx_batch_size // s.world)
+            passes["ptx"] = (activation_bytes(a, rows, cfg.ptx_max_length, s) +
+                             full_logit_bytes(rows, cfg.ptx_max_length, a.vocab, s))
+        role = max(passes, key=passes.get)
+        plan.add(f"activations + logits ({role} pass, {micro} rows x {longest} tokens, {logits} logits)", passes[role],
+                 "update")
+
+    def changes(self, device: Device, data: Data) -> Iterator[Family]:
+        """A smaller micro-batch, LoRA, optimizer offload, a smaller rollout (its minibatch no larger), more
+        processes."""
+        yield micro_changes(self, device, data)
+        yield from memory_changes(self.cfg, device)
+        yield from rollout_changes(self.cfg, device, minibatch=True)
+        yield nproc_changes(self, device)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -192,13 +275,9 @@ class PPO:
             if n % world:
                 raise UserError(f"{flag} {n} must be a multiple of the {world} processes.")
         self.n_local, self.mb_local = cfg.prompts_per_step // world, cfg.minibatch_size // world
-        self.micro = min(cfg.micro_batch_size or self.mb_local, self.mb_local)
-        if self.mb_local % self.micro:
-            raise UserError(f"--micro-batch-size {self.micro} must divide the {self.mb_local} episodes per process and "
-                            "minibatch.")
-        accum = self.mb_local // self.micro
-        run.check_lora(sources["policy"], sources["value"])
-        run.open(self.describe(sources), prompt_tokens=max(map(len, self.prompt_ids), default=0))
+        run.open(self.describe(sources), PPOPlan(cfg), lora=(sources["policy"], sources["value"]),
+                 prompt_tokens=max(map(len, self.prompt_ids), default=0))
+        self.micro, accum = run.layout.micro, run.layout.accum
         self.updates_per_step = cfg.ppo_epochs * (self.n_local // self.mb_local)
         optim = Optim(cfg.lr, cfg.max_steps * self.updates_per_step, cfg.warmup_steps, cfg.schedule, cfg.weight_decay,
                       (0.9, 0.999))
@@ -207,8 +286,9 @@ class PPO:
                                 micro=self.micro, accum=accum + bool(self.ptx))
         self.value = run.train("value", self.load(load_sequence_classifier, sources["value"], self.tok),
                                replace(optim, lr=cfg.vf_lr), micro=self.micro, accum=accum, prefix="val/")
-        offload = cfg.offload_frozen and run.zero_stage == 3
-        self.reference = run.reference(self.policy, self.load(load_causal_lm, sources["reference"], self.tok), offload)
+        offload = cfg.offload_frozen and run.layout.zero_stage == 3
+        self.reference = run.reference(self.policy, self.load(load_causal_lm, sources["reference"], self.tok), offload,
+                                       cfg.ref_model)
         self.rm = run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
         self.kl_ctl = (FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
                        else AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
@@ -271,7 +351,7 @@ class PPO:
         info(f"ppo: {count_parameters(self.policy.module) / 1e6:.2f}M-parameter policy, {len(self.rows)} prompts"
              f"{f' ({self.dropped} longer than --max-prompt-length dropped)' if self.dropped else ''}, "
              f"{cfg.prompts_per_step} episodes/step in minibatches of {cfg.minibatch_size} x {cfg.ppo_epochs} epochs, "
-             f"{self.run.dist.world_size} process(es), ZeRO-{self.run.zero_stage}; β {cfg.init_kl_coef} "
+             f"{self.run.dist.world_size} process(es), ZeRO-{self.run.layout.zero_stage}; β {cfg.init_kl_coef} "
              f"({'fixed' if cfg.fixed_kl else f'adaptive, target {cfg.target_kl}'}), ptx γ {cfg.ptx_coef}"
              f"{f' on {len(self.ptx)} texts' if self.ptx else ''}, gold reward {gold}")
         if not self.rm_same_tok:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -29,8 +30,8 @@ from align.artifacts import describe_inputs
 from align.config import StageConfig, SupervisedConfig, defaults, opt
 from align.console import info
 from align.data import load_pairs
-from align.engine.build import Optim, batch_layout
-from align.engine.plan import longest_row
+from align.engine.build import Optim
+from align.engine.plan import Data, Model, Plan, Setup, SupervisedPlan, trained_model, update_terms
 from align.engine.run import Output, StageRun, chunks, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -46,7 +47,7 @@ CALIBRATION_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)  # buckets of the BT confi
 
 # The defaults are the best recipe measured for the tiny model on data/prefs (50k pairs): held-out accuracy 0.87
 # in 47 min on 2 CPU cores with --nproc 2, ~5 min on one GPU (the default pipeline runs 1,000 steps).
-@dataclass
+@dataclass(frozen=True)
 @defaults(out="runs/rm", max_steps=5000, batch_size=64, lr=5e-4, warmup_steps=50, eval_every=500)
 class RMConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected[, margin]}.", path=True)
@@ -63,7 +64,7 @@ class RMConfig(SupervisedConfig):
     max_new_tokens: int = opt(48, "Generation budget for --normalize-on-policy samples.", ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RMEvalConfig(StageConfig):
     model: str = opt("runs/rm", "Reward model: an `align rm train` artifact or a sequence-classifier dir.", path=True)
     out: str = opt("runs/rm-eval", "Output artifact directory (metrics, per-pair scores).", path=True)
@@ -73,7 +74,7 @@ class RMEvalConfig(StageConfig):
     batch_size: int = opt(64, "Pairs per forward per process.", ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RMScoreConfig(RMEvalConfig):
     out: str = opt("runs/rm-score", "Output directory; scores go to OUT/scores.jsonl.", path=True)
     data: str = opt("", "Rows to score: {prompt, response} (JSONL/JSON/Parquet/save_to_disk).", path=True)
@@ -129,6 +130,22 @@ def pair_metrics(rc, rr, config) -> dict:
 # ------------------------------------------------------------------------------------------------ train
 
 
+@dataclass(frozen=True)
+class RMPlan(SupervisedPlan):
+    """Reward-model training in the memory plan: chosen and rejected in one forward (2 rows a pair), a score head
+    (no logits) or the likelihood head's full logits."""
+
+    cfg: RMConfig
+    name: ClassVar[str] = "rm"
+
+    def terms(self, plan: Plan, models: dict[str, Model], s: Setup, data: Data) -> None:
+        cfg, a = self.cfg, models["policy"].arch
+        head = "lm" if cfg.head == "likelihood" else "score"
+        plan.add_state(trained_model(cfg, "reward model", a, head), s)
+        update_terms(plan, a, 2 * self.micro_rows(s.world, data)[0], data.sequence(cfg.max_length), s,
+               "full" if head == "lm" else "none")
+
+
 class RewardModel:
     progress = ("loss", "accuracy", "eval/accuracy")
 
@@ -146,18 +163,16 @@ class RewardModel:
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, *extra)
         if self.policy_source is not None:
             inputs["normalize_on_policy"] = describe_inputs(self.policy_source)["model"]
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
-        run.check_lora(source)
-        dist = run.open(inputs, sequence_tokens=longest_row(self.examples))
-        # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
+        dist = run.open(inputs, RMPlan(cfg), lora=(source,), sequence_tokens=D.longest_row(self.examples))
+        self.micro, accum = run.layout.micro, run.layout.accum
         self.rm = run.train("rm", lambda dtype: load_reward_model(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code,
                                                                   cfg.head, cfg.likelihood_beta),
                             Optim(cfg.lr, cfg.max_steps, cfg.warmup_steps, cfg.schedule, cfg.weight_decay),
                             micro=self.micro, accum=accum)
         self.n_params = count_parameters(self.rm.module)
         info(f"rm: {cfg.head} head, {self.n_params / 1e6:.2f}M parameters, {len(self.examples)} pairs, {dist.world_size} process(es), "
-             f"ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} pairs x accum {accum}, "
+             f"ZeRO-{run.layout.zero_stage}, {run.layout.precision}, micro batch {self.micro} pairs x accum "
+             f"{accum}, "
              f"device {dist.device.type}")
 
     def step(self, step: int) -> Stats:

@@ -8,7 +8,9 @@ the same gradient. Held-out: the same loss, and greedy pass@1 when the data carr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -17,8 +19,9 @@ from align import runtime
 from align.artifacts import describe_inputs
 from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
-from align.engine.build import Optim, batch_layout
-from align.engine.plan import longest_row
+from align.engine.build import Optim
+from align.engine.plan import (Data, Device, Family, Model, Plan, Setup, SupervisedPlan, full_logit_bytes, inference_bytes,
+                               memory_changes, micro_changes, nproc_changes, trained_model, update_terms)
 from align.engine.run import Output, chunks, train
 from align.engine.stats import Stats
 from align.errors import UserError
@@ -29,7 +32,7 @@ from align.rollout.evaluation import evaluate_policy, fitting_rows
 from align.rollout.generation import Sampling
 
 
-@dataclass
+@dataclass(frozen=True)
 @defaults(out="runs/sft", max_steps=1500, lr=2e-3, warmup_steps=50, eval_every=500)
 class SFTConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion} or {messages}.", path=True)
@@ -39,6 +42,40 @@ class SFTConfig(SupervisedConfig):
     eval_samples: int = opt(200, "Held-out problems for pass@1 (0: skip).", ge=0)
     verifier: str = verifier_opt()
     max_new_tokens: int = opt(48, "Generation budget for pass@1.", ge=1)
+
+
+EVAL_ROWS = 64  # the held-out loss runs 64 rows a forward (SFT.evaluate; the memory plan's eval phase)
+
+
+@dataclass(frozen=True)
+class SFTPlan(SupervisedPlan):
+    """SFT in the memory plan: the policy trained on rows padded to the data's longest (--max-length when
+    packing), with the full logits of its loss; --eval-data's held-out loss is a phase of its own."""
+
+    cfg: SFTConfig
+    name: ClassVar[str] = "sft"
+
+    def phases(self) -> tuple[str, ...]:
+        return ("update", "eval") if self.cfg.eval_data else ("update",)
+
+    def terms(self, plan: Plan, models: dict[str, Model], s: Setup, data: Data) -> None:
+        cfg, a = self.cfg, models["policy"].arch
+        length = data.sequence(cfg.max_length, cfg.packing)
+        plan.add_state(trained_model(cfg, "policy", a), s)
+        update_terms(plan, a, self.micro_rows(s.world, data)[0], length, s, "full")
+        if cfg.eval_data:  # the held-out loss: EVAL_ROWS rows a forward, their full logits (SFT.evaluate)
+            plan.add(f"eval: forward ({EVAL_ROWS} rows x {length} tokens)", inference_bytes(a, EVAL_ROWS, length, s),
+                     "eval")
+            plan.add(f"eval: logits ({EVAL_ROWS} x {length} x {a.vocab}, fp32 loss)",
+                     full_logit_bytes(EVAL_ROWS, length, a.vocab, s), "eval")
+
+    def changes(self, device: Device, data: Data) -> Iterator[Family]:
+        """A smaller micro-batch, no held-out loss (its 64-row forwards), LoRA, optimizer offload, more processes."""
+        yield micro_changes(self, device, data)
+        if self.cfg.eval_data:
+            yield [({"eval_data": ""}, device)]
+        yield from memory_changes(self.cfg, device)
+        yield nproc_changes(self, device)
 
 
 class SFT:
@@ -58,12 +95,9 @@ class SFT:
         self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length)
         self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
                                        self.tok, source, cfg.max_new_tokens, cfg.eval_data)
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
-        run.check_lora(source)
-
-        dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), sequence_tokens=longest_row(self.examples))
-        # again: the memory plan (run.open) may have made a micro-batch left at 0 smaller
-        self.micro, accum = batch_layout(cfg.batch_size, cfg.micro_batch_size, runtime.world_size())
+        dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), SFTPlan(cfg), lora=(source,),
+                        sequence_tokens=D.longest_row(self.examples))
+        self.micro, accum = run.layout.micro, run.layout.accum
         if len(examples) < len(rows):
             info(f"[yellow]dropped {len(rows) - len(examples)} examples whose completion exceeds --max-length[/]")
         self.policy = run.train("policy", lambda dtype: load_causal_lm(source, self.tok, dtype, cfg.seed, cfg.trust_remote_code),
@@ -72,7 +106,8 @@ class SFT:
         self.n_params = count_parameters(self.policy.module)
         packed = f" in {len(self.examples)} packed rows" if cfg.packing else ""
         info(f"sft: {self.n_params / 1e6:.2f}M parameters, {len(examples)} examples{packed}, {dist.world_size} "
-             f"process(es), ZeRO-{run.zero_stage}, {run.precision}, micro batch {self.micro} x accum {accum}, "
+             f"process(es), ZeRO-{run.layout.zero_stage}, {run.layout.precision}, micro batch {self.micro} x accum "
+             f"{accum}, "
              f"device {dist.device.type}")
 
     def step(self, step: int) -> Stats:
@@ -95,7 +130,7 @@ class SFT:
             head = self.eval_examples[: 256 * dist.world_size]
             mine = runtime.shard(head[: len(head) // dist.world_size * dist.world_size], dist) or head[:1]
             stats = Stats()
-            for mb in chunks(mine, 64):
+            for mb in chunks(mine, EVAL_ROWS):
                 b = D.to_device(D.collate_sft(mb, self.tok.pad_token_id), dist.device)
                 stats.mean("eval/loss", *completion_nll(self.policy(**D.model_inputs(b)).logits, b["labels"]))
             metrics.update(stats.reduce(dist.device))

@@ -163,8 +163,9 @@ def test_the_queued_rollout_is_in_the_stages_checkpoint_state(tiny_model_dir, tm
     ({"WORLD_SIZE": "4"}, {"rollout_gpus": 1}, True, (1, 0, 0.0)),  # asked: its own staleness (0)
 ])
 def test_rollout_gpus_auto_resolves_before_the_roles_are_split(monkeypatch, env, over, cuda, want):
-    """--rollout-gpus -1 (the default) becomes a number in the config every process builds: half the processes
+    """--rollout-gpus -1 (the default) becomes a number in the config every process builds (config.build): half the processes
     decode on several GPUs of one machine (staleness 1, TIS cap 2 where left at 0), else 0."""
+    from align.config import build
     from stages.grpo import GRPOConfig
 
     for k in ("WORLD_SIZE", "ALIGN_GLOBAL_WORLD"):
@@ -172,7 +173,6 @@ def test_rollout_gpus_auto_resolves_before_the_roles_are_split(monkeypatch, env,
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    cfg = GRPOConfig(**over)
-    assert cfg.rollout_gpus == -1 or "rollout_gpus" in over
-    cfg.validate()
+    assert GRPOConfig(**over).rollout_gpus == -1 or "rollout_gpus" in over  # a config is never rewritten
+    cfg = build(GRPOConfig, None, over)  # resolved once (GRPOConfig.resolved), then validated
     assert (cfg.rollout_gpus, cfg.max_staleness, cfg.tis_cap) == want

@@ -17,10 +17,10 @@ import pytest
 from align.config import build
 from align.engine import plan as P
 from align.errors import UserError
-from stages.dpo import DPOConfig
-from stages.grpo import GRPOConfig
-from stages.ppo import PPOConfig
-from stages.sft import SFTConfig
+from stages.dpo import DPOConfig, DPOPlan
+from stages.grpo import GRPOConfig, GRPOPlan
+from stages.ppo import PPOConfig, PPOPlan
+from stages.sft import SFTConfig, SFTPlan
 from tests.conftest import output, run_align, small_data
 
 # h 8, 2 layers, 2 heads of 4 (1 KV head), MLP 16, vocabulary 32, tied embeddings. By hand, per layer: q 8·8 = 64,
@@ -113,20 +113,20 @@ def test_ppo_holds_four_models():
     cfg = build(PPOConfig, None, {"model": "x"})
     models = {"policy": P.Model("policy", A), "value": P.Model("value", A, "score"),
               "reward model": P.Model("reward model", A, "score")}
-    r = rows(P.estimate("ppo", cfg, models, GPU, P.Data(prompt_tokens=10)))
+    r = rows(P.estimate(PPOPlan(cfg), models, GPU, P.Data(prompt_tokens=10)))
     assert r["policy: weights"]["update"] == N * 2 and r["policy: optimizer state"]["rollout"] == N * 4
     assert r["policy: gradients"] == {"update": N * 2}  # none outside the update
     assert r["value: weights"]["update"] == N_SCORE * 2 and r["value: gradients"] == {"update": N_SCORE * 2}
     assert r["value: optimizer state"]["score"] == N_SCORE * 4
     assert r["reference: weights"]["update"] == N * 2 and r["reward model: weights"]["rollout"] == N_SCORE * 2
-    lora = P.estimate("ppo", build(PPOConfig, None, {"model": "x", "lora_r": 2}), models, GPU, P.Data(10))
+    lora = P.estimate(PPOPlan(build(PPOConfig, None, {"model": "x", "lora_r": 2})), models, GPU, P.Data(10))
     assert "reference: weights" not in rows(lora) and any("adapters off" in n for n in lora.notes)
     assert rows(lora)["value: optimizer state"]["update"] == (LORA_2 + 8) * 8
 
 
 def test_grpo_peak_is_the_larger_phase_not_the_sum(monkeypatch):
     cfg = build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2, "max_new_tokens": 50})
-    est = lambda: P.estimate("grpo", cfg, {"policy": P.Model("policy", A)}, GPU, P.Data(prompt_tokens=20))  # noqa: E731
+    est = lambda: P.estimate(GRPOPlan(cfg), {"policy": P.Model("policy", A)}, GPU, P.Data(20))  # noqa: E731
     # bf16-pure, one process: a model this small decodes from a fused bf16 copy (freed before the update)
     assert rows(est())["rollout: decoder's bf16 copy"] == {"rollout": N * 2}
     # ALIGN_FAST_DECODER_COPY=0: the decoder reads the policy's own weights; bf16-mixed (fp32 weights): a bf16 copy
@@ -135,8 +135,8 @@ def test_grpo_peak_is_the_larger_phase_not_the_sum(monkeypatch):
     plan = est()
     r = rows(plan)
     assert "rollout: decoder's bf16 copy" not in r and any("own weights" in n for n in plan.notes)
-    mixed = rows(P.estimate("grpo", build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2,
-                                                             "max_new_tokens": 50, "precision": "bf16-mixed"}),
+    mixed = rows(P.estimate(GRPOPlan(build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2,
+                                                             "max_new_tokens": 50, "precision": "bf16-mixed"})),
                             {"policy": P.Model("policy", A)}, GPU, P.Data(prompt_tokens=20)))
     assert mixed["rollout: decoder's bf16 copy"] == {"rollout": N * 2}
     assert r["rollout: KV cache (8 rows x 129 slots)"] == {"rollout": 2 * 2 * 8 * 129 * 4 * 2}
@@ -144,20 +144,20 @@ def test_grpo_peak_is_the_larger_phase_not_the_sum(monkeypatch):
     totals = {p: plan.total(p) for p in plan.phases}
     assert plan.peak == max(totals.values()) < sum(totals.values())
     assert "reference: weights" not in r  # β 0 loads none
-    with_ref = rows(P.estimate("grpo", build(GRPOConfig, None, {"model": "x", "beta": 0.1}),
+    with_ref = rows(P.estimate(GRPOPlan(build(GRPOConfig, None, {"model": "x", "beta": 0.1})),
                                {"policy": P.Model("policy", A)}, GPU, P.Data(20)))
     assert with_ref["reference: weights"]["update"] == N * 2
-    lora = rows(P.estimate("grpo", build(GRPOConfig, None, {"model": "x", "beta": 0.1, "lora_r": 2}),
+    lora = rows(P.estimate(GRPOPlan(build(GRPOConfig, None, {"model": "x", "beta": 0.1, "lora_r": 2})),
                            {"policy": P.Model("policy", A)}, GPU, P.Data(20)))
     assert "reference: weights" not in lora
     assert lora["policy: weights"]["rollout"] == LORA_2 * 4  # the base waits in host memory while decoding
     assert lora["policy: weights"]["update"] == N * 2 + LORA_2 * 4
-    hf = P.estimate("grpo", cfg, {"policy": P.Model("policy", P.arch({**TINY, "model_type": "gpt_neox"}))}, GPU,
+    hf = P.estimate(GRPOPlan(cfg), {"policy": P.Model("policy", P.arch({**TINY, "model_type": "gpt_neox"}))}, GPU,
                     P.Data(20))
     assert not any(n.startswith("rollout: decoder") for n, _ in hf.rows)  # transformers' generate: no copy
     assert any("model type 'gpt_neox'" in n for n in hf.notes)
     window = P.arch({**TINY, "model_type": "mistral", "sliding_window": 64})  # shorter than the rollout's 70
-    assert any("sliding-window" in n for n in P.estimate("grpo", cfg, {"policy": P.Model("policy", window)}, GPU,
+    assert any("sliding-window" in n for n in P.estimate(GRPOPlan(cfg), {"policy": P.Model("policy", window)}, GPU,
                                                          P.Data(20)).notes)
 
 
@@ -169,14 +169,15 @@ def test_rollout_gpus_put_the_rollout_in_a_decoder_column_of_its_own(monkeypatch
     cfg = build(GRPOConfig, None, {"model": "x", "prompts_per_step": 4, "num_generations": 2, "max_new_tokens": 50,
                                    "rollout_gpus": 1, "nproc": 3})
     two = P.Device("cuda", 1e12, 2, True, True, "test")
-    plan = P.estimate("grpo", cfg, {"policy": P.Model("policy", A)}, two, P.Data(prompt_tokens=20))
+    plan = P.estimate(GRPOPlan(cfg), {"policy": P.Model("policy", A)}, two, P.Data(prompt_tokens=20))
     r = rows(plan)
     assert plan.phases == (P.DECODER, "score", "update")
     assert r["decoder: policy weights"] == {P.DECODER: N * 2} and "rollout: decoder's bf16 copy" not in r
     assert r["rollout: KV cache (8 rows x 129 slots)"] == {P.DECODER: 2 * 2 * 8 * 129 * 4 * 2}
     assert P.DECODER not in r["policy: weights"] and r["policy: weights"]["update"] == N * 2 / 2  # sharded over 2
     assert "rollout: policy gathered (ZeRO-3)" not in r
-    lora = rows(P.estimate("grpo", build(GRPOConfig, None, {"model": "x", "lora_r": 2, "rollout_gpus": 1, "nproc": 2}),
+    lora = rows(P.estimate(GRPOPlan(build(GRPOConfig, None, {"model": "x", "lora_r": 2, "rollout_gpus": 1,
+                                                              "nproc": 2})),
                            {"policy": P.Model("policy", A)}, GPU, P.Data(20)))
     assert lora["decoder: policy weights"] == {P.DECODER: N * 2 + LORA_2 * 4}
     assert lora["rollout: decoder's bf16 copy"] == {P.DECODER: N * 2}  # the merged W + (α/r) B A
@@ -184,42 +185,42 @@ def test_rollout_gpus_put_the_rollout_in_a_decoder_column_of_its_own(monkeypatch
 
 def test_dpo_reference_live_precomputed_none():
     policy = {"policy": P.Model("policy", A)}
-    live = P.estimate("dpo", build(DPOConfig, None, {"model": "x"}), policy, GPU)
+    live = P.estimate(DPOPlan(build(DPOConfig, None, {"model": "x"})), policy, GPU)
     # a live reference: its forwards of a step's pairs run before the policy's micro-batches, a phase of their own
     assert live.phases == ("reference pass", "update")
     assert rows(live)["reference: weights"] == {"reference pass": N * 2, "update": N * 2}
     assert set(rows(live)["reference pass: forward"]) == {"reference pass"}
-    pre = P.estimate("dpo", build(DPOConfig, None, {"model": "x", "precompute_ref": True}), policy, GPU)
+    pre = P.estimate(DPOPlan(build(DPOConfig, None, {"model": "x", "precompute_ref": True})), policy, GPU)
     assert pre.phases == ("reference pass", "update") and rows(pre)["reference: weights"] == {"reference pass": N * 2}
     for flags in ({"loss": "simpo"}, {"lora_r": 2}):
-        assert "reference: weights" not in rows(P.estimate("dpo", build(DPOConfig, None, {"model": "x", **flags}),
+        assert "reference: weights" not in rows(P.estimate(DPOPlan(build(DPOConfig, None, {"model": "x", **flags})),
                                                            policy, GPU))
-    short = P.estimate("dpo", build(DPOConfig, None, {"model": "x"}), policy, GPU, P.Data(sequence_tokens=40))
+    short = P.estimate(DPOPlan(build(DPOConfig, None, {"model": "x"})), policy, GPU, P.Data(sequence_tokens=40))
     assert any("x 40 tokens" in n for n, _ in short.rows)  # padded to the data's longest pair, not --max-length
 
 
 def test_smallest_change_in_order():
     cfg = build(SFTConfig, None, {"model": "x", "micro_batch_size": 8, "eval_data": ""})
     policy = {"policy": P.Model("policy", A)}
-    at = lambda c, d=GPU: P.estimate("sft", c, policy, d).peak  # noqa: E731
+    at = lambda c, d=GPU: P.estimate(SFTPlan(c), policy, d).peak  # noqa: E731
     smaller = build(SFTConfig, None, {"model": "x", "micro_batch_size": 4, "eval_data": ""})
     between = P.Device("cuda", (at(cfg) + at(smaller)) / 2)
-    change, plan = P.smallest_change("sft", cfg, policy, between)
+    change, plan = P.smallest_change(SFTPlan(cfg), policy, between)
     assert change == "--micro-batch-size 4" and plan.fits  # the largest micro-batch that fits
     # SFT's held-out loss forwards 64 rows with their full logits: a phase of its own, which --eval-data '' drops
     evals = build(SFTConfig, None, {"model": "x", "micro_batch_size": 1, "precision": "bf16-mixed"})
-    plan = P.estimate("sft", evals, policy, GPU, P.Data(sequence_tokens=10))
+    plan = P.estimate(SFTPlan(evals), policy, GPU, P.Data(sequence_tokens=10))
     assert plan.phases == ("update", "eval") and plan.peak_phase == "eval"
     assert rows(plan)["eval: logits (64 x 10 x 32, fp32 loss)"] == {"eval": 64 * 10 * 32 * 12}
     tight = P.Device("cuda", plan.total("update") + 1)
-    assert P.smallest_change("sft", evals, policy, tight, P.Data(sequence_tokens=10))[0] == "--eval-data ''"
+    assert P.smallest_change(SFTPlan(evals), policy, tight, P.Data(sequence_tokens=10))[0] == "--eval-data ''"
     one = build(GRPOConfig, None, {"model": "x", "micro_batch_size": 1})
-    g = lambda c: P.estimate("grpo", c, policy, GPU, P.Data(20)).peak  # noqa: E731
+    g = lambda c: P.estimate(GRPOPlan(c), policy, GPU, P.Data(20)).peak  # noqa: E731
     tight = P.Device("cuda", (g(one) + g(build(GRPOConfig, None, {"model": "x", "micro_batch_size": 1,
                                                                   "gradient_checkpointing": True}))) / 2)
-    assert P.smallest_change("grpo", one, policy, tight, P.Data(20))[0] == "--gradient-checkpointing"
-    labels = [P.flags(family[0][0]) for family in P._changes("grpo", build(GRPOConfig, None, {"model": "x"}),
-                                                                GPU, P.Data(20)) if family]
+    assert P.smallest_change(GRPOPlan(one), policy, tight, P.Data(20))[0] == "--gradient-checkpointing"
+    families = GRPOPlan(build(GRPOConfig, None, {"model": "x"})).changes(GPU, P.Data(20))
+    labels = [P.flags(family[0][0]) for family in families if family]
     assert labels == ["--micro-batch-size 64", "--gradient-checkpointing", "--lora-r 16", "--offload-optimizer",
                       "--prompts-per-step 8", "--max-new-tokens 24", "--nproc 2"]
     # a 1.2B model, GRPO's defaults (16 prompts x G 8): at 8 GiB only 8 processes fit; at 4 GiB no single change
@@ -228,10 +229,10 @@ def test_smallest_change_in_order():
         model_type="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
         intermediate_size=8192, vocab_size=32000)))}
     cfg = build(GRPOConfig, None, {"model": "x"})
-    assert P.smallest_change("grpo", cfg, big, P.Device("cuda", 8 * P.GiB), P.Data(100))[0] == "--nproc 8"
-    change, plan = P.smallest_change("grpo", cfg, big, P.Device("cuda", 4 * P.GiB), P.Data(100))
+    assert P.smallest_change(GRPOPlan(cfg), big, P.Device("cuda", 8 * P.GiB), P.Data(100))[0] == "--nproc 8"
+    change, plan = P.smallest_change(GRPOPlan(cfg), big, P.Device("cuda", 4 * P.GiB), P.Data(100))
     assert change.startswith("--micro-batch-size 1 ") and "--lora-r 16" in change and plan.fits
-    assert P.smallest_change("grpo", cfg, big, P.Device("cuda", 1 * P.GiB), P.Data(100)) is None
+    assert P.smallest_change(GRPOPlan(cfg), big, P.Device("cuda", 1 * P.GiB), P.Data(100)) is None
 
 
 def test_decoder_ranks_are_the_first_thing_given_up_when_a_trainer_does_not_fit():
@@ -244,11 +245,11 @@ def test_decoder_ranks_are_the_first_thing_given_up_when_a_trainer_does_not_fit(
     flags = {"model": "x", "nproc": 2, "gradient_checkpointing": True, "micro_batch_size": 4}
     split = build(GRPOConfig, None, {**flags, "rollout_gpus": 1})
     sync = build(GRPOConfig, None, {**flags, "rollout_gpus": 0})
-    one_trainer = P.estimate("grpo", split, llama8b, P.Device("cuda", 1e12, 1), P.Data(100)).peak
-    both_train = P.estimate("grpo", sync, llama8b, P.Device("cuda", 1e12, 2), P.Data(100)).peak
+    one_trainer = P.estimate(GRPOPlan(split), llama8b, P.Device("cuda", 1e12, 1), P.Data(100)).peak
+    both_train = P.estimate(GRPOPlan(sync), llama8b, P.Device("cuda", 1e12, 2), P.Data(100)).peak
     assert both_train < 0.85 * one_trainer
     between = P.Device("cuda", (one_trainer + both_train) / 2, 1)
-    change, plan = P.smallest_change("grpo", split, llama8b, between, P.Data(100))
+    change, plan = P.smallest_change(GRPOPlan(split), llama8b, between, P.Data(100))
     assert change == "--rollout-gpus 0" and plan.fits
 
 
@@ -259,14 +260,15 @@ def test_replicas_are_suggested_where_the_training_state_fits_each_gpu():
     cfg = build(SFTConfig, None, {"model": "x", "nproc": 2})
     policy = {"policy": P.Model("policy", A)}
     two = P.Device("cuda", 1e12, 2, True, True, "test")
-    hint = P.replicas_hint("sft", cfg, policy, two)
+    hint = P.replicas_hint(SFTPlan(cfg), policy, two)
     assert hint and "--zero-stage 0" in hint and "2 processes" in hint
-    assert P.replicas_hint("sft", cfg, policy, P.Device("cuda", 1e12, 1, True, True, "test")) is None
-    assert P.replicas_hint("sft", cfg, policy, P.Device("cpu", 1e12, 2, False, False, "test")) is None
-    assert P.replicas_hint("sft", build(SFTConfig, None, {"model": "x", "nproc": 2, "zero_stage": 0}), policy, two) is None
-    peak = P.estimate("sft", replace(cfg, zero_stage=0), policy, two).peak
-    assert P.replicas_hint("sft", cfg, policy, P.Device("cuda", peak / 0.79, 2, True, True, "test"))
-    assert P.replicas_hint("sft", cfg, policy, P.Device("cuda", peak / 0.81, 2, True, True, "test")) is None
+    assert P.replicas_hint(SFTPlan(cfg), policy, P.Device("cuda", 1e12, 1, True, True, "test")) is None
+    assert P.replicas_hint(SFTPlan(cfg), policy, P.Device("cpu", 1e12, 2, False, False, "test")) is None
+    zero0 = SFTPlan(build(SFTConfig, None, {"model": "x", "nproc": 2, "zero_stage": 0}))
+    assert P.replicas_hint(zero0, policy, two) is None
+    peak = P.estimate(SFTPlan(replace(cfg, zero_stage=0)), policy, two).peak
+    assert P.replicas_hint(SFTPlan(cfg), policy, P.Device("cuda", peak / 0.79, 2, True, True, "test"))
+    assert P.replicas_hint(SFTPlan(cfg), policy, P.Device("cuda", peak / 0.81, 2, True, True, "test")) is None
 
 
 def test_real_8b_grpo_against_its_measured_peaks(monkeypatch):
@@ -306,14 +308,14 @@ def test_lora_grpo_update_kept_within_the_rollout():
     models = {"policy": P.Model("policy", P.arch(config("llama3.1-8b")))}
     device = P.Device("cuda", 134.77 * P.GiB, 1, True, True, "test")
     cfg = build(GRPOConfig, None, flags)
-    before = P.estimate("grpo", cfg, models, device, P.Data(256))
-    plan = P._lora_within_rollout(cfg, "grpo", models, device, P.Data(256), before)
+    before = P.estimate(GRPOPlan(cfg), models, device, P.Data(256))
+    plan, rows = P._lora_within_rollout(GRPOPlan(cfg), models, device, P.Data(256), before)
     assert before.total("update") > before.total("rollout") and before.peak_phase == "update"
-    assert cfg.micro_batch_size == 1 and plan.total("update") <= plan.total("rollout")
+    assert rows == 1 and plan.total("update") <= plan.total("rollout") and cfg.micro_batch_size == 0
     assert plan.peak < 0.4 * 130.1 * P.GiB  # the full fine-tuning run's measured peak
     full = build(GRPOConfig, None, {**flags, "lora_r": 0})  # full fine-tuning: untouched
-    P._lora_within_rollout(full, "grpo", models, device, P.Data(256), P.estimate("grpo", full, models, device))
-    assert full.micro_batch_size == 0
+    assert P._lora_within_rollout(GRPOPlan(full), models, device, P.Data(256),
+                                  P.estimate(GRPOPlan(full), models, device))[1] is None
 
 
 def test_model_configs_and_device(tiny_model_dir, tiny_reward_model_dir, monkeypatch):
@@ -340,10 +342,10 @@ def sft_peak(**flags) -> float:
     from align.models import load_tokenizer, resolve
 
     tok = load_tokenizer(resolve("tiny"))
-    longest = P.longest_row(D.sft_examples(tok, D.load_rows(str(small_data()["arith"]), "sft"), 256))
+    longest = D.longest_row(D.sft_examples(tok, D.load_rows(str(small_data()["arith"]), "sft"), 256))
     cfg = build(SFTConfig, None, {"model": "tiny", **flags})
     device = P.device_for(cfg)
-    return P.estimate("sft", cfg, {"policy": P.model_of("policy", "tiny")}, device, P.Data(None, longest)).peak
+    return P.estimate(SFTPlan(cfg), {"policy": P.model_of("policy", "tiny")}, device, P.Data(None, longest)).peak
 
 
 SFT = ["sft", "--model", "tiny", "--data", small_data()["arith"], "--eval-data", "", "--max-steps", "2"]

@@ -27,8 +27,11 @@ HOPELESS = ("reward_errors", "no_signal")  # nothing a stop with the best weight
 
 
 class Alarms:
-    def __init__(self, run):
-        self.run, self.mode = run, getattr(run.cfg, "on_alarm", "warn")
+    """A run's --on-alarm `mode` (warn | stop | rollback): what it does with RLMonitor's events, the best held-out
+    weights it keeps and the rollback it made."""
+
+    def __init__(self, run, mode: str = "warn"):
+        self.run, self.mode = run, mode
         self.best: dict | None = None  # {"step", "key", "value"} of the weights in best-model/
         self.rollback: dict | None = None  # {"at", "to", "rule", "changes", "lr_factor"} once rolled back
 
@@ -65,7 +68,7 @@ class Alarms:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         runtime.save_model(out.engine, out.tokenizer, tmp, run.dist, extra_config=out.config,
-                           merge=getattr(run.cfg, "merge", True), max_shard_size=run.cfg.max_shard_size)
+                           merge=run.cfg.merge, max_shard_size=run.cfg.max_shard_size)
         if run.dist.is_main:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -80,7 +83,8 @@ class Alarms:
         if self.mode == "warn" or event.rule in HOPELESS:
             run._monitor_stop(step, event, algo, bar)
         remedy = next((r.remedy for r in run.monitor.rules if r.name == event.rule), {})
-        if self.mode == "rollback" and self.rollback is None and remedy and run.in_loop and checkpoint.latest(run.out):
+        if (self.mode == "rollback" and self.rollback is None and remedy and run.signals.in_loop
+                and checkpoint.latest(run.out)):
             return self._roll_back(step, event, algo, remedy, bar)
         if event.rule == "nan" and not self.best:  # never keep non-finite weights: the plain nan stop
             run._monitor_stop(step, event, algo, bar)

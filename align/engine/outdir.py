@@ -4,27 +4,27 @@ accident: a complete one needs --overwrite (or --resume to continue it), and ano
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
 from align.artifacts import ARTIFACT_FILE, read_artifact
+from align.config import Options, TrainConfig
 from align.errors import UserError
 
 LOCK = ".lock"
 
 
-def check(cfg, stage: str) -> None:
+def check(cfg: Options, stage: str) -> None:
     """Refuse, before anything is written, an --out that holds someone else's files, is one of the inputs, or
-    holds an artifact this run of `stage` must not replace."""
+    holds an artifact this run of `stage` must not replace. `cfg`: a command's options with --out and
+    --overwrite (a training stage's --resume too)."""
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: --out is a file; give a directory (new, empty, or an earlier run's).")
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name != "out" and f.metadata.get("path") and value and Path(value).exists():
+    for name, value in cfg.paths().items():
+        if name != "out" and value and Path(value).exists():
             if Path(value).resolve() == out.resolve():
-                raise UserError(f"--out {out} is also --{f.name.replace('_', '-')}: the run would overwrite its own "
+                raise UserError(f"--out {out} is also --{name.replace('_', '-')}: the run would overwrite its own "
                                 "input. Choose another --out.")
     if out.is_dir() and not (out / ARTIFACT_FILE).exists():
         foreign = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
@@ -33,13 +33,13 @@ def check(cfg, stage: str) -> None:
             raise UserError(f"{out}: --out holds files that are not an align artifact ({shown}); they would be "
                             "overwritten. Choose a new or empty directory.")
     if out.is_dir() and (out / ARTIFACT_FILE).exists():
-        _check_artifact(cfg, stage, out)
+        _check_artifact(stage, out, cfg.overwrite, cfg.resume if isinstance(cfg, TrainConfig) else None)
 
 
-def _check_artifact(cfg, stage: str, out: Path) -> None:
+def _check_artifact(stage: str, out: Path, overwrite: bool, resume: bool | None) -> None:
     """--out holds an artifact: a run continues it (--resume, same stage), replaces it (--overwrite), or reruns
-    a failed run of its own stage; a complete artifact, or another stage's, is refused otherwise."""
-    resume = getattr(cfg, "resume", False)
+    a failed run of its own stage; a complete artifact, or another stage's, is refused otherwise. `resume`: None
+    for a command without --resume."""
     try:
         art = read_artifact(out) or {}
         have, status = art.get("stage"), art.get("status")
@@ -48,14 +48,14 @@ def _check_artifact(cfg, stage: str, out: Path) -> None:
         art, have, status, what = {}, None, None, "a damaged artifact (its artifact.json is not JSON)"
     if resume and have != stage:
         raise UserError(f"{out}: holds {what}; --resume continues a {stage} run in its own --out.")
-    if resume or getattr(cfg, "overwrite", False):
+    if resume or overwrite:
         return
     if have != stage:
         raise UserError(f"{out}: holds {what}, which this {stage} run would replace. Choose another --out, or pass "
                         "--overwrite to replace it.")
     if status == "complete":
         finished = f" (finished {art['finished']})" if art.get("finished") else ""
-        cont = ", --resume with a larger --max-steps to continue it" if hasattr(cfg, "resume") else ""
+        cont = ", --resume with a larger --max-steps to continue it" if resume is not None else ""
         raise UserError(f"{out}: holds a complete {stage} artifact{finished}. Pass --overwrite to replace it{cont}, "
                         "or choose another --out.")
 

@@ -50,9 +50,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
+from align.config import RLConfig, SupervisedConfig, TrainConfig
+from align.engine.build import batch_layout
+from align.engine.layout import engines
 from align.errors import UserError
 
 GiB = 1 << 30
@@ -347,31 +352,136 @@ class Device:
     source: str = ""  # where `free` came from, for the table
 
 
-def setup(cfg, device: Device) -> Setup:
-    """The precision and ZeRO stage the run will use (align.engine.build's own rules) and its other switches."""
-    from types import SimpleNamespace
+@dataclass(frozen=True)
+class Data:
+    """What the stage's data says about lengths: its longest prompt (RL stages, online DPO) and its longest
+    example (sft, rm, dpo: a batch is padded to its longest row); None where unknown."""
 
-    from align.engine.build import compiles, engine_stage, resolve_precision
+    prompt_tokens: int | None = None
+    sequence_tokens: int | None = None
 
-    dev = SimpleNamespace(type=device.kind)
-    keep = bool(getattr(cfg, "offload_optimizer", False) or getattr(cfg, "offload_frozen", False))
-    stage, _ = engine_stage(cfg.zero_stage, device.world, dev, keep, cfg.deepspeed)
-    return Setup(precision=resolve_precision(dev, cfg.precision, offload=keep), zero_stage=stage, world=device.world,
-                 offload_optimizer=bool(getattr(cfg, "offload_optimizer", False)),
-                 offload_frozen=bool(getattr(cfg, "offload_frozen", False)),
-                 checkpointing=bool(getattr(cfg, "gradient_checkpointing", False)), device=device.kind,
-                 fast_decoder=device.fast_decoder and device.kind == "cuda", gather=getattr(cfg, "gather", True),
-                 compiled=compiles(bool(getattr(cfg, "compile", False)), dev, stage, device.world))
+    def prompt(self, unknown: int = 256) -> int:
+        """The longest prompt; `unknown` when the data did not say (PPO: its --max-prompt-length)."""
+        return self.prompt_tokens if self.prompt_tokens is not None else unknown
 
-
-def _trained(cfg, role: str, a: Arch, head: str = "lm") -> Model:
-    return Model(role, a, head, True, getattr(cfg, "lora_r", 0), getattr(cfg, "lora_targets", "all-linear"))
+    def sequence(self, max_length: int, packing: bool = False) -> int:
+        """The longest training row: `max_length`, or the data's longest example below it (not when packing)."""
+        if self.sequence_tokens and not packing:
+            return min(self.sequence_tokens, max_length)
+        return max_length
 
 
-def _reference(cfg, models: dict, plan: Plan) -> Model | None:
-    """The frozen reference (--ref-model, else the input model), or None where the LoRA policy with its adapters
+# ---------------------------------------------------------------------------------------------- what a stage says
+
+
+Family = list[tuple[dict, Device]]  # one kind of change, from its least drastic value: (flags, device) each
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """A training stage's part of the memory plan and of its run's layout: a subclass next to the stage
+    (stages/*.py) says what the engine cannot know from TrainConfig's options — its models, its phases, the terms
+    of each, its micro-batch, the changes to suggest — and the stage hands it to `run.open`. Bound to the stage's
+    config; `changed(...)` is the same stage with other options (a candidate change)."""
+
+    cfg: TrainConfig
+    name: ClassVar[str] = ""  # the stage, as the table's title and the messages name it
+    # its switches beyond TrainConfig's options (a stage that has the option reads it, with a property)
+    offload_frozen: ClassVar[bool] = False  # frozen models' parameters in CPU memory under ZeRO-3 (--offload-frozen)
+    checkpointing: ClassVar[bool] = False  # activations recomputed in the backward (--gradient-checkpointing)
+    gather: ClassVar[bool] = True  # ZeRO-3 weights gathered for the rollout (an RL stage's --gather)
+    decoders: ClassVar[int] = 0  # processes that only decode (--rollout-gpus), not counted among the trainers
+    auto_micro: ClassVar[bool] = True  # --micro-batch-size 0 is the stage's choice, which the plan may lower
+    lora_within_rollout: ClassVar[bool] = False  # under LoRA (GPU, micro-batch 0): an update no larger than the rollout
+
+    def changed(self, **change) -> StagePlan:
+        """This stage with `change` applied to its options (UserError: not a valid combination)."""
+        return replace(self, cfg=replace(self.cfg, **change))
+
+    @property
+    def offloaded(self) -> bool:
+        """Something lives in CPU memory: ZeRO is kept and `--precision auto` is bf16-mixed (layout.engines)."""
+        return self.cfg.offload_optimizer or self.offload_frozen
+
+    def models(self) -> dict[str, str]:
+        """The models the stage builds, role -> --model-style spec (the stage has checked every path already)."""
+        return {"policy": self.cfg.model}
+
+    def phases(self) -> tuple[str, ...]:
+        """The phases of a step, each a column of the table."""
+        return ("update",)
+
+    def micro_rows(self, world: int, data: Data) -> tuple[int, int]:
+        """(the update's micro-batch per process, the batch per process and step it must divide), as the stage
+        computes them: rows, or pairs, or episodes."""
+        raise NotImplementedError
+
+    def batch(self, world: int, micro_batch_size: int, data: Data) -> tuple[int, int]:
+        """(rows per micro-batch, micro-batches per optimiser step) of a run with `micro_batch_size`; UserError
+        when they do not divide the stage's batch (checked before anything is written)."""
+        raise NotImplementedError
+
+    def terms(self, plan: Plan, models: dict[str, Model], s: Setup, data: Data) -> None:
+        """Add what a step of the stage holds to `plan` (the module docstring's terms)."""
+        raise NotImplementedError
+
+    def changes(self, device: Device, data: Data) -> Iterator[Family]:
+        """The changes to try when the plan does not fit, in order: a smaller micro-batch, LoRA, optimizer offload,
+        more processes. A stage with other levers yields its own list."""
+        yield micro_changes(self, device, data)
+        yield from memory_changes(self.cfg, device)
+        yield nproc_changes(self, device)
+
+
+@dataclass(frozen=True)
+class SupervisedPlan(StagePlan):
+    """A stage that trains on a fixed dataset: --batch-size examples (or pairs) per step, split evenly over the
+    processes, in micro-batches of --micro-batch-size (0: a process's whole share)."""
+
+    cfg: SupervisedConfig
+
+    def micro_rows(self, world: int, data: Data) -> tuple[int, int]:
+        n = self.cfg.batch_size // world
+        return self.cfg.micro_batch_size or n, n
+
+    def batch(self, world: int, micro_batch_size: int, data: Data) -> tuple[int, int]:
+        return batch_layout(self.cfg.batch_size, micro_batch_size, world)
+
+
+@dataclass(frozen=True)
+class RLPlan(StagePlan):
+    """An RL stage: its rollout gathers ZeRO-3 weights unless --no-gather."""
+
+    cfg: RLConfig
+
+    @property
+    def gather(self) -> bool:
+        return self.cfg.gather
+
+
+def setup(stage: StagePlan, device: Device) -> Setup:
+    """The precision and ZeRO stage the run will use (align.engine.layout, as the run resolves them) and its other
+    switches."""
+    cfg, layout = stage.cfg, engines(stage.cfg, device.kind, device.world, stage.offloaded)
+    return Setup(precision=layout.precision, zero_stage=layout.zero_stage, world=device.world,
+                 offload_optimizer=cfg.offload_optimizer, offload_frozen=stage.offload_frozen,
+                 checkpointing=stage.checkpointing, device=device.kind,
+                 fast_decoder=device.fast_decoder and device.kind == "cuda", gather=stage.gather,
+                 compiled=layout.compile)
+
+
+# ---------------------------------------------------------------------------------------------- terms a stage adds
+
+
+def trained_model(cfg: TrainConfig, role: str, a: Arch, head: str = "lm") -> Model:
+    """The Model `cfg` trains in `role` (its LoRA rank and targets)."""
+    return Model(role, a, head, True, cfg.lora_r, cfg.lora_targets)
+
+
+def reference_model(plan: Plan, models: dict, lora_r: int, ref_model: str = "") -> Model | None:
+    """The frozen reference (`ref_model`, else the input model), or None where the LoRA policy with its adapters
     off is the reference."""
-    if getattr(cfg, "lora_r", 0) and not getattr(cfg, "ref_model", ""):
+    if lora_r and not ref_model:
         plan.notes.append("reference = the LoRA policy with its adapters off (no second copy)")
         return None
     return Model("reference", models.get("reference", models["policy"]).arch)
@@ -387,8 +497,8 @@ def decoder_copies(a: Arch, lora_r: int, s: Setup) -> bool:
     return copy_forced() or s.zero_stage == 3 or bool(lora_r) or s.r != s.e or copies_small(n_params(a) * s.e)
 
 
-def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup, phase: str = "rollout",
-             copies: bool | None = None) -> None:
+def rollout_terms(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Setup, phase: str = "rollout",
+            copies: bool | None = None) -> None:
     """The rollout phase's own terms (the decoder's copy if it keeps one, its KV cache, prefill and sampling
     buffers). `copies`: whether the decoder keeps a copy (default: from the policy's LoRA rank and `s`)."""
     a = policy.arch
@@ -411,76 +521,28 @@ def _rollout(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s: Set
     plan.add("rollout: prefill and sampling buffers", prefill_bytes(a, rows, prompt, s, fast), phase)
 
 
-def _decoder(plan: Plan, policy: Model, decoders: int, samples: int, prompt: int, new: int, s: Setup) -> None:
+def decoder_terms(plan: Plan, policy: Model, decoders: int, samples: int, prompt: int, new: int, s: Setup) -> None:
     """--rollout-gpus: what one decoder rank holds (the DECODER column): the policy in the module's dtype, not
     sharded (LoRA: its base and fp32 adapters), and its share of the rollout's samples decoded as one process
     would."""
     one = replace(s, world=1, zero_stage=0)
     adapters = lora_params(policy.arch, policy.lora_r, policy.lora_targets) if policy.lora_r else 0
     plan.add("decoder: policy weights", policy.params * s.r + adapters * 4, DECODER)
-    _rollout(plan, replace(policy, role="decoder", lora_r=0), -(-samples // decoders), prompt, new, one, DECODER,
-             copies=decoder_copies(policy.arch, policy.lora_r, one))
+    rollout_terms(plan, replace(policy, role="decoder", lora_r=0), -(-samples // decoders), prompt, new, one, DECODER,
+            copies=decoder_copies(policy.arch, policy.lora_r, one))
     plan.notes.append(f"{DECODER}: each of the {decoders} decoder process(es) (--rollout-gpus); the other "
                       "phases are a trainer's")
 
 
-def _zero3_blocks(plan: Plan, models: list[Model], s: Setup) -> None:
+def zero3_blocks(plan: Plan, models: list[Model], s: Setup) -> None:
     """ZeRO-3 on several processes gathers a block's weights for its forward / backward: ~2 blocks in flight."""
     if s.zero_stage == 3 and s.world > 1 and models:
         plan.add("ZeRO-3: gathered blocks", 2 * max(layer_params(m.arch) for m in models) * s.r)
 
 
-@dataclass(frozen=True)
-class Data:
-    """What the stage's data says about lengths: its longest prompt (RL stages, online DPO) and its longest
-    example (sft, rm, dpo: a batch is padded to its longest row); None where unknown."""
-
-    prompt_tokens: int | None = None
-    sequence_tokens: int | None = None
-
-    def prompt(self, cfg) -> int:
-        """The longest prompt; unknown: PPO's --max-prompt-length, else 256."""
-        return self.prompt_tokens if self.prompt_tokens is not None else getattr(cfg, "max_prompt_length", 256)
-
-    def sequence(self, cfg) -> int:
-        """The longest training row: --max-length, or the data's longest example below it (not when packing)."""
-        if self.sequence_tokens and not getattr(cfg, "packing", False):
-            return min(self.sequence_tokens, cfg.max_length)
-        return cfg.max_length
-
-
-def longest_row(examples: list[dict]) -> int | None:
-    """Tokens of the longest row the tokenised examples make: an SFT row, a pair's prompt + its longer response,
-    a KTO row's prompt + completion (None: no examples)."""
-    def tokens(e: dict) -> int:
-        if "input_ids" in e:
-            return len(e["input_ids"])
-        return len(e["prompt_ids"]) + max(len(e.get(k, ())) for k in ("chosen_ids", "rejected_ids", "completion_ids"))
-
-    return max(map(tokens, examples), default=None)
-
-
-def decoders_of(cfg) -> int:
-    """GRPO's decoder processes (--rollout-gpus; its auto value -1 is resolved when the config is validated)."""
-    return max(getattr(cfg, "rollout_gpus", 0), 0)
-
-
-def micro_rows(stage: str, cfg, world: int, longest: int = 0) -> tuple[int, int]:
-    """(the update's micro-batch per process, the batch per process and step it must divide), as the stage
-    computes them: rows, or pairs in rm and dpo (2 rows each)."""
-    from align.engine.build import rows_within
-
-    if stage == "grpo":
-        n = cfg.prompts_per_step // world * cfg.num_generations
-        return min(cfg.micro_batch_size or rows_within(n, longest, cfg.micro_batch_tokens), n), n
-    if stage == "ppo":
-        n = cfg.minibatch_size // world
-        return min(cfg.micro_batch_size or n, n), n
-    n = cfg.batch_size // world
-    return cfg.micro_batch_size or n, n
-
-
-def _update(plan: Plan, a: Arch, rows: int, length: int, s: Setup, logits: str = "chunked") -> None:
+def update_terms(plan: Plan, a: Arch, rows: int, length: int, s: Setup, logits: str = "chunked") -> None:
+    """The update phase's activations of `rows` x `length` tokens and its logits: "full" (a plain forward's fp32
+    loss), "chunked" (align.logprobs' fused head) or "none" (a score head)."""
     plan.add(f"activations ({rows} rows x {length} tokens{', checkpointed' if s.checkpointing else ''})",
              activation_bytes(a, rows, length, s), "update")
     if logits == "full":
@@ -490,53 +552,15 @@ def _update(plan: Plan, a: Arch, rows: int, length: int, s: Setup, logits: str =
         plan.add("logits (fused log-probs, chunked)", chunked_logit_bytes(rows * length, a.vocab), "update")
 
 
-def _supervised(stage: str, cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
-    """sft (full logits), rm (2 rows per pair; a score head, or a likelihood head's full logits)."""
-    a = models["policy"].arch
-    micro, _ = micro_rows(stage, cfg, s.world)
-    head = "lm" if stage == "sft" or getattr(cfg, "head", "scalar") == "likelihood" else "score"
-    plan.add_state(_trained(cfg, "policy" if stage == "sft" else "reward model", a, head), s)
-    rows = micro * (2 if stage == "rm" else 1)
-    _update(plan, a, rows, data.sequence(cfg), s, "full" if head == "lm" else "none")
-    if "eval" in plan.phases:  # SFT's held-out loss: 64 rows a forward, their full logits (stages.sft.evaluate)
-        length = data.sequence(cfg)
-        plan.add(f"eval: forward ({EVAL_ROWS} rows x {length} tokens)", inference_bytes(a, EVAL_ROWS, length, s),
-                 "eval")
-        plan.add(f"eval: logits ({EVAL_ROWS} x {length} x {a.vocab}, fp32 loss)",
-                 full_logit_bytes(EVAL_ROWS, length, a.vocab, s), "eval")
-
-
-def _dpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
-    a, length = models["policy"].arch, data.sequence(cfg)
-    policy = _trained(cfg, "policy", a)
-    plan.add_state(policy, s)
-    ref = None if cfg.reference_free else _reference(cfg, models, plan)
-    rows = 2 * micro_rows("dpo", cfg, s.world)[0]
-    if ref is not None:
-        phases = ("reference pass",) if cfg.precompute_ref else plan.phases
-        plan.add("reference: weights", model_state(ref, s)["weights"], *phases)
-    if not cfg.reference_free:  # (a LoRA policy's reference: the policy itself, its adapters off)
-        # --precompute-ref: 32 pairs at a time, then the reference is freed; live: a step's pairs in forwards of up
-        # to DPO_REF_TOKENS tokens (at least a micro-batch), before the policy's micro-batches
-        ref_rows = 64 if cfg.precompute_ref else max(rows, 2 * (DPO_REF_TOKENS // (2 * max(length, 1))))
-        arch = ref.arch if ref is not None else a
-        plan.add("reference pass: forward", inference_bytes(arch, ref_rows, length, s) +
-                 chunked_logit_bytes(ref_rows * length, arch.vocab), "reference pass")
-    if "reward model" in models:
-        plan.add("reward model: weights", model_state(models["reward model"], s)["weights"])
-    if cfg.online:
-        _rollout(plan, policy, 64, data.prompt(cfg), cfg.max_new_tokens, s)
-    _update(plan, a, rows, length, s)
-
-
-def _frozen(plan: Plan, models: dict, roles: tuple[str, ...], s: Setup) -> list[Model]:
+def frozen_weights(plan: Plan, models: dict, roles: tuple[str, ...], s: Setup) -> list[Model]:
+    """The weights of each of `roles` the stage builds (every phase); returns their Models."""
     found = [models[r] for r in roles if r in models]
     for m in found:
         plan.add(f"{m.role}: weights", model_state(m, s)["weights"])
     return found
 
 
-def _scoring(plan: Plan, models: list[Model], rows: int, length: int, s: Setup) -> None:
+def score_terms(plan: Plan, models: list[Model], rows: int, length: int, s: Setup) -> None:
     """The score phase: the largest no-grad pass (log-probs, values, reward scores) over a micro-batch."""
     if not models:
         return
@@ -547,80 +571,16 @@ def _scoring(plan: Plan, models: list[Model], rows: int, length: int, s: Setup) 
     plan.add(f"score: largest forward ({role}, {rows} rows)", passes[role], "score")
 
 
-def _grpo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
-    a, prompt = models["policy"].arch, data.prompt(cfg)
-    longest = prompt + cfg.max_new_tokens
-    micro, n = micro_rows("grpo", cfg, s.world, longest)
-    policy = _trained(cfg, "policy", a)
-    plan.add_state(policy, s)
-    ref = _reference(cfg, models, plan) if cfg.beta else None
-    frozen = ([ref] if ref else []) + _frozen(plan, models, ("teacher", "reward model"), s)
-    if ref:
-        plan.add("reference: weights", model_state(ref, s)["weights"])
-    if decoders_of(cfg):
-        _decoder(plan, policy, decoders_of(cfg), cfg.prompts_per_step * cfg.num_generations, prompt,
-                 cfg.max_new_tokens, s)
-    else:
-        _rollout(plan, policy, n, prompt, cfg.max_new_tokens, s)
-    _scoring(plan, ([policy] if cfg.num_iterations > 1 else []) + frozen, micro, longest, s)
-    _zero3_blocks(plan, [policy, *frozen], s)
-    _update(plan, a, micro, longest, s)
-
-
-def _ppo(cfg, models: dict, s: Setup, plan: Plan, data: Data) -> None:
-    a, prompt = models["policy"].arch, data.prompt(cfg)
-    longest = prompt + cfg.max_new_tokens
-    micro, _ = micro_rows("ppo", cfg, s.world)
-    policy = _trained(cfg, "policy", a)
-    value = _trained(cfg, "value", models["value"].arch, "score")
-    plan.add_state(policy, s)
-    plan.add_state(value, s)
-    ref = _reference(cfg, models, plan)
-    if ref:
-        plan.add("reference: weights", model_state(ref, s)["weights"])
-    frozen = ([ref] if ref else []) + _frozen(plan, models, ("reward model",), s)
-    _rollout(plan, policy, cfg.prompts_per_step // s.world, prompt, cfg.max_new_tokens, s)
-    _scoring(plan, [policy, value, *frozen], micro, longest, s)
-    _zero3_blocks(plan, [policy, value, *frozen], s)
-    logits = "full" if cfg.ent_coef else "chunked"  # an entropy bonus takes the plain path (full logits)
-    head = (full_logit_bytes(micro, longest, a.vocab, s) if cfg.ent_coef else
-            chunked_logit_bytes(micro * longest, a.vocab))
-    passes = {"policy": activation_bytes(a, micro, longest, s) + head,
-              "value": activation_bytes(value.arch, micro, longest, s)}
-    if cfg.ptx_coef:
-        rows = max(1, cfg.ptx_batch_size // s.world)
-        passes["ptx"] = (activation_bytes(a, rows, cfg.ptx_max_length, s) +
-                         full_logit_bytes(rows, cfg.ptx_max_length, a.vocab, s))
-    role = max(passes, key=passes.get)
-    plan.add(f"activations + logits ({role} pass, {micro} rows x {longest} tokens, {logits} logits)", passes[role],
-             "update")
-
-
-EVAL_ROWS = 64  # SFT's held-out loss runs 64 rows a forward
-DPO_REF_TOKENS = 16384  # tokens per forward of DPO's live reference (stages.dpo)
-PHASES = {"sft": ("update",), "rm": ("update",), "dpo": ("update",), "grpo": ("rollout", "score", "update"),
-          "ppo": ("rollout", "score", "update")}
-
-
-def estimate(stage: str, cfg, models: dict[str, Model], device: Device, data: Data = Data()) -> Plan:
-    """The plan of `stage` run with `cfg` on `device`: `models` maps a role (policy, reference, reward model,
-    value, teacher) to its Model (frozen; the stage decides what it trains); `data`, the lengths of the data."""
-    s = setup(cfg, device)
-    phases = PHASES[stage]
-    if stage == "grpo" and decoders_of(cfg):  # decoding on processes of its own
-        phases = (DECODER, *phases[1:])
-    if stage == "dpo":
-        live = not cfg.reference_free  # the reference's forwards of a step run before the policy's micro-batches
-        phases = (("rollout",) if cfg.online else ()) + (("reference pass",) if live else ()) + phases
-    if stage == "sft" and cfg.eval_data:
-        phases += ("eval",)
-    plan = Plan(f"memory plan: {stage}, {s.precision}, ZeRO-{s.zero_stage}, {device.world} process(es)"
-                f"{', LoRA r ' + str(cfg.lora_r) if getattr(cfg, 'lora_r', 0) else ''}", phases,
-                free=device.free, enforced=device.enforced)
-    if stage in ("sft", "rm"):
-        _supervised(stage, cfg, models, s, plan, data)
-    else:
-        {"dpo": _dpo, "grpo": _grpo, "ppo": _ppo}[stage](cfg, models, s, plan, data)
+def estimate(stage: StagePlan, models: dict[str, Model], device: Device, data: Data = Data()) -> Plan:
+    """The plan of `stage` (its config and terms) on `device`: `models` maps a role (policy, reference, reward
+    model, value, teacher) to its Model (frozen; the stage decides what it trains); `data`, the lengths of the
+    data."""
+    s = setup(stage, device)
+    lora = stage.cfg.lora_r
+    plan = Plan(f"memory plan: {stage.name}, {s.precision}, ZeRO-{s.zero_stage}, {device.world} process(es)"
+                f"{', LoRA r ' + str(lora) if lora else ''}", stage.phases(), free=device.free,
+                enforced=device.enforced)
+    stage.terms(plan, models, s, data)
     if s.precision == "bf16-pure" and s.zero_stage == 0:
         from align.optim import CHUNK
 
@@ -640,62 +600,63 @@ def flags(change: dict) -> str:
     return " ".join(out)
 
 
-def _changes(stage: str, cfg, device: Device, data: Data):
-    """Candidate changes in the order to try them, families of (change, device), each from its least drastic
-    value: no decoder ranks, a smaller micro-batch (sft: no held-out loss), gradient checkpointing, LoRA, optimizer
-    offload, fewer rollout rows or new tokens, more processes."""
-    def variant(**change):
-        return change, device
+def micro_changes(stage: StagePlan, device: Device, data: Data) -> Family:
+    """Each smaller micro-batch that divides the stage's batch, the largest first."""
+    micro, n = stage.micro_rows(device.world, data)
+    return [({"micro_batch_size": d}, device) for d in range(micro - 1, 0, -1) if n % d == 0]
 
-    decoders = decoders_of(cfg)  # --nproc counts them too
-    if decoders:  # every process trains (synchronous): the model's state shared by all of them
-        yield [({"rollout_gpus": 0}, replace(device, world=device.world + decoders))]
-    micro, n = micro_rows(stage, cfg, device.world, data.prompt(cfg) + getattr(cfg, "max_new_tokens", 0))
-    yield [variant(micro_batch_size=d) for d in range(micro - 1, 0, -1) if n % d == 0]
-    if stage == "sft" and cfg.eval_data:
-        yield [variant(eval_data="")]  # its 64-row held-out forwards
-    if hasattr(cfg, "gradient_checkpointing") and not cfg.gradient_checkpointing:
-        yield [variant(gradient_checkpointing=True)]
+
+def memory_changes(cfg: TrainConfig, device: Device) -> Iterator[Family]:
+    """LoRA (rank 16), then the optimizer state offloaded to the CPU (with ZeRO and fp32 master weights)."""
     if not cfg.lora_r:
-        yield [variant(lora_r=16)]
+        yield [({"lora_r": 16}, device)]
     if not cfg.offload_optimizer:
         change = {"offload_optimizer": True, **({"zero_stage": 3} if cfg.zero_stage == 0 else {}),
                   **({"precision": "bf16-mixed"} if cfg.precision == "bf16-pure" else {})}
         yield [(change, device)]
-    if stage in ("grpo", "ppo"):
-        fewer = [cfg.prompts_per_step >> k for k in range(1, 8) if (cfg.prompts_per_step >> k) >= device.world
-                 and (cfg.prompts_per_step >> k) % device.world == 0]
-        yield [variant(prompts_per_step=p, **({"minibatch_size": min(cfg.minibatch_size, p)} if stage == "ppo" else {}))
-               for p in fewer]
-        yield [variant(max_new_tokens=t) for t in (cfg.max_new_tokens >> k for k in range(1, 6)) if t >= 16]
-    more = {"zero_stage": 3} if cfg.zero_stage == 0 else {}
-    yield [({"nproc": device.world * k + decoders, **more}, replace(device, world=device.world * k)) for k in (2, 4, 8)]
 
 
-def _try(stage: str, cfg, models: dict, change: dict, device: Device, data: Data) -> Plan | None:
-    """The plan with `change` applied to `cfg` (None: not a valid combination of flags)."""
+def rollout_changes(cfg: RLConfig, device: Device, minibatch: bool = False) -> Iterator[Family]:
+    """An RL stage's rollout made smaller: fewer prompts per step (each a multiple of the processes; `minibatch`:
+    PPO's --minibatch-size no larger), then fewer new tokens (at least 16)."""
+    fewer = [cfg.prompts_per_step >> k for k in range(1, 8) if (cfg.prompts_per_step >> k) >= device.world
+             and (cfg.prompts_per_step >> k) % device.world == 0]
+    yield [({"prompts_per_step": p, **({"minibatch_size": min(cfg.minibatch_size, p)} if minibatch else {})}, device)
+           for p in fewer]
+    yield [({"max_new_tokens": t}, device) for t in (cfg.max_new_tokens >> k for k in range(1, 6)) if t >= 16]
+
+
+def nproc_changes(stage: StagePlan, device: Device) -> Family:
+    """2, 4 or 8 times the training processes (ZeRO-3 where the run has no ZeRO); decoders are counted in
+    --nproc too."""
+    more = {"zero_stage": 3} if stage.cfg.zero_stage == 0 else {}
+    return [({"nproc": device.world * k + stage.decoders, **more}, replace(device, world=device.world * k))
+            for k in (2, 4, 8)]
+
+
+def _try(stage: StagePlan, models: dict, change: dict, device: Device, data: Data) -> Plan | None:
+    """The plan with `change` applied to the stage's options (None: not a valid combination of flags)."""
     try:
-        return estimate(stage, replace(cfg, **{k: v for k, v in change.items() if k != "nproc"}), models, device,
-                        data)
+        return estimate(stage.changed(**{k: v for k, v in change.items() if k != "nproc"}), models, device, data)
     except UserError:
         return None
 
 
-def smallest_change(stage: str, cfg, models: dict, device: Device, data: Data = Data()) -> tuple[str, Plan] | None:
-    """(flags, plan) of the first candidate change (in `_changes`' order, each family from its least drastic
-    value) whose plan fits; failing every single change, the families' most drastic values added up in the same
-    order, each kept only if it lowers the peak, until the plan fits; None when nothing tried fits."""
-    families = [f for f in _changes(stage, cfg, device, data) if f]
+def smallest_change(stage: StagePlan, models: dict, device: Device, data: Data = Data()) -> tuple[str, Plan] | None:
+    """(flags, plan) of the first candidate change (in the stage's `changes` order, each family from its least
+    drastic value) whose plan fits; failing every single change, the families' most drastic values added up in
+    the same order, each kept only if it lowers the peak, until the plan fits; None when nothing tried fits."""
+    families = [f for f in stage.changes(device, data) if f]
     for family in families:
         for change, d in family:
-            p = _try(stage, cfg, models, change, d, data)
+            p = _try(stage, models, change, d, data)
             if p is not None and p.fits:
                 return flags(change), p
-    together, dev, best = {}, device, estimate(stage, cfg, models, device, data)
+    together, dev, best = {}, device, estimate(stage, models, device, data)
     for family in families:
         change, d = family[-1]
         d = d if d is not device else dev
-        p = _try(stage, cfg, models, {**together, **change}, d, data)
+        p = _try(stage, models, {**together, **change}, d, data)
         if p is not None and p.peak < best.peak:
             together, dev, best = {**together, **change}, d, p
             if p.fits:
@@ -737,29 +698,15 @@ def model_of(role: str, spec: str) -> Model:
     return Model(role, arch(config), "score" if score else "lm")
 
 
-def stage_models(stage: str, cfg) -> dict[str, Model]:
-    """The models a stage builds, by role, from its flags (the stage has checked every path already)."""
-    specs = {"policy": cfg.model}
-    if getattr(cfg, "ref_model", ""):
-        specs["reference"] = cfg.ref_model
-    if stage == "grpo" and cfg.teacher:
-        specs["teacher"] = cfg.teacher
-    if getattr(cfg, "reward_model", "") and (stage != "dpo" or cfg.online):
-        specs["reward model"] = cfg.reward_model
-    if stage == "ppo":
-        specs["value"] = cfg.value_model or cfg.reward_model
-    return {role: model_of(role, spec) for role, spec in specs.items()}
-
-
-def device_for(cfg) -> Device:
+def device_for(cfg: TrainConfig, decoders: int = 0) -> Device:
     """This process's device: ALIGN_DEVICE_MEMORY_BYTES when set (a budget the check enforces, on any device),
-    else the free memory of its GPU (torch.cuda.mem_get_info), else total RAM (informational)."""
+    else the free memory of its GPU (torch.cuda.mem_get_info), else total RAM (informational). `decoders`: the
+    run's processes that only decode (a trainer's WORLD_SIZE counts the trainers, align.disagg)."""
     import torch
 
     from align.rollout.fast.support import enabled_by_env
 
-    # the trainers (--rollout-gpus: a trainer's WORLD_SIZE counts the trainers, align.rollout.disagg)
-    world = int(os.environ.get("WORLD_SIZE") or cfg.nproc * cfg.nnodes - decoders_of(cfg))
+    world = int(os.environ.get("WORLD_SIZE") or cfg.nproc * cfg.nnodes - decoders)
     kind = "cuda" if torch.cuda.is_available() else "cpu"
     fake = os.environ.get(ENV_BUDGET)
     if fake:
@@ -799,54 +746,55 @@ def show(plan: Plan, source: str = "") -> None:
     table(f"{plan.title} ({unit} per device)", ["term", *plan.phases], rows, footer)
 
 
-AUTO_MICRO = ("sft", "rm", "dpo", "grpo")  # --micro-batch-size 0 is the stage's own choice there
-
-
-def preflight(cfg, stage: str, data: Data = Data()) -> None:
+def preflight(stage: StagePlan, data: Data = Data()) -> int | None:
     """The memory plan of a training stage, before it builds a model or writes --out: printed on a GPU (and with
     --plan, which then exits 0); when the peak does not fit, a micro-batch left to the stage
     (--micro-batch-size 0) is made smaller to fit, else the run stops with exit 2 naming the smallest change that
-    would fit (--no-plan-check / ALIGN_PLAN_CHECK=0 runs anyway)."""
-    if not hasattr(cfg, "plan_check") or stage not in PHASES:
-        return
+    would fit (--no-plan-check / ALIGN_PLAN_CHECK=0 runs anyway). Returns the micro-batch size the plan chose for
+    the run's layout (None: the one asked for)."""
+    cfg = stage.cfg
     try:
-        models, device = stage_models(stage, cfg), device_for(cfg)
-        plan = estimate(stage, cfg, models, device, data)
+        models = {role: model_of(role, spec) for role, spec in stage.models().items()}
+        device = device_for(cfg, stage.decoders)
+        plan = estimate(stage, models, device, data)
     except UserError as e:
         if cfg.plan:
             raise
         from align.console import warn
 
         warn(f"memory plan skipped: {e}")
-        return
-    plan = _lora_within_rollout(cfg, stage, models, device, data, plan)
+        return None
+    plan, planned = _lora_within_rollout(stage, models, device, data, plan)
+    if planned is not None:  # what follows judges the run with the micro-batch chosen
+        stage = stage.changed(micro_batch_size=planned)
     if plan.fits or not device.enforced:
         if cfg.plan or device.kind == "cuda":
             show(plan, device.source)
-            hint = replicas_hint(stage, cfg, models, device, data)
+            hint = replicas_hint(stage, models, device, data)
             if hint:
                 from align.console import info
 
                 info(hint)
         if cfg.plan:
             raise SystemExit(0)
-        return
-    _does_not_fit(cfg, stage, models, device, plan, data)
+        return planned
+    smaller = _does_not_fit(stage, models, device, plan, data)
+    return planned if smaller is None else smaller
 
 
 REPLICA_MARGIN = 0.8  # replicas are suggested when their plan's peak is at most this share of the free memory
 
 
-def replicas_hint(stage: str, cfg, models: dict, device: Device, data: Data = Data()) -> str | None:
+def replicas_hint(stage: StagePlan, models: dict, device: Device, data: Data = Data()) -> str | None:
     """Several GPU processes under ZeRO-3 whose whole training state would fit on each GPU: a line suggesting
     --zero-stage 0 (replicas: blocks compiled, no gather hooks; DeepSpeed all-reduces the gradients), else None.
     ZeRO-3's per-block gathers cost more than they save for such a model (GRPO at 0.5B on two H200s: 1.32× one
     GPU's throughput under ZeRO-3, 1.92× as replicas)."""
-    s = setup(cfg, device)
-    if device.kind != "cuda" or device.world < 2 or s.zero_stage != 3 or cfg.deepspeed or s.offload_optimizer \
-            or s.offload_frozen:
+    s = setup(stage, device)
+    if device.kind != "cuda" or device.world < 2 or s.zero_stage != 3 or stage.cfg.deepspeed \
+            or s.offload_optimizer or s.offload_frozen:
         return None
-    replicas = estimate(stage, replace(cfg, zero_stage=0), models, device, data)
+    replicas = estimate(stage.changed(zero_stage=0), models, device, data)
     if replicas.peak > REPLICA_MARGIN * device.free:
         return None
     return (f"memory plan: as replicas (--zero-stage 0) each of the {device.world} processes would hold the whole "
@@ -854,44 +802,47 @@ def replicas_hint(stage: str, cfg, models: dict, device: Device, data: Data = Da
             "ZeRO-3 for a model that fits (blocks compiled, no per-block gathers; docs/gpu.md)")
 
 
-def _lora_within_rollout(cfg, stage: str, models: dict, device: Device, data: Data, plan: Plan) -> Plan:
-    """GRPO under LoRA on a GPU with the micro-batch left to the stage (0): the largest micro-batch whose update
-    needs no more memory than the rollout already takes, so the run peaks at its rollout (LoRA is chosen for memory: its
-    update's activations would otherwise be the peak). Sets cfg.micro_batch_size and returns the new plan."""
-    if (stage != "grpo" or device.kind != "cuda" or not getattr(cfg, "lora_r", 0) or cfg.micro_batch_size
+def _lora_within_rollout(stage: StagePlan, models: dict, device: Device, data: Data,
+                         plan: Plan) -> tuple[Plan, int | None]:
+    """A stage whose update can be kept within its rollout (`lora_within_rollout`: GRPO) under LoRA on a GPU with
+    the micro-batch left to the stage (0): the largest micro-batch whose update needs no more memory than the
+    rollout already takes, so the run peaks at its rollout (LoRA is chosen for memory: its update's activations
+    would otherwise be the peak). Returns the plan and the micro-batch size chosen (None: none)."""
+    cfg = stage.cfg
+    if (not stage.lora_within_rollout or device.kind != "cuda" or not cfg.lora_r or cfg.micro_batch_size
             or "rollout" not in plan.phases):
-        return plan
-    auto, n = micro_rows(stage, cfg, device.world, data.prompt(cfg) + cfg.max_new_tokens)
+        return plan, None
+    auto, n = stage.micro_rows(device.world, data)
     ceiling = plan.total("rollout")
     for rows in sorted((d for d in range(1, auto + 1) if n % d == 0), reverse=True):
-        trial = estimate(stage, replace(cfg, micro_batch_size=rows), models, device, data)
+        trial = estimate(stage.changed(micro_batch_size=rows), models, device, data)
         if trial.total("update") <= ceiling or rows == 1:
             if rows < auto:
                 from align.console import info
 
                 info(f"memory plan: LoRA: micro-batches of {rows} rows (not {auto}), so the update needs no more "
                      f"memory than the rollout ({gib(ceiling)}); --micro-batch-size N sets it")
-            cfg.micro_batch_size = rows
-            return trial
-    return plan
+            return trial, rows
+    return plan, None
 
 
-def _does_not_fit(cfg, stage: str, models: dict, device: Device, plan: Plan, data: Data) -> None:
+def _does_not_fit(stage: StagePlan, models: dict, device: Device, plan: Plan, data: Data) -> int | None:
+    """The plan does not fit: a micro-batch left to the stage is made smaller (returned), else exit 2 naming the
+    smallest change that fits (a warning only with the check off)."""
     from align.console import info, warn
 
-    found = smallest_change(stage, cfg, models, device, data)
+    cfg = stage.cfg
+    found = smallest_change(stage, models, device, data)
     # one process only: ranks see different free memory, and their micro-batches must agree
     auto = (found is not None and found[0].startswith("--micro-batch-size") and cfg.micro_batch_size == 0
-            and stage in AUTO_MICRO and not getattr(cfg, "online", False) and device.world == 1)
+            and stage.auto_micro and device.world == 1)
     if auto:  # the stage's own choice of micro-batch, made smaller: the same update, in more passes
-        was = micro_rows(stage, cfg, device.world, data.prompt(cfg) + getattr(cfg, "max_new_tokens", 0))[0]
-        cfg.micro_batch_size = int(found[0].split()[-1])
+        was, rows = stage.micro_rows(device.world, data)[0], int(found[0].split()[-1])
         show(found[1], device.source)
-        info(f"memory plan: micro-batches of {cfg.micro_batch_size} rows (--micro-batch-size 0 chose {was}, "
-             "which does not fit)")
+        info(f"memory plan: micro-batches of {rows} rows (--micro-batch-size 0 chose {was}, which does not fit)")
         if cfg.plan:
             raise SystemExit(0)
-        return
+        return rows
     show(plan, device.source)
     if cfg.plan:
         raise SystemExit(0)
@@ -900,9 +851,9 @@ def _does_not_fit(cfg, stage: str, models: dict, device: Device, plan: Plan, dat
            "no change tried fits (micro-batch, checkpointing, LoRA, offload, rollout size, up to 8x the processes)")
     skip = "--no-plan-check (or ALIGN_PLAN_CHECK=0) runs it anyway, if the estimate is wrong"
     if not cfg.plan_check or os.environ.get(ENV_CHECK, "1").lower() in ("0", "false", "no", "off"):
-        warn(f"memory plan: {stage} {need}; {fix}. Running anyway (plan check off).")
-        return
-    message = f"memory plan: {stage} {need} ({device.source}); {fix}. {skip}."
+        warn(f"memory plan: {stage.name} {need}; {fix}. Running anyway (plan check off).")
+        return None
+    message = f"memory plan: {stage.name} {need} ({device.source}); {fix}. {skip}."
     if os.environ.get("RANK", "0") != "0":  # the CLI prints rank 0's errors; this rank's plan may differ
         from align.console import console
 

@@ -195,7 +195,7 @@ MUTATIONS: list[Mutation] = [
     M("grpo wiring: --reinforce ignored", G, 'return "reinforce" if self.reinforce else "gspo"',
       'return "reinforce" if False else "gspo"', (RWD_FLAG,)),
     M("grpo wiring: --micro-batch-tokens ignored", G,
-      "rows_within(n_local, longest, cfg.micro_batch_tokens)", "rows_within(n_local, longest, 16384)", (SHAPE,)),
+      "rows_within(n, longest, cfg.micro_batch_tokens)", "rows_within(n, longest, 16384)", (SHAPE,)),
     M("grpo wiring: gain of pass@1 sign flipped", G,
       'last["eval/pass@1/greedy"] - start["eval/pass@1/greedy"]',
       'start["eval/pass@1/greedy"] - last["eval/pass@1/greedy"]', (SHAPE,)),

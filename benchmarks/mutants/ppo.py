@@ -41,7 +41,8 @@ MUTATIONS: list[Mutation] = [
     M("ppo wiring: the reference log-probs are the policy's (KL 0)", PPO,
       "ref_logp = batched_logprobs(self.reference, batch,", "ref_logp = batched_logprobs(self.policy, batch,", (REF,)),
     M("ppo wiring: the reference engine is the policy engine", PPO,
-      'self.reference = run.reference(self.policy, self.load(load_causal_lm, sources["reference"], self.tok), offload)',
+      'self.reference = run.reference(self.policy, self.load(load_causal_lm, sources["reference"], self.tok), offload,\n'
+      '                                       cfg.ref_model)',
       "self.reference = self.policy", (REF,)),
     M("ppo wiring: --ref-model ignored (the reference is --model)", PPO,
       '"reference": resolve(cfg.ref_model, expect="policy") if cfg.ref_model else policy,', '"reference": policy,',
@@ -276,10 +277,10 @@ MUTATIONS: list[Mutation] = [
       "return score_ids(eng, tokenizer, encode_scored(tokenizer, prompts, responses, max_length), batch_size)",
       "return score_ids(eng, tokenizer, encode_scored(tokenizer, prompts, responses, max_length), batch_size, "
       "normalize=False)", (RM_TOK,)),
-    M("engine wiring: --resume does not restore the stage's own state", "align/engine/run.py",
+    M("engine wiring: --resume does not restore the stage's own state", "align/engine/saves.py",
       '        if hasattr(algo, "load_state_dict"):\n            algo.load_state_dict(state["algorithm"])',
       '        if False:\n            algo.load_state_dict(state["algorithm"])', (RESUME,)),
-    M("engine wiring: a resumed run evaluates the start again at its resumed weights", "align/engine/run.py",
+    M("engine wiring: a resumed run evaluates the start again at its resumed weights", "align/engine/loop.py",
       'if start == 0 and getattr(algo, "eval_at_start", False):', 'if getattr(algo, "eval_at_start", False):', (RESUME,)),
     # ---- options no mutation had named yet (an inventory of the stage's cfg reads)
     M("ppo wiring: --init-kl-coef ignored by the adaptive controller", PPO,

@@ -23,7 +23,8 @@ OPTIM = T + "test_optimiser_options_and_columns_reach_the_step"
 MUTATIONS: list[Mutation] = [
     # which model is the reference
     M("dpo wiring: the reference is the policy itself", F,
-      "self.reference = run.reference(self.policy, load(ref_source))", "self.reference = self.policy", (SIGMOID,)),
+      "self.reference = run.reference(self.policy, load(ref_source), ref_model=cfg.ref_model)",
+      "self.reference = self.policy", (SIGMOID,)),
     M("dpo wiring: --ref-model ignored (the input model as reference)", F,
       'ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source', "ref_source = source",
       (IPO, RPO)),

@@ -213,7 +213,7 @@ MUTATIONS: list[Mutation] = [
       "self.examples = examples", PACK),
     M("engine wiring: --grad-clip ignored", "align/engine/run.py", "dtype=self.dtype, grad_clip=cfg.grad_clip,",
       "dtype=self.dtype, grad_clip=1.0,", (T + "test_sft_grad_clip_and_eval_every_reach_the_run",)),
-    M("engine wiring: --eval-every ignored", "align/engine/run.py",
+    M("engine wiring: --eval-every ignored", "align/engine/loop.py",
       "if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.max_steps:", "if False:",
       (T + "test_sft_grad_clip_and_eval_every_reach_the_run",)),
     M("supervised wiring: rm held-out pairs from the training data", "stages/rm.py",
