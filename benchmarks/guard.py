@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,7 @@ def measure(shape: str, tree: Path | None = None) -> tuple[dict, str]:
     res = json.loads((out / js).read_text())["results"].get(key)
     if not res:
         raise SystemExit(f"[{shape}] the harness gave no result for {key}: see the logs under {out}")
+    shutil.rmtree(out, ignore_errors=True)  # its models and checkpoints: a few runs of them fill a small disk
     return {k: float(res[k]) for k in metrics if res.get(k) is not None}, " ".join(["python", *cmd[1:-2]])
 
 
