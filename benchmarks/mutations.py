@@ -125,14 +125,14 @@ def unmutated_pass(slots: list["Slot"], tests: list[str], tmp: Path) -> list[str
 
 def suite_passed(tests: list[str], record: Path) -> list[str]:
     """--after-suite: what the suite just run under ALIGN_SUITE_RECORD=`record` wrote (tests/conftest.py): every
-    named test (a node id, or a file: some of its tests) must have passed there, else it stops, naming those that did
+    named test (a node id; a file or a parametrized test: some of its tests) must have passed there, else it stops, naming those that did
     not (renamed, skipped, deselected). Returns the modules its processes imported, for preload()."""
     runs = [json.loads(f.read_text()) for f in sorted(record.glob("*.json"))]
     if not runs:
         sys.exit(f"--after-suite {record}: no record of a suite run there (run pytest with ALIGN_SUITE_RECORD={record})")
     passed = {t for r in runs for t in r["passed"]}
-    files = {t.split("::")[0] for t in passed}
-    missing = [t for t in tests if t not in (passed if "::" in t else files)]
+    named = passed | {t.split("::")[0] for t in passed} | {t.split("[")[0] for t in passed}  # a file, a test's params
+    missing = [t for t in tests if t not in named]
     if missing:
         sys.exit("named tests that did not pass in the suite run:\n  " + "\n  ".join(missing))
     return sorted({m for r in runs for m in r["modules"]})
