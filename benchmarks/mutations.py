@@ -14,10 +14,10 @@ the script (exit 2): keep the lists in step with the code.
     ALIGN_SUITE_RECORD=DIR python -m pytest -q && python -m benchmarks.mutations --after-suite DIR   # CI
 
 CI runs it after the test suite (.ci/run; a few minutes on 2 cores), with --after-suite: the suite's run has just
-shown every named test passing unmutated, so the benchmark does not run them once more first. Each mutation's tests run in a process forked
-from this one after it imported torch, transformers, deepspeed, pytest and every other module the unmutated tests
-imported (never align, stages or tests: those are imported in the child, from the mutated copy), so a mutation
-costs its tests' own time, not an interpreter's start.
+shown every named test passing unmutated, so the benchmark does not run them once more first. Each mutation's
+tests run in a process forked from this one after it imported torch, transformers, deepspeed, pytest and every
+other module the unmutated tests imported (never align, stages or tests: those are imported in the child, from the
+mutated copy), so a mutation costs its tests' own time, not an interpreter's start.
 """
 
 from __future__ import annotations
@@ -108,24 +108,23 @@ def preload(names: list[str]) -> int:
 
 
 def unmutated_pass(slots: list["Slot"], tests: list[str], tmp: Path) -> list[str]:
-    """Every named test, unmutated, in a share of the test files per slot (exit when one fails); returns the modules
-    they imported, for preload()."""
+    """Every named test, unmutated, in a share of the test files per slot (exit when one fails), each slot's
+    process recording what passed and what it imported as the suite does (ALIGN_SUITE_RECORD); returns the
+    modules, for preload()."""
     failed = []
-    imported = tmp / "imported"
-    imported.mkdir()
-    os.environ["ALIGN_MUTATIONS_IMPORTED"] = str(imported)
+    os.environ["ALIGN_SUITE_RECORD"] = str(tmp / "record")
     run_all(slots, [(None, part) for part in baseline_parts(tests, len(slots))],
             lambda m, code, s, log: failed.append(log) if code != 0 else None, BASELINE_TIMEOUT_S)
-    del os.environ["ALIGN_MUTATIONS_IMPORTED"]
+    del os.environ["ALIGN_SUITE_RECORD"]
     if failed:
         print(failed[0][-6000:], file=sys.stderr)
         sys.exit("the tests fail without any mutation (output above)")
-    return sorted({name for f in imported.iterdir() for name in f.read_text().splitlines()})
+    return suite_passed(tests, tmp / "record")
 
 
 def suite_passed(tests: list[str], record: Path) -> list[str]:
-    """--after-suite: what the suite just run under ALIGN_SUITE_RECORD=`record` wrote (tests/conftest.py): every
-    named test (a node id; a file or a parametrized test: some of its tests) must have passed there, else it stops, naming those that did
+    """What a test run under ALIGN_SUITE_RECORD=`record` wrote (tests/conftest.py): every named test (a node id; a
+    file or a parametrized test: some of its tests) must have passed there, else it stops, naming those that did
     not (renamed, skipped, deselected). Returns the modules its processes imported, for preload()."""
     runs = [json.loads(f.read_text()) for f in sorted(record.glob("*.json"))]
     if not runs:
@@ -155,8 +154,6 @@ def _child(root: Path, tests: tuple[str, ...], log: Path) -> None:
         import pytest
 
         code = int(pytest.main(["-x", "-q", "-n", "0", "-p", "no:cacheprovider", *tests]))
-        if os.environ.get("ALIGN_MUTATIONS_IMPORTED"):  # the baseline: what its tests imported, for preload()
-            (Path(os.environ["ALIGN_MUTATIONS_IMPORTED"]) / str(os.getpid())).write_text("\n".join(sys.modules))
     except BaseException:  # noqa: BLE001 — whatever happened, the parent reads an exit code
         import traceback
 
