@@ -83,8 +83,12 @@ def long_classes(paths, limit: int = MAX_CLASS_LINES) -> dict[str, int]:
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit}
 
 
+# the package hands out the Python API's functions from its __getattr__ (align.sft(...)): its one import up, by design
+UP_BY_DESIGN = {"align (layer 1) imports align.api (layer 5)"}
+
+
 def test_align_imports_point_down_the_layers():
-    assert upward_imports(graph("align"), layers()) == []
+    assert set(upward_imports(graph("align"), layers())) == UP_BY_DESIGN
 
 
 def test_the_layer_check_sees_an_import_up_inside_a_function_and_a_module_in_no_layer(tmp_path):
@@ -115,6 +119,7 @@ def test_no_class_over_300_lines_in_align_or_stages(tmp_path):
 
 def test_no_import_circle_among_align_modules():
     g = graph("align")
+    g["align"] -= {"align.api"}  # UP_BY_DESIGN: on first use of align.sft, never while a module is imported
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(m: str, path: list[str]) -> None:

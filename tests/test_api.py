@@ -1,0 +1,91 @@
+"""The Python API (align.api): each command a function of its options, the same code path as the command line,
+returning the artifact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import ROOT, small_data
+
+TIMED = ("seconds", "_per_s", "time/", "peak_memory")  # wall-clock figures: differ between any two runs
+
+
+def same_figures(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not any(t in k for t in TIMED)}
+
+
+def python(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (a run's process group and seeds are its own), from the repository root."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_import_align_is_light_and_the_functions_are_the_commands():
+    r = python("""
+        import sys, align
+        assert "torch" not in sys.modules, "import align imported torch"
+        from align import api
+        assert "torch" not in sys.modules, "align.api imported torch"
+        names = [n for n in align.API if n not in ("Artifact", "load")]
+        assert all(callable(getattr(align, n)) for n in names)
+        print(sorted(api.NAMES))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert "'grpo'" in r.stdout and "'rm_train'" in r.stdout and "'data_make'" in r.stdout
+
+
+def test_bad_options_raise_user_errors_naming_them(tmp_path):
+    r = python(f"""
+        import align
+        from align.errors import UserError
+        for kwargs, want in (({{"max_stepz": 3}}, "unknown option 'max_stepz'"), ({{"lr": -1.0}}, "lr must be > 0"),
+                             ({{"nproc": 2}}, "need the command line")):
+            try:
+                align.sft(out={str(tmp_path / 'x')!r}, **kwargs)
+            except UserError as e:
+                assert want in str(e), (want, str(e))
+            else:
+                raise AssertionError(kwargs)
+        print("ok")
+    """)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_the_api_and_the_command_line_write_the_same_artifact(tmp_path):
+    d = small_data()
+    options = dict(model="tiny", data=str(d["arith"]), eval_data=str(d["arith_test"]), max_steps=3, batch_size=8,
+                   eval_samples=4, max_new_tokens=8, seed=3)
+    flags = [x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    cli = subprocess.run([sys.executable, "-m", "align", "sft", *flags, "--out", str(tmp_path / "cli")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    api = python(f"""
+        import json, align
+        a = align.sft(out={str(tmp_path / 'api')!r}, **{options!r})
+        print(json.dumps({{"stage": a.stage, "status": a.status, "path": str(a), "model": str(a.model_dir),
+                          "metrics": a.metrics}}))
+    """)
+    assert api.returncode == 0, api.stderr[-2000:]
+    got = json.loads(api.stdout.strip().splitlines()[-1])
+    assert (got["stage"], got["status"], got["path"]) == ("sft", "complete", str(tmp_path / "api"))
+    assert got["model"] == str(tmp_path / "api" / "model")
+    want = json.loads((tmp_path / "cli" / "artifact.json").read_text())
+    assert "train/loss" in got["metrics"] and "eval/loss" in got["metrics"]
+    assert same_figures(got["metrics"]) == same_figures(want["metrics"])
+    api_cfg = json.loads((tmp_path / "api" / "artifact.json").read_text())["config"]
+    assert {**api_cfg, "out": ""} == {**want["config"], "out": ""}
+
+
+def test_an_artifact_or_a_path_stands_for_its_folder():
+    """`model=` takes the Artifact an earlier call returned (or a Path), as `--model` takes its folder."""
+    from pathlib import Path
+
+    from align.api import Artifact, _option_value
+
+    assert _option_value("model", Artifact(ROOT / "runs" / "x", {})) == str(ROOT / "runs" / "x")
+    assert _option_value("data", Path("a/b.jsonl")) == "a/b.jsonl"
+    assert _option_value("lr", 1e-5) == 1e-5
