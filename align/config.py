@@ -112,7 +112,7 @@ def positive_ints(text: str, name: str) -> list[int]:
 def verifier_opt():
     """The held-out evaluation's --verifier (sft, dpo, ppo, grpo)."""
     return opt("auto", "How held-out answers are checked, as `align eval --verifier` (auto: the rows' reasoning-gym "
-                       "task, math for numbers, else exact).")
+                       "task, math when every answer is a number or ends in one, else exact).")
 
 
 def is_list(t) -> bool:

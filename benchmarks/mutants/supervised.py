@@ -160,7 +160,7 @@ MUTATIONS: list[Mutation] = [
       "sampling=Sampling(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0))",
       "sampling=Sampling(max_new_tokens=48, temperature=0.0))", SFTPASS),
     M("supervised wiring: sft: pass@1 --verifier ignored", "stages/sft.py",
-      "verifier=self.cfg.verifier,", 'verifier="auto",', SFTPASS),
+      "verifier=self.verifier,", 'verifier="auto",', SFTPASS),
     M("supervised wiring: sft: --max-length ignored", "stages/sft.py",
       "examples = D.sft_examples(self.tok, rows, cfg.max_length)", "examples = D.sft_examples(self.tok, rows, 256)",
       SFTPASS),
