@@ -285,6 +285,12 @@ class ArtifactWriter:
                 f.close()
 
 
+def describe_code(paths: list[str]) -> dict[str, str]:
+    """{path: sha256} of the user's Python files a run reads (reward functions, verifiers), for artifact.json's
+    inputs ("missing" for one that is gone)."""
+    return {str(p): sha256_file(Path(p)) if Path(p).is_file() else "missing" for p in paths}
+
+
 def describe_inputs(source, *data_paths: str) -> dict:
     """{'model': {...}, 'data': {path: sha256}} for artifact.json: what this run was made from (`source`: a
     models.ModelSource)."""

@@ -60,7 +60,8 @@ class DataMakeConfig(Options):
                                  "text: minimal pairs).", choices=("random", "length", "form"))
     max_new_tokens: int = opt(128, "prefs --from-model: longest completion.", ge=1)
     temperature: float = opt(1.0, "prefs --from-model: sampling temperature.", gt=0)
-    verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).")
+    verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).",
+                        code=True)
     batch_size: int = opt(64, "prefs --from-model: generation batch.", ge=1)
 
 

@@ -27,7 +27,7 @@ class EvalConfig(SamplingConfig, StageConfig):
     verifier: str = opt("auto", f"How answers are checked: a reward of {', '.join(REWARDS)}, rg:TASK or "
                                 "file.py:FUNCTION (per sample or batched, docs/rewards.md) that must return 1, or auto "
                                 "(the rows' reasoning-gym task, math when every answer is a number or ends in one, else "
-                                "exact).")
+                                "exact).", code=True)
     batch_size: int = opt(64, "Generation batch per process.", ge=1)
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus, less memory).")
 

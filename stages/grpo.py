@@ -61,7 +61,8 @@ from align.rollout.sampling import derive
 class GRPOConfig(RLConfig):
     reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT] or file.py:FUNCTION[:WEIGHT]; repeat for several. A "
                                       "function is per sample, fn(prompt, completion, **row) -> float, or batched as "
-                                      "TRL's, fn(prompts, completions, **kwargs) -> list[float] (docs/rewards.md).")
+                                      "TRL's, fn(prompts, completions, **kwargs) -> list[float] (docs/rewards.md).",
+                            code=True)
     reward_model: str = opt("", "An `align rm train` artifact as one more reward: its normalised score of prompt + "
                                 "completion, times --reward-model-weight, added to --reward's ('' : none).", path=True)
     reward_model_weight: float = opt(1.0, "Weight of the --reward-model score.")

@@ -73,7 +73,7 @@ class PPOConfig(RLConfig):
     value_model: str = opt("", "Value network init (default: the reward model; a policy gets a new scalar head).",
                            path=True)
     gold_reward: str = opt("math", "Verifier for the gold reward when the prompts carry an `answer` (a grpo "
-                                   "--reward spec, per sample or batched; '' : off).")
+                                   "--reward spec, per sample or batched; '' : off).", code=True)
     gold_reward_coef: float = opt(0.0, "Weight of the gold reward in the score PPO trains on: s = RM score + "
                                         "c·(gold − the batch's other episodes' mean gold) (0: the gold reward is "
                                         "only logged; needs --gold-reward and an `answer` column).", ge=0)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from align import runtime, trackers
-from align.artifacts import ArtifactWriter
+from align.artifacts import ArtifactWriter, describe_code
 from align.config import Options, StageConfig, TrainConfig, as_dict, load_toml
 from align.console import info, summary_table
 from align.engine import checkpoint, disk, outdir, plan
@@ -159,7 +159,8 @@ class StageRun(StepLoop, Saves):
         (align.engine.plan); then take --out (checked when the run was made: `outdir.check`; refused here if
         another run holds it), start the process group, make the run's layout (`run.layout`) and write
         artifact.json ("running"; `started`: when the work began, if before this call; `notes`: more of its keys,
-        e.g. the verifier the stage chose)."""
+        e.g. the verifier the stage chose). Its inputs gain the sha256 of every user Python file the config names
+        (`code`: --reward / --verifier file.py:FUNCTION)."""
         batch = self._plan(stage, lora, plan.Data(prompt_tokens, sequence_tokens)) if stage else (0, 0)
         resume = self.training is not None and self.training.resume
         if resume:
@@ -175,6 +176,8 @@ class StageRun(StepLoop, Saves):
             self.dist = runtime.init()
             self._lay_out(stage.offloaded if stage else False, batch)
             seed_all(self.cfg.seed)
+        code = describe_code(self.cfg.user_code())
+        inputs = {**inputs, "code": code} if code else inputs
         self.writer = ArtifactWriter(self.out, self.stage, self.settings, inputs, main, started, notes)
         names = trackers.parse(self.cfg.report_to if isinstance(self.cfg, StageConfig) else "")
         if main and names:  # the experiment trackers: metrics.jsonl's rows and RLMonitor's events, on rank 0
