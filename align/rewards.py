@@ -438,8 +438,9 @@ def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
 
 
 class RewardError(Exception):
-    """A reward that failed on a completion: `kind` raised, timeout, value (NaN, inf) or type (not a number: a bug
-    in the function, which --on-reward-error does not excuse)."""
+    """A reward that failed on a completion: `kind` raised, input (raised UserError: a registered reward refused the
+    data, e.g. math an answer that is no number), timeout, value (NaN, inf) or type (not a number: a bug in the
+    function, which the probe refuses whatever --on-reward-error says)."""
 
     def __init__(self, message: str, kind: str = "raised"):
         super().__init__(message)
@@ -533,7 +534,8 @@ def call_reward(r: RewardFn, prompt: str, completion: str, row: dict, timeout: f
         raise RewardError(f"reward {r.name!r} took longer than {timeout:g} s on completion {completion!r}",
                           "timeout") from None
     except Exception as e:
-        raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on completion {completion!r}") from None
+        raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on completion {completion!r}",
+                          "input" if isinstance(e, UserError) else "raised") from None
     return _checked(r, value, completion)
 
 
@@ -565,7 +567,8 @@ def _call_batched(r: RewardFn, rows: list[dict], completions: list[str], ids, ti
         return [RewardError(f"reward {r.name!r} took longer than {timeout * n:g} s (--reward-timeout {timeout:g} s "
                             f"a completion) on {where}", "timeout")] * n
     except Exception as e:
-        return [RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on {where}")] * n
+        return [RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on {where}",
+                            "input" if isinstance(e, UserError) else "raised")] * n
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != n:
         got = f"{type(out).__name__} of {len(out)}" if hasattr(out, "__len__") else f"{type(out).__name__} {out!r:.80}"
         return [RewardError(f"reward {r.name!r} is batched and returned {got}, not a list of {n} values (one per "
@@ -622,46 +625,58 @@ def _bind_error(r: RewardFn, rows: list[dict]) -> str | None:
     return None
 
 
-def probe(fns: list[RewardFn], rows: list[dict], flag: str = "--reward", *, strict: bool = True,
-          timeout: float = 0.0, tokenizer=None, where: str = "") -> None:
+def probe(fns: list[RewardFn], rows: list[dict], flag: str = "--reward", *, timeout: float = 0.0, tokenizer=None,
+          where: str = "") -> None:
     """Try each function on the first PROBE_ROWS rows of the data (`where`: the file) before any model is built:
     its signature against the data's columns, and its return on probe completions (the rows' answers, else their
     reference completions, else empty text; `tokenizer` makes their completion_ids). A wrong signature or a return
-    that is not a number (a batched function: not a list of one per completion) is a UserError naming both forms
-    — never excused by --on-reward-error. A function that raises (or runs past `timeout`) on every probe completion
-    is a UserError when `strict` (--on-reward-error fail: the run would stop at its first rollout), else a
-    warning."""
+    that is not a number (a batched function: not a list of one per completion) is a UserError naming both forms,
+    whatever --on-reward-error says; so is bad data a registered reward refuses on every probe completion (math
+    on an answer that is no number). A function that raises otherwise (or runs past `timeout`) on every probe
+    completion is warned of: a probe completion is not a sampled one, and a function may rightly refuse it."""
     head = rows[:PROBE_ROWS]
     for r in fns:
         if r.fn is not None and head:
-            _probe_one(r, head, flag, strict, timeout, tokenizer, where)
+            _probe_one(r, head, flag, timeout, tokenizer, where)
 
 
-def _probe_one(r: RewardFn, rows: list[dict], flag: str, strict: bool, timeout: float, tokenizer, where: str):
+def _probe_values(r: RewardFn, rows: list[dict], texts: list[str], ids, timeout: float) -> list:
+    """call_rewards on the probe rows; a per-sample function's rows one at a time, the first timeout the last."""
+    if r.batched:
+        return call_rewards(r, rows, texts, ids, timeout)
+    values = []
+    for i, row in enumerate(rows):
+        values += call_rewards(r, [row], texts[i:i + 1], ids[i:i + 1] if ids else None, timeout)
+        if isinstance(values[-1], RewardError) and values[-1].kind == "timeout":
+            break
+    return values
+
+
+def _probe_one(r: RewardFn, rows: list[dict], flag: str, timeout: float, tokenizer, where: str) -> None:
     from align.console import warn
 
-    spec = r.spec or r.name
-    bad = _bind_error(r, rows)
+    spec, option, where = r.spec or r.name, flag.lstrip("-").replace("-", "_"), where or "the data"
     columns = ", ".join(dict.fromkeys(k for row in rows for k in row_fields(row))) or "none"
-    if bad:
-        raise form_error(r, spec, flag, f"cannot take the columns of {where or 'the data'} ({columns}): {bad}")
+    if bad := _bind_error(r, rows):
+        raise form_error(r, spec, flag, f"cannot take the columns of {where} ({columns}): {bad}")
     failures = []
     for texts in _candidates(rows):
         ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts] if tokenizer is not None else None
-        values = call_rewards(r, rows, texts, ids, timeout)
-        wrong = next((v for v in values if isinstance(v, RewardError) and v.kind == "type"), None)
-        if wrong is not None:
-            name = getattr(r.fn, "__name__", r.name)
-            raise UserError(f"{flag} {spec}: {wrong} (one of the first rows of {where or 'the data'}, before any model "
-                            f"is built). {RETURNS} The two forms:\n{forms(name)}", option=flag.lstrip("-").replace("-", "_"))
+        values = _probe_values(r, rows, texts, ids, timeout)
+        if wrong := next((v for v in values if isinstance(v, RewardError) and v.kind == "type"), None):
+            raise UserError(f"{flag} {spec}: {wrong} (one of the first rows of {where}, before any model is built). "
+                            f"{RETURNS} The two forms:\n{forms(getattr(r.fn, '__name__', r.name))}", option=option)
         if any(not isinstance(v, RewardError) for v in values):
             return
         failures.append(values[0])
-    said = (f"{flag} {spec}: {failures[0]} — on every probe completion of the first rows of {where or 'the data'} "
-            "(their answers, reference completions, empty text), before any model is built")
-    if strict:
-        raise UserError(f"{said}. {failures[0].fix()}", option=flag.lstrip("-").replace("-", "_"))
-    warn(said)
+        if values[-1].kind == "timeout":
+            break
+    if all(f.kind == "input" for f in failures):
+        raise UserError(f"{flag} {spec}: {failures[0]} (the first rows of {where}, before any model is built).",
+                        option=option)
+    warn(f"{flag} {spec}: {failures[0]}: it failed on every probe completion of the first rows of {where} (their "
+         "answers, reference completions, empty text) before any model was built; a sampled completion may fare "
+         "better, but check the function")
 
 
 # ---- verifiers (eval --verifier NAME): a registered reward that returns 1 means "correct"

@@ -282,8 +282,7 @@ class GRPO:
         self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         # each reward function on the first rows: a wrong signature or return fails here, before any model is built
-        probe(self.reward_fns, self.rows, strict=cfg.on_reward_error == "fail", timeout=cfg.reward_timeout,
-              tokenizer=self.tok, where=cfg.data)
+        probe(self.reward_fns, self.rows, timeout=cfg.reward_timeout, tokenizer=self.tok, where=cfg.data)
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                   held_out=True) if cfg.eval_data and cfg.eval_samples else [],
                                       self.tok, source, cfg.max_new_tokens, cfg.eval_data)

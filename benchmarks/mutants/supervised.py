@@ -197,8 +197,8 @@ MUTATIONS: list[Mutation] = [
     M("supervised wiring: evaluation: shipped pass@k metric given n and c swapped", EV,
       'compute(predictions=cs, references=ns, k=ks)', 'compute(predictions=ns, references=cs, k=ks)', PASSK_EVALUATE),
     M("supervised wiring: evaluation: n_correct from the greedy answer", EV,
-      'rec["n_correct"] = sum(verify(check, rows[i], o.text) for o in group)',
-      'rec["n_correct"] = len(group) * verify(check, rows[i], outs[i].text)', PASSK_OWN),
+      'rec["n_correct"] = sum(check.check(rows[i], o.text, o.ids) for o in group)',
+      'rec["n_correct"] = len(group) * check.check(rows[i], outs[i].text, outs[i].ids)', PASSK_OWN),
     # ---- a fourth audit: calibration buckets, the saved head, --columns onto an existing column
     M("supervised wiring: rm calibration bucket accuracy over every pair", "stages/rm.py",
       'metrics[f"{key}/accuracy"] = round((diff[sel] > 0).float().mean().item(), 4)',
