@@ -450,6 +450,8 @@ class RewardError(Exception):
         """What to do, for a run that stops on it."""
         if self.kind == "type":
             return RETURNS
+        if self.kind == "input":
+            return "Fix the data, or pass --on-reward-error skip|zero."
         return "Fix the function, or pass --on-reward-error skip|zero."
 
 

@@ -97,7 +97,8 @@ def rewards(tmp_path) -> Path:
     return f
 
 
-ROWS = [{"prompt": "What is 1 + 1?", "answer": "2", "level": 1}, {"prompt": "What is 2 + 3?", "answer": "5", "level": 2},
+ROWS = [{"prompt": "What is 1 + 1?", "answer": "2", "level": 1},
+        {"prompt": "What is 2 + 3?", "answer": "5", "level": 2},
         {"prompt": "What is 4 + 4?", "answer": "8", "level": 3}]
 
 

@@ -58,8 +58,8 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
         many = (generate(eng, tokenizer, [p for p in prompts for _ in range(samples)], sampling, dist,
                          batch_size=batch_size, gather=gather, on_batch=bar.advance) if samples > 0 else [])
     records = [
-        {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text, "greedy_correct": check.check(r, o.text, o.ids)}
-        for r, o in zip(rows, outs)
+        {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text,
+         "greedy_correct": check.check(r, o.text, o.ids)} for r, o in zip(rows, outs)
     ]
     p = sum(rec["greedy_correct"] for rec in records) / len(records)
     metrics = {"pass@1/greedy": p, "pass@1/greedy_stderr": math.sqrt(p * (1 - p) / len(records)),
