@@ -157,10 +157,11 @@ class ArtifactWriter:
     """Writes one stage's artifact. Create on every rank; only rank 0 touches the disk."""
 
     def __init__(self, out: str | Path, stage: str, config: dict, inputs: dict, is_main: bool = True,
-                 started: float | None = None):
+                 started: float | None = None, notes: dict | None = None):
         """`started`: when the stage's work began (time.time()), where that was before its artifact was opened (a
         data stage samples first and opens its artifact to write); default now. artifact.json's `started` and
-        `wall_seconds` count from it."""
+        `wall_seconds` count from it. `notes`: more keys of artifact.json, from the start (the verifier a stage
+        chose)."""
         self.out = Path(out)
         self.stage, self.config, self.inputs, self.is_main = stage, config, inputs, is_main
         self.started = time.time() if started is None else started
@@ -184,6 +185,7 @@ class ArtifactWriter:
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
             "config": config,
             "inputs": inputs,
+            **(notes or {}),
         }
         write_json_atomic(self.out / ARTIFACT_FILE, self.record)
         self._metrics = open(self.out / "metrics.jsonl", "a" if config.get("resume") else "w")
@@ -281,6 +283,12 @@ class ArtifactWriter:
         for f in (self._metrics, self._health):
             if not f.closed:
                 f.close()
+
+
+def describe_code(paths: list[str]) -> dict[str, str]:
+    """{path: sha256} of the user's Python files a run reads (reward functions, verifiers), for artifact.json's
+    inputs ("missing" for one that is gone)."""
+    return {str(p): sha256_file(Path(p)) if Path(p).is_file() else "missing" for p in paths}
 
 
 def describe_inputs(source, *data_paths: str) -> dict:

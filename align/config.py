@@ -87,6 +87,10 @@ class Options:
         stage's entry call it once, before `validate()`."""
         return self
 
+    def user_code(self) -> list[str]:
+        """The user's Python files the options name (`user_code`)."""
+        return user_code(type(self), as_dict(self))
+
     def paths(self) -> dict[str, str]:
         """The options that name a file or directory (declared `path=True`), by name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("path")}
@@ -96,6 +100,21 @@ class Options:
             value = getattr(self, f.name)
             if disallowed(f.metadata, value):
                 raise UserError(f"{flag(f.name)} must be {allowed(f.metadata)}, got {value!r}.", option=f.name)
+
+
+def user_code(cls, values: dict) -> list[str]:
+    """The user's Python files that the options of `cls` declared `code=True` (--reward, --gold-reward,
+    --verifier: path/to/file.py:FUNCTION[:WEIGHT] specs) name in `values`, each once: a run hashes them into its
+    artifact's inputs, a pipeline into the stage's fingerprint."""
+    from align.rewards import spec_file
+
+    found = []
+    for f in dataclasses.fields(cls):
+        value = values.get(f.name) if f.metadata.get("code") else None
+        for spec in (value if isinstance(value, list) else [value] if isinstance(value, str) else []):
+            if (file := spec_file(spec)) is not None:
+                found.append(file)
+    return list(dict.fromkeys(found))
 
 
 def positive_ints(text: str, name: str) -> list[int]:
@@ -112,7 +131,7 @@ def positive_ints(text: str, name: str) -> list[int]:
 def verifier_opt():
     """The held-out evaluation's --verifier (sft, dpo, ppo, grpo)."""
     return opt("auto", "How held-out answers are checked, as `align eval --verifier` (auto: the rows' reasoning-gym "
-                       "task, math for numbers, else exact).")
+                       "task, math when every answer is a number or ends in one, else exact).", code=True)
 
 
 def is_list(t) -> bool:

@@ -522,8 +522,9 @@ def default_rules(precision: str = "fp32") -> list:
              at_end=True,
              message="The reward failed on every sample (it raised, returned NaN / a non-number or ran past "
                      "--reward-timeout): nothing is learned. Call the function by hand on one data row, "
-                     "fn(prompt, completion, **row), fix it and rerun (--on-reward-error fail stops at the first "
-                     "failure and shows the completion)."),
+                     "fn(prompt, completion, **row) (batched: fn(prompts=[...], completions=[...], **columns as "
+                     "lists)), fix it and rerun (--on-reward-error fail stops at the first failure and shows the "
+                     "completion)."),
         # window 50: with 16 groups a step, 50 steps without signal are 800 groups without one success (or failure)
         Rule("no_signal", "signal_frac", check_held_at_most, "stop", 50, params={"max_value": 0.0}, at_end=True, remedy={},
              message="No sample carried a training signal: within every group the rewards were equal (all wrong, "

@@ -16,7 +16,8 @@
 
 A stage is skipped when its out dir holds a complete, untampered artifact (`verify_artifact`) whose
 `.pipeline-fingerprint` equals the stage's fingerprint: sha256 over the kind, the fully resolved config and a
-digest of every input (the artifact.json digest of a referenced stage, the sha256 of a data file or tree).
+digest of every input (the artifact.json digest of a referenced stage, the sha256 of a data file or tree, of a
+user's reward or verifier file).
 A rerun upstream rewrites its artifact.json, so everything downstream of it reruns too.
 
 This module holds the logic only; `align.pipeline_cli` is the typer front end.
@@ -40,8 +41,8 @@ from pathlib import Path
 from rich.markup import escape
 
 from align import config as C
-from align.artifacts import (ARTIFACT_FILE, artifact_digest, hash_tree, read_artifact, sha256_file, verify_artifact,
-                             write_text_atomic)
+from align.artifacts import (ARTIFACT_FILE, artifact_digest, describe_code, hash_tree, read_artifact, sha256_file,
+                             verify_artifact, write_text_atomic)
 from align.console import console
 from align.engine import checkpoint
 from align.errors import UserError
@@ -488,12 +489,17 @@ def _input_digest(p: Pipeline, stage: Stage, key: str, value: str):
 
 
 def fingerprint(p: Pipeline, stage: Stage, cfg: dict | None = None) -> str:
-    """sha256 of json(kind, resolved config, digest of every input: upstream artifact.json / data file / tree)."""
+    """sha256 of json(kind, resolved config, digest of every input: upstream artifact.json / data file / tree, and
+    of every user Python file the config names: a --reward / --verifier file.py:FUNCTION, read where the stage
+    reads it)."""
     cfg = cfg if cfg is not None else resolve(p, stage)
     inputs = {k: _input_digest(p, stage, k, cfg[k]) for k in sorted(_path_fields(stage.config))
               if k != "out" and k in cfg}
+    code = describe_code(C.user_code(stage.config, cfg))
     cfg = {k: v for k, v in cfg.items() if k not in C.PREFLIGHT}
-    blob = json.dumps({"kind": stage.kind, "config": cfg, "inputs": inputs}, sort_keys=True, default=str)
+    # (no "code" key without user files: a stage without any keeps the fingerprint it had)
+    blob = json.dumps({"kind": stage.kind, "config": cfg, "inputs": inputs, **({"code": code} if code else {})},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

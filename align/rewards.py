@@ -4,9 +4,14 @@
     math_reward("23 + 45 = 68. #### 68", "68")   -> 1.0
     sort_reward("1 3 7 9", "1 3 7 9")            -> 1.0
 
-A reward function has the signature `fn(prompt: str, completion: str, **row) -> float`, where `row` holds every
-other column of the data row (e.g. `answer`). `--reward SPEC` (repeatable), SPEC = NAME[:WEIGHT] or
-path/to/file.py:FUNCTION[:WEIGHT]; the total reward is Σ weight · fn. Registered (REWARDS):
+A reward function takes one of two forms (docs/rewards.md):
+  per sample       fn(prompt, completion, **row) -> float, where `row` holds every other column of the data row
+                   (e.g. `answer`);
+  batched (TRL)    fn(prompts, completions, **kwargs) -> list[float | None], called by keyword with lists: every
+                   other column as a list, and `completion_ids`; None: the reward does not apply to that sample.
+A function whose `batched` attribute is True or False is of that form; else one with a parameter named `prompts`
+or `completions` (TRL's names) is batched, any other per sample. `--reward SPEC` (repeatable), SPEC = NAME[:WEIGHT]
+or path/to/file.py:FUNCTION[:WEIGHT]; the total reward is Σ weight · fn. Registered (REWARDS):
   math            1 if the answer (after ####, else \\boxed{}, else the last number) equals row["answer"]
   sort            fraction of positions matching the sorted list (row["answer"])
   sort_inclusion  (prompt items present + adjacent non-decreasing pairs) / (2n − 1)
@@ -15,7 +20,9 @@ path/to/file.py:FUNCTION[:WEIGHT]; the total reward is Σ weight · fn. Register
   exact           1 if the completion equals row["answer"] (surrounding white space ignored)
   length          Kimi k1.5 length reward within each group (needs math; computed per group: GROUP_REWARDS)
   rg:TASK         a reasoning-gym task's own scorer (optional extra; rows made by `align data make rg:TASK`)
-A verifier (eval's --verifier) is a registered reward read as correct when it returns 1.
+A verifier (eval's --verifier) is a registered reward read as correct when it returns 1; `auto` picks rg:TASK for
+rows made from a reasoning-gym task, math when every answer is a number or ends in one (what math reads), else
+exact (`choose_verifier`, which says why).
 
 extract_answer looks, in order, for the text after the last '####', the last \\boxed{...}, then the last number
 anywhere; an answer that ends in a list of different numbers ("526.007 526.274", "3 or 5") gives none. Numbers
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import math
 import re
 import signal
@@ -161,6 +169,17 @@ def _decimal_places(s) -> int | None:
     return max(0, (len(re.sub(r"\D", "", tail)) if dot else 0) - int(exponent or 0))
 
 
+def reference_number(answer) -> tuple[str | None, Fraction | None]:
+    """The number a reference answer stands for, as (its string, its exact value): the answer itself when it is a
+    number ('68', '1,234', '3/4'), else the final answer of a full solution ('... #### 68', '\\boxed{68}', '... is
+    68'); (None, None) when it has none ('blue', '3 5 7': a list names no single value)."""
+    want = _fraction(answer)
+    if want is not None:
+        return answer, want
+    ref = extract_answer(str(answer))
+    return ref, _fraction(ref)
+
+
 def math_reward(completion, answer, tol=1e-6):
     """1.0 if the completion's extracted answer equals the reference answer, else 0.0.
 
@@ -170,11 +189,7 @@ def math_reward(completion, answer, tol=1e-6):
     reference may be a number string or a full solution ending in '#### N'; a reference with no number raises
     UserError.
     """
-    ref = answer
-    want = _fraction(ref)
-    if want is None:  # a full solution: its answer
-        ref = extract_answer(str(answer))
-        want = _fraction(ref)
+    ref, want = reference_number(answer)
     if want is None:
         raise UserError(f"reference answer {answer!r} is not a number (or has more than {_MAX_DIGITS} digits or an "
                         f"exponent beyond ±{_MAX_EXPONENT}); fix the dataset's answer column")
@@ -257,9 +272,96 @@ GROUP_REWARDS = ("length",)
 
 @dataclass
 class RewardFn:
+    """A reward function of --reward (or a verifier): `fn` None for a group reward (length); `batched`: its form
+    (`is_batched`); `path`: the user's file it was loaded from (None for a registered one); `spec`: how the user
+    named it (file.py:FUNCTION)."""
+
     name: str
     weight: float
-    fn: Callable | None  # None for group rewards (length)
+    fn: Callable | None
+    batched: bool = False
+    path: str | None = None
+    spec: str = ""
+
+    def __call__(self, prompt, completion, **row):
+        """The value of one completion, whatever the form: a batched function is called with batches of one."""
+        if not self.batched:
+            return self.fn(prompt, completion, **row)
+        return self.fn(**batch_kwargs([{"prompt": prompt, **row}], [completion], [row.pop("completion_ids", None)]))[0]
+
+
+# ---- user functions: the two forms, how they are called, and their checks
+
+# TRL's names: a function with a parameter of either name is batched (TRL passes them by keyword)
+BATCH_PARAMS = ("prompts", "completions")
+BATCH_KEYWORDS = (*BATCH_PARAMS, "completion_ids")  # what a batched function is always given, beside the columns
+PROBE_ROWS = 4  # the data rows a function is tried on before any model is built
+RETURNS = ("A reward is a number (float, int, bool or a NumPy scalar); a batched function returns a list of them, "
+           "one per completion, None where the reward does not apply.")
+
+
+def is_batched(fn: Callable) -> bool:
+    """The form of a reward function: its `batched` attribute where it sets one (True or False: the explicit
+    marker); else batched when a parameter is named `prompts` or `completions`; else per sample."""
+    marker = getattr(fn, "batched", None)
+    if isinstance(marker, bool):
+        return marker
+    params = _parameters(fn)
+    return params is not None and any(name in params for name in BATCH_PARAMS)
+
+
+def _parameters(fn: Callable):
+    """fn's parameters by name (inspect), or None for a callable without a signature."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+
+
+def forms(name: str) -> str:
+    """The two signatures a reward function may have, for messages."""
+    return (f"  per sample:    def {name}(prompt, completion, **row) -> float\n"
+            f"  batched (TRL): def {name}(prompts, completions, **kwargs) -> list[float]\n"
+            "(row / kwargs: the data row's other columns, e.g. answer; a batched function gets each as a list, and "
+            f"completion_ids; a parameter named prompts or completions, or `{name}.batched = True`, makes it "
+            "batched).")
+
+
+def form_error(r: RewardFn, spec: str, flag: str, why: str) -> UserError:
+    """A reward function that cannot be called as its form says: the two forms in the message."""
+    name = getattr(r.fn, "__name__", r.name)
+    return UserError(f"{flag} {spec}: {name}{_signature_text(r.fn)} {why}. A reward function has one of two forms:\n"
+                     f"{forms(name)}", option=flag.lstrip("-").replace("-", "_"))
+
+
+def _signature_text(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def check_form(r: RewardFn, spec: str, flag: str = "--reward") -> None:
+    """Refuse (UserError, both forms in the message) a function its form cannot call: per sample, one that takes
+    no prompt and completion as its first two arguments; batched, one that takes prompts, completions and
+    completion_ids by keyword neither by name nor through **kwargs. The data's columns are checked by `probe`."""
+    params = _parameters(r.fn)
+    if params is None:
+        return
+    P = inspect.Parameter
+    kinds = [p.kind for p in params.values()]
+    if r.batched:
+        named = {n for n, p in params.items() if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+        missing = [] if P.VAR_KEYWORD in kinds else [n for n in BATCH_KEYWORDS if n not in named]
+        if missing:
+            raise form_error(r, spec, flag, f"is batched but takes no {', '.join(missing)} by keyword (add "
+                                            "**kwargs)")
+        return
+    positional = [p for p in params.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 and P.VAR_POSITIONAL not in kinds:
+        raise form_error(r, spec, flag, "takes no prompt and completion as its first two arguments")
+    if any(p.kind is P.POSITIONAL_ONLY and p.default is P.empty for p in positional[2:]):
+        raise form_error(r, spec, flag, "needs more than two positional arguments")
 
 
 def _load_user_fn(path: str, name: str) -> Callable:
@@ -274,7 +376,7 @@ def _load_user_fn(path: str, name: str) -> Callable:
         raise UserError(f"{path}: importing it failed: {type(e).__name__}: {e}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise UserError(f"{path}: no function {name!r} (expected `def {name}(prompt, completion, **row) -> float`).")
+        raise UserError(f"{path}: no function {name!r}. A reward function has one of two forms:\n{forms(name)}")
     return fn
 
 
@@ -287,15 +389,26 @@ def lookup(name: str) -> Callable | None:
     return REWARDS.get(name)
 
 
+def _split(spec: str) -> tuple[list[str], float]:
+    """A spec's parts and weight: 'f.py:fn:0.5' -> (['f.py', 'fn'], 0.5)."""
+    parts, weight = spec.split(":"), 1.0
+    if len(parts) > 1 and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", parts[-1]):
+        weight = float(parts.pop())
+    return parts, weight
+
+
+def spec_file(spec: str) -> str | None:
+    """The user's Python file a --reward / --verifier spec names (path/to/file.py:FUNCTION[:WEIGHT]), else None."""
+    parts, _ = _split(spec)
+    return parts[0] if len(parts) == 2 and parts[0].endswith(".py") else None
+
+
 def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
     """The reward functions of --reward specs NAME[:WEIGHT], rg:TASK[:WEIGHT], file.py:FUNCTION[:WEIGHT] (`flag`
-    names the option in messages)."""
+    names the option in messages); a user function is checked against its form (`check_form`)."""
     out = []
     for spec in specs:
-        parts = spec.split(":")
-        weight = 1.0
-        if len(parts) > 1 and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", parts[-1]):
-            weight = float(parts.pop())
+        parts, weight = _split(spec)
         if len(parts) == 2 and (parts[0] in REWARDS or parts[0] in GROUP_REWARDS):
             raise UserError(f"{flag} {spec}: the weight {parts[1]!r} is not a number (NAME:WEIGHT, e.g. "
                             f"{parts[0]}:0.5).")
@@ -305,7 +418,10 @@ def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
         elif parts[0].endswith(".py"):
             if len(parts) != 2:
                 raise UserError(f"{flag} {spec}: a user reward is path/to/file.py:FUNCTION[:WEIGHT].")
-            out.append(RewardFn(f"{Path(parts[0]).stem}.{parts[1]}", weight, _load_user_fn(parts[0], parts[1])))
+            fn = _load_user_fn(parts[0], parts[1])
+            out.append(RewardFn(f"{Path(parts[0]).stem}.{parts[1]}", weight, fn, is_batched(fn), parts[0],
+                                ":".join(parts)))
+            check_form(out[-1], spec, flag)
         elif len(parts) == 1 and parts[0] in REWARDS:
             out.append(RewardFn(parts[0], weight, REWARDS[parts[0]]))
         elif len(parts) == 1 and parts[0] in GROUP_REWARDS:
@@ -322,7 +438,21 @@ def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
 
 
 class RewardError(Exception):
-    pass
+    """A reward that failed on a completion: `kind` raised, input (raised UserError: a registered reward refused the
+    data, e.g. math an answer that is no number), timeout, value (NaN, inf) or type (not a number: a bug in the
+    function, which the probe refuses whatever --on-reward-error says)."""
+
+    def __init__(self, message: str, kind: str = "raised"):
+        super().__init__(message)
+        self.kind = kind
+
+    def fix(self) -> str:
+        """What to do, for a run that stops on it."""
+        if self.kind == "type":
+            return RETURNS
+        if self.kind == "input":
+            return "Fix the data, or pass --on-reward-error skip|zero."
+        return "Fix the function, or pass --on-reward-error skip|zero."
 
 
 class _TimeUp(BaseException):  # not an Exception: a user function's `except Exception` must not swallow it
@@ -354,47 +484,280 @@ def row_fields(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in ("prompt", "completion")}
 
 
+def is_chat(prompt) -> bool:
+    """A conversational prompt: a list of {role, content} messages."""
+    return isinstance(prompt, list)
+
+
+def batch_kwargs(rows: list[dict], completions: list[str], ids: list | None = None) -> dict:
+    """A batched function's keyword arguments, as TRL's GRPOTrainer passes them: prompts, completions (where the
+    prompts are message lists, each completion as [{"role": "assistant", "content": text}]), completion_ids, and
+    every other column of the rows as a list (a row without it: None)."""
+    chat = bool(rows) and is_chat(rows[0]["prompt"])
+    kwargs = {"prompts": [row["prompt"] for row in rows],
+              "completions": [[{"role": "assistant", "content": c}] if chat else c for c in completions],
+              "completion_ids": list(ids) if ids is not None else [None] * len(completions)}
+    columns = dict.fromkeys(k for row in rows for k in row_fields(row) if k not in BATCH_KEYWORDS)
+    kwargs.update({k: [row.get(k) for row in rows] for k in columns})
+    return kwargs
+
+
+def as_number(value) -> float | None:
+    """A reward value as a float: anything float() takes but text and arrays (a bool, an int, a NumPy scalar, a
+    0-d tensor); None when it is not one."""
+    if isinstance(value, (str, bytes)) or getattr(value, "ndim", 0) or not hasattr(value, "__float__"):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _checked(r: RewardFn, value, completion) -> float:
+    """`value` as a reward, or RewardError: not a number (kind type), NaN or inf (kind value)."""
+    number = as_number(value)
+    if number is None:
+        note = "; None (does not apply) is for a batched function's list" if value is None and not r.batched else ""
+        raise RewardError(f"reward {r.name!r} returned {type(value).__name__} {value!r:.80} (not a number{note}) "
+                          f"on completion {completion!r}", "type")
+    if not math.isfinite(number):
+        raise RewardError(f"reward {r.name!r} returned {number} on completion {completion!r}", "value")
+    return number
+
+
 def call_reward(r: RewardFn, prompt: str, completion: str, row: dict, timeout: float = 0.0) -> float:
-    """One reward value; raises RewardError (with the offending completion) on an exception, NaN, inf, a
-    non-number, or a call that takes longer than `timeout` seconds."""
+    """One reward value of a per-sample function; raises RewardError (with the offending completion) on an
+    exception, NaN, inf, a non-number, or a call that takes longer than `timeout` seconds."""
     extra = row_fields(row)
     try:
         with _time_limit(timeout):
             value = r.fn(prompt, completion, **extra)
     except _TimeUp:
-        raise RewardError(f"reward {r.name!r} took longer than {timeout:g} s on completion {completion!r}") from None
+        raise RewardError(f"reward {r.name!r} took longer than {timeout:g} s on completion {completion!r}",
+                          "timeout") from None
     except Exception as e:
-        raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on completion {completion!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RewardError(f"reward {r.name!r} returned {type(value).__name__} {value!r} (not a number) "
-                          f"on completion {completion!r}")
-    if not math.isfinite(value):
-        raise RewardError(f"reward {r.name!r} returned {value} on completion {completion!r}")
-    return float(value)
+        raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on completion {completion!r}",
+                          "input" if isinstance(e, UserError) else "raised") from None
+    return _checked(r, value, completion)
+
+
+def call_rewards(r: RewardFn, rows: list[dict], completions: list[str], ids: list | None = None,
+                 timeout: float = 0.0) -> list:
+    """r's value of each completion i of data row rows[i]: a float, None (a batched function's "does not apply")
+    or a RewardError (the sample's failure; a batched call that raised or ran past `timeout` seconds per
+    completion fails every sample of the batch). A per-sample function is called once a completion, a batched one
+    once for them all."""
+    if not r.batched:
+        out = []
+        for row, c in zip(rows, completions):
+            try:
+                out.append(call_reward(r, row["prompt"], c, row, timeout))
+            except RewardError as e:
+                out.append(e)
+        return out
+    return _call_batched(r, rows, completions, ids, timeout)
+
+
+def _call_batched(r: RewardFn, rows: list[dict], completions: list[str], ids, timeout: float) -> list:
+    """call_rewards of a batched function: one call, then each value checked."""
+    n = len(completions)
+    where = f"a batch of {n} completions, the first {completions[0]!r}" if n else "no completions"
+    try:
+        with _time_limit(timeout * n):
+            out = r.fn(**batch_kwargs(rows, completions, ids))
+    except _TimeUp:
+        return [RewardError(f"reward {r.name!r} took longer than {timeout * n:g} s (--reward-timeout {timeout:g} s "
+                            f"a completion) on {where}", "timeout")] * n
+    except Exception as e:
+        return [RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on {where}",
+                            "input" if isinstance(e, UserError) else "raised")] * n
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or len(out) != n:
+        got = f"{type(out).__name__} of {len(out)}" if hasattr(out, "__len__") else f"{type(out).__name__} {out!r:.80}"
+        return [RewardError(f"reward {r.name!r} is batched and returned {got}, not a list of {n} values (one per "
+                            f"completion) on {where}", "type")] * n
+    values = []
+    for v, c in zip(out, completions):
+        try:
+            values.append(None if v is None else _checked(r, v, c))
+        except RewardError as e:
+            values.append(e)
+    return values
+
+
+def every_number(r: RewardFn, values: list) -> list[float]:
+    """`values` (call_rewards') when each is a number; else the first failure as a RewardError (None too: a
+    reward that must score every completion — a gold reward, a verifier — cannot call one "not applicable")."""
+    for v in values:
+        if isinstance(v, RewardError):
+            raise v
+        if v is None:
+            raise RewardError(f"reward {r.name!r} returned None (does not apply) for a completion; here every "
+                              "completion needs a score", "type")
+    return values
+
+
+# ---- the check before any model is built: each function tried on the data's first rows
+
+
+def _candidates(rows: list[dict]) -> list[list[str]]:
+    """Completions a probe tries, one list per kind, each a completion per row: the rows' answers, their
+    reference completions, empty text."""
+    out = []
+    for key in ("answer", "completion"):
+        if all(isinstance(row.get(key), (str, int, float)) and not isinstance(row.get(key), bool) for row in rows):
+            out.append([str(row[key]) for row in rows])
+    out.append([""] * len(rows))
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def _bind_error(r: RewardFn, rows: list[dict]) -> str | None:
+    """Why the rows' columns cannot be passed to r in its form (TypeError's words), or None."""
+    try:
+        signature = inspect.signature(r.fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        if r.batched:
+            signature.bind(**batch_kwargs(rows, [""] * len(rows)))
+        else:
+            for row in rows:
+                signature.bind(row["prompt"], "", **row_fields(row))
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def probe(fns: list[RewardFn], rows: list[dict], flag: str = "--reward", *, timeout: float = 0.0, tokenizer=None,
+          where: str = "") -> None:
+    """Try each function on the first PROBE_ROWS rows of the data (`where`: the file) before any model is built:
+    its signature against the data's columns, and its return on probe completions (the rows' answers, else their
+    reference completions, else empty text; `tokenizer` makes their completion_ids). A wrong signature or a return
+    that is not a number (a batched function: not a list of one per completion) is a UserError naming both forms,
+    whatever --on-reward-error says; so is bad data a registered reward refuses on every probe completion (math
+    on an answer that is no number). A function that raises otherwise (or runs past `timeout`) on every probe
+    completion is warned of: a probe completion is not a sampled one, and a function may rightly refuse it."""
+    head = rows[:PROBE_ROWS]
+    for r in fns:
+        if r.fn is not None and head:
+            _probe_one(r, head, flag, timeout, tokenizer, where)
+
+
+def _probe_values(r: RewardFn, rows: list[dict], texts: list[str], ids, timeout: float) -> list:
+    """call_rewards on the probe rows; a per-sample function's rows one at a time, the first timeout the last."""
+    if r.batched:
+        return call_rewards(r, rows, texts, ids, timeout)
+    values = []
+    for i, row in enumerate(rows):
+        values += call_rewards(r, [row], texts[i:i + 1], ids[i:i + 1] if ids else None, timeout)
+        if isinstance(values[-1], RewardError) and values[-1].kind == "timeout":
+            break
+    return values
+
+
+def _probe_one(r: RewardFn, rows: list[dict], flag: str, timeout: float, tokenizer, where: str) -> None:
+    from align.console import warn
+
+    spec, option, where = r.spec or r.name, flag.lstrip("-").replace("-", "_"), where or "the data"
+    columns = ", ".join(dict.fromkeys(k for row in rows for k in row_fields(row))) or "none"
+    if bad := _bind_error(r, rows):
+        raise form_error(r, spec, flag, f"cannot take the columns of {where} ({columns}): {bad}")
+    failures = []
+    for texts in _candidates(rows):
+        ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts] if tokenizer is not None else None
+        values = _probe_values(r, rows, texts, ids, timeout)
+        if wrong := next((v for v in values if isinstance(v, RewardError) and v.kind == "type"), None):
+            raise UserError(f"{flag} {spec}: {wrong} (one of the first rows of {where}, before any model is built). "
+                            f"{RETURNS} The two forms:\n{forms(getattr(r.fn, '__name__', r.name))}", option=option)
+        if any(not isinstance(v, RewardError) for v in values):
+            return
+        failures.append(values[0])
+        if values[-1].kind == "timeout":
+            break
+    if all(f.kind == "input" for f in failures):
+        raise UserError(f"{flag} {spec}: {failures[0]} (the first rows of {where}, before any model is built).",
+                        option=option)
+    warn(f"{flag} {spec}: {failures[0]}: it failed on every probe completion of the first rows of {where} (their "
+         "answers, reference completions, empty text) before any model was built; a sampled completion may fare "
+         "better, but check the function")
 
 
 # ---- verifiers (eval --verifier NAME): a registered reward that returns 1 means "correct"
 
 
-def verifier_fn(name: str) -> Callable:
-    """The reward a verifier name stands for; an unknown name is a UserError."""
+def verifier_fn(name: str) -> RewardFn:
+    """The reward a verifier name stands for (callable as fn(prompt, completion, **row) in either form); an
+    unknown name is a UserError."""
     fn = lookup(name)
-    if fn is None and ".py:" in name:
-        fn = parse_rewards([name])[0].fn
-    if fn is None:
-        raise UserError(f"--verifier must be auto, one of {', '.join(REWARDS)}, rg:TASK or file.py:FUNCTION, "
-                        f"not {name!r}.")
-    return fn
+    if fn is not None:
+        return RewardFn(name, 1.0, fn)
+    if ".py:" in name:
+        return parse_rewards([name], "--verifier")[0]
+    raise UserError(f"--verifier must be auto, one of {', '.join(REWARDS)}, rg:TASK or file.py:FUNCTION, "
+                    f"not {name!r}.")
 
 
-def verify(fn: Callable, row: dict, completion: str) -> bool:
-    """True when the verifier `fn` gives the completion of this row (prompt, answer, ...) a reward of 1."""
-    return fn(row.get("prompt", ""), completion, **row_fields(row)) == 1.0
+def verify(fn: Callable, row: dict, completion: str, ids: list[int] | None = None) -> bool:
+    """True when the verifier `fn` (a RewardFn, or a per-sample function) gives the completion of this row
+    (prompt, answer, ...) a reward of 1. A user's verifier that raises is a UserError naming the completion."""
+    if not isinstance(fn, RewardFn):
+        return fn(row.get("prompt", ""), completion, **row_fields(row)) == 1.0
+    if fn.path is None:
+        return fn.fn(row.get("prompt", ""), completion, **row_fields(row)) == 1.0
+    (value,) = call_rewards(fn, [{"prompt": "", **row}], [completion], [ids])
+    if isinstance(value, RewardError):
+        raise UserError(f"--verifier: {value}. {value.fix()}") from None
+    return value == 1.0
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """How a stage checks answers: `name` the verifier it uses (auto made concrete), `why` auto's reason ('' when
+    the user named it), `fn` its function."""
+
+    name: str
+    why: str
+    fn: RewardFn
+
+    @property
+    def line(self) -> str:
+        """What the stage says of it in its first lines: 'verifier: math (auto: the answers are numbers)'."""
+        return f"verifier: {self.name}" + (f" (auto: {self.why})" if self.why else "")
+
+    def record(self) -> dict:
+        """artifact.json's "verifier": the concrete choice, and why when auto chose it."""
+        return {"name": self.name, "auto": bool(self.why), **({"why": self.why} if self.why else {})}
+
+    def check(self, row: dict, completion: str, ids: list[int] | None = None) -> bool:
+        return verify(self.fn, row, completion, ids)
+
+
+def auto_verifier(rows: list[dict]) -> tuple[str, str]:
+    """(verifier, why) for --verifier auto: rg:TASK for rows made from a reasoning-gym task; math when every
+    reference answer is a number or ends in one (`reference_number`: what math compares with); else exact."""
+    if rows[0].get("rg_task"):
+        return f"rg:{rows[0]['rg_task']}", f"the rows were made by reasoning-gym's {rows[0]['rg_task']}"
+    answers = [row.get("answer") for row in rows]
+    plain = [i for i, a in enumerate(answers) if _fraction(a) is None]
+    if not plain:
+        return "math", "the answers are numbers"
+    other = [i for i in plain if reference_number(answers[i])[1] is None]
+    if not other:
+        return "math", "the answers are numbers or end in one"
+    if len(other) == len(answers):
+        return "exact", "the answers are not numbers"
+    i = other[0]
+    return "exact", f"{len(other)} of {len(answers)} answers are not numbers, e.g. row {i + 1}'s {answers[i]!r:.40}"
+
+
+def choose_verifier(setting: str, rows: list[dict], tokenizer=None, where: str = "") -> Verifier:
+    """The verifier of `setting` (--verifier: a name, or auto) for `rows`, tried on their first rows (`probe`)
+    before any model is built."""
+    name, why = auto_verifier(rows) if setting == "auto" else (setting, "")
+    v = Verifier(name, why, verifier_fn(name))
+    probe([v.fn], rows, "--verifier", tokenizer=tokenizer, where=where)
+    return v
 
 
 def guess_verifier(rows: list[dict]) -> str:
-    """rg:TASK for rows made from a reasoning-gym task, math when the first reference answer is a number, else
-    exact."""
-    if rows[0].get("rg_task"):
-        return f"rg:{rows[0]['rg_task']}"
-    return "math" if parse_number(str(rows[0]["answer"])) is not None else "exact"
+    """The verifier --verifier auto picks for rows (auto_verifier)."""
+    return auto_verifier(rows)[0]

@@ -60,7 +60,8 @@ class DataMakeConfig(Options):
                                  "text: minimal pairs).", choices=("random", "length", "form"))
     max_new_tokens: int = opt(128, "prefs --from-model: longest completion.", ge=1)
     temperature: float = opt(1.0, "prefs --from-model: sampling temperature.", gt=0)
-    verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).")
+    verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).",
+                        code=True)
     batch_size: int = opt(64, "prefs --from-model: generation batch.", ge=1)
 
 
@@ -140,9 +141,11 @@ def check_out(cfg: DataMakeConfig) -> None:
 
 
 def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, inputs: dict | None = None,
-           started: float | None = None, **extra) -> dict:
+           started: float | None = None, notes: dict | None = None, **extra) -> dict:
+    """The rows (and the held-out `test` rows) to --out: an artifact (with `inputs` and `notes`, artifact.json's
+    other keys) or JSONL files; `extra`: the summary's other figures."""
     if is_artifact(cfg.out):
-        return _write_artifact(cfg, rows, test, inputs or {}, started, **extra)
+        return _write_artifact(cfg, rows, test, inputs or {}, started, notes, **extra)
     tasks.write_jsonl(rows, Path(cfg.out))
     summary = {"task": cfg.task, "rows": len(rows), "out": cfg.out, **extra}
     if test is not None:
@@ -153,11 +156,11 @@ def _write(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, input
 
 
 def _write_artifact(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | None, inputs: dict,
-                    started: float | None, **extra) -> dict:
+                    started: float | None, notes: dict | None = None, **extra) -> dict:
     from align.engine.run import StageRun
 
     with StageRun(cfg, "data") as run:
-        run.open(inputs, distributed=False, started=started)
+        run.open(inputs, distributed=False, started=started, notes=notes)
         tasks.write_jsonl(rows, run.out / "data.jsonl")
         summary = {"task": cfg.task, "rows": len(rows), **extra}
         if test is not None:
@@ -291,7 +294,7 @@ def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
     from align import data as D
     from align.console import TrainProgress
     from align.models import load_causal_lm, load_tokenizer, resolve
-    from align.rewards import guess_verifier, verifier_fn, verify
+    from align.rewards import choose_verifier
     from align.rollout.generation import Sampling, generate_local
     from align.runtime import quiet_libraries
 
@@ -303,7 +306,8 @@ def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
         raise UserError(f"--max-samples {cfg.max_samples} leaves no second round of --samples {cfg.samples}: give "
                         f"at least {2 * cfg.samples}, or 0 for none.")
     rows = D.load_rows(cfg.data, "verifiable", limit=cfg.n)
-    check = verifier_fn(guess_verifier(rows) if cfg.verifier == "auto" else cfg.verifier)
+    check = choose_verifier(cfg.verifier, rows, where=cfg.data)
+    info(check.line)
     quiet_libraries()
     source = resolve(cfg.from_model)
     tok = load_tokenizer(source)
@@ -325,7 +329,7 @@ def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
         for j, i in enumerate(todo):
             for o in outs[j * cfg.samples:(j + 1) * cfg.samples]:
                 texts[i].append(o.text)
-                correct[i].append(verify(check, rows[i], o.text))
+                correct[i].append(check.check(rows[i], o.text, o.ids))
         rounds += 1
         todo = [i for i in todo if len(set(correct[i])) < 2 and len(texts[i]) + cfg.samples <= cap]
     rng, per_prompt = random.Random(cfg.seed), []
@@ -344,7 +348,8 @@ def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
     test = [group[0] for group in per_prompt[cut:]] if cfg.test_n else None
     from align.artifacts import describe_inputs
 
-    return _write(cfg, pairs, test, describe_inputs(source, cfg.data), started, prompts=len(rows),
+    return _write(cfg, pairs, test, describe_inputs(source, cfg.data), started, {"verifier": check.record()},
+                  prompts=len(rows),
                   prompts_with_pairs=len(per_prompt), **pair_lengths(pairs), sample_accuracy=n_correct / drawn,
                   samples=drawn,
                   first_round_accuracy=sum(sum(c[:cfg.samples]) for c in correct) / (len(rows) * cfg.samples))

@@ -46,8 +46,9 @@ from align.objectives.preference import Pairs, dpo_loss, kto_loss
 from align.objectives.tokens import IGNORE
 from align.paths import DATA_DIR
 from align.reward_model import load_reward_model, require_trained, score
-from align.rewards import guess_verifier, row_fields, verifier_fn
-from align.rollout.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
+from align.rewards import choose_verifier, row_fields
+from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
+                                      verifier_note)
 from align.rollout.generation import Sampling, generate_on_rank
 
 DPO_REF_TOKENS = 16384  # tokens per forward of the live reference (DPO.reference_logps)
@@ -177,6 +178,7 @@ class DPO:
     train_keys = KEYS
     eval_at_start = True  # greedy pass@1 of the input model, measured exactly as the policy's at the end
     prompt_ids: tuple = ()  # --online: the prompts' tokens (their longest sizes the memory plan's rollout)
+    judging = None  # --online without --reward-model: the verifier that ranks the samples (rewards.Verifier)
 
     def __init__(self, cfg: DPOConfig, run):
         self.cfg, self.run = cfg, run
@@ -191,6 +193,7 @@ class DPO:
         self.verifiable = fitting_rows(D.load_rows(cfg.pass_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                    held_out=True) if cfg.pass_data and cfg.eval_samples else [],
                                        self.tok, source, cfg.max_new_tokens, cfg.pass_data)
+        self.verifier = held_out_verifier(cfg.verifier, self.verifiable, self.tok, cfg.pass_data)
 
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, cfg.pass_data if self.verifiable else "")
         if cfg.ref_model:
@@ -199,7 +202,9 @@ class DPO:
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
         dist = run.open(inputs, DPOPlan(cfg), lora=(source,), sequence_tokens=D.longest_row(self.examples),
-                        prompt_tokens=max(map(len, self.prompt_ids), default=None))
+                        prompt_tokens=max(map(len, self.prompt_ids), default=None),
+                        notes={**verifier_note(self.verifier),
+                               **({"judge": self.judging.record()} if self.judging else {})})
         self.micro, accum = run.layout.micro, run.layout.accum
 
         def load(src):
@@ -305,7 +310,7 @@ class DPO:
         cfg = self.cfg
         metrics = self.held_out() if step > 0 and self.eval_examples else {}
         if self.verifiable and step in (0, cfg.max_steps):
-            m, recs = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist, verifier=cfg.verifier,
+            m, recs = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist, verifier=self.verifier,
                                       sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
             save_eval_samples(self.run.out, step, recs, self.run.dist)
             metrics["eval/pass@1/greedy"] = m["pass@1/greedy"]
@@ -442,12 +447,12 @@ class OnlineDPO(DPO):
         # a pair is prompt + one sample: it fits --max-length (already checked against the model's context)
         self.rows, self.prompt_ids = fitting(rows, D.encode_prompts(self.tok, [r["prompt"] for r in rows]),
                                              cfg.max_length, cfg.max_new_tokens, cfg.data)
-        self.judge = None if cfg.reward_model else verifier_fn(
-            guess_verifier(self.rows) if cfg.verifier == "auto" else cfg.verifier)
+        self.judging = None if cfg.reward_model else choose_verifier(cfg.verifier, self.rows, self.tok, cfg.data)
+        self.judge = self.judging and self.judging.fn
         self.buffer: dict[int, tuple[list[dict], torch.Tensor, float]] = {}  # step -> (pairs, weights, mean score)
         info(f"dpo --online: {len(self.rows)} prompts of {cfg.data}, {cfg.online_samples} samples each at T "
              f"{cfg.temperature}, new pairs every {cfg.online_every} step(s), ranked by "
-             f"{'--reward-model ' + cfg.reward_model if cfg.reward_model else 'the verifier'}")
+             f"{'--reward-model ' + cfg.reward_model if cfg.reward_model else 'the ' + self.judging.line}")
         return []
 
     def rank(self, rows: list[dict], completions) -> torch.Tensor:

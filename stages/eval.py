@@ -12,7 +12,7 @@ from align.engine.run import StageRun, seed_all
 from align.models import load_causal_lm, load_tokenizer, resolve
 from align.paths import DATA_DIR
 from align.rewards import REWARDS, verifier_fn
-from align.rollout.evaluation import evaluate_policy, fitting_rows
+from align.rollout.evaluation import evaluate_policy, fitting_rows, held_out_verifier, verifier_note
 from align.rollout.generation import Sampling
 from align.tasks import write_jsonl
 
@@ -25,8 +25,9 @@ class EvalConfig(SamplingConfig, StageConfig):
     k: str = opt("1,4,8", "pass@k values, comma-separated; samples per problem = max k.")
     limit: int = opt(200, "Evaluate the first N problems (0: all).", ge=0)
     verifier: str = opt("auto", f"How answers are checked: a reward of {', '.join(REWARDS)}, rg:TASK or "
-                                "file.py:FUNCTION that must return 1, or auto (the rows' reasoning-gym task, math when the answers are "
-                                "numbers, else exact).")
+                                "file.py:FUNCTION (per sample or batched, docs/rewards.md) that must return 1, or auto "
+                                "(the rows' reasoning-gym task, math when every answer is a number or ends in one, else "
+                                "exact).", code=True)
     batch_size: int = opt(64, "Generation batch per process.", ge=1)
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus, less memory).")
 
@@ -46,15 +47,16 @@ def run(cfg: EvalConfig) -> dict:
     rows = D.load_rows(cfg.data, "verifiable", cfg.columns, limit=cfg.limit)
     tok = load_tokenizer(source, cfg.trust_remote_code)
     rows = fitting_rows(rows, tok, source, cfg.max_new_tokens, cfg.data)
+    verifier = held_out_verifier(cfg.verifier, rows, tok, cfg.data)
     with StageRun(cfg, "eval") as run:
-        dist = run.open(describe_inputs(source, cfg.data))
+        dist = run.open(describe_inputs(source, cfg.data), notes=verifier_note(verifier))
         seed_all(cfg.seed * 1000 + dist.rank)
         eng = run.frozen(lambda dtype: load_causal_lm(source, tok, dtype, cfg.seed, cfg.trust_remote_code))
         info(f"eval: {len(rows)} problems, {max(ks)} samples each, k = {ks}")
         metrics, records = evaluate_policy(eng, tok, rows, dist, ks=ks, samples=max(ks),
                                            sampling=Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                                                              seed=cfg.seed),
-                                           verifier=cfg.verifier, batch_size=cfg.batch_size, gather=cfg.gather,
+                                           verifier=verifier, batch_size=cfg.batch_size, gather=cfg.gather,
                                            use_evaluate=True, progress="eval")
         if dist.is_main:
             write_jsonl(records, run.out / "samples.jsonl")

@@ -20,6 +20,7 @@ Log-probs are taken at the sampling temperature, as sampled.
 from __future__ import annotations
 
 from collections.abc import Iterator
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -44,10 +45,11 @@ from align.objectives.advantages import zero_spread
 from align.objectives.grpo import GRPOBatch, GRPOCoefs, grpo_loss
 from align.objectives.policy import LOSS_AGGREGATIONS
 from align.reward_model import load_reward_model, require_trained, score
-from align.rewards import RewardError, call_reward, parse_rewards
+from align.rewards import RewardError, call_rewards, parse_rewards, probe
 from align.rollout import disagg
 from align.rollout.batch import Rollout, record_completions, record_mismatch, sample, select, timed
-from align.rollout.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
+from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
+                                      verifier_note)
 from align.rollout.generation import Sampling
 from align.rollout.queue import LocalSampler, Rollouts
 from align.rollout.sampling import derive
@@ -57,15 +59,20 @@ from align.rollout.sampling import derive
 @defaults(out="runs/grpo", max_steps=150, lr=5e-5, schedule="constant", warmup_steps=5, micro_batch_size=0,
           eval_every=0)
 class GRPOConfig(RLConfig):
-    reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT] or file.py:FUNCTION[:WEIGHT]; repeat for several.")
+    reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT] or file.py:FUNCTION[:WEIGHT]; repeat for several. A "
+                                      "function is per sample, fn(prompt, completion, **row) -> float, or batched as "
+                                      "TRL's, fn(prompts, completions, **kwargs) -> list[float] (docs/rewards.md).",
+                            code=True)
     reward_model: str = opt("", "An `align rm train` artifact as one more reward: its normalised score of prompt + "
                                 "completion, times --reward-model-weight, added to --reward's ('' : none).", path=True)
     reward_model_weight: float = opt(1.0, "Weight of the --reward-model score.")
     on_reward_error: str = opt("fail", "A reward that raises, returns NaN / a non-number or runs past "
                                        "--reward-timeout: fail, skip (the sample leaves its group's statistics and "
                                        "the loss) or zero. rewards/errors logs the fraction of a step's samples "
-                                       "whose reward failed.", choices=("fail", "skip", "zero"))
-    reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (0: no limit).", ge=0)
+                                       "whose reward failed. A wrong signature or return type fails before the "
+                                       "model loads, whatever this says.", choices=("fail", "skip", "zero"))
+    reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (a batched function: "
+                                      "this times its batch's completions; 0: no limit).", ge=0)
     num_generations: int = opt(8, "G: completions per prompt (advantages are relative to the group).", ge=2)
     advantage: str = opt("zscore", "Advantage estimator:", choices=objectives.Choices("advantage"))
     loss: str = opt("clip", "Policy loss:", choices=objectives.Choices("policy_loss"))
@@ -149,24 +156,39 @@ class GRPOConfig(RLConfig):
         return positive_ints(self.eval_k, "--eval-k")
 
 
-def reward(cfg: GRPOConfig, fns: list, row: dict, c) -> tuple[float | None, dict]:
-    """(Σ w_k f_k + overlong penalty, {name: f_k}) of completion `c` of data row `row` under the reward functions
-    `fns` (parse_rewards); None when a function failed and --on-reward-error is skip. A failure under skip or
-    zero is counted in parts["errors"]."""
-    parts, total = {"errors": 0.0}, 0.0
-    for r in fns:
+def rewards_of(cfg: GRPOConfig, fns: list, rows: list[dict], completions: list) -> list[tuple[float | None, dict]]:
+    """`reward` of each completion (completions[i] of data row rows[i]) under the reward functions `fns`
+    (parse_rewards): each function called on them all (a batched one once), then their values summed per
+    sample."""
+    texts, ids = [c.text for c in completions], [c.ids for c in completions]
+    table = [call_rewards(r, rows, texts, ids, cfg.reward_timeout) if r.fn is not None else [None] * len(texts)
+             for r in fns]
+    return [reward(cfg, fns, [values[i] for values in table], c) for i, c in enumerate(completions)]
+
+
+def reward(cfg: GRPOConfig, fns: list, values: list, c) -> tuple[float | None, dict]:
+    """(Σ w_k f_k + overlong penalty, {name: f_k}) of completion `c`, values[k] being what function fns[k]
+    returned for it (call_rewards: a number, None — TRL's "does not apply": left out of the sum and of
+    rewards/NAME — or a RewardError). None when a function failed and --on-reward-error is skip, or when every
+    function returned None and no --reward-model scores it (TRL's unscorable sample: left out as a skipped one is,
+    not counted as an error). A failure under skip or zero is counted in parts["errors"]."""
+    parts, total, scored = {"errors": 0.0}, 0.0, False
+    for r, v in zip(fns, values):
         if r.fn is None:  # a group reward (length), added per group in score()
             continue
-        try:
-            v = call_reward(r, row["prompt"], c.text, row, cfg.reward_timeout)
-        except RewardError as e:
+        if isinstance(v, RewardError):
             if cfg.on_reward_error == "fail":
-                raise UserError(f"{e}. Fix the function, or pass --on-reward-error skip|zero.") from None
+                raise UserError(f"{v}. {v.fix()}") from None
             if cfg.on_reward_error == "skip":
                 return None, {"errors": 1.0}
             v, parts["errors"] = 0.0, 1.0
+        if v is None:
+            continue
+        scored = True
         parts[r.name] = v
         total += r.weight * v
+    if not scored and not cfg.reward_model:
+        return None, parts
     if cfg.overlong_cache:
         n = len(c.ids) if c.finished else cfg.max_new_tokens + 1
         overlong = objectives.get("shaping", "overlong").fn
@@ -259,9 +281,12 @@ class GRPO:
         self.reward_fns = parse_rewards(cfg.reward)
         self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
+        # each reward function on the first rows: a wrong signature or return fails here, before any model is built
+        probe(self.reward_fns, self.rows, timeout=cfg.reward_timeout, tokenizer=self.tok, where=cfg.data)
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                   held_out=True) if cfg.eval_data and cfg.eval_samples else [],
                                       self.tok, source, cfg.max_new_tokens, cfg.eval_data)
+        self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data)
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
         self.rows, self.prompt_ids = fitting(self.rows, D.encode_prompts(self.tok, [r["prompt"] for r in self.rows]),
@@ -280,7 +305,8 @@ class GRPO:
         if cfg.prompts_per_step % runtime.world_size():
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
         n_local = cfg.prompts_per_step // runtime.world_size() * cfg.num_generations
-        dist = run.open(inputs, GRPOPlan(cfg), lora=(source,), prompt_tokens=max(map(len, self.prompt_ids), default=0))
+        dist = run.open(inputs, GRPOPlan(cfg), lora=(source,), prompt_tokens=max(map(len, self.prompt_ids), default=0),
+                        notes=verifier_note(self.verifier))
         self.micro = run.layout.micro
         self.policy = run.train("policy", self.load_policy(source),
                                 # β2 = 0.999 (not SFT's 0.95): policy gradients are noisy, a longer memory keeps steps small
@@ -353,7 +379,7 @@ class GRPO:
     def score(self, r: Rollout) -> None:
         """r.rewards [P, G], r.valid [P, G] and r.parts (per reward function)."""
         G = r.group_size
-        results = [reward(self.cfg, self.reward_fns, row, c) for row, c in zip(r.sample_rows, r.completions)]
+        results = rewards_of(self.cfg, self.reward_fns, r.sample_rows, r.completions)
         r.valid = r.grouped(torch.tensor([float(v is not None) for v, _ in results]))
         r.rewards = r.grouped(torch.tensor([v if v is not None else 0.0 for v, _ in results]))
         length_fn = next((f for f in self.reward_fns if f.name == "length"), None)
@@ -369,6 +395,8 @@ class GRPO:
             r.rewards += self.cfg.reward_model_weight * r.grouped(rm)
             for (_, parts), v in zip(results, rm.tolist()):
                 parts["reward_model"] = v
+        # every function's name on every rank (a name none of a rank's samples has still enters the all-reduce)
+        r.parts = {"errors": [], **{f.name: [] for f in self.reward_fns if f.fn is not None}, **r.parts}
         for _, parts in results:
             for k, v in parts.items():
                 r.parts.setdefault(k, []).append(v)
@@ -477,8 +505,8 @@ class GRPO:
         record_completions(stats, r)
         stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/generate"], 1e-9))
         stats.sum("tokens", lengths.sum())  # sampled and trained on: the run logs tokens_per_s of the whole step
-        for k, v in r.parts.items():
-            stats.mean(f"rewards/{k}", sum(v), len(v))
+        for k, v in r.parts.items():  # NaN: a function that applied to no sample of the step (TRL's nanmean)
+            stats.mean(f"rewards/{k}", sum(v), len(v), math.nan)
         for k, v in times.items():
             stats.value(k, v)
 
@@ -507,7 +535,7 @@ class GRPO:
         ks = self.cfg.ks()
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
                                   sampling=replace(self.sampling, seed=self.cfg.seed), gather=self.cfg.gather,
-                                  verifier=self.cfg.verifier)
+                                  verifier=self.verifier)
         save_eval_samples(self.run.out, step, recs, self.run.dist)
         return {f"eval/{k}": v for k, v in m.items()}
 

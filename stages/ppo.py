@@ -46,7 +46,8 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.logprobs import batched_logprobs, logprobs
 from align.objectives.kl import AdaptiveKLController, FixedKLController
-from align.rollout.evaluation import evaluate_policy, fitting, fitting_rows, save_eval_samples
+from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
+                                      verifier_note)
 from align.rollout.generation import Sampling
 from align.rollout.sampling import derive
 from align.objectives.ppo import (PPOPolicyBatch, episode_score, explained_variance, gae, leave_one_out_mean,
@@ -56,7 +57,7 @@ from align.objectives.tokens import completion_nll
 from align.paths import DATA_DIR
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
                                 score_ids)
-from align.rewards import RewardError, call_reward, parse_rewards
+from align.rewards import RewardError, call_rewards, every_number, parse_rewards, probe
 from align.rollout.batch import Rollout, record_completions, record_mismatch, sample, select, timed
 
 DEFAULT_SFT, DEFAULT_RM = "runs/arithmetic/sft", "runs/arithmetic/rm"  # pipelines/arithmetic.toml's, as --data's default
@@ -72,7 +73,7 @@ class PPOConfig(RLConfig):
     value_model: str = opt("", "Value network init (default: the reward model; a policy gets a new scalar head).",
                            path=True)
     gold_reward: str = opt("math", "Verifier for the gold reward when the prompts carry an `answer` (a grpo "
-                                   "--reward spec; '' : off).")
+                                   "--reward spec, per sample or batched; '' : off).", code=True)
     gold_reward_coef: float = opt(0.0, "Weight of the gold reward in the score PPO trains on: s = RM score + "
                                         "c·(gold − the batch's other episodes' mean gold) (0: the gold reward is "
                                         "only logged; needs --gold-reward and an `answer` column).", ge=0)
@@ -276,7 +277,7 @@ class PPO:
                 raise UserError(f"{flag} {n} must be a multiple of the {world} processes.")
         self.n_local, self.mb_local = cfg.prompts_per_step // world, cfg.minibatch_size // world
         run.open(self.describe(sources), PPOPlan(cfg), lora=(sources["policy"], sources["value"]),
-                 prompt_tokens=max(map(len, self.prompt_ids), default=0))
+                 prompt_tokens=max(map(len, self.prompt_ids), default=0), notes=verifier_note(self.verifier))
         self.micro, accum = run.layout.micro, run.layout.accum
         self.updates_per_step = cfg.ppo_epochs * (self.n_local // self.mb_local)
         optim = Optim(cfg.lr, cfg.max_steps * self.updates_per_step, cfg.warmup_steps, cfg.schedule, cfg.weight_decay,
@@ -314,6 +315,8 @@ class PPO:
                 raise UserError(f"{spec}: its tokenizer differs from the policy's ({diff}), but the {role} reads the "
                                 f"policy's tokens; {fix}.")
         rows = D.load_rows(cfg.data, "prompts", cfg.columns)
+        self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in rows[0] else None
+        probe([self.gold_fn] if self.gold_fn else [], rows, "--gold-reward", tokenizer=self.tok, where=cfg.data)
         prompt_ids = D.encode_prompts(self.tok, [r["prompt"] for r in rows])
         keep = [i for i, p in enumerate(prompt_ids) if len(p) <= cfg.max_prompt_length]
         if not keep:
@@ -322,13 +325,13 @@ class PPO:
         self.dropped = len(rows) - len(keep)
         self.rows, self.prompt_ids = fitting([rows[i] for i in keep], [prompt_ids[i] for i in keep],
                                              context_length(policy), cfg.max_new_tokens, cfg.data)
-        self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in self.rows[0] else None
         if cfg.gold_reward_coef and self.gold_fn is None:
             raise UserError(f"{cfg.data}: --gold-reward-coef {cfg.gold_reward_coef} needs the verifier's `answer` "
                             "column in the prompts; add it (or --columns old=answer) or set --gold-reward-coef 0.")
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                   held_out=True) if cfg.eval_data and cfg.eval_samples else [],
                                       self.tok, policy, cfg.max_new_tokens, cfg.eval_data)
+        self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data)
         self.ptx = ptx_examples(self.tok, cfg.ptx_data, cfg.ptx_max_length) if cfg.ptx_coef else []
         return sources
 
@@ -375,8 +378,9 @@ class PPO:
         gold = torch.zeros_like(proxy)
         if self.gold_fn is not None:
             try:
-                gold = torch.tensor([call_reward(self.gold_fn, row["prompt"], c.text, row)
-                                     for row, c in zip(r.sample_rows, r.completions)], device=device)
+                gold = torch.tensor(every_number(self.gold_fn, call_rewards(
+                    self.gold_fn, r.sample_rows, [c.text for c in r.completions], [c.ids for c in r.completions])),
+                    device=device)
             except RewardError as e:
                 raise UserError(f"--gold-reward: {e}") from None
         baseline = 0.0
@@ -509,7 +513,7 @@ class PPO:
             return {}
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist,
                                   sampling=Sampling(self.cfg.max_new_tokens, 0.0), gather=self.cfg.gather,
-                                  verifier=self.cfg.verifier)
+                                  verifier=self.verifier)
         r = score(self.rm, self.rm_tok, [x["prompt"] for x in recs], [x["greedy"] for x in recs], 64)
         save_eval_samples(self.run.out, step, [{**x, "rm_score": v} for x, v in zip(recs, r.tolist())], self.run.dist)
         # held-out gold (verified greedy answers) and proxy (the RM's score of the same answers), watched by

@@ -28,7 +28,7 @@ from align.errors import UserError
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.objectives.tokens import completion_nll
 from align.paths import DATA_DIR
-from align.rollout.evaluation import evaluate_policy, fitting_rows
+from align.rollout.evaluation import evaluate_policy, fitting_rows, held_out_verifier, verifier_note
 from align.rollout.generation import Sampling
 
 
@@ -95,8 +95,9 @@ class SFT:
         self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length)
         self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
                                        self.tok, source, cfg.max_new_tokens, cfg.eval_data)
+        self.verifier = held_out_verifier(cfg.verifier, self.verifiable, self.tok, cfg.eval_data)
         dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), SFTPlan(cfg), lora=(source,),
-                        sequence_tokens=D.longest_row(self.examples))
+                        sequence_tokens=D.longest_row(self.examples), notes=verifier_note(self.verifier))
         self.micro, accum = run.layout.micro, run.layout.accum
         if len(examples) < len(rows):
             info(f"[yellow]dropped {len(rows) - len(examples)} examples whose completion exceeds --max-length[/]")
@@ -135,7 +136,7 @@ class SFT:
                 stats.mean("eval/loss", *completion_nll(self.policy(**D.model_inputs(b)).logits, b["labels"]))
             metrics.update(stats.reduce(dist.device))
         if self.verifiable:
-            m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, dist, verifier=self.cfg.verifier,
+            m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, dist, verifier=self.verifier,
                                    sampling=Sampling(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0))
             metrics["eval/pass@1"], metrics["eval/pass@1_stderr"] = m["pass@1/greedy"], m["pass@1/greedy_stderr"]
         return metrics

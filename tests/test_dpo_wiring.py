@@ -448,6 +448,7 @@ def test_online_pairs_are_the_judges_best_and_worst_and_ties_weigh_nothing(tmp_p
     monkeypatch.setattr(dpo_module, "generate_on_rank", spy)
     with run:
         algo = OnlineDPO(cfg, run)
+        log.unlink(missing_ok=True)  # the judge's calls on the first rows before any model was built
         algo.sample_window(0)  # what step 0 does first: the pairs of its --online-every window
         windows = {s: algo.buffer[s] for s in (0, 1)}
         judged = scored()
@@ -527,6 +528,7 @@ def test_online_samples_at_the_temperature_option(tmp_path, tiny_model_dir):
     init = hf_model(tiny_model_dir)
     with run:
         algo = OnlineDPO(cfg, run)
+        log.unlink(missing_ok=True)  # the judge's calls on the first rows before any model was built
         eos = algo.tok.eos_token_id
         idx = run.indices(len(algo.rows), cfg.batch_size, 0)
         algo.sample_window(0)
@@ -608,6 +610,7 @@ def test_pass_at_1_on_the_first_eval_samples_greedy_with_the_verifier(tmp_path, 
     init = hf_model(chatty_model_dir)
     with run:
         algo = DPO(cfg, run)
+        log.unlink(missing_ok=True)  # the judge's calls on the first rows before any model was built
         from align.data import encode_completions, encode_prompts
 
         cut = 0  # --max-length 32: each pair's prompt loses tokens from the LEFT so prompt + the longer response fits
@@ -685,6 +688,7 @@ def test_online_sampling_keys_change_with_the_step_not_with_the_window(tmp_path,
                          temperature=1.0, max_steps=4, seed=2)
         with run:
             algo = OnlineDPO(cfg, run)
+            log.unlink(missing_ok=True)  # the judge's calls on the first rows before any model was built
             for s0 in starts:
                 algo.sample_window(s0)
             judged = [json.loads(x)["completion"] for x in log.read_text().splitlines()]

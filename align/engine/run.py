@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from align import runtime, trackers
-from align.artifacts import ArtifactWriter
+from align.artifacts import ArtifactWriter, describe_code
 from align.config import Options, StageConfig, TrainConfig, as_dict, load_toml
 from align.console import info, summary_table
 from align.engine import checkpoint, disk, outdir, plan
@@ -152,13 +152,15 @@ class StageRun(StepLoop, Saves):
 
     def open(self, inputs: dict, stage: plan.StagePlan | None = None, *, lora: tuple = (), distributed: bool = True,
              prompt_tokens: int | None = None, sequence_tokens: int | None = None,
-             started: float | None = None) -> runtime.Dist | None:
+             started: float | None = None, notes: dict | None = None) -> runtime.Dist | None:
         """Every input is checked: a training `stage` (its StagePlan) has its batch laid out (refused if it does
         not divide), --lora-targets checked on the models of `lora` (models.ModelSource) and its memory plan
         (sized by the data's longest prompt / example) may stop the run here, before anything is built or written
         (align.engine.plan); then take --out (checked when the run was made: `outdir.check`; refused here if
         another run holds it), start the process group, make the run's layout (`run.layout`) and write
-        artifact.json ("running"; `started`: when the work began, if before this call)."""
+        artifact.json ("running"; `started`: when the work began, if before this call; `notes`: more of its keys,
+        e.g. the verifier the stage chose). Its inputs gain the sha256 of every user Python file the config names
+        (`code`: --reward / --verifier file.py:FUNCTION)."""
         batch = self._plan(stage, lora, plan.Data(prompt_tokens, sequence_tokens)) if stage else (0, 0)
         resume = self.training is not None and self.training.resume
         if resume:
@@ -174,7 +176,9 @@ class StageRun(StepLoop, Saves):
             self.dist = runtime.init()
             self._lay_out(stage.offloaded if stage else False, batch)
             seed_all(self.cfg.seed)
-        self.writer = ArtifactWriter(self.out, self.stage, self.settings, inputs, main, started)
+        code = describe_code(self.cfg.user_code())
+        inputs = {**inputs, "code": code} if code else inputs
+        self.writer = ArtifactWriter(self.out, self.stage, self.settings, inputs, main, started, notes)
         names = trackers.parse(self.cfg.report_to if isinstance(self.cfg, StageConfig) else "")
         if main and names:  # the experiment trackers: metrics.jsonl's rows and RLMonitor's events, on rank 0
             self.writer.sinks.append(trackers.Trackers(names, self.out, self.writer.record, resume))

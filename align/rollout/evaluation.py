@@ -6,20 +6,36 @@ import math
 from pathlib import Path
 
 from align import runtime
-from align.console import TrainProgress, warn
+from align.console import TrainProgress, info, warn
 from align.data import encode_prompts
 from align.errors import UserError
 from align.models import context_length
 from align.passk import mean_pass_at_k
-from align.rewards import guess_verifier, verifier_fn, verify
+from align.rewards import Verifier, choose_verifier
 from align.rollout.generation import Sampling, generate
 from align.tasks import write_jsonl
 
 EVAL_SAMPLES = "eval_samples.jsonl"  # a training stage's latest held-out evaluation, one problem a line
 
 
+def held_out_verifier(setting: str, rows: list[dict], tokenizer, where: str = "") -> Verifier | None:
+    """The verifier a stage checks its held-out `rows` with (--verifier `setting`; None without rows), tried on
+    their first rows and said in the stage's first lines ("verifier: math (auto: the answers are numbers)")."""
+    if not rows:
+        return None
+    v = choose_verifier(setting, rows, tokenizer, where)
+    info(v.line)
+    return v
+
+
+def verifier_note(v: Verifier | None) -> dict:
+    """artifact.json's record of the verifier a stage uses (StageRun.open's `notes`): {"verifier": {name, auto,
+    why}}; {} for none."""
+    return {"verifier": v.record()} if v is not None else {}
+
+
 def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=(1,), samples: int = 0,
-                    sampling: Sampling | None = None, verifier: str = "auto", batch_size: int = 64,
+                    sampling: Sampling | None = None, verifier: str | Verifier = "auto", batch_size: int = 64,
                     gather: bool = True, use_evaluate: bool = False,
                     progress: str = "") -> tuple[dict, list[dict]]:
     """Greedy pass@1 (`pass@1/greedy`, with its binomial standard error `pass@1/greedy_stderr`) and, with `samples` = n > 0, unbiased sampled pass@k for k <= n, over the
@@ -27,10 +43,11 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
 
     Returns (metrics, per-problem records). Call on every rank; generation is sharded over the ranks.
     `use_evaluate` computes pass@k through the shipped `evaluate` metric module (align/metrics/pass_at_k).
-    `progress` titles a progress bar over the generations.
+    `progress` titles a progress bar over the generations. `verifier`: the stage's (held_out_verifier), or a
+    --verifier setting chosen here.
     """
     sampling = sampling or Sampling()
-    check = verifier_fn(guess_verifier(rows) if verifier == "auto" else verifier)
+    check = verifier if isinstance(verifier, Verifier) else choose_verifier(verifier, rows)
     rows, prompts = fitting(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows]),
                             context_length(eng.module.config), sampling.max_new_tokens)
     greedy = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
@@ -41,8 +58,8 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
         many = (generate(eng, tokenizer, [p for p in prompts for _ in range(samples)], sampling, dist,
                          batch_size=batch_size, gather=gather, on_batch=bar.advance) if samples > 0 else [])
     records = [
-        {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text, "greedy_correct": verify(check, r, o.text)}
-        for r, o in zip(rows, outs)
+        {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text,
+         "greedy_correct": check.check(r, o.text, o.ids)} for r, o in zip(rows, outs)
     ]
     p = sum(rec["greedy_correct"] for rec in records) / len(records)
     metrics = {"pass@1/greedy": p, "pass@1/greedy_stderr": math.sqrt(p * (1 - p) / len(records)),
@@ -51,7 +68,7 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
         for i, rec in enumerate(records):
             group = many[i * samples : (i + 1) * samples]
             rec["samples"] = [o.text for o in group]
-            rec["n_correct"] = sum(verify(check, rows[i], o.text) for o in group)
+            rec["n_correct"] = sum(check.check(rows[i], o.text, o.ids) for o in group)
         ks = [k for k in ks if k <= samples]
         ns, cs = [samples] * len(records), [rec["n_correct"] for rec in records]
         if use_evaluate:

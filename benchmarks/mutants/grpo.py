@@ -1,6 +1,7 @@
 """Wiring mutations of stages/grpo.py, the rollout queue (align/rollout/queue.py) and the rollout
 (align/rollout/batch.py, the samplers' log-probs in align/rollout/generation.py and align/rollout/fast/decoder.py),
-caught by tests/test_grpo_wiring.py.
+caught by tests/test_grpo_wiring.py; and of how reward functions are called (align/rewards.py), caught by
+tests/test_reward_forms.py.
 
 MUTATIONS: the benchmark's. AUDIT: more mutations of the same kinds, each checked to be caught by the tests it
 names too, left out of the default run to keep CI short (`python -m benchmarks.mutations --mutants FILE` runs a
@@ -30,6 +31,10 @@ SHAPE = W + "test_the_length_reward_shapes_each_group_and_evaluate_uses_the_eval
 RWD_CISPO, RWD_REINFORCE, RWD_RPP = RWD + "[rloo-cispo]", RWD + "[batch-reinforce]", RWD + "[reinforce++-clip]"
 RWD_FLAG = RWD + "[rloo---reinforce]"
 RPP = W + "test_reinforce_pp_keeps_groups_without_spread_and_skipped_samples_leave_the_batch_statistics"
+FORMS = "tests/test_reward_forms.py::"
+NONE = FORMS + "test_none_is_does_not_apply_and_left_out_of_the_sum_as_trl_does"
+CHAT = FORMS + "test_conversational_prompts_give_a_batched_function_message_lists_and_a_per_sample_one_text"
+SAME = FORMS + "test_a_batched_and_a_per_sample_reward_of_the_same_thing_give_the_same_rewards"
 
 EOS_HF = W + "test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token[False]"
 EOS_FAST = W + "test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token[True]"
@@ -163,12 +168,23 @@ MUTATIONS: list[Mutation] = [
     M("grpo wiring: signal_frac ignores the teacher", G,
       "signal = counted.bool() & ((adv != 0) | (self.teacher is not None))", "signal = counted.bool() & (adv != 0)",
       (WHOLE,)),
+    # ---- the two forms of a reward function (per sample, batched as TRL's) and TRL's None ("does not apply")
+    M("grpo wiring: a reward's None (does not apply) scored 0", G, "        if v is None:\n            continue",
+      "        if v is None:\n            v = 0.0", (NONE,)),
+    M("grpo wiring: a sample every reward called not applicable scored 0, not left out", G,
+      "if not scored and not cfg.reward_model:", "if False:", (NONE,)),
+    M("rewards: a batched function gets conversational completions as text", "align/rewards.py",
+      '[{"role": "assistant", "content": c}] if chat else c for c in completions', "c for c in completions",
+      (CHAT,)),
+    M("rewards: a batched function gets the first row's columns for every row", "align/rewards.py",
+      "kwargs.update({k: [row.get(k) for row in rows] for k in columns})",
+      "kwargs.update({k: [rows[0].get(k) for row in rows] for k in columns})", (SAME,)),
     # ---- rewards, the reward model, --on-reward-error zero, --reward-timeout, --advantage, --loss
     M("grpo wiring: --reward-model-weight scales every reward", G,
       "r.rewards += self.cfg.reward_model_weight * r.grouped(rm)",
       "r.rewards = self.cfg.reward_model_weight * (r.rewards + r.grouped(rm))", (RWD_CISPO,)),
-    M("grpo wiring: --reward-timeout ignored", G, "call_reward(r, row[\"prompt\"], c.text, row, cfg.reward_timeout)",
-      "call_reward(r, row[\"prompt\"], c.text, row)", (RWD_CISPO,)),
+    M("grpo wiring: --reward-timeout ignored", G, "call_rewards(r, rows, texts, ids, cfg.reward_timeout)",
+      "call_rewards(r, rows, texts, ids)", (RWD_CISPO,)),
     M("grpo wiring: --on-reward-error zero skips", G, 'v, parts["errors"] = 0.0, 1.0',
       'return None, {"errors": 1.0}', (RWD_CISPO,)),
     M("grpo wiring: zeroed reward errors not counted", G, 'v, parts["errors"] = 0.0, 1.0',
@@ -243,10 +259,11 @@ MUTATIONS: list[Mutation] = [
       'return {"beta": self.beta, **({} if self.rollouts.synchronous else {"rollouts": self.rollouts.state_dict()})}',
       'return {"beta": self.beta}', ("tests/test_async_grpo.py::test_the_queued_rollout_is_in_the_stages_checkpoint_state",)),
     M("grpo wiring: held-out evaluation ignores --verifier", G,
-      "gather=self.cfg.gather,\n                                  verifier=self.cfg.verifier)",
+      "gather=self.cfg.gather,\n                                  verifier=self.verifier)",
       'gather=self.cfg.gather,\n                                  verifier="auto")', (SHAPE,)),
     M("grpo wiring: rewards/NAME averaged over every sample, skipped ones included", G,
-      'stats.mean(f"rewards/{k}", sum(v), len(v))', 'stats.mean(f"rewards/{k}", sum(v), len(r.completions))',
+      'stats.mean(f"rewards/{k}", sum(v), len(v), math.nan)',
+      'stats.mean(f"rewards/{k}", sum(v), len(r.completions), math.nan)',
       (WHOLE,)),
     M('grpo wiring: the KL term only in the first of --num-iterations passes', 'stages/grpo.py',
       'ref_logp[sl] if ref_logp is not None else None,',

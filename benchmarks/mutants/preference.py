@@ -141,7 +141,7 @@ MUTATIONS: list[Mutation] = [
       "sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))",
       "sampling=Sampling(max_new_tokens=48, temperature=0.0))", (PASS,)),
     M("dpo wiring: pass@1 --verifier ignored", F,
-      "self.verifiable, self.run.dist, verifier=cfg.verifier,", 'self.verifiable, self.run.dist, verifier="auto",',
+      "self.verifiable, self.run.dist, verifier=self.verifier,", 'self.verifiable, self.run.dist, verifier="auto",',
       (PASS,)),
     M("dpo wiring: --eval-samples ignored (all of --pass-data)", F, "limit=cfg.eval_samples,", "limit=0,", (PASS,)),
     M("dpo wiring: --max-length ignored for the pairs", F,
