@@ -380,6 +380,34 @@ def _load_user_fn(path: str, name: str) -> Callable:
     return fn
 
 
+# functions handed to the Python API (align.grpo(reward=fn)): registered in this process as python:NAME specs
+PYTHON_REWARDS: dict[str, Callable] = {}
+
+
+def python_reward(fn: Callable, weight: float = 1.0) -> str:
+    """The --reward spec `python:NAME[:WEIGHT]` of a Python function given to the API, registered in this process
+    under NAME (its module and qualified name; another function of the same name gets a numbered one). The spec is
+    what the run's artifact.json records; the function's source file is hashed into its inputs (`spec_file`)."""
+    if not callable(fn):
+        raise UserError(f"reward {fn!r} is neither a function nor a --reward spec.")
+    base = f"{getattr(fn, '__module__', None) or 'fn'}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    base = re.sub(r"[^\w.]", "_", base)  # <lambda>, <locals>: no ':' nor brackets in a spec
+    name, n = base, 1
+    while PYTHON_REWARDS.get(name, fn) is not fn:
+        n += 1
+        name = f"{base}_{n}"
+    PYTHON_REWARDS[name] = fn
+    return f"python:{name}" + (f":{weight:g}" if weight != 1.0 else "")
+
+
+def _python_fn(name: str, flag: str) -> Callable:
+    fn = PYTHON_REWARDS.get(name)
+    if fn is None:
+        raise UserError(f"{flag} python:{name}: names a Python function given to align's Python API "
+                        "(align.grpo(reward=fn)) in that process; here name a file: path/to/file.py:FUNCTION.")
+    return fn
+
+
 def lookup(name: str) -> Callable | None:
     """The reward function registered as `name` (a REWARDS key or rg:TASK), or None."""
     if name.startswith("rg:"):
@@ -400,6 +428,11 @@ def _split(spec: str) -> tuple[list[str], float]:
 def spec_file(spec: str) -> str | None:
     """The user's Python file a --reward / --verifier spec names (path/to/file.py:FUNCTION[:WEIGHT]), else None."""
     parts, _ = _split(spec)
+    if len(parts) == 2 and parts[0] == "python" and parts[1] in PYTHON_REWARDS:  # the API's: where it is written
+        try:
+            return inspect.getsourcefile(PYTHON_REWARDS[parts[1]])
+        except TypeError:  # a builtin or a C function: no source file
+            return None
     return parts[0] if len(parts) == 2 and parts[0].endswith(".py") else None
 
 
@@ -415,6 +448,11 @@ def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
         if parts[0] == "rg" and len(parts) == 2:
             name = ":".join(parts)
             out.append(RewardFn(name, weight, lookup(name)))
+        elif parts[0] == "python" and len(parts) == 2:
+            fn = _python_fn(parts[1], flag)
+            out.append(RewardFn(parts[1], weight, fn, is_batched(fn), getattr(fn, "__module__", None) or "python",
+                                spec))
+            check_form(out[-1], spec, flag)
         elif parts[0].endswith(".py"):
             if len(parts) != 2:
                 raise UserError(f"{flag} {spec}: a user reward is path/to/file.py:FUNCTION[:WEIGHT].")
@@ -690,7 +728,7 @@ def verifier_fn(name: str) -> RewardFn:
     fn = lookup(name)
     if fn is not None:
         return RewardFn(name, 1.0, fn)
-    if ".py:" in name:
+    if ".py:" in name or name.startswith("python:"):
         return parse_rewards([name], "--verifier")[0]
     raise UserError(f"--verifier must be auto, one of {', '.join(REWARDS)}, rg:TASK or file.py:FUNCTION, "
                     f"not {name!r}.")

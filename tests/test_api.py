@@ -89,3 +89,54 @@ def test_an_artifact_or_a_path_stands_for_its_folder():
     assert _option_value("model", Artifact(ROOT / "runs" / "x", {})) == str(ROOT / "runs" / "x")
     assert _option_value("data", Path("a/b.jsonl")) == "a/b.jsonl"
     assert _option_value("lr", 1e-5) == 1e-5
+
+
+def test_grpo_takes_python_reward_functions_in_both_forms(tmp_path):
+    """reward= a per-sample function, a batched (TRL) one and `(fn, weight)`: the same rewards as the same
+    function named from a file on the command line; the spec and the function's source file are recorded."""
+    d = small_data()
+    reward_py = tmp_path / "rewards.py"
+    reward_py.write_text(textwrap.dedent("""
+        def parity(prompt, completion, **row):
+            return float(len(completion) % 2)
+
+        def parity_batched(prompts, completions, **kwargs):
+            return [float(len(c) % 2) for c in completions]
+    """))
+    options = dict(model="tiny", data=str(d["arith"]), eval_data="", max_steps=2, prompts_per_step=2, num_generations=4,
+                   max_new_tokens=6, seed=5, on_alarm="warn")
+    flags = [x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    cli = subprocess.run([sys.executable, "-m", "align", "grpo", *flags, "--reward", f"{reward_py}:parity:0.5",
+                          "--out", str(tmp_path / "cli")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    api = python(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import align, rewards
+        out = {{}}
+        for name, reward in (("per", (rewards.parity, 0.5)), ("batched", [(rewards.parity_batched, 0.5)])):
+            a = align.grpo(out={str(tmp_path)!r} + "/" + name, reward=reward, **{options!r})
+            out[name] = {{"metrics": a.metrics, "reward": a.config["reward"], "code": a.record["inputs"].get("code")}}
+        print(json.dumps(out))
+    """, timeout=600)
+    assert api.returncode == 0, api.stderr[-3000:]
+    got = json.loads(api.stdout.strip().splitlines()[-1])
+    want = json.loads((tmp_path / "cli" / "artifact.json").read_text())["metrics"]
+    assert "reward" in want or "train/reward" in want or any("reward" in k for k in want)
+    assert same_figures(got["per"]["metrics"]) == same_figures(want)
+    assert same_figures(got["batched"]["metrics"]) == same_figures(want)
+    assert got["per"]["reward"] == ["python:rewards.parity:0.5"]
+    assert got["batched"]["reward"] == ["python:rewards.parity_batched:0.5"]
+    assert got["per"]["code"] == {str(reward_py): __import__("hashlib").sha256(reward_py.read_bytes()).hexdigest()}
+
+
+def test_a_python_reward_spec_outside_its_process_says_what_to_do():
+    from align.errors import UserError
+    from align.rewards import parse_rewards
+
+    try:
+        parse_rewards(["python:nowhere.fn"])
+    except UserError as e:
+        assert "Python API" in str(e) and "file.py:FUNCTION" in str(e)
+    else:
+        raise AssertionError("python:nowhere.fn was accepted")
