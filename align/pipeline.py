@@ -718,12 +718,13 @@ def continuation(p: Pipeline, stage: Stage, out: Path, cfg: dict, st: State) -> 
         saved = checkpoint.read_state(out)
     except (OSError, UserError, json.JSONDecodeError):
         return None
-    old, new = saved["config"].get("max_steps"), cfg.get("max_steps")
+    now = C.as_dict(stage.config(**cfg).resolved())  # as the stage runs it: held-out options left at auto made concrete
+    old, new = saved["config"].get("max_steps"), now.get("max_steps")
     changed = {k for k in (checkpoint.RESUMABLE | checkpoint.APPLIED) - {"out", "resume", *C.PREFLIGHT}
-               if saved["config"].get(k) != cfg.get(k)}
+               if saved["config"].get(k) != now.get(k)}
     if key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"}):
         return None
-    why = checkpoint.budget_conflict(saved["config"], cfg, saved["step"])
+    why = checkpoint.budget_conflict(saved["config"], now, saved["step"])
     if why:
         raise UserError(f"stage {stage.name!r}: max_steps {old} -> {new}: {why}. Set stages.{stage.name}.max_steps back "
                         f"to {old} to continue from its checkpoint, or rerun with --from {stage.name} to start it over "
