@@ -162,6 +162,27 @@ def test_assistant_only_loss_needs_a_chat_template(tok_markerless):
         D.sft_examples(tok_markerless, [{"messages": CHAT}], 64, assistant_only=True)
 
 
+def test_the_sft_stage_trains_every_assistant_turn_and_holds_out_its_split(tmp_path, tiny_model_dir, single_process):
+    """`align sft --assistant-only-loss --eval-split 0.25` on 8 conversations, the stage built in this process:
+    auto's held-out set is the split (2 rows, none of them trained on), and every training and held-out example
+    carries loss on both of its assistant turns."""
+    from stages.sft import SFT, SFTConfig
+    from tests.conftest import stage_in_process
+
+    convs = [[*CHAT[:2], {"role": "assistant", "content": f"{i}"}, CHAT[3], {"role": "assistant", "content": f"{i}!"}]
+             for i in range(8)]
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in convs])
+    cfg = SFTConfig(model=str(tiny_model_dir), out=str(tmp_path / "o"), data=str(data), assistant_only_loss=True,
+                    eval_split=0.25, batch_size=2, zero_stage=0, max_steps=1, eval_samples=0)
+    with stage_in_process(cfg, "sft", SFT) as algo:
+        assert (algo.cfg.eval_data, len(algo.examples), len(algo.eval_examples)) == ("", 6, 2)
+        answers = [decode_labelled(algo.tok, e["labels"]) for e in algo.examples + algo.eval_examples]
+    assert sorted(answers) == sorted([[f"{i}<|eos|>", f"{i}!<|eos|>"] for i in range(8)])  # each row once, split apart
+    _, held = D.split_off([{"messages": c} for c in convs], 0.25)
+    assert answers[6:] == [[f"{m['messages'][2]['content']}<|eos|>", f"{m['messages'][4]['content']}<|eos|>"]
+                           for m in held]
+
+
 # ------------------------------------------------------------------------------------------- refused rows
 
 
@@ -172,7 +193,7 @@ def test_assistant_only_loss_needs_a_chat_template(tok_markerless):
     ({"messages": SKY + BLUE}, {"messages": SKY + [{"role": "assistant", "content": " \n"}]},
      "empty last assistant message"),
     ({"text": "ok"}, {"text": ""}, "empty text"),
-])
+], ids=["string", "conversational", "messages", "text"])
 def test_an_empty_sft_completion_is_refused_naming_the_row(tmp_path, good, row, what):
     p = write_jsonl(tmp_path / "d.jsonl", [good, row])
     with pytest.raises(UserError, match=f"^{p}: row 2: {what}; training on it teaches the model to answer "
@@ -209,6 +230,15 @@ def test_a_missing_column_lists_every_layout_of_the_format(tmp_path):
 # ------------------------------------------------------------------------------------------- splits, Hub, --eval-split
 
 
+def test_split_spec_takes_a_trailing_split_name_only():
+    from align.paths import split_spec
+
+    assert split_spec("dd:test") == ("dd", "test") and split_spec("org/name:train[:10%]") == ("org/name", "train[:10%]")
+    assert split_spec("train.jsonl") == ("train.jsonl", "") and split_spec("dir:") == ("dir:", "")
+    assert split_spec("C:\\data\\train.jsonl") == ("C:\\data\\train.jsonl", "")  # a Windows drive is no split
+    assert split_spec("C:\\data\\dd:test") == ("C:\\data\\dd", "test") and split_spec("a:b:c") == ("a:b", "c")
+
+
 def test_a_dataset_dict_split_is_named_after_a_colon(tmp_path):
     import datasets
 
@@ -243,6 +273,29 @@ def test_an_unreachable_hub_dataset_is_one_line_exit_2():
     """Offline: `align data show NAME` fails at once with one line naming the dataset."""
     proc = run_align("data", "show", "nobody/no-such-dataset:test", env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     assert_user_error(proc, "nobody/no-such-dataset: no such file or folder, and not a Hugging Face Hub dataset")
+
+
+def test_a_hub_dataset_in_the_local_datasets_cache_loads_offline(tmp_path, monkeypatch):
+    """Offline, a Hub dataset NAME:SPLIT that the local datasets cache holds loads from it (here a cache entry
+    made from a local folder and filed under the Hub name someone/tiny_chats)."""
+    import shutil
+
+    import datasets
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    folder = tmp_path / "tiny_chats"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"text": "train row"}])
+    write_jsonl(folder / "test.jsonl", [{"text": "test row"}])
+    datasets.load_dataset(str(folder), split="train")
+    (built,) = [p for p in (cache / "tiny_chats").glob("default/*/*") if p.is_dir()]
+    entry = cache / "someone___tiny_chats" / "default" / built.parent.name / built.name
+    shutil.copytree(built, entry)
+    proc = run_align("data", "show", "someone/tiny_chats:test", "--plain",
+                     env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '  loss        7  "test row<|eos|>"' in proc.stdout.splitlines(), proc.stdout
 
 
 def test_split_off_is_deterministic_disjoint_and_keeps_the_order():
