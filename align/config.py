@@ -124,7 +124,8 @@ def held_out_opt(shipped: str, help: str, split: bool = True, label: str = "held
     --data's own kind (`split`), the part --eval-split holds out of --data; else none. `label` names it in the
     run's first line (TrainConfig.held_out_note)."""
     rest = "else the --eval-split part of --data (none without it)" if split else "else none"
-    short = str(Path(shipped).relative_to(DATA_DIR.parent)) if Path(shipped).is_relative_to(DATA_DIR.parent) else shipped
+    root = DATA_DIR.parent
+    short = str(Path(shipped).relative_to(root)) if Path(shipped).is_relative_to(root) else shipped
     return opt(AUTO, f"{help} auto: {short} when --data is the default, {rest}.", path=True, shipped=shipped,
                split=split, label=label)
 

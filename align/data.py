@@ -411,7 +411,8 @@ def sft_examples(tokenizer, rows: list[dict], max_length: int, assistant_only: b
             texts.append((i, row["text"]))
     if pc:
         places, prompts, completions = (list(x) for x in zip(*pc))
-        for i, p, c in zip(places, encode_prompts(tokenizer, prompts), encode_completions(tokenizer, completions, prompts)):
+        encoded = zip(encode_prompts(tokenizer, prompts), encode_completions(tokenizer, completions, prompts))
+        for i, (p, c) in zip(places, encoded):
             if len(c) >= max_length:
                 continue
             p = p[max(0, len(p) + len(c) - max_length):]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from rich.markup import escape
+
 from align import data as D
 from align.config import Options, opt
 from align.console import console
@@ -89,7 +91,8 @@ def show_sequence(tok, head: str, ids: list[int], labels: list[int], plain: bool
     if plain:
         print(title)
         for loss, part in spans(ids, labels):
-            print(f"  {'loss' if loss else 'no loss':<8}{len(part):>5}  {json.dumps(tok.decode(part), ensure_ascii=False)}")
+            text = json.dumps(tok.decode(part), ensure_ascii=False)
+            print(f"  {'loss' if loss else 'no loss':<8}{len(part):>5}  {text}")
         return
     text = Text()
     text.append(f"{title}\n", style="bold")
@@ -106,7 +109,8 @@ def run(cfg: DataShowConfig) -> dict:
     plain = cfg.plain or not console.is_terminal
     kind = f"{fmt} ({D.data_kind(rows)})" if fmt == "sft" else fmt
     if not plain:
-        console.print(f"[bold]{cfg.data}[/]: {kind} data, tokenised for {cfg.model}: [bold green]loss[/], [dim]no loss[/]")
+        console.print(f"[bold]{escape(cfg.data)}[/]: {kind} data, tokenised for {escape(cfg.model)}: "
+                      "[bold green]loss[/], [dim]no loss[/]")
     else:
         print(f"{cfg.data}: {kind} data, tokenised for {cfg.model}")
     shown = 0
