@@ -26,6 +26,7 @@ from pathlib import Path
 
 from align import __version__
 from align.errors import UserError
+from align.paths import split_spec
 
 ARTIFACT_FILE = "artifact.json"
 MODEL_DIR = "model"
@@ -302,7 +303,8 @@ def describe_inputs(source, *data_paths: str) -> dict:
         model.update(dir=str(source.model_dir.resolve()), files=hash_tree(source.model_dir))
     data = {}
     for p in data_paths:
-        if p:
-            path = Path(p)
-            data[str(path)] = sha256_file(path) if path.is_file() else hash_tree(path)
+        if p:  # a file, a folder, DIR:SPLIT (the folder's digest) or a Hub dataset NAME[:SPLIT] (named, not hashed)
+            path = Path(p) if Path(p).exists() else Path(split_spec(str(p))[0])
+            data[str(Path(p))] = (sha256_file(path) if path.is_file() else hash_tree(path) if path.is_dir()
+                            else "hub dataset")
     return {"model": model, "data": data}

@@ -134,6 +134,21 @@ def verifier_opt():
                        "task, math when every answer is a number or ends in one, else exact).", code=True)
 
 
+AUTO = "auto"  # a held-out data option's default: see held_out_opt
+
+
+def held_out_opt(shipped: str, help: str, split: bool = True, label: str = "held-out"):
+    """A held-out data option whose default, auto, follows --data (TrainConfig.resolved): the shipped file
+    `shipped` when --data is the stage's default (the shipped task's training data); else, for an option of
+    --data's own kind (`split`), the part --eval-split holds out of --data; else none. `label` names it in the
+    run's first line (TrainConfig.held_out_note)."""
+    rest = "else the --eval-split part of --data (none without it)" if split else "else none"
+    root = DATA_DIR.parent
+    short = str(Path(shipped).relative_to(root)) if Path(shipped).is_relative_to(root) else shipped
+    return opt(AUTO, f"{help} auto: {short} when --data is the default, {rest}.", path=True, shipped=shipped,
+               split=split, label=label)
+
+
 def is_list(t) -> bool:
     return typing.get_origin(t) is list
 
@@ -237,6 +252,8 @@ class TrainConfig(StageConfig):
                            ge=0)
     eval_every: int = opt(100, "Evaluate on the held-out data every N steps (and always at the end; 0: only then).",
                           ge=0)
+    eval_split: float = opt(0.0, "Hold out this fraction of --data as the held-out set, in place of --eval-data: "
+                                 "its rows leave training (the same rows for any --seed). 0: none.", ge=0, lt=1)
     save_every: int = opt(0, "Checkpoint every N steps (and one at the end unless --no-final-checkpoint; 0: none "
                              "before the end). A checkpoint holds the optimiser state: several times the model's "
                              "size on disk.", ge=0)
@@ -283,8 +300,48 @@ class TrainConfig(StageConfig):
                             "exists only in this run; train the adapter on a saved model (a directory or an "
                             "artifact), or keep the merged model (--merge).")
 
+    def resolved(self):
+        """Each held-out option left at auto (held_out_opt) made concrete: its shipped file when --data is the
+        stage's default, else '' (none: the --eval-split part of --data, where it is of --data's kind)."""
+        cfg = super().resolved()
+        auto = {f.name: (f.metadata["shipped"] if cfg.shipped_data() and not (f.metadata["split"] and cfg.eval_split)
+                         else "") for f in held_out_fields(cfg) if getattr(cfg, f.name) == AUTO}
+        return dataclasses.replace(cfg, **auto) if auto else cfg
+
+    def shipped_data(self) -> bool:
+        """Whether --data is the stage's default (the shipped task's training data)."""
+        data = getattr(self, "data", None)
+        default = next((f.default for f in dataclasses.fields(self) if f.name == "data"), None)
+        return bool(data) and isinstance(default, str) and Path(data).resolve() == Path(default).resolve()
+
+    def held_out_note(self) -> str:
+        """One line: which held-out sets the run uses, and why (a resolved config)."""
+        parts = []
+        for f in held_out_fields(self):
+            value, name, label = getattr(self, f.name), flag(f.name), f.metadata["label"]
+            if f.metadata["split"] and self.eval_split:
+                why = f"{self.eval_split:.0%} of --data (--eval-split {self.eval_split:g}), removed from training"
+            elif value and value == f.metadata["shipped"] and self.shipped_data():
+                why = f"{value} (the shipped task's: --data is its training data)"
+            elif value:
+                why = f"{value} ({name})"
+            elif self.shipped_data():
+                why = f"none ({name} '')"
+            elif f.metadata["split"]:
+                why = "none (--data is yours: --eval-split 0.05 holds out 5% of it)"
+            else:
+                why = f"none (--data is yours: {name} FILE to measure it)"
+            parts.append(f"{label}: {why}")
+        return "; ".join(parts)
+
     def validate(self):
         super().validate()
+        if self.eval_split:
+            given = [f for f in held_out_fields(self) if f.metadata["split"] and getattr(self, f.name) not in ("", AUTO)]
+            if given:
+                raise UserError(f"--eval-split holds out part of --data as the held-out set, in place of "
+                                f"{flag(given[0].name)} {getattr(self, given[0].name)}: give one of the two.",
+                                option="eval_split")
         from transformers.utils.hub import convert_file_size_to_int
 
         try:
@@ -326,8 +383,8 @@ class RLConfig(SamplingConfig, TrainConfig):
     temperature: float = opt(1.0, "Sampling temperature of the rollouts (they are sampled: > 0); the log-probs are "
                                   "scored at the same temperature.", gt=0)
     data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Prompts {prompt[, answer, ...]}.", path=True)
-    eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data {prompt, answer} "
-                                                                    "('' : skip).", path=True)
+    eval_data: str = held_out_opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data {prompt, "
+                                                                              "answer} ('' : skip).")
     eval_samples: int = opt(200, "Held-out problems to evaluate (0: skip).", ge=0)
     verifier: str = verifier_opt()
     prompts_per_step: int = opt(16, "Prompts per step (all processes).", ge=1)
@@ -335,6 +392,11 @@ class RLConfig(SamplingConfig, TrainConfig):
     tis_cap: float = opt(0.0, "Truncated importance sampling: weight each token's policy-gradient loss by "
                               "min(π_train / π_sampler, C), correcting for a decoder whose log-probs differ from the "
                               "trainer's (0: off).", ge=0)
+
+
+def held_out_fields(cfg) -> list[dataclasses.Field]:
+    """The held-out data options of a config (declared with held_out_opt)."""
+    return [f for f in dataclasses.fields(cfg) if f.metadata.get("shipped")]
 
 
 def fields(cls) -> list[dataclasses.Field]:

@@ -1,8 +1,15 @@
-"""Datasets: JSONL / JSON / Parquet files or `save_to_disk` directories (the last two through `datasets`).
+"""Datasets: JSONL / JSON / Parquet files, `save_to_disk` folders (a DatasetDict's split: DIR:SPLIT), folders of
+data files and Hugging Face Hub datasets (NAME[:SPLIT]), the last ones through `datasets`; TRL's dataset formats
+read as they are (docs/data.md).
 
-Formats (column names after `--columns old=new` mapping):
-  sft          {prompt, completion} or {messages: [{role, content}, ...]} (last assistant turn is the completion)
-  preference   {prompt, chosen, rejected}
+Formats (column names after `--columns old=new` mapping; each column a string, or - for a conversational dataset -
+a list of {role, content} messages):
+  sft          {prompt, completion} (a conversational completion: assistant messages), {messages} (the last
+               assistant turn is the completion; --assistant-only-loss: every assistant turn) or {text} (language
+               modelling: loss on every token)
+  preference   {prompt, chosen, rejected}, or {chosen, rejected} with an implicit prompt (the common start of the
+               two: leading messages of two conversations, the text up to the last whitespace of two strings)
+  unpaired     {prompt, completion, label}
   prompts      {prompt}
   verifiable   {prompt, answer}
   text         {text}
@@ -12,20 +19,27 @@ Formats (column names after `--columns old=new` mapping):
 from __future__ import annotations
 
 import json
+import random
+import re
 from pathlib import Path
 
+from align.chat import (IGNORE, completion_ids, conversation_tokens, last_span, prompt_text,  # noqa: F401
+                        prompt_texts)
 from align.console import info
 from align.errors import UserError
+from align.paths import split_spec
 
-FORMATS = {
-    "sft": ("prompt", "completion"),
-    "preference": ("prompt", "chosen", "rejected"),
-    "prompts": ("prompt",),
-    "verifiable": ("prompt", "answer"),
-    "text": ("text",),
-    "responses": ("prompt", "response"),
-    "unpaired": ("prompt", "completion", "label"),
+# each format's column sets, in the order they are tried (the first the data has wins)
+LAYOUTS = {
+    "sft": (("prompt", "completion"), ("messages",), ("text",)),
+    "preference": (("prompt", "chosen", "rejected"), ("chosen", "rejected")),
+    "prompts": (("prompt",),),
+    "verifiable": (("prompt", "answer"),),
+    "text": (("text",),),
+    "responses": (("prompt", "response"),),
+    "unpaired": (("prompt", "completion", "label"),),
 }
+FORMATS = {name: layouts[0] for name, layouts in LAYOUTS.items()}  # each format's main columns
 
 
 def parse_columns(spec: str | dict | None) -> dict[str, str]:
@@ -43,7 +57,10 @@ def parse_columns(spec: str | dict | None) -> dict[str, str]:
     return out
 
 
-TEXT_COLUMNS = ("completion", "chosen", "rejected", "response", "text")  # a string in every row
+TEXT_COLUMNS = ("response", "text")  # a string in every row
+RESPONSE_COLUMNS = ("completion", "chosen", "rejected")  # a string, or a conversation's assistant messages
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".parquet", ".csv", ".tsv", ".txt", ".arrow")
+HUB_DATASET = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 def _not_utf8(path: Path, data: bytes, e: UnicodeDecodeError, lineno: int = 0) -> UserError:
@@ -72,16 +89,26 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def read_rows(path: str | Path) -> list[dict]:
-    """The rows of a data file as dicts. JSONL and JSON are read directly (errors name the line; no `datasets`
-    import, ~2 s of every start); Parquet and `save_to_disk` directories through `datasets`."""
-    path = Path(path)
+def is_hub_name(name: str) -> bool:
+    """Whether `name` (no such local path) can be a Hugging Face Hub dataset id: NAME or OWNER/NAME, without a data
+    file's suffix (a missing data.jsonl is a missing file, not a dataset)."""
+    return bool(HUB_DATASET.fullmatch(name)) and Path(name).suffix.lower() not in DATA_SUFFIXES
+
+
+def read_rows(spec: str | Path) -> list[dict]:
+    """The rows of a data option's value as dicts. JSONL and JSON are read directly (errors name the line; no
+    `datasets` import, ~2 s of every start); Parquet, `save_to_disk` folders (DIR:SPLIT: a DatasetDict's split,
+    `train` by default), folders of data files and Hub datasets (NAME[:SPLIT]) through `datasets`."""
+    name, split = split_spec(str(spec))
+    path = Path(name)
     if not path.exists():
-        hub = len(path.parts) == 2 and not path.suffix and not str(path).startswith((".", "/"))
-        raise UserError(f"{path}: data file not found." + (
-            " It looks like a Hugging Face Hub dataset id: align reads local files (JSONL, JSON, Parquet, a "
-            "save_to_disk directory); save it first, e.g. datasets.load_dataset(ID, split='train')"
-            ".to_json('train.jsonl')." if hub else ""))
+        if is_hub_name(name):
+            return _load_dataset(name, split, f"{name}: no such file or folder, and not a Hugging Face Hub dataset "
+                                              "that could be loaded").to_list()
+        raise UserError(f"{path}: data file not found.")
+    if split and not path.is_dir():
+        raise UserError(f"{spec}: {path} is a file, which has no splits; drop ':{split}' (a split names one of a "
+                        "DatasetDict folder or of a Hub dataset).")
     suffix = path.suffix.lower()
     if path.is_dir() and (path / "artifact.json").is_file():  # an `align data make` artifact: its data.jsonl
         from align.artifacts import verify_artifact
@@ -92,7 +119,7 @@ def read_rows(path: str | Path) -> list[dict]:
                             "`align data make`.")
         return _read_jsonl(path / "data.jsonl")
     if path.is_dir() or suffix == ".parquet":
-        return _load_with_datasets(path).to_list()
+        return _load_with_datasets(path, split).to_list()
     if suffix in (".jsonl", ".ndjson"):
         return _read_jsonl(path)
     if suffix == ".json":
@@ -111,7 +138,9 @@ def read_rows(path: str | Path) -> list[dict]:
     raise UserError(f"{path}: unsupported data format {suffix!r}; use .jsonl, .json, .parquet or a save_to_disk dir.")
 
 
-def _load_with_datasets(path: Path):
+def _load_with_datasets(path: Path, split: str = ""):
+    """A Parquet file, a `save_to_disk` folder (a DatasetDict: its `split`, by default `train`) or a folder of data
+    files (`datasets.load_dataset(folder)`)."""
     import datasets
 
     if not path.is_dir():
@@ -119,12 +148,42 @@ def _load_with_datasets(path: Path):
     try:
         ds = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"{path}: not a datasets save_to_disk directory ({str(e).splitlines()[0]}).") from None
+        if not any(p.is_file() and p.suffix.lower() in DATA_SUFFIXES for p in path.rglob("*")):
+            raise UserError(f"{path}: not a datasets save_to_disk directory ({str(e).splitlines()[0]}), nor a "
+                            "folder of data files.") from None
+        return _load_dataset(str(path), split, f"{path}: a folder of data files that `datasets` could not load")
     if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise UserError(f"{path}: DatasetDict without a 'train' split (splits: {', '.join(ds)}).")
-        ds = ds["train"]
+        name = split or "train"
+        if name not in ds:
+            raise UserError(f"{path}: DatasetDict without a {name!r} split (splits: {', '.join(ds)}); name one as "
+                            f"{path}:SPLIT.")
+        return ds[name]
+    if split:
+        raise UserError(f"{path}: a single Dataset (save_to_disk), which has no splits; drop ':{split}'.")
     return ds
+
+
+def _load_dataset(name: str, split: str, failed: str):
+    """`datasets.load_dataset(name, split=split or 'train')`: a Hub dataset (offline: from the local datasets
+    cache) or a local folder of data files. A failure is one line: `failed`, and why."""
+    import logging
+
+    import datasets
+
+    info(f"{name}: loading with datasets.load_dataset (split {split or 'train'})")
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # no line per retry of an unreachable Hub: the failure is said once, below
+    try:
+        return datasets.load_dataset(name, split=split or "train")
+    except Exception as e:  # noqa: BLE001 - the library's many failures (network, names, splits) become one line
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "split" in reason.lower():
+            raise UserError(f"{name}: no split {split or 'train'!r} ({reason}); name one as {name}:SPLIT.") from None
+        raise UserError(f"{failed} ({reason}). Give a local file (JSONL, JSON, Parquet), a save_to_disk folder, or a "
+                        "Hub dataset id that is reachable or in the local datasets cache.") from None
+    finally:
+        hub_log.setLevel(level)
 
 
 def columns_of(rows: list[dict]) -> list[str]:
@@ -132,11 +191,22 @@ def columns_of(rows: list[dict]) -> list[str]:
     return list(rows[0]) if rows else []
 
 
+def layout(fmts: tuple[str, ...], names: list[str]) -> tuple[str, tuple[str, ...]]:
+    """(format, columns) of the first of `fmts`' column sets that the data has; (fmts[0], its main columns) when
+    none fits."""
+    for f in fmts:
+        for cols in LAYOUTS[f]:
+            if all(c in names for c in cols):
+                return f, cols
+    return fmts[0], FORMATS[fmts[0]]
+
+
 def load_rows(path: str | Path, fmt: str | tuple[str, ...], columns: str | dict | None = None,
               limit: int = 0, held_out: bool = False) -> list[dict]:
-    """Load, rename columns (a renamed column replaces one of the new name), check the required columns of `fmt`
-    (a tuple: the first of those formats whose columns the data has); returns dict rows. Every old name of
-    `columns` must be a column of the data, except in `held_out` data that already has the new name."""
+    """Load, rename columns (a renamed column replaces one of the new name), check the columns of `fmt` (a tuple:
+    the first of those formats whose columns the data has; each format's column sets: LAYOUTS) and their values;
+    returns dict rows, preference rows with an implicit prompt made explicit. Every old name of `columns` must be
+    a column of the data, except in `held_out` data that already has the new name."""
     rows = read_rows(path)
     names = columns_of(rows)
     mapping = parse_columns(columns)
@@ -153,15 +223,13 @@ def load_rows(path: str | Path, fmt: str | tuple[str, ...], columns: str | dict 
     if not rows:
         raise UserError(f"{path}: the dataset is empty.")
     fmts = (fmt,) if isinstance(fmt, str) else fmt
-    fmt = next((f for f in fmts if all(c in names for c in FORMATS[f])), fmts[0])
-    required = FORMATS[fmt]
-    if fmt == "sft" and "messages" in names and "prompt" not in names:
-        required = ("messages",)
+    fmt, required = layout(fmts, names)
     missing = [c for c in required if c not in names]
     if missing:
+        kinds = " or ".join("{" + ", ".join(cols) + "}" for f in fmts for cols in LAYOUTS[f])
         raise UserError(
-            f"{path}: no {', '.join(repr(m) for m in missing)} column for {fmt} data (columns: {_cols(names)}). "
-            f"Rename with --columns old=new."
+            f"{path}: no {', '.join(repr(m) for m in missing)} column for {fmt} data (columns: {_cols(names)}); it "
+            f"reads {kinds}. Rename with --columns old=new."
         )
     if limit:
         rows = rows[:limit]
@@ -170,17 +238,24 @@ def load_rows(path: str | Path, fmt: str | tuple[str, ...], columns: str | dict 
             if row.get(c) is None:
                 raise UserError(f"{path}: row {i} has no value in column {c!r}.")
         _check_types(path, i, row, required)
+        if fmt == "sft":
+            _check_completion(path, i, row)
+    if fmt == "preference" and "prompt" not in required:
+        rows = [_explicit_prompt(path, i, r) for i, r in enumerate(rows, 1)]
     return rows
 
 
 def _check_types(path, i: int, row: dict, columns) -> None:
-    """Text columns hold strings, a prompt a string or a list of chat messages: a wrong type is refused when
-    the data is read (before --out is touched), naming the row, not when it is tokenised."""
+    """Text columns hold strings, a prompt a string or a list of chat messages, a completion (chosen, rejected) a
+    string or a conversation's assistant messages: a wrong type is refused when the data is read (before --out
+    is touched), naming the row, not when it is tokenised."""
     chat = "a list of {role, content} messages"
     for c in columns:
         value = row[c]
         if c in TEXT_COLUMNS:
             ok, want = isinstance(value, str), "a string"
+        elif c in RESPONSE_COLUMNS:
+            ok, want = isinstance(value, str) or _is_chat(value), f"a string or {chat} (the assistant's)"
         elif c == "prompt":
             ok, want = isinstance(value, str) or _is_chat(value), f"a string or {chat}"
         elif c == "messages":
@@ -189,7 +264,66 @@ def _check_types(path, i: int, row: dict, columns) -> None:
             continue
         if not ok:
             raise UserError(f"{path}: row {i}: column {c!r} must be {want}, not {type(value).__name__} "
-                            f"{value!r:.40}.")
+                            f"{_short(value)}; fix the row, or map another column with --columns old={c}.")
+        if c in RESPONSE_COLUMNS and "prompt" in columns and value and isinstance(value, list) and not (
+                value[0]["role"] == value[-1]["role"] == "assistant"):
+            raise UserError(f"{path}: row {i}: column {c!r} is a conversation that must start and end with an "
+                            f"assistant message (roles: {', '.join(m['role'] for m in value)}); the turns before "
+                            "the assistant's belong in 'prompt'.")
+        if c == "messages" and not any(m["role"] == "assistant" for m in value[-1:]):
+            raise UserError(f"{path}: row {i}: a messages row must end with an assistant message (the completion to "
+                            "learn); remove the trailing turns or the row.")
+    if {"chosen", "rejected"} <= set(columns) and isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+        raise UserError(f"{path}: row {i}: 'chosen' and 'rejected' must both be strings or both message lists.")
+
+
+def _short(value, n: int = 60) -> str:
+    """repr(value), cut to about `n` characters with a visible '...'."""
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def is_empty(value) -> bool:
+    """An empty response: None, blank text, or messages whose contents are all blank."""
+    if isinstance(value, list):
+        return all(not m["content"].strip() for m in value)
+    return value is None or not str(value).strip()
+
+
+def _check_completion(path, i: int, row: dict) -> None:
+    """SFT: an empty completion (string or conversational, a messages row's last assistant turn, a text) is
+    refused, naming the row: training on it teaches the model to answer nothing."""
+    if "prompt" in row and "completion" in row:
+        what, value = "completion", row["completion"]
+    elif "messages" in row:
+        what, value = "last assistant message", row["messages"][-1:]
+    else:
+        what, value = "text", row["text"]
+    if is_empty(value):
+        raise UserError(f"{path}: row {i}: empty {what}; training on it teaches the model to answer nothing: fill "
+                        "it in or remove the row.")
+
+
+def implicit_prompt(chosen, rejected) -> tuple:
+    """TRL's implicit prompt: (prompt, chosen, rejected) of two whole conversations (the common leading messages
+    are the prompt, the rest of each its completion) or two strings (the common start, cut back to its last
+    whitespace so that no word is split: 'The sky is' + ' blue.' / ' green.')."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if isinstance(chosen, str):
+        space = max(chosen.rfind(ws, 0, n) for ws in " \t\n")
+        n = space if space > 0 else n
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def _explicit_prompt(path, i: int, row: dict) -> dict:
+    """A preference row with an implicit prompt, as {prompt, chosen, rejected} (its other columns kept)."""
+    prompt, chosen, rejected = implicit_prompt(row["chosen"], row["rejected"])
+    if isinstance(prompt, list) and any(m["role"] != "assistant" for m in chosen + rejected):
+        raise UserError(f"{path}: row {i}: 'chosen' and 'rejected' share {len(prompt)} leading message(s), and what "
+                        "follows is not the assistant's alone; give the prompt as a 'prompt' column.")
+    return {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
 def _is_chat(value) -> bool:
@@ -201,7 +335,31 @@ def _cols(names: list[str]) -> str:
     return ", ".join(names) or "none"
 
 
-# ---- chat formatting and tokenisation (one place for every stage) ----
+def split_off(rows: list[dict], fraction: float, source: str = "data") -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows): --eval-split's `fraction` of `rows` (at least one, leaving at least one)
+    held out, drawn by a fixed seed of its own (the same rows for any --seed, so runs of several seeds are
+    measured alike; the run's random draws untouched), both parts in their order in the data. `fraction` 0: (rows,
+    [])."""
+    if not fraction:
+        return rows, []
+    if len(rows) < 2:
+        raise UserError(f"{source}: --eval-split needs at least 2 rows (one to train on, one held out); it has "
+                        f"{len(rows)}.")
+    k = min(len(rows) - 1, max(1, round(fraction * len(rows))))
+    held = set(random.Random(0x5EED).sample(range(len(rows)), k))
+    return ([r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held])
+
+
+def verifiable_rows(rows: list[dict], source: str = "data") -> list[dict]:
+    """--eval-split's held-out rows as an RL stage's verifiable data: pass@k checks their 'answer'."""
+    if rows and "answer" not in rows[0]:
+        raise UserError(f"{source}: --eval-split holds out rows to measure pass@k on, which needs an 'answer' column "
+                        f"(columns: {_cols(columns_of(rows))}); map one with --columns old=answer, or drop "
+                        "--eval-split.")
+    return rows
+
+
+# ---- chat formatting and tokenisation (one place for every stage; the chat template's part: align.chat) ----
 
 
 def split_messages(row: dict) -> tuple[list[dict], str]:
@@ -212,30 +370,6 @@ def split_messages(row: dict) -> tuple[list[dict], str]:
     return msgs[:-1], msgs[-1]["content"]
 
 
-def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
-    """The text a policy sees before its response: the chat template with a generation prompt, if any."""
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    text = "\n".join(m["content"] for m in messages)
-    return (tokenizer.bos_token or "") + text if isinstance(prompt, list) else (tokenizer.bos_token or "") + prompt
-
-
-def prompt_texts(tokenizer, prompts: list) -> list[str]:
-    """`prompt_text` for many prompts. Plain-string prompts are rendered once through the chat template around a
-    sentinel and spliced (jinja per row costs ~0.2 ms: seconds per epoch of a large dataset). Templates that
-    transform the content (trim, escape, ...) are detected by a second, padded probe and rendered per row."""
-    sentinel = "\x00ALIGN\x00"
-    probe = prompt_text(tokenizer, sentinel)
-    if probe.count(sentinel) != 1:
-        return [prompt_text(tokenizer, p) for p in prompts]
-    head, tail = probe.split(sentinel)
-    padded = " " + sentinel + " \n"
-    if prompt_text(tokenizer, padded) != head + padded + tail:
-        return [prompt_text(tokenizer, p) for p in prompts]
-    return [head + p + tail if isinstance(p, str) else prompt_text(tokenizer, p) for p in prompts]
-
-
 def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
     if not prompts:
         return []
@@ -244,32 +378,78 @@ def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
     return tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False, verbose=False)["input_ids"]
 
 
-def encode_completions(tokenizer, completions: list[str]) -> list[list[int]]:
-    """Response tokens followed by EOS: the model must learn to stop."""
+def encode_completions(tokenizer, completions: list, prompts: list | None = None) -> list[list[int]]:
+    """Response tokens followed by EOS: the model must learn to stop. A conversational completion (assistant
+    messages) is what the chat template renders for it after its prompt (`prompts`, in the same order; EOS as
+    the template gives it, else appended: align.chat.completion_ids)."""
     if not completions:
         return []
+    if not all(isinstance(c, str) for c in completions):
+        strings = [i for i, c in enumerate(completions) if isinstance(c, str)]
+        out = dict(zip(strings, encode_completions(tokenizer, [completions[i] for i in strings])))
+        return [out[i] if i in out else completion_ids(tokenizer, prompts[i], c) for i, c in enumerate(completions)]
     ids = tokenizer(list(completions), add_special_tokens=False, verbose=False)["input_ids"]
     return [c + [tokenizer.eos_token_id] for c in ids]
 
 
-def sft_examples(tokenizer, rows: list[dict], max_length: int) -> list[dict]:
-    """input_ids and labels (-100 on prompt tokens) per row. Truncation: the prompt loses tokens from the left,
-    the completion is never cut; a row whose completion alone does not fit is dropped."""
-    prompts, completions = [], []
-    for row in rows:
-        if "messages" in row and "prompt" not in row:
-            p, c = split_messages(row)
+def sft_examples(tokenizer, rows: list[dict], max_length: int, assistant_only: bool = False) -> list[dict]:
+    """input_ids and labels (-100 on tokens without loss) per row, in the rows' order. {prompt, completion} and
+    {messages} (its last assistant turn the completion): loss on the completion; the prompt loses tokens from the
+    left, the completion is never cut, and a row whose completion alone does not fit is dropped. {messages} with
+    `assistant_only` (--assistant-only-loss): loss on every assistant turn (`conversation_example`). {text}:
+    language modelling, loss on every token (`text_examples`)."""
+    out: list[dict | None] = [None] * len(rows)
+    pc, texts = [], []  # (place, prompt, completion); (place, text)
+    for i, row in enumerate(rows):
+        if "prompt" in row and "completion" in row:
+            pc.append((i, row["prompt"], row["completion"]))
+        elif "messages" in row and assistant_only:
+            out[i] = conversation_example(tokenizer, row["messages"], max_length)
+        elif "messages" in row:
+            pc.append((i, *split_messages(row)))
         else:
-            p, c = row["prompt"], row["completion"]
-        prompts.append(p)
-        completions.append(c)
+            texts.append((i, row["text"]))
+    if pc:
+        places, prompts, completions = (list(x) for x in zip(*pc))
+        encoded = zip(encode_prompts(tokenizer, prompts), encode_completions(tokenizer, completions, prompts))
+        for i, (p, c) in zip(places, encoded):
+            if len(c) >= max_length:
+                continue
+            p = p[max(0, len(p) + len(c) - max_length):]
+            out[i] = {"input_ids": p + c, "labels": [-100] * len(p) + c, "n_labels": len(c)}
+    if texts:
+        for (i, _), e in zip(texts, text_examples(tokenizer, [t for _, t in texts], max_length)):
+            out[i] = e
+    return [e for e in out if e is not None]
+
+
+def conversation_example(tokenizer, messages: list[dict], max_length: int) -> dict | None:
+    """A whole conversation with loss on every assistant turn (align.chat.conversation_tokens). Too long: it
+    loses tokens from the left; None when its last assistant turn alone does not fit."""
+    ids, labels = conversation_tokens(tokenizer, messages)
+    if len(ids) - last_span(labels) >= max_length:
+        return None
+    cut = max(0, len(ids) - max_length)
+    ids, labels = ids[cut:], [IGNORE] + labels[cut + 1:]  # the first token is never predicted
+    return {"input_ids": ids, "labels": labels, "n_labels": sum(t != IGNORE for t in labels)}
+
+
+def text_examples(tokenizer, texts: list[str], max_length: int) -> list[dict | None]:
+    """Language modelling: BOS + text + EOS, cut on the right at `max_length`, loss on every token but the first
+    (which nothing predicts); None for a text that leaves no token to learn."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     out = []
-    for p, c in zip(encode_prompts(tokenizer, prompts), encode_completions(tokenizer, completions)):
-        if len(c) >= max_length:
-            continue
-        p = p[max(0, len(p) + len(c) - max_length):]
-        out.append({"input_ids": p + c, "labels": [-100] * len(p) + c, "n_labels": len(c)})
+    for x in tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]:
+        ids = (bos + x + [tokenizer.eos_token_id])[:max_length]
+        out.append({"input_ids": ids, "labels": [IGNORE] + ids[1:], "n_labels": len(ids) - 1} if len(ids) > 1 else None)
     return out
+
+
+def data_kind(rows: list[dict]) -> str:
+    """Which SFT data `rows` are, by their first row: prompt-completion, messages or text."""
+    row = rows[0] if rows else {}
+    return ("prompt-completion" if "prompt" in row and "completion" in row else "messages" if "messages" in row
+            else "text")
 
 
 def longest_row(examples: list[dict]) -> int | None:
@@ -342,8 +522,9 @@ PAIR_DROP_REASONS = ("empty", "identical", "too_long")
 def preference_examples(tokenizer, rows: list[dict], max_length: int, source: str = "data") -> tuple[list[dict], dict]:
     """Tokenise {prompt, chosen, rejected[, margin]} rows once, for the reward model and DPO.
 
-    The prompt is rendered with the chat template (`encode_prompts`); chosen and rejected each end with EOS
-    (`encode_completions`). Truncation policy: the prompt loses tokens from the LEFT so that prompt + the longer
+    The prompt is rendered with the chat template (`encode_prompts`); chosen and rejected (strings, or the
+    assistant's messages: the template's rendering after the prompt) each end with EOS (`encode_completions`).
+    Truncation policy: the prompt loses tokens from the LEFT so that prompt + the longer
     response fits `max_length`; a response is never cut, and a pair whose longer response alone does not fit
     (with at least one prompt token left) is dropped. Pairs with chosen == rejected, or an empty prompt, chosen or
     rejected, are dropped too. Returns (examples, report); the report counts every drop reason and the prompts
@@ -352,16 +533,17 @@ def preference_examples(tokenizer, rows: list[dict], max_length: int, source: st
     report = {"pairs": len(rows), "kept": 0, "prompt_truncated": 0, **{f"dropped_{r}": 0 for r in PAIR_DROP_REASONS}}
     valid = []
     for row in rows:
-        texts = (row["prompt"], row["chosen"], row["rejected"])
-        if any((t.strip() if isinstance(t, str) else t) in ("", [], None) for t in texts):
+        prompt = row["prompt"]
+        if (prompt.strip() if isinstance(prompt, str) else prompt) in ("", [], None) or is_empty(row["chosen"]) \
+                or is_empty(row["rejected"]):
             report["dropped_empty"] += 1
         elif row["chosen"] == row["rejected"]:
             report["dropped_identical"] += 1
         else:
             valid.append(row)
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in valid])
-    chosen = encode_completions(tokenizer, [r["chosen"] for r in valid])
-    rejected = encode_completions(tokenizer, [r["rejected"] for r in valid])
+    chosen = encode_completions(tokenizer, [r["chosen"] for r in valid], [r["prompt"] for r in valid])
+    rejected = encode_completions(tokenizer, [r["rejected"] for r in valid], [r["prompt"] for r in valid])
     out = []
     for row, p, c, r in zip(valid, prompts, chosen, rejected):
         longer = max(len(c), len(r))
@@ -389,10 +571,11 @@ def pair_report_text(report: dict) -> str:
     return f"{report['kept']}/{report['pairs']} pairs kept (dropped: {drops}; prompts cut: {report['prompt_truncated']})"
 
 
-def load_pairs(path: str, columns: str, tok, max_length: int, held_out: bool = False) -> list[dict]:
+def load_pairs(path: str, columns: str, tok, max_length: int, held_out: bool = False,
+               rows: list[dict] | None = None) -> list[dict]:
     """Preference pairs (the reward model's and DPO's data) tokenised once (preference_examples), with a line
-    saying what was dropped."""
-    rows = load_rows(path, "preference", columns, held_out=held_out)
+    saying what was dropped. `rows`: rows already read (--eval-split's parts of --data), else `path`'s."""
+    rows = load_rows(path, "preference", columns, held_out=held_out) if rows is None else rows
     examples, report = preference_examples(tok, rows, max_length, source=str(path))
     info(f"{path}: {pair_report_text(report)}")
     return examples
@@ -407,14 +590,15 @@ def unpaired_examples(tokenizer, rows: list[dict], max_length: int, source: str 
         return [{"prompt_ids": e["prompt_ids"], "completion_ids": e[k], "label": k == "chosen_ids"}
                 for e in pairs for k in ("chosen_ids", "rejected_ids")]
     out = []
-    for row, p, c in zip(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows]),
-                         encode_completions(tokenizer, [r["completion"] for r in rows])):
+    prompts = [r["prompt"] for r in rows]
+    for row, p, c in zip(rows, encode_prompts(tokenizer, prompts),
+                         encode_completions(tokenizer, [r["completion"] for r in rows], prompts)):
         label = row["label"]
         if isinstance(label, str):
             label = {"true": True, "1": True, "false": False, "0": False}.get(label.strip().lower(), label)
         if not isinstance(label, (bool, int)) or label not in (0, 1):
             raise UserError(f"{source}: label {row['label']!r} is not true/false (desirable or not).")
-        if str(row["completion"]).strip() and len(c) < max_length:
+        if not is_empty(row["completion"]) and len(c) < max_length:
             out.append({"prompt_ids": p[max(0, len(p) + len(c) - max_length):], "completion_ids": c, "label": bool(label)})
     if not out:
         raise UserError(f"{source}: no usable row (empty completions, or none fits --max-length {max_length}).")

@@ -46,6 +46,7 @@ from align.artifacts import (ARTIFACT_FILE, artifact_digest, describe_code, hash
 from align.console import console
 from align.engine import checkpoint
 from align.errors import UserError
+from align.paths import split_spec
 from align.registry import KINDS
 
 PIPELINE_KEYS: dict[str, type] = {"out": str, "nproc": int, "seed": int, "report_to": str}
@@ -170,10 +171,24 @@ def _path_fields(cls) -> set[str]:
     return {f.name for f in C.fields(cls) if f.metadata.get("path")}
 
 
-def _is_preset(key: str, value: str) -> bool:
-    """A model key's value that names no file: a preset, or a hub id (owner/name) with no such local path."""
-    from align.models import HUB_ID, PRESETS  # light: no torch at import time
+DATA_KEYS = ("data", "eval_data", "pass_data", "ptx_data")  # a file, DIR[:SPLIT] or a Hub dataset NAME[:SPLIT]
 
+
+def _exists(path: str | Path) -> bool:
+    """A path that exists as written, or a data value DIR:SPLIT whose folder does."""
+    return Path(path).exists() or Path(split_spec(str(path))[0]).exists()
+
+
+def _is_preset(key: str, value: str, root: Path | None = None) -> bool:
+    """A path key's value that names no file: a model preset, or a hub id (owner/name) with no such local path; a
+    held-out data option's `auto`; a data key's Hub dataset NAME[:SPLIT] with no such path (under `root`, the
+    pipeline file's folder: relative paths are read from there)."""
+    from align.data import is_hub_name  # light: no torch at import time
+    from align.models import HUB_ID, PRESETS
+
+    if key in DATA_KEYS:
+        name = split_spec(value)[0]
+        return value == C.AUTO or (is_hub_name(name) and not _exists(_resolve_path(root or Path.cwd(), name)))
     return key in ("model", "from_model", "reward_model") and (value in PRESETS or (
         HUB_ID.fullmatch(value) is not None and not Path(value).exists()))
 
@@ -389,9 +404,9 @@ def _check_stage(name: str, table, names: list[str], root: Path, defaults: dict,
                 problem(kp, str(e).removeprefix(f"{where}: ").rstrip("."))
                 bad_stage = True
                 continue
-            if key in paths and v and not _is_preset(key, v):
+            if key in paths and v and not _is_preset(key, v, Path.cwd() if set_by(kp) else root):
                 p = _resolve_path(Path.cwd() if set_by(kp) else root, v)
-                if key != "out" and not p.exists():
+                if key != "out" and not _exists(p):
                     what = " (not a preset or @stage either)" if key == "model" else ""
                     problem(kp, f"no such file or directory: {v}{what}"
                                 + (f" (looked for {p})" if not Path(v).is_absolute() else ""))
@@ -412,7 +427,7 @@ def _validate_stage(stage: Stage, table: dict, root: Path, defaults: dict, probl
     cls, at = stage.config, ("stages", stage.name)
     paths = _path_fields(cls)
     try:
-        cls(**{k: str(_resolve_path(root, v)) if k in paths and k not in stage.refs and v and not _is_preset(k, v)
+        cls(**{k: str(_resolve_path(root, v)) if k in paths and k not in stage.refs and v and not _is_preset(k, v, root)
                else v for k, v in _base_values(stage, defaults).items()}).validate()
     except UserError as e:
         # the option at fault (e.option), or the first flag the message names (--schedule -> stages.NAME.schedule)
@@ -467,7 +482,7 @@ def resolve(p: Pipeline, stage: Stage) -> dict:
             cfg[key] = str(stage_out(p.root, p.out, p.stage(stage.refs[key])) / stage.ref_files.get(key, ""))
         elif key == "out":
             cfg[key] = str(stage_out(p.root, p.out, stage))
-        elif isinstance(v, str) and v and not _is_preset(key, v):
+        elif isinstance(v, str) and v and not _is_preset(key, v, p.root):
             cfg[key] = str(_resolve_path(p.root, v))
     return cfg
 
@@ -477,9 +492,9 @@ def _input_digest(p: Pipeline, stage: Stage, key: str, value: str):
         out = stage_out(p.root, p.out, p.stage(stage.refs[key]))
         f = out / ARTIFACT_FILE
         return {"stage": stage.refs[key], "artifact": artifact_digest(out) if f.is_file() else None}
-    if not value or _is_preset(key, value):
+    if not value or _is_preset(key, value, p.root):
         return value
-    path = Path(value)
+    path = Path(value) if Path(value).exists() else Path(split_spec(value)[0])
     if path.is_file():
         return sha256_file(path)
     if path.is_dir():
@@ -709,12 +724,13 @@ def continuation(p: Pipeline, stage: Stage, out: Path, cfg: dict, st: State) -> 
         saved = checkpoint.read_state(out)
     except (OSError, UserError, json.JSONDecodeError):
         return None
-    old, new = saved["config"].get("max_steps"), cfg.get("max_steps")
+    now = C.as_dict(stage.config(**cfg).resolved())  # as the stage runs it: held-out options left at auto made concrete
+    old, new = saved["config"].get("max_steps"), now.get("max_steps")
     changed = {k for k in (checkpoint.RESUMABLE | checkpoint.APPLIED) - {"out", "resume", *C.PREFLIGHT}
-               if saved["config"].get(k) != cfg.get(k)}
+               if saved["config"].get(k) != now.get(k)}
     if key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"}):
         return None
-    why = checkpoint.budget_conflict(saved["config"], cfg, saved["step"])
+    why = checkpoint.budget_conflict(saved["config"], now, saved["step"])
     if why:
         raise UserError(f"stage {stage.name!r}: max_steps {old} -> {new}: {why}. Set stages.{stage.name}.max_steps back "
                         f"to {old} to continue from its checkpoint, or rerun with --from {stage.name} to start it over "

@@ -47,6 +47,8 @@ COMMANDS = (
             "shipped tokenizer.", "model-init"),
     Command(("data", "make"), "stages.data_make", "DataMakeConfig", "Generate a dataset (and optionally a disjoint "
             "held-out split), or preference pairs sampled from a model.", "data", positional=("task",)),
+    Command(("data", "show"), "stages.data_show", "DataShowConfig", "Show the first rows of a dataset as a stage "
+            "trains on them: the tokens of each, which carry loss, and their counts.", positional=("data",)),
     Command(("report",), "align.report", "ReportConfig", "Dashboard PNG of a run's metrics (several runs: overlaid).",
             entry="run_report", positional=("runs",)),
     Command(("export",), "align.export", "ExportConfig", "Export a run's model as a plain transformers model (LoRA "
@@ -55,6 +57,6 @@ COMMANDS = (
 )
 
 GROUPS = {"rm": "Bradley-Terry reward model: train, eval, score.", "model": "Create models.",
-          "data": "Generate datasets.", "pipeline": "Run a chain of stages from a TOML file."}
+          "data": "Generate and inspect datasets.", "pipeline": "Run a chain of stages from a TOML file."}
 
 KINDS: dict[str, Command] = {c.kind: c for c in COMMANDS if c.kind}

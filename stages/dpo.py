@@ -31,7 +31,7 @@ import torch
 from align import data as D
 from align import objectives, runtime
 from align.artifacts import describe_inputs
-from align.config import SupervisedConfig, defaults, opt, verifier_opt
+from align.config import SupervisedConfig, defaults, held_out_opt, opt, verifier_opt
 from align.console import info
 from align.data import load_pairs
 from align.engine.build import Optim
@@ -60,9 +60,12 @@ KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 @defaults(out="runs/dpo", max_steps=300)
 class DPOConfig(SupervisedConfig):
     ref_model: str = opt("", "Frozen reference model (default: the input --model).", path=True)
-    data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected}.", path=True)
-    eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for implicit-reward accuracy ('' : none).", path=True)
-    pass_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data for greedy pass@1 of policy and input model ('' : skip).", path=True)
+    data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected} (or "
+                    "{chosen, rejected}, implicit prompt); --loss kto: also {prompt, completion, label}.", path=True)
+    eval_data: str = held_out_opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for implicit-reward accuracy "
+                                                                      "('' : none).")
+    pass_data: str = held_out_opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data for greedy pass@1 of "
+                                  "policy and input model ('' : skip).", split=False, label="pass@1")
     beta: float = opt(0.1, "β: strength of the implicit KL to the reference.", gt=0)
     loss: str = opt("sigmoid", "Preference loss:", choices=objectives.Choices("preference", "unpaired_preference"))
     simpo_gamma: float = opt(0.5, "γ of --loss simpo: the target reward margin.", ge=0)
@@ -108,6 +111,8 @@ class DPOConfig(SupervisedConfig):
         if self.label_smoothing and not self.objective.label_smoothing:
             smoothed = objectives.Choices("preference", label_smoothing=True)
             raise UserError(f"--label-smoothing applies to --loss {' / '.join(smoothed)} only.")
+        if self.online and self.eval_split:
+            raise UserError("--eval-split holds out pairs of --data, and --online reads prompts there: drop it.")
         if self.online:
             if self.unpaired or self.precompute_ref:
                 raise UserError(f"--online samples new pairs as it trains: drop --loss {self.loss} / --precompute-ref.")
@@ -179,15 +184,18 @@ class DPO:
     eval_at_start = True  # greedy pass@1 of the input model, measured exactly as the policy's at the end
     prompt_ids: tuple = ()  # --online: the prompts' tokens (their longest sizes the memory plan's rollout)
     judging = None  # --online without --reward-model: the verifier that ranks the samples (rewards.Verifier)
+    formats: str | tuple[str, ...] = "preference"  # what load_rows reads --data as
+    split_examples: list = []  # the --eval-split part of --data (load_train)
 
     def __init__(self, cfg: DPOConfig, run):
+        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model, expect="policy")
         ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source
         check_length(source, cfg.max_length)
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         self.examples = self.load_train()
-        self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else []
+        self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else self.split_examples
         if cfg.eval_pairs:
             self.eval_examples = self.eval_examples[: cfg.eval_pairs]
         self.verifiable = fitting_rows(D.load_rows(cfg.pass_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
@@ -232,10 +240,18 @@ class DPO:
              f"pairs x accum {accum}")
 
     def load_train(self) -> list[dict]:
-        return self.load_examples(self.cfg.data)
+        """--data's examples; with --eval-split, less the part held out (self.split_examples)."""
+        cfg = self.cfg
+        if not cfg.eval_split:
+            return self.load_examples(cfg.data)
+        rows, split = D.split_off(D.load_rows(cfg.data, self.formats, cfg.columns), cfg.eval_split, cfg.data)
+        self.split_examples = self.load_examples(f"{cfg.data} (--eval-split)", split)
+        return self.load_examples(cfg.data, rows)
 
-    def load_examples(self, path: str) -> list[dict]:
-        return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length, held_out=path != self.cfg.data)
+    def load_examples(self, path: str, rows: list[dict] | None = None) -> list[dict]:
+        """The tokenised pairs of `path` (or of `rows` already read from it)."""
+        return load_pairs(path, self.cfg.columns, self.tok, self.cfg.max_length, held_out=path != self.cfg.data,
+                          rows=rows)
 
     @torch.no_grad()
     def chunked_logps(self, model, examples: list[dict], batch_size: int) -> torch.Tensor:
@@ -353,10 +369,12 @@ class KTO(DPO):
 
     progress = ("loss", "kl", "eval/rewards/accuracies")
     train_keys = ("loss", "kl", "rewards/desirable", "rewards/undesirable")
+    formats = ("unpaired", "preference")
 
-    def load_examples(self, path: str) -> list[dict]:
+    def load_examples(self, path: str, rows: list[dict] | None = None) -> list[dict]:
         cfg = self.cfg
-        rows = D.load_rows(path, ("unpaired", "preference"), cfg.columns, held_out=path != cfg.data)  # read once
+        if rows is None:
+            rows = D.load_rows(path, self.formats, cfg.columns, held_out=path != cfg.data)  # read once
         paired = "label" not in rows[0]
         examples = D.unpaired_examples(self.tok, rows, cfg.max_length, source=str(path))
         n_good = sum(e["label"] for e in examples)

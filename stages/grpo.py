@@ -141,16 +141,17 @@ class GRPOConfig(RLConfig):
         """--rollout-gpus -1 (auto) made a number: on W >= 2 GPU processes of one machine, W // 2 decoders one step
         off with TIS (--max-staleness and --tis-cap where left at 0; measured fastest on 2 GPUs at 0.5B and 8B:
         docs/async.md); else 0 (synchronous). Every process resolves it before the roles are split, so all of them
-        agree."""
-        if self.rollout_gpus >= 0:
-            return self
+        agree. (The held-out options left at auto too: TrainConfig.resolved.)"""
+        cfg = super().resolved()
+        if cfg.rollout_gpus >= 0:
+            return cfg
         import torch
 
-        world = self.launched_world()
-        gpus = world // 2 if world >= 2 and self.nnodes == 1 and torch.cuda.is_available() else 0
+        world = cfg.launched_world()
+        gpus = world // 2 if world >= 2 and cfg.nnodes == 1 and torch.cuda.is_available() else 0
         if not gpus:
-            return replace(self, rollout_gpus=0)
-        return replace(self, rollout_gpus=gpus, max_staleness=self.max_staleness or 1, tis_cap=self.tis_cap or 2.0)
+            return replace(cfg, rollout_gpus=0)
+        return replace(cfg, rollout_gpus=gpus, max_staleness=cfg.max_staleness or 1, tis_cap=cfg.tis_cap or 2.0)
 
     def ks(self) -> list[int]:
         return positive_ints(self.eval_k, "--eval-k")
@@ -280,13 +281,15 @@ class GRPO:
         source = resolve(cfg.model)
         self.reward_fns = parse_rewards(cfg.reward)
         self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)
+        self.rows, split = D.split_off(self.rows, cfg.eval_split, cfg.data)
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         # each reward function on the first rows: a wrong signature or return fails here, before any model is built
         probe(self.reward_fns, self.rows, timeout=cfg.reward_timeout, tokenizer=self.tok, where=cfg.data)
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
-                                                  held_out=True) if cfg.eval_data and cfg.eval_samples else [],
-                                      self.tok, source, cfg.max_new_tokens, cfg.eval_data)
-        self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data)
+                                                  held_out=True) if cfg.eval_data and cfg.eval_samples else
+                                      D.verifiable_rows(split[: cfg.eval_samples], cfg.data),
+                                      self.tok, source, cfg.max_new_tokens, cfg.eval_data or cfg.data)
+        self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data or cfg.data)
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
         self.rows, self.prompt_ids = fitting(self.rows, D.encode_prompts(self.tok, [r["prompt"] for r in self.rows]),

@@ -268,6 +268,7 @@ class PPO:
     report_xy = ("objective/kl", ["reward", "gold_reward"])  # over-optimisation: proxy and gold reward vs KL
 
     def __init__(self, cfg: PPOConfig, run):
+        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
         self.cfg, self.run = cfg, run
         sources = self.read_inputs()
         world = runtime.world_size()
@@ -317,6 +318,7 @@ class PPO:
         rows = D.load_rows(cfg.data, "prompts", cfg.columns)
         self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in rows[0] else None
         probe([self.gold_fn] if self.gold_fn else [], rows, "--gold-reward", tokenizer=self.tok, where=cfg.data)
+        rows, split = D.split_off(rows, cfg.eval_split, cfg.data)
         prompt_ids = D.encode_prompts(self.tok, [r["prompt"] for r in rows])
         keep = [i for i, p in enumerate(prompt_ids) if len(p) <= cfg.max_prompt_length]
         if not keep:
@@ -329,9 +331,10 @@ class PPO:
             raise UserError(f"{cfg.data}: --gold-reward-coef {cfg.gold_reward_coef} needs the verifier's `answer` "
                             "column in the prompts; add it (or --columns old=answer) or set --gold-reward-coef 0.")
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
-                                                  held_out=True) if cfg.eval_data and cfg.eval_samples else [],
-                                      self.tok, policy, cfg.max_new_tokens, cfg.eval_data)
-        self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data)
+                                                  held_out=True) if cfg.eval_data and cfg.eval_samples else
+                                      D.verifiable_rows(split[: cfg.eval_samples], cfg.data),
+                                      self.tok, policy, cfg.max_new_tokens, cfg.eval_data or cfg.data)
+        self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data or cfg.data)
         self.ptx = ptx_examples(self.tok, cfg.ptx_data, cfg.ptx_max_length) if cfg.ptx_coef else []
         return sources
 

@@ -27,7 +27,7 @@ import torch
 from align import data as D
 from align import runtime
 from align.artifacts import describe_inputs
-from align.config import StageConfig, SupervisedConfig, defaults, opt
+from align.config import StageConfig, SupervisedConfig, defaults, held_out_opt, opt
 from align.console import info
 from align.data import load_pairs
 from align.engine.build import Optim
@@ -51,7 +51,8 @@ CALIBRATION_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)  # buckets of the BT confi
 @defaults(out="runs/rm", max_steps=5000, batch_size=64, lr=5e-4, warmup_steps=50, eval_every=500)
 class RMConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected[, margin]}.", path=True)
-    eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for pairwise accuracy ('' : none).", path=True)
+    eval_data: str = held_out_opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for pairwise accuracy "
+                                                                      "('' : none).")
     head: str = opt("scalar", f"Reward head: {' | '.join(HEADS)} (scalar: a value head at the last token; "
                                "likelihood: β · mean response log-prob under the model's own LM head).",
                        choices=HEADS)
@@ -150,14 +151,18 @@ class RewardModel:
     progress = ("loss", "accuracy", "eval/accuracy")
 
     def __init__(self, cfg: RMConfig, run):
+        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model, expect="policy")  # an RM starts from a causal LM (the SFT model); its head is new
         check_length(source, cfg.max_length)
         self.policy_source = resolve(cfg.normalize_on_policy, expect="policy") if cfg.normalize_on_policy else None
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
-        self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)
+        rows, split = D.split_off(D.load_rows(cfg.data, "preference", cfg.columns), cfg.eval_split, cfg.data)
+        self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length, rows=rows)
         self.eval_examples = (load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length, held_out=True)
-                              if cfg.eval_data else [])
+                              if cfg.eval_data else
+                              load_pairs(f"{cfg.data} (--eval-split)", "", self.tok, cfg.max_length, rows=split)
+                              if split else [])
 
         extra = (cfg.normalize_on_policy,) if cfg.normalize_on_policy and Path(cfg.normalize_on_policy).is_file() else ()
         inputs = describe_inputs(source, cfg.data, cfg.eval_data, *extra)

@@ -17,7 +17,7 @@ import torch
 from align import data as D
 from align import runtime
 from align.artifacts import describe_inputs
-from align.config import SupervisedConfig, defaults, opt, verifier_opt
+from align.config import SupervisedConfig, defaults, held_out_opt, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim
 from align.engine.plan import (Data, Device, Family, Model, Plan, Setup, SupervisedPlan, full_logit_bytes, inference_bytes,
@@ -35,8 +35,13 @@ from align.rollout.generation import Sampling
 @dataclass(frozen=True)
 @defaults(out="runs/sft", max_steps=1500, lr=2e-3, warmup_steps=50, eval_every=500)
 class SFTConfig(SupervisedConfig):
-    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion} or {messages}.", path=True)
-    eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has 'answer'.", path=True)
+    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion}, {messages} or "
+                    "{text} (a file, DIR[:SPLIT] or a Hub dataset NAME[:SPLIT]; docs/data.md).", path=True)
+    eval_data: str = held_out_opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has "
+                                                                              "'answer' ('' : none).")
+    assistant_only_loss: bool = opt(False, "{messages} data: loss on every assistant turn (each turn's tokens as the "
+                                           "chat template renders them, its end of turn included), the system and "
+                                           "user turns masked; off: on the last assistant turn only.")
     packing: bool = opt(False, "Pack examples into rows of --max-length (block-diagonal attention); "
                                "--batch-size then counts packed rows.")
     eval_samples: int = opt(200, "Held-out problems for pass@1 (0: skip).", ge=0)
@@ -55,15 +60,19 @@ class SFTPlan(SupervisedPlan):
     cfg: SFTConfig
     name: ClassVar[str] = "sft"
 
+    @property
+    def held_out(self) -> bool:
+        return bool(self.cfg.eval_data or self.cfg.eval_split)
+
     def phases(self) -> tuple[str, ...]:
-        return ("update", "eval") if self.cfg.eval_data else ("update",)
+        return ("update", "eval") if self.held_out else ("update",)
 
     def terms(self, plan: Plan, models: dict[str, Model], s: Setup, data: Data) -> None:
         cfg, a = self.cfg, models["policy"].arch
         length = data.sequence(cfg.max_length, cfg.packing)
         plan.add_state(trained_model(cfg, "policy", a), s)
         update_terms(plan, a, self.micro_rows(s.world, data)[0], length, s, "full")
-        if cfg.eval_data:  # the held-out loss: EVAL_ROWS rows a forward, their full logits (SFT.evaluate)
+        if self.held_out:  # the held-out loss: EVAL_ROWS rows a forward, their full logits (SFT.evaluate)
             plan.add(f"eval: forward ({EVAL_ROWS} rows x {length} tokens)", inference_bytes(a, EVAL_ROWS, length, s),
                      "eval")
             plan.add(f"eval: logits ({EVAL_ROWS} x {length} x {a.vocab}, fp32 loss)",
@@ -72,8 +81,8 @@ class SFTPlan(SupervisedPlan):
     def changes(self, device: Device, data: Data) -> Iterator[Family]:
         """A smaller micro-batch, no held-out loss (its 64-row forwards), LoRA, optimizer offload, more processes."""
         yield micro_changes(self, device, data)
-        if self.cfg.eval_data:
-            yield [({"eval_data": ""}, device)]
+        if self.held_out:
+            yield [({"eval_data": ""} if self.cfg.eval_data else {"eval_split": 0.0}, device)]
         yield from memory_changes(self.cfg, device)
         yield nproc_changes(self, device)
 
@@ -82,20 +91,25 @@ class SFT:
     progress = ("loss", "lr", "eval/loss", "eval/pass@1")
 
     def __init__(self, cfg: SFTConfig, run):
+        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model)
         check_length(source, cfg.max_length)
-        rows = D.load_rows(cfg.data, "sft", cfg.columns)
-        eval_rows = D.load_rows(cfg.eval_data, "sft", cfg.columns, held_out=True) if cfg.eval_data else []
+        rows, split = D.split_off(D.load_rows(cfg.data, "sft", cfg.columns), cfg.eval_split, cfg.data)
+        eval_rows = D.load_rows(cfg.eval_data, "sft", cfg.columns, held_out=True) if cfg.eval_data else split
+        if cfg.assistant_only_loss and D.data_kind(rows) != "messages":
+            raise UserError(f"{cfg.data}: --assistant-only-loss trains every assistant turn of {{messages}} "
+                            f"conversations; this is {D.data_kind(rows)} data, whose loss is already on "
+                            f"{'every token' if D.data_kind(rows) == 'text' else 'the completion'}: drop the flag.")
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
-        examples = D.sft_examples(self.tok, rows, cfg.max_length)
+        examples = D.sft_examples(self.tok, rows, cfg.max_length, cfg.assistant_only_loss)
         if not examples:
             raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}; raise it.")
         self.examples = D.pack_examples(examples, cfg.max_length) if cfg.packing else examples
-        self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length)
+        self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length, cfg.assistant_only_loss)
         self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
-                                       self.tok, source, cfg.max_new_tokens, cfg.eval_data)
-        self.verifier = held_out_verifier(cfg.verifier, self.verifiable, self.tok, cfg.eval_data)
+                                       self.tok, source, cfg.max_new_tokens, cfg.eval_data or cfg.data)
+        self.verifier = held_out_verifier(cfg.verifier, self.verifiable, self.tok, cfg.eval_data or cfg.data)
         dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), SFTPlan(cfg), lora=(source,),
                         sequence_tokens=D.longest_row(self.examples), notes=verifier_note(self.verifier))
         self.micro, accum = run.layout.micro, run.layout.accum

@@ -110,9 +110,29 @@ def test_columns_leave_held_out_data_that_already_has_the_new_name(tmp_path):
         D.load_rows(test, "verifiable", "quest=promptt", held_out=True)
 
 
-def test_a_hub_dataset_id_says_align_reads_local_files():
-    with pytest.raises(UserError, match="Hugging Face Hub dataset id.*to_json"):
-        D.read_rows("openai/gsm8k")
+def test_a_hub_dataset_id_goes_to_datasets_and_a_missing_data_file_is_not_found(monkeypatch):
+    """A name that is no local path and could be a Hub dataset id is loaded with datasets.load_dataset (its split,
+    train by default); a failure (offline here) is one line naming it; a missing path with a data file's suffix
+    is a missing file."""
+    import datasets
+
+    calls = []
+
+    def fake(name, split):
+        calls.append((name, split))
+        if name == "nobody/nothing":
+            raise ConnectionError("Couldn't reach 'nobody/nothing' on the Hub (OfflineModeIsEnabled)\nmore lines")
+        return datasets.Dataset.from_list([{"prompt": "p", "completion": split}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    assert D.read_rows("openai/gsm8k") == [{"prompt": "p", "completion": "train"}]
+    assert D.read_rows("openai/gsm8k:test") == [{"prompt": "p", "completion": "test"}]
+    assert calls == [("openai/gsm8k", "train"), ("openai/gsm8k", "test")]
+    with pytest.raises(UserError, match=r"^nobody/nothing: no such file or folder, and not a Hugging Face Hub "
+                                        r"dataset that could be loaded \(Couldn't reach 'nobody/nothing' on the Hub "
+                                        r"\(OfflineModeIsEnabled\)\)\. Give a local file") as e:
+        D.read_rows("nobody/nothing")
+    assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="data file not found.$"):
         D.read_rows("missing/file.jsonl")
 

@@ -70,7 +70,8 @@ LATE = {
     "truncated weights": ([*SFT, "--model", "@truncated"], ["model.safetensors", "not a readable safetensors"]),
     "garbage weights": ([*SFT, "--model", "@garbage"], ["model.safetensors", "not a readable safetensors"]),
     "completion of another type": ([*SFT, "--data", "@completion_int.jsonl"],
-                                   ["completion_int.jsonl: row 1", "'completion' must be a string, not int 12"]),
+                                   ["completion_int.jsonl: row 1", "'completion' must be a string or a list of {role, content} "
+                                    "messages (the assistant's), not int 12"]),
     "not UTF-8": ([*SFT, "--data", "@latin1.jsonl"], ["latin1.jsonl:1: not UTF-8", "0xe9"]),
     "pass-data prompts too long": (["dpo", "--data", str(small_data()["prefs"]), "--eval-data", "", "--max-steps",
                                     "1", "--batch-size", "4", "--pass-data", "@long_prompts.jsonl"],

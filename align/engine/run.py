@@ -272,7 +272,12 @@ class StageRun(StepLoop, Saves):
 
 
 def train(cfg: TrainConfig, stage: str, algorithm) -> dict:
-    """Run a training stage: `algorithm(cfg, run)` builds it, the run trains it, saves it and says how it went."""
+    """Run a training stage: `algorithm(cfg, run)` builds it, the run trains it, saves it and says how it went.
+    The config's automatic values are made concrete first (a config built without config.build: in-process
+    callers), and a line says which held-out data the run uses and why."""
+    cfg = cfg.resolved()
+    if cfg.held_out_note():
+        info(cfg.held_out_note())
     with StageRun(cfg, stage) as run:
         algo = algorithm(cfg, run)
         close = getattr(algo, "close", lambda failed=False: None)  # what it holds beside its engines (decoder ranks)

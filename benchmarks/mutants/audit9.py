@@ -185,8 +185,8 @@ MUTATIONS = [
       "progress = min(1.0, step / max(1, total))", SUP),
     # Which data: eval/loss is the loss of the TRAINING rows, not of --eval-data.
     M("audit9 sft: the held-out loss measured on the training rows", "stages/sft.py",
-      "self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length)",
-      "self.eval_examples = D.sft_examples(self.tok, rows, cfg.max_length)", SUP),
+      "self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length, cfg.assistant_only_loss)",
+      "self.eval_examples = D.sft_examples(self.tok, rows, cfg.max_length, cfg.assistant_only_loss)", SUP),
     # Metric over the wrong mask: `tokens` (and tokens_per_s) count the padding too. Default config (rows of
     # different lengths are right-padded).
     M("audit9 sft: the tokens metric counts the padding", "stages/sft.py",

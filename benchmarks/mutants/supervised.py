@@ -1,4 +1,5 @@
-"""Wiring mutations of stages/rm.py, stages/sft.py, the reward model's normalisation and the data order."""
+"""Wiring mutations of stages/rm.py, stages/sft.py, the reward model's normalisation, the data order and the data
+formats (align/data.py, align/chat.py: TRL's formats, --assistant-only-loss, --eval-split, the held-out defaults)."""
 
 from benchmarks.mutants import Mutation
 
@@ -14,6 +15,10 @@ SFTPASS = (T + "test_sft_held_out_pass_at_1_and_max_length",)
 PASSK = T + "test_held_out_pass_at_k_groups_each_problems_own_samples"
 PASSK_OWN, PASSK_EVALUATE = (PASSK + "[False]",), (PASSK + "[True]",)
 EV = "align/rollout/evaluation.py"
+
+F = "tests/test_trl_formats.py::"
+STAGE_TURNS = (F + "test_the_sft_stage_trains_every_assistant_turn_and_holds_out_its_split",)
+MASK = (F + "test_assistant_only_loss_trains_every_assistant_turn_and_nothing_else",)
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -162,11 +167,12 @@ MUTATIONS: list[Mutation] = [
     M("supervised wiring: sft: pass@1 --verifier ignored", "stages/sft.py",
       "verifier=self.verifier,", 'verifier="auto",', SFTPASS),
     M("supervised wiring: sft: --max-length ignored", "stages/sft.py",
-      "examples = D.sft_examples(self.tok, rows, cfg.max_length)", "examples = D.sft_examples(self.tok, rows, 256)",
+      "examples = D.sft_examples(self.tok, rows, cfg.max_length, cfg.assistant_only_loss)",
+      "examples = D.sft_examples(self.tok, rows, 256, cfg.assistant_only_loss)",
       SFTPASS),
     M("supervised wiring: rm: --max-length ignored for the training pairs", "stages/rm.py",
-      "self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)",
-      "self.examples = load_pairs(cfg.data, cfg.columns, self.tok, 256)", ONPOL),
+      "self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length, rows=rows)",
+      "self.examples = load_pairs(cfg.data, cfg.columns, self.tok, 256, rows=rows)", ONPOL),
     M("supervised wiring: rm score --max-length ignored", "stages/rm.py",
       '[r["response"] for r in rows], cfg.max_length)', '[r["response"] for r in rows], 0)', NORM),
     M("supervised wiring: rm score reward/std of raw rewards", "stages/rm.py",
@@ -174,10 +180,11 @@ MUTATIONS: list[Mutation] = [
       '"reward/std": rewards.std().item() * float(eng.module.config.align_reward_scale) if len(rows) > 1 else 0.0',
       NORM),
     M("supervised wiring: rm: --columns ignored for the training pairs", "stages/rm.py",
-      "self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length)",
-      'self.examples = load_pairs(cfg.data, "", self.tok, cfg.max_length)', ONPOL),
+      'D.load_rows(cfg.data, "preference", cfg.columns), cfg.eval_split',
+      'D.load_rows(cfg.data, "preference", ""), cfg.eval_split', ONPOL),
     M("supervised wiring: sft: --columns ignored", "stages/sft.py",
-      'rows = D.load_rows(cfg.data, "sft", cfg.columns)', 'rows = D.load_rows(cfg.data, "sft", "")', SFTPASS),
+      'D.load_rows(cfg.data, "sft", cfg.columns), cfg.eval_split', 'D.load_rows(cfg.data, "sft", ""), cfg.eval_split',
+      SFTPASS),
     # ---- the reward model's scored sequences (align/reward_model.py: encode_scored)
     M("supervised wiring: rm: scored prompts cut from the right (keeps the start)", "align/reward_model.py",
       "p = p[max(0, len(p) + len(r) - max_length):]", "p = p[: max(0, max_length - len(r))]", NORM),
@@ -231,4 +238,30 @@ MUTATIONS: list[Mutation] = [
       'out.append({"prompt_ids": p[max(0, len(p) + len(c) - max_length):], "completion_ids": c, "label": bool(label)})',
       'out.append({"prompt_ids": p[: max(0, max_length - len(c))], "completion_ids": c, "label": bool(label)})',
       ("tests/test_data.py::test_unpaired_rows_cut_the_prompt_from_the_left_to_fit",)),
+    # ---- the data formats (align/data.py, align/chat.py, align/config.py's held-out defaults)
+    M("data formats: sft --assistant-only-loss ignored (the last turn only)", "stages/sft.py",
+      "examples = D.sft_examples(self.tok, rows, cfg.max_length, cfg.assistant_only_loss)",
+      "examples = D.sft_examples(self.tok, rows, cfg.max_length, False)", STAGE_TURNS),
+    M("data formats: --eval-split's held-out rows still trained on", "align/data.py",
+      "return ([r for i, r in enumerate(rows) if i not in held],", "return (list(rows),",
+      (F + "test_split_off_is_deterministic_disjoint_and_keeps_the_order", *STAGE_TURNS)),
+    M("data formats: a conversational completion gets a second EOS", "align/chat.py",
+      "return ids if tokenizer.eos_token_id in ids else ids + [tokenizer.eos_token_id]",
+      "return ids + [tokenizer.eos_token_id]",
+      (F + "test_a_conversational_completion_is_the_templates_assistant_turn",)),
+    M("data formats: a string implicit prompt splits a word", "align/data.py",
+      "n = space if space > 0 else n", "n = n",
+      (F + "test_standard_implicit_prompt_is_the_common_start_up_to_its_last_whitespace",)),
+    M("data formats: the generation markers' mask ignored (every token labelled)", "align/chat.py",
+      "labels = [t if m else IGNORE for t, m in zip(ids, mask)]", "labels = list(ids)", MASK),
+    M("data formats: the prefix rendering labels the user turns too", "align/chat.py",
+      "labels += t if trained else [IGNORE] * len(t)", "labels += t", MASK),
+    M("data formats: auto's held-out set is the shipped file whatever --data", "align/config.py",
+      'f.metadata["shipped"] if cfg.shipped_data() and', 'f.metadata["shipped"] if True and',
+      (F + "test_held_out_defaults_follow_the_data",)),
+    M("data formats: an empty sft completion trains", "align/data.py",
+      "            _check_completion(path, i, row)", "            pass",
+      (F + "test_an_empty_sft_completion_is_refused_naming_the_row",)),
+    M("data formats: a DatasetDict's named split ignored (always train)", "align/data.py",
+      'name = split or "train"', 'name = "train"', (F + "test_a_dataset_dict_split_is_named_after_a_colon",)),
 ]
