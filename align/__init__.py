@@ -5,8 +5,8 @@ __version__ = "0.1.0"
 
 # the commands as functions (align.api): each word of `align rm train` joined by "_"; `export` and `report` are
 # modules of this package, their functions are align.api.export / align.api.report
-API = ("sft", "rm_train", "rm_eval", "rm_score", "ppo", "dpo", "grpo", "eval", "model_init", "data_make", "Artifact",
-       "load")
+API = ("sft", "rm_train", "rm_eval", "rm_score", "ppo", "dpo", "grpo", "eval", "model_init", "data_make", "data_show",
+       "Artifact", "load")
 
 
 def __getattr__(name: str):

@@ -140,3 +140,29 @@ def test_a_python_reward_spec_outside_its_process_says_what_to_do():
         assert "Python API" in str(e) and "file.py:FUNCTION" in str(e)
     else:
         raise AssertionError("python:nowhere.fn was accepted")
+
+
+def readme_example() -> str:
+    """The Python block of the README (the API's example there)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    return text[start:text.index("```", start)]
+
+
+def test_the_readmes_example_runs_and_equals_the_command_line(tmp_path):
+    """The README's example as written (its runs/ folders under a temporary directory), then its SFT as a
+    command: the same metrics."""
+    code = readme_example()
+    assert "align.sft(" in code and "align.grpo(" in code
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    api = json.loads((tmp_path / "runs" / "api-sft" / "artifact.json").read_text())
+    grpo = json.loads((tmp_path / "runs" / "api-grpo" / "artifact.json").read_text())
+    assert grpo["status"] == "complete" and grpo["inputs"]["model"]["stage"] == "sft"
+    flags = [x for k, v in api["config"].items() if k == "max_steps" for x in ("--max-steps", str(v))]
+    cli = subprocess.run([sys.executable, "-m", "align", "sft", *flags, "--out", str(tmp_path / "cli")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    want = json.loads((tmp_path / "cli" / "artifact.json").read_text())
+    assert same_figures(api["metrics"]) == same_figures(want["metrics"])
