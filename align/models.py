@@ -19,6 +19,7 @@ from align.errors import UserError
 from align.paths import TOKENIZER_DIR
 
 REWARD_HEAD_KEY = "align_reward_head"  # a reward model's config names its head (align.reward_model)
+REWARD_HEADS = ("scalar", "likelihood")  # the heads a reward model may have (align.reward_model)
 
 PRESETS = {
     # ~0.5M parameters: 2 layers x d128 with RoPE learns the arithmetic task in minutes on 2 CPU cores.

@@ -17,7 +17,6 @@ import torch
 from align import data as D
 from align import runtime
 from align.artifacts import describe_inputs
-from align.config import SupervisedConfig, defaults, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim
 from align.engine.plan import (Data, Device, Family, Model, Plan, Setup, SupervisedPlan, full_logit_bytes, inference_bytes,
@@ -27,21 +26,9 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.objectives.tokens import completion_nll
-from align.paths import DATA_DIR
 from align.rollout.evaluation import evaluate_policy, fitting_rows
 from align.rollout.generation import Sampling
-
-
-@dataclass(frozen=True)
-@defaults(out="runs/sft", max_steps=1500, lr=2e-3, warmup_steps=50, eval_every=500)
-class SFTConfig(SupervisedConfig):
-    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion} or {messages}.", path=True)
-    eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has 'answer'.", path=True)
-    packing: bool = opt(False, "Pack examples into rows of --max-length (block-diagonal attention); "
-                               "--batch-size then counts packed rows.")
-    eval_samples: int = opt(200, "Held-out problems for pass@1 (0: skip).", ge=0)
-    verifier: str = verifier_opt()
-    max_new_tokens: int = opt(48, "Generation budget for pass@1.", ge=1)
+from stages.sft_config import SFTConfig  # the options (light: no torch), re-exported
 
 
 EVAL_ROWS = 64  # the held-out loss runs 64 rows a forward (SFT.evaluate; the memory plan's eval phase)

@@ -1,0 +1,21 @@
+"""`align sft`'s options (stages/sft.py runs them): a module of its own, light (no torch), so `align sft --help`
+and a config's checks are instant."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from align.config import SupervisedConfig, defaults, opt, verifier_opt
+from align.paths import DATA_DIR
+
+
+@dataclass(frozen=True)
+@defaults(out="runs/sft", max_steps=1500, lr=2e-3, warmup_steps=50, eval_every=500)
+class SFTConfig(SupervisedConfig):
+    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion} or {messages}.", path=True)
+    eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has 'answer'.", path=True)
+    packing: bool = opt(False, "Pack examples into rows of --max-length (block-diagonal attention); "
+                               "--batch-size then counts packed rows.")
+    eval_samples: int = opt(200, "Held-out problems for pass@1 (0: skip).", ge=0)
+    verifier: str = verifier_opt()
+    max_new_tokens: int = opt(48, "Generation budget for pass@1.", ge=1)
