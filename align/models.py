@@ -182,13 +182,18 @@ def hub_snapshot(repo_id: str) -> Path:
         ) from None
 
 
+# the files a tokenizer is loaded from (one of them): a fast tokenizer's, a SentencePiece model, BPE / WordPiece vocabularies
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
+
+
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(source.tokenizer_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UserError(f"{source.tokenizer_dir}: cannot load a tokenizer ({str(e).splitlines()[0]}).") from None
+        raise tokenizer_error(source.tokenizer_dir, e) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.eos_token is None:
@@ -197,6 +202,16 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     if isinstance(vocab, int) and len(tok) > vocab:
         raise vocabulary_error(source.model_dir, len(tok), vocab)
     return tok
+
+
+def tokenizer_error(directory: Path, e: Exception) -> UserError:
+    """Why no tokenizer loads from `directory`: its files are missing (the usual case: a model saved without
+    `tokenizer.save_pretrained`), or transformers' own reason."""
+    if directory.is_dir() and not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return UserError(f"{directory}: no tokenizer files (expected tokenizer.json, or tokenizer.model / vocab.json + "
+                         "merges.txt with tokenizer_config.json); save the tokenizer beside the model "
+                         f"(tokenizer.save_pretrained('{directory}')) or copy its files there.")
+    return UserError(f"{directory}: cannot load a tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}).")
 
 
 def vocabulary_error(model_dir, tokens: int, vocab: int) -> UserError:
