@@ -107,8 +107,9 @@ def build_command(cmd: registry.Command) -> click.Command:
             default = typer.Argument(default_value, help=h, show_default=True)
         elif t is bool:
             default = typer.Option(f.default, f"{flag}/--no-{flag[2:]}", help=h, rich_help_panel=panel[f.name])
-        else:
-            default = typer.Option(default_value, flag, help=h, rich_help_panel=panel[f.name])
+        else:  # an automatic default says what it becomes in its help (C.help_text)
+            default = typer.Option(default_value, flag, help=h, rich_help_panel=panel[f.name],
+                                   show_default="auto" not in f.metadata)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=t))
     params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
                                     default=typer.Option(None, "--config", help="TOML file with this command's "

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from align.errors import UserError
-from align.models import PRESETS
+from align.models import PRESETS, preset_architecture
 from align.paths import DATA_DIR
 
 PRECISIONS = ("auto", "bf16", "bf16-mixed", "bf16-pure", "fp32")
@@ -29,6 +29,20 @@ PREFLIGHT = ("plan", "plan_check", "overwrite", "report_to")
 # class declares itself): an option declares its group with `opt(..., group=...)`
 GROUPS = {"data": "Model and data", "optimisation": "Optimisation", "sampling": "Rollout and sampling",
           "hardware": "Hardware", "run": "Output and run"}
+AUTO_LR, AUTO_WARMUP = 0.0, -1  # --lr / --warmup-steps left to the run: resolved() makes them concrete
+
+
+@dataclass(frozen=True)
+class ByModel:
+    """A default that depends on --model: `scratch` for a shipped preset's model (a preset, or a saved model of a
+    preset's architecture: trained from scratch here, the recipe each stage's default was measured with),
+    `pretrained` for any other model (a save_pretrained directory, a hub id, an artifact trained from one)."""
+
+    scratch: float
+    pretrained: float
+
+    def __str__(self) -> str:
+        return f"{self.scratch:g} for a preset's model (trained from scratch), {self.pretrained:g} for a pretrained one"
 
 
 def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None, **meta):
@@ -92,9 +106,25 @@ def help_order(cls) -> list[dataclasses.Field]:
 def help_text(f: dataclasses.Field) -> str:
     """An option's --help text, with its numeric range (or its registry's choices, each with what it is)."""
     text = f.metadata.get("help", "")
+    if "auto" in f.metadata:
+        text = f"{text} {f.default:g} (default): {auto_text(f)}."
     if hasattr(f.metadata.get("choices"), "describe"):
         return f"{text} {f.metadata['choices'].describe()}"
     return f"{text} [{allowed(f.metadata)}]" if "choices" not in f.metadata and allowed(f.metadata) else text
+
+
+def auto_text(f: dataclasses.Field) -> str:
+    """What an option left at its automatic value (`opt(..., auto=...)`) becomes, in words."""
+    auto = f.metadata["auto"]
+    if f.name == "warmup_steps":
+        return f"{auto:g}, at most half of --max-steps"
+    return str(auto) if isinstance(auto, ByModel) else f"{auto:g}"
+
+
+def auto_warmup(default: int, max_steps: int) -> int:
+    """--warmup-steps left to the run: the stage's default, at most half of --max-steps (a 3-step smoke test is not
+    all warmup; the shipped pipelines' stages keep theirs: DPO's 20 of 40 steps, GRPO's 5 of 30)."""
+    return min(default, max_steps // 2)
 
 
 @dataclass(frozen=True)
@@ -104,10 +134,16 @@ class Options:
     frozen: what a run derives from it (its micro-batch, precision, ZeRO stage) goes into the run's layout
     (align.engine.layout), never back into the config."""
 
+    def automatic(self) -> dict[str, tuple[object, str]]:
+        """The options left to the run and what they become, with why: {name: (value, reason)} ({} by default). A
+        subclass adds its own to super()'s."""
+        return {}
+
     def resolved(self):
-        """This config with its automatic values made concrete (a new config; by default itself): `build` and a
-        stage's entry call it once, before `validate()`."""
-        return self
+        """This config with its automatic values made concrete (`automatic`; a new config, or itself when there are
+        none): StageRun resolves the config it runs once, and says and records the choices."""
+        values = {name: value for name, (value, _) in self.automatic().items()}
+        return dataclasses.replace(self, **values) if values else self
 
     def paths(self) -> dict[str, str]:
         """The options that name a file or directory (declared `path=True`), by name."""
@@ -143,7 +179,9 @@ def is_list(t) -> bool:
 
 def defaults(**values):
     """Class decorator, under @dataclass: new defaults for options a stage inherits (their help stays), e.g.
-    `@defaults(lr=2e-3, max_steps=1500)`. The option keeps its place in --help."""
+    `@defaults(lr=ByModel(2e-3, 2e-5), max_steps=1500)`. The option keeps its place in --help. An option with an
+    automatic value (--lr, --warmup-steps: `opt(..., auto=...)`) keeps it as its default; the new value is what it
+    becomes (`resolved`)."""
 
     def decorate(cls):
         inherited = {f.name: f for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)
@@ -151,7 +189,10 @@ def defaults(**values):
         annotations = dict(cls.__dict__.get("__annotations__", {}))
         for name, value in values.items():
             f = inherited[name]
-            setattr(cls, name, opt(value, **f.metadata))
+            if "auto" in f.metadata:
+                setattr(cls, name, opt(f.default, **{**f.metadata, "auto": value}))
+            else:
+                setattr(cls, name, opt(value, **f.metadata))
             annotations[name] = f.type
         cls.__annotations__ = annotations
         return cls
@@ -239,10 +280,10 @@ class TrainConfig(StageConfig):
     max_steps: int = opt(1000, "Optimiser steps.", ge=1, group="optimisation")
     micro_batch_size: int = opt(0, "Sequences (pairs) per forward per process (0: the whole batch of a process; grpo: "
                                          "as many as --micro-batch-tokens allows).", ge=0, group="hardware")
-    lr: float = opt(1e-4, "Peak learning rate (AdamW).", gt=0, group="optimisation")
+    lr: float = opt(AUTO_LR, "Peak learning rate (AdamW).", ge=0, auto=ByModel(1e-4, 1e-5), group="optimisation")
     schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear (both to 10%) or constant.",
                         choices=("cosine", "linear", "constant"), group="optimisation")
-    warmup_steps: int = opt(20, "Linear warmup steps.", ge=0, group="optimisation")
+    warmup_steps: int = opt(AUTO_WARMUP, "Linear warmup steps.", ge=-1, auto=20, group="optimisation")
     weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).", ge=0, group="optimisation")
     grad_clip: float = opt(1.0, "Gradient clipping: the global gradient norm is scaled down to at most this (0: off).",
                            ge=0, group="optimisation")
@@ -295,6 +336,23 @@ class TrainConfig(StageConfig):
             raise UserError(f"--no-merge: the adapter's base would be the preset {self.model!r}, a random init that "
                             "exists only in this run; train the adapter on a saved model (a directory or an "
                             "artifact), or keep the merged model (--merge).")
+
+    def automatic(self) -> dict[str, tuple[object, str]]:
+        """--lr 0: the stage's default for its --model (`ByModel`: a preset's model or a pretrained one);
+        --warmup-steps -1: the stage's default, at most half of --max-steps (`auto_warmup`)."""
+        auto = super().automatic()
+        meta = {f.name: f.metadata for f in dataclasses.fields(self)}
+        if self.lr == AUTO_LR:
+            lr = meta["lr"]["auto"]
+            preset = preset_architecture(self.model) if isinstance(lr, ByModel) else None
+            auto["lr"] = ((lr, "default") if not isinstance(lr, ByModel) else
+                          (lr.scratch, f"default for the {preset} preset's model") if preset else
+                          (lr.pretrained, "default for a pretrained model"))
+        if self.warmup_steps == AUTO_WARMUP:
+            default = meta["warmup_steps"]["auto"]
+            n = auto_warmup(default, self.max_steps)
+            auto["warmup_steps"] = (n, "default" if n == default else f"half of --max-steps {self.max_steps}")
+        return auto
 
     def validate(self):
         super().validate()
@@ -404,7 +462,8 @@ def normalise_keys(d: dict) -> dict:
 
 
 def build(cls, toml_path: str | None, explicit: dict):
-    """defaults < TOML file < explicit command-line values."""
+    """defaults < TOML file < explicit command-line values; checked. Its automatic values stay as they are
+    (`Options.resolved`: the run resolves them, and says so)."""
     values = {}
     if toml_path:
         data = normalise_keys(load_toml(toml_path))
@@ -412,7 +471,7 @@ def build(cls, toml_path: str | None, explicit: dict):
             values[k] = check_value(cls, k, v, str(toml_path))
     for k, v in explicit.items():
         values[k] = check_value(cls, k, list(v) if isinstance(v, tuple) else v, "", flag(k))
-    cfg = cls(**values).resolved()
+    cfg = cls(**values)
     cfg.validate()
     return cfg
 

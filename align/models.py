@@ -11,6 +11,7 @@ Weights load from safetensors only; `trust_remote_code` is off unless the user p
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,23 @@ PRESETS = {
     "small": dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
                   intermediate_size=2048, max_position_embeddings=1024),
 }
+
+
+def preset_architecture(spec: str) -> str | None:
+    """The preset `spec` (a --model value) is, or whose architecture its config.json has: a model align built from
+    scratch (`align model init`, a stage's output on one, a preset saved with save_pretrained). None for any other
+    model (a pretrained one), a hub id, and what cannot be read here (loading it says why). Reads config.json only."""
+    if spec in PRESETS and not Path(spec).exists():
+        return spec
+    path = Path(spec)
+    config = path / "model" / "config.json" if (path / "artifact.json").is_file() else path / "config.json"
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(values, dict) or values.get("model_type") != "llama":
+        return None
+    return next((name for name, arch in PRESETS.items() if all(values.get(k) == v for k, v in arch.items())), None)
 
 
 @dataclass

@@ -704,9 +704,12 @@ def continuation(p: Pipeline, stage: Stage, out: Path, cfg: dict, st: State) -> 
     except (OSError, UserError, json.JSONDecodeError):
         return None
     old, new = saved["config"].get("max_steps"), cfg.get("max_steps")
+    auto = {k: v for k, (v, _) in stage.config(**cfg).automatic().items()}  # what the stage makes of --lr 0, ...
+    now = {**cfg, **auto}
     changed = {k for k in (checkpoint.RESUMABLE | checkpoint.APPLIED) - {"out", "resume", *C.PREFLIGHT}
-               if saved["config"].get(k) != cfg.get(k)}
-    if key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"}):
+               if saved["config"].get(k) != now.get(k)}
+    if (key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"})
+            or checkpoint.conflicts({k: saved["config"].get(k) for k in auto}, auto)):  # a warmup a new budget changes
         return None
     why = checkpoint.budget_conflict(saved["config"], cfg, saved["step"])
     if why:

@@ -119,6 +119,7 @@ class DPO:
     prompt_ids: tuple = ()  # --online: the prompts' tokens (their longest sizes the memory plan's rollout)
 
     def __init__(self, cfg: DPOConfig, run):
+        cfg = run.cfg  # as the run resolved it: --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model, expect="policy")
         ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source
@@ -138,6 +139,7 @@ class DPO:
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
+        run.choose_verifier(cfg.verifier, self.verifiable)
         dist = run.open(inputs, DPOPlan(cfg), lora=(source,), sequence_tokens=D.longest_row(self.examples),
                         prompt_tokens=max(map(len, self.prompt_ids), default=None))
         self.micro, accum = run.layout.micro, run.layout.accum

@@ -6,13 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from align import objectives
-from align.config import SupervisedConfig, defaults, opt, verifier_opt
+from align.config import ByModel, SupervisedConfig, defaults, opt, verifier_opt
 from align.errors import UserError
 from align.paths import DATA_DIR
 
 
+# the lr of a pretrained model: TRL DPOConfig's
 @dataclass(frozen=True)
-@defaults(out="runs/dpo", max_steps=300)
+@defaults(out="runs/dpo", max_steps=300, lr=ByModel(1e-4, pretrained=1e-6))
 class DPOConfig(SupervisedConfig):
     ref_model: str = opt("", "Frozen reference model (default: the input --model).", path=True)
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected}.", path=True)

@@ -20,6 +20,7 @@ def run(cfg: EvalConfig) -> dict:
     tok = load_tokenizer(source, cfg.trust_remote_code)
     rows = fitting_rows(rows, tok, source, cfg.max_new_tokens, cfg.data)
     with StageRun(cfg, "eval") as run:
+        run.choose_verifier(cfg.verifier, rows)
         dist = run.open(describe_inputs(source, cfg.data))
         seed_all(cfg.seed * 1000 + dist.rank)
         eng = run.frozen(lambda dtype: load_causal_lm(source, tok, dtype, cfg.seed, cfg.trust_remote_code))

@@ -155,7 +155,7 @@ class GRPO:
     eval_at_start = True
 
     def __init__(self, cfg: GRPOConfig, run):
-        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
+        cfg = run.cfg  # as the run resolved it: --rollout-gpus, --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model)
         self.reward_fns = parse_rewards(cfg.reward)
@@ -182,6 +182,7 @@ class GRPO:
         if cfg.prompts_per_step % runtime.world_size():
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
         n_local = cfg.prompts_per_step // runtime.world_size() * cfg.num_generations
+        run.choose_verifier(cfg.verifier, self.eval_rows)
         dist = run.open(inputs, GRPOPlan(cfg), lora=(source,), prompt_tokens=max(map(len, self.prompt_ids), default=0))
         self.micro = run.layout.micro
         self.policy = run.train("policy", self.load_policy(source),
@@ -429,10 +430,10 @@ class GRPO:
 
 
 def run(cfg: GRPOConfig) -> dict:
-    cfg = cfg.resolved()
-    if cfg.rollout_gpus and not cfg.plan and disagg.split(cfg.rollout_gpus):  # --plan: one process plans them all
-        return decoder(cfg)
-    return train(cfg, "grpo", GRPO)
+    resolved = cfg.resolved()
+    if resolved.rollout_gpus and not cfg.plan and disagg.split(resolved.rollout_gpus):  # --plan: one process plans them all
+        return decoder(resolved)
+    return train(cfg, "grpo", GRPO)  # (StageRun resolves it, and says what it chose)
 
 
 def decoder(cfg: GRPOConfig) -> dict:

@@ -4,18 +4,19 @@ and a config's checks are instant."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from align import objectives
-from align.config import RLConfig, defaults, opt, positive_ints
+from align.config import ByModel, RLConfig, defaults, opt, positive_ints
 from align.errors import UserError
 from align.objectives.catalog import LOSS_AGGREGATIONS
 from align.rewards import parse_rewards
 
 
+# the lr of a pretrained model: TRL GRPOConfig's
 @dataclass(frozen=True)
-@defaults(out="runs/grpo", max_steps=150, lr=5e-5, schedule="constant", warmup_steps=5, micro_batch_size=0,
-          eval_every=0)
+@defaults(out="runs/grpo", max_steps=150, lr=ByModel(5e-5, pretrained=1e-6), schedule="constant", warmup_steps=5,
+          micro_batch_size=0, eval_every=0)
 class GRPOConfig(RLConfig):
     reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT] or file.py:FUNCTION[:WEIGHT]; repeat for several.")
     reward_model: str = opt("", "An `align rm train` artifact as one more reward: its normalised score of prompt + "
@@ -79,7 +80,7 @@ class GRPOConfig(RLConfig):
         if objectives.get("policy_loss", self.policy_loss).on_policy and (self.num_iterations != 1 or self.beta):
             name = "--reinforce" if self.reinforce else f"--loss {self.loss}"
             raise UserError(f"{name} is on-policy without KL: use it with --num-iterations 1 and --beta 0.")
-        gpus = self.resolved().rollout_gpus
+        gpus = self.rollout().get("rollout_gpus", (self.rollout_gpus, ""))[0]
         if gpus:
             from align.rollout import disagg
 
@@ -92,20 +93,25 @@ class GRPOConfig(RLConfig):
         the roles are split), else the one --nproc × --nnodes will start."""
         return int(os.environ.get("ALIGN_GLOBAL_WORLD") or os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes)
 
-    def resolved(self) -> GRPOConfig:
+    def automatic(self) -> dict[str, tuple[object, str]]:
+        return {**super().automatic(), **self.rollout()}
+
+    def rollout(self) -> dict[str, tuple[object, str]]:
         """--rollout-gpus -1 (auto) made a number: on W >= 2 GPU processes of one machine, W // 2 decoders one step
         off with TIS (--max-staleness and --tis-cap where left at 0; measured fastest on 2 GPUs at 0.5B and 8B:
-        docs/async.md); else 0 (synchronous). Every process resolves it before the roles are split, so all of them
-        agree."""
+        docs/async.md); else 0 (synchronous, not said). Every process resolves it before the roles are split, so
+        all of them agree."""
         if self.rollout_gpus >= 0:
-            return self
+            return {}
         import torch
 
         world = self.launched_world()
         gpus = world // 2 if world >= 2 and self.nnodes == 1 and torch.cuda.is_available() else 0
         if not gpus:
-            return replace(self, rollout_gpus=0)
-        return replace(self, rollout_gpus=gpus, max_staleness=self.max_staleness or 1, tis_cap=self.tis_cap or 2.0)
+            return {"rollout_gpus": (0, "")}
+        return {"rollout_gpus": (gpus, f"auto: half of {world} GPU processes decode"),
+                **({} if self.max_staleness else {"max_staleness": (1, "auto: with --rollout-gpus")}),
+                **({} if self.tis_cap else {"tis_cap": (2.0, "auto: with --rollout-gpus")})}
 
     def ks(self) -> list[int]:
         return positive_ints(self.eval_k, "--eval-k")

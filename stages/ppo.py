@@ -209,6 +209,7 @@ class PPO:
     report_xy = ("objective/kl", ["reward", "gold_reward"])  # over-optimisation: proxy and gold reward vs KL
 
     def __init__(self, cfg: PPOConfig, run):
+        cfg = run.cfg  # as the run resolved it: --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         sources = self.read_inputs()
         world = runtime.world_size()
@@ -217,6 +218,7 @@ class PPO:
             if n % world:
                 raise UserError(f"{flag} {n} must be a multiple of the {world} processes.")
         self.n_local, self.mb_local = cfg.prompts_per_step // world, cfg.minibatch_size // world
+        run.choose_verifier(cfg.verifier, self.eval_rows)
         run.open(self.describe(sources), PPOPlan(cfg), lora=(sources["policy"], sources["value"]),
                  prompt_tokens=max(map(len, self.prompt_ids), default=0))
         self.micro, accum = run.layout.micro, run.layout.accum

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from align import objectives
-from align.config import RLConfig, defaults, opt
+from align.config import ByModel, RLConfig, defaults, opt
 from align.errors import UserError
 from align.paths import DATA_DIR
 from align.rewards import parse_rewards
@@ -14,9 +14,10 @@ from align.rewards import parse_rewards
 DEFAULT_SFT, DEFAULT_RM = "runs/arithmetic/sft", "runs/arithmetic/rm"  # pipelines/arithmetic.toml's, as --data's default
 
 
+# the lr of a pretrained model: as GRPO's (TRL GRPOConfig's), for the same policy-gradient updates
 @dataclass(frozen=True)
 @defaults(out="runs/ppo", max_steps=50, prompts_per_step=64, micro_batch_size=16, schedule="constant", warmup_steps=0,
-          eval_every=5)
+          eval_every=5, lr=ByModel(1e-4, pretrained=1e-6))
 class PPOConfig(RLConfig):
     model: str = opt(DEFAULT_SFT, "Policy to train (an sft artifact); also the reference unless --ref-model.", path=True)
     ref_model: str = opt("", "Frozen reference policy for the KL penalty (default: --model).", path=True)

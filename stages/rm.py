@@ -107,6 +107,7 @@ class RewardModel:
     progress = ("loss", "accuracy", "eval/accuracy")
 
     def __init__(self, cfg: RMConfig, run):
+        cfg = run.cfg  # as the run resolved it: --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model, expect="policy")  # an RM starts from a causal LM (the SFT model); its head is new
         check_length(source, cfg.max_length)

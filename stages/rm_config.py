@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import StageConfig, SupervisedConfig, defaults, opt
+from align.config import ByModel, StageConfig, SupervisedConfig, defaults, opt
 from align.errors import UserError
 from align.models import REWARD_HEADS as HEADS
 from align.paths import DATA_DIR
 
 
 # The defaults are the best recipe measured for the tiny model on data/prefs (50k pairs): held-out accuracy 0.87
-# in 47 min on 2 CPU cores with --nproc 2, ~5 min on one GPU (the default pipeline runs 1,000 steps).
+# in 47 min on 2 CPU cores with --nproc 2, ~5 min on one GPU (the default pipeline runs 1,000 steps). A pretrained
+# model's lr: pipelines/pretrained.toml's, measured on SmolLM2-135M.
 @dataclass(frozen=True)
-@defaults(out="runs/rm", max_steps=5000, batch_size=64, lr=5e-4, warmup_steps=50, eval_every=500)
+@defaults(out="runs/rm", max_steps=5000, batch_size=64, lr=ByModel(5e-4, pretrained=2e-5), warmup_steps=50,
+          eval_every=500)
 class RMConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected[, margin]}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for pairwise accuracy ('' : none).", path=True)

@@ -69,6 +69,7 @@ class SFT:
     progress = ("loss", "lr", "eval/loss", "eval/pass@1")
 
     def __init__(self, cfg: SFTConfig, run):
+        cfg = run.cfg  # as the run resolved it: --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model)
         check_length(source, cfg.max_length)
@@ -82,6 +83,7 @@ class SFT:
         self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length)
         self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
                                        self.tok, source, cfg.max_new_tokens, cfg.eval_data)
+        run.choose_verifier(cfg.verifier, self.verifiable)
         dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), SFTPlan(cfg), lora=(source,),
                         sequence_tokens=D.longest_row(self.examples))
         self.micro, accum = run.layout.micro, run.layout.accum

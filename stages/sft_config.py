@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import SupervisedConfig, defaults, opt, verifier_opt
+from align.config import ByModel, SupervisedConfig, defaults, opt, verifier_opt
 from align.paths import DATA_DIR
 
 
+# the lr of a pretrained model: TRL SFTConfig's
 @dataclass(frozen=True)
-@defaults(out="runs/sft", max_steps=1500, lr=2e-3, warmup_steps=50, eval_every=500)
+@defaults(out="runs/sft", max_steps=1500, lr=ByModel(2e-3, pretrained=2e-5), warmup_steps=50, eval_every=500)
 class SFTConfig(SupervisedConfig):
     data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion} or {messages}.", path=True)
     eval_data: str = opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has 'answer'.", path=True)
