@@ -107,6 +107,18 @@ def test_the_shipped_pipelines_run_with_the_lr_and_warmup_they_always_had(file, 
     assert (cfg.lr, cfg.warmup_steps) == SHIPPED[file, stage]
 
 
+def test_held_out_data_left_at_the_shipped_default_is_a_choice_said(tmp_path):
+    from align.engine.run import fmt_choice, held_out_defaults
+    from align.paths import DATA_DIR
+
+    test = str(DATA_DIR / "arithmetic/test.jsonl")
+    assert held_out_defaults(SFTConfig()) == {"eval_data": {"value": test, "why": "default"}}
+    assert held_out_defaults(SFTConfig(eval_data=str(tmp_path / "mine.jsonl"))) == {}  # given: no choice
+    assert held_out_defaults(SFTConfig(eval_data="")) == {}
+    assert set(held_out_defaults(DPOConfig())) == {"eval_data", "pass_data"}
+    assert fmt_choice(2e-5) == "2e-05" and fmt_choice(0.002) == "0.002" and fmt_choice(4) == "4"
+
+
 def test_a_run_says_and_records_what_it_chose(tmp_path, pretrained_dir):
     """A 2-step SFT of a pretrained model with nothing set: one "choices:" line before training (precision,
     micro-batch, lr, warmup, verifier), the same in artifact.json, and the run used them."""

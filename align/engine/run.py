@@ -29,6 +29,7 @@ saves — checkpoints, resume, disk, model/ — (align.engine.saves), Ctrl-C / S
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -87,8 +88,21 @@ class Output:
     extra: dict = field(default_factory=dict)
 
 
+HELD_OUT = ("eval_data", "pass_data")  # the options that name a stage's held-out data
+
+
+def held_out_defaults(cfg: Options) -> dict:
+    """The held-out data a run evaluates on because its option was left at the shipped default (a file that is
+    there): a choice the run says, since it is not the --data given."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in HELD_OUT}
+    return {name: {"value": value, "why": "default"} for name, value in defaults.items()
+            if value and getattr(cfg, name) == value and Path(value).is_file()}
+
+
 def fmt_choice(value) -> str:
     """A chosen value as the choices line shows it (a learning rate as 2e-05, not 2.0000000000000002e-05)."""
+    if isinstance(value, str) and os.path.isabs(value) and not os.path.relpath(value).startswith(".."):
+        return os.path.relpath(value)  # a shipped file, under the current directory: data/arithmetic/test.jsonl
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
@@ -114,6 +128,7 @@ class StageRun(StepLoop, Saves):
     def __init__(self, cfg: Options, stage: str):
         # the options left to the run made concrete, once (the stage reads them as run.cfg); said and recorded
         self.choices = {name: {"value": value, "why": why} for name, (value, why) in cfg.automatic().items() if why}
+        self.choices |= held_out_defaults(cfg)
         cfg = cfg.resolved()
         self.cfg, self.stage, self.out = cfg, stage, Path(cfg.out)
         self.training: TrainConfig | None = cfg if isinstance(cfg, TrainConfig) else None
