@@ -94,9 +94,10 @@ HELD_OUT = ("eval_data", "pass_data")  # the options that name a stage's held-ou
 def held_out_defaults(cfg: Options) -> dict:
     """The held-out data a run evaluates on because its option was left at the shipped default (a file that is
     there): a choice the run says, since it is not the --data given."""
+    values = as_dict(cfg)
     defaults = {f.name: f.default for f in dataclasses.fields(cfg) if f.name in HELD_OUT}
     return {name: {"value": value, "why": "default"} for name, value in defaults.items()
-            if value and getattr(cfg, name) == value and Path(value).is_file()}
+            if value and values[name] == value and Path(value).is_file()}
 
 
 def fmt_choice(value) -> str:
