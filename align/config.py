@@ -114,11 +114,9 @@ def help_text(f: dataclasses.Field) -> str:
 
 
 def auto_text(f: dataclasses.Field) -> str:
-    """What an option left at its automatic value (`opt(..., auto=...)`) becomes, in words."""
-    auto = f.metadata["auto"]
-    if f.name == "warmup_steps":
-        return f"{auto:g}, at most half of --max-steps"
-    return str(auto) if isinstance(auto, ByModel) else f"{auto:g}"
+    """What an option left at its automatic value (`opt(..., auto=..., auto_note=...)`) becomes, in words."""
+    auto, note = f.metadata["auto"], f.metadata.get("auto_note")
+    return (str(auto) if isinstance(auto, ByModel) else f"{auto:g}") + (f", {note}" if note else "")
 
 
 def auto_warmup(default: int, max_steps: int) -> int:
@@ -283,7 +281,8 @@ class TrainConfig(StageConfig):
     lr: float = opt(AUTO_LR, "Peak learning rate (AdamW).", ge=0, auto=ByModel(1e-4, 1e-5), group="optimisation")
     schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear (both to 10%) or constant.",
                         choices=("cosine", "linear", "constant"), group="optimisation")
-    warmup_steps: int = opt(AUTO_WARMUP, "Linear warmup steps.", ge=-1, auto=20, group="optimisation")
+    warmup_steps: int = opt(AUTO_WARMUP, "Linear warmup steps.", ge=-1, auto=20,
+                            auto_note="at most half of --max-steps", group="optimisation")
     weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).", ge=0, group="optimisation")
     grad_clip: float = opt(1.0, "Gradient clipping: the global gradient norm is scaled down to at most this (0: off).",
                            ge=0, group="optimisation")
