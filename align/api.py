@@ -69,15 +69,22 @@ def _option_value(name: str, value):
     """An argument as its flag's value: a Python reward function (or `(fn, weight)`) becomes a --reward spec that
     names it; an Artifact or a Path the folder's path; one string where the option repeats, a list of one."""
     if name in ("reward", "verifier") or callable(value):
-        from align.rewards import python_reward
-
         values = value if isinstance(value, list) else [value]
-        specs = [python_reward(v[0], v[1]) if isinstance(v, tuple) else python_reward(v) if callable(v) else v
-                 for v in values]
+        specs = [_spec(*v) if isinstance(v, tuple) else _spec(v) for v in values]
         return specs if isinstance(value, list) or name == "reward" else specs[0]
     if isinstance(value, (Artifact, Path)):
         return str(value)
     return value
+
+
+def _spec(reward, weight: float = 1.0) -> str:
+    """One --reward spec: a Python function registered in this process (rewards.python_reward), or a spec given
+    as text ("math", "file.py:fn") with its weight."""
+    from align.rewards import python_reward
+
+    if callable(reward):
+        return python_reward(reward, weight)
+    return reward if weight == 1.0 else f"{reward}:{weight:g}"
 
 
 def run_command(words: tuple[str, ...], config: str | None = None, **options) -> Artifact | None:

@@ -158,11 +158,12 @@ class ArtifactWriter:
     """Writes one stage's artifact. Create on every rank; only rank 0 touches the disk."""
 
     def __init__(self, out: str | Path, stage: str, config: dict, inputs: dict, is_main: bool = True,
-                 started: float | None = None, notes: dict | None = None):
+                 started: float | None = None, notes: dict | None = None, choices: dict | None = None):
         """`started`: when the stage's work began (time.time()), where that was before its artifact was opened (a
         data stage samples first and opens its artifact to write); default now. artifact.json's `started` and
         `wall_seconds` count from it. `notes`: more keys of artifact.json, from the start (the verifier a stage
-        chose)."""
+        chose). `choices`: what the run chose itself ({option: {"value", "why"}}: a precision left at auto, a
+        default learning rate, ...), recorded as artifact.json's "choices"."""
         self.out = Path(out)
         self.stage, self.config, self.inputs, self.is_main = stage, config, inputs, is_main
         self.started = time.time() if started is None else started
@@ -187,6 +188,7 @@ class ArtifactWriter:
             "config": config,
             "inputs": inputs,
             **(notes or {}),
+            **({"choices": choices} if choices else {}),
         }
         write_json_atomic(self.out / ARTIFACT_FILE, self.record)
         self._metrics = open(self.out / "metrics.jsonl", "a" if config.get("resume") else "w")

@@ -13,7 +13,7 @@ from typing import Optional
 import click
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from align import config as C
 from align import registry
@@ -83,13 +83,22 @@ def literal(text: str) -> str:
     return text if Emoji.replace(text) == text else re.sub(r":(?=[^\s:]+:)", ":\u2060", text)
 
 
+def panels(cmd: registry.Command) -> dict[str, str]:
+    """The --help panel of each option of `cmd`: its own options (those its config class declares) under
+    "<command> options", then the groups of align.config.GROUPS in their order."""
+    own = f"{' '.join(cmd.words)} options"
+    cfg_cls = cmd.config_class()
+    return {f.name: C.GROUPS.get(C.group_of(cfg_cls, f.name), own) for f in C.help_order(cfg_cls)}
+
+
 def build_command(cmd: registry.Command) -> click.Command:
     """The click command whose options are the fields of the command's config dataclass (defaults < --config
-    TOML < flags), running `cmd.run(config)`."""
+    TOML < flags), running `cmd.run(config)`; --help lists them in panels (`panels`), the command's own first."""
     cfg_cls = cmd.config_class()
     params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
     types = C.field_types(cfg_cls)
-    for f in C.fields(cfg_cls):
+    panel = panels(cmd)
+    for f in C.help_order(cfg_cls):
         t = types[f.name]
         flag = "--" + f.name.replace("_", "-")
         h = literal(C.help_text(f))
@@ -97,13 +106,14 @@ def build_command(cmd: registry.Command) -> click.Command:
         if f.name in cmd.positional:
             default = typer.Argument(default_value, help=h, show_default=True)
         elif t is bool:
-            default = typer.Option(f.default, f"{flag}/--no-{flag[2:]}", help=h)
-        else:
-            default = typer.Option(default_value, flag, help=h)
+            default = typer.Option(f.default, f"{flag}/--no-{flag[2:]}", help=h, rich_help_panel=panel[f.name])
+        else:  # an automatic default says what it becomes in its help (C.help_text)
+            default = typer.Option(default_value, flag, help=h, rich_help_panel=panel[f.name],
+                                   show_default="auto" not in f.metadata)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=t))
     params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
                                     default=typer.Option(None, "--config", help="TOML file with this command's "
-                                                                                "options (flags win).")))
+                                                         "options (flags win).", rich_help_panel=C.GROUPS["run"])))
 
     def command(ctx: typer.Context, **kw):
         toml = kw.pop("config")
@@ -116,8 +126,59 @@ def build_command(cmd: registry.Command) -> click.Command:
     command.__signature__ = inspect.Signature(params)
     command.__doc__ = cmd.help
     app = typer.Typer(**TYPER)
-    app.command(cmd.words[-1], help=literal(cmd.help))(command)
-    return typer.main.get_command(app)
+    app.command(cmd.words[-1], help=literal(cmd.help), cls=StageCommand)(command)
+    built = typer.main.get_command(app)
+    built.first_panel = next(iter(panel.values()), None)
+    return built
+
+
+class StageCommand(TyperCommand):
+    """A registry command's --help: its panels (`panels`) in two columns — the flag with its type, then what it
+    does — rather than typer's six, whose column of --no-... flags leaves the help text a third of the width;
+    --help itself in the first panel."""
+
+    first_panel: str | None = None
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None and self.first_panel:
+            option.rich_help_panel = self.first_panel
+        return option
+
+    def format_help(self, ctx, formatter) -> None:
+        from typer import rich_utils
+
+        default = getattr(rich_utils, "_print_options_panel", None)
+        if default is None or not hasattr(rich_utils, "_get_parameter_help"):  # another typer: its own layout
+            return super().format_help(ctx, formatter)
+        rich_utils._print_options_panel = two_column_panel
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            rich_utils._print_options_panel = default
+
+
+def two_column_panel(*, name: str, params: list, ctx, markup_mode, console) -> None:
+    """One --help panel (typer.rich_utils' hook): each option's flags (a switch's --no- form below it) and type,
+    then its help with the default."""
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+    from typer import rich_utils
+
+    if not params:
+        return
+    table = Table(highlight=True, show_header=False, expand=True, box=None, pad_edge=False, padding=(0, 1))
+    table.add_column(no_wrap=True)
+    table.add_column(ratio=1)
+    for param in params:
+        label = Text(", ".join(param.opts) if param.opts else param.human_readable_name, style="bold cyan")
+        if param.secondary_opts:
+            label.append("\n" + ", ".join(param.secondary_opts), style="bold magenta")
+        elif not getattr(param, "is_flag", False) and param.display_type_rich(ctx=ctx):
+            label.append(f" {param.display_type_rich(ctx=ctx)}", style="yellow")
+        table.add_row(label, rich_utils._get_parameter_help(param=param, ctx=ctx, markup_mode=markup_mode))
+    console.print(Panel(table, border_style="dim", title=name, title_align="left"))
 
 
 class Listing(click.Command):

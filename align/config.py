@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from align.errors import UserError
-from align.models import PRESETS
+from align.models import PRESETS, preset_architecture
 from align.paths import DATA_DIR
 
 PRECISIONS = ("auto", "bf16", "bf16-mixed", "bf16-pure", "fp32")
@@ -25,6 +25,24 @@ SEED_MAX = 2**32 - 1  # the seeds are scaled and offset (seed * 1_000_003 + step
 # options that change what a command checks, prints or reports, never what it trains: left out of a pipeline
 # stage's fingerprint and free to change on --resume
 PREFLIGHT = ("plan", "plan_check", "overwrite", "report_to")
+# the groups of options a command's --help shows, in this order, after the command's own options (those its config
+# class declares itself): an option declares its group with `opt(..., group=...)`
+GROUPS = {"data": "Model and data", "optimisation": "Optimisation", "sampling": "Rollout and sampling",
+          "hardware": "Hardware", "run": "Output and run"}
+AUTO_LR, AUTO_WARMUP = 0.0, -1  # --lr / --warmup-steps left to the run: resolved() makes them concrete
+
+
+@dataclass(frozen=True)
+class ByModel:
+    """A default that depends on --model: `scratch` for a shipped preset's model (a preset, or a saved model of a
+    preset's architecture: trained from scratch here, the recipe each stage's default was measured with),
+    `pretrained` for any other model (a save_pretrained directory, a hub id, an artifact trained from one)."""
+
+    scratch: float
+    pretrained: float
+
+    def __str__(self) -> str:
+        return f"{self.scratch:g} for a preset's model (trained from scratch), {self.pretrained:g} for a pretrained one"
 
 
 def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None, **meta):
@@ -32,7 +50,8 @@ def opt(default, help: str, *, choices=None, ge=None, gt=None, le=None, lt=None,
     bounds `ge` (>=), `gt` (>), `le` (<=), `lt` (<). Flags, --config files and pipeline stage tables are all
     checked against them (`check_value`, `Options.validate`), and --help shows the range. `choices` is copied,
     unless it is a live view with a `describe()` (align.objectives.Choices: a registry's names, read each time
-    --help shows them or a value is checked; --help lists them with what each is)."""
+    --help shows them or a value is checked; --help lists them with what each is). `group` (one of GROUPS) is
+    where --help lists it; an option without one is its command's own (listed first)."""
     if choices is not None and not hasattr(choices, "describe"):
         choices = tuple(choices) or None
     limits = {k: v for k, v in (("choices", choices), ("ge", ge), ("gt", gt), ("le", le),
@@ -67,12 +86,43 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def group_of(cls, name: str) -> str:
+    """Where --help lists option `name` of config class `cls`: its declared group (GROUPS), else the group a base
+    class declares for it (an option a command declares again, e.g. eval's --out), else "" (the command's own)."""
+    for c in cls.__mro__:
+        f = c.__dict__.get("__dataclass_fields__", {}).get(name)
+        if f is not None and f.metadata.get("group"):
+            return f.metadata["group"]
+    return ""
+
+
+def help_order(cls) -> list[dataclasses.Field]:
+    """`cls`'s options in --help's order: the command's own first, then each of GROUPS in turn (declaration order
+    within each)."""
+    rank = {g: i + 1 for i, g in enumerate(GROUPS)}
+    return sorted(dataclasses.fields(cls), key=lambda f: rank.get(group_of(cls, f.name), 0))
+
+
 def help_text(f: dataclasses.Field) -> str:
     """An option's --help text, with its numeric range (or its registry's choices, each with what it is)."""
     text = f.metadata.get("help", "")
+    if "auto" in f.metadata:
+        text = f"{text} {f.default:g} (default): {auto_text(f)}."
     if hasattr(f.metadata.get("choices"), "describe"):
         return f"{text} {f.metadata['choices'].describe()}"
     return f"{text} [{allowed(f.metadata)}]" if "choices" not in f.metadata and allowed(f.metadata) else text
+
+
+def auto_text(f: dataclasses.Field) -> str:
+    """What an option left at its automatic value (`opt(..., auto=..., auto_note=...)`) becomes, in words."""
+    auto, note = f.metadata["auto"], f.metadata.get("auto_note")
+    return (str(auto) if isinstance(auto, ByModel) else f"{auto:g}") + (f", {note}" if note else "")
+
+
+def auto_warmup(default: int, max_steps: int) -> int:
+    """--warmup-steps left to the run: the stage's default, at most half of --max-steps (a 3-step smoke test is not
+    all warmup; the shipped pipelines' stages keep theirs: DPO's 20 of 40 steps, GRPO's 5 of 30)."""
+    return min(default, max_steps // 2)
 
 
 @dataclass(frozen=True)
@@ -82,10 +132,16 @@ class Options:
     frozen: what a run derives from it (its micro-batch, precision, ZeRO stage) goes into the run's layout
     (align.engine.layout), never back into the config."""
 
+    def automatic(self) -> dict[str, tuple[object, str]]:
+        """The options left to the run and what they become, with why: {name: (value, reason)} ({} by default). A
+        subclass adds its own to super()'s."""
+        return {}
+
     def resolved(self):
-        """This config with its automatic values made concrete (a new config; by default itself): `build` and a
-        stage's entry call it once, before `validate()`."""
-        return self
+        """This config with its automatic values made concrete (`automatic`; a new config, or itself when there are
+        none): StageRun resolves the config it runs once, and says and records the choices."""
+        values = {name: value for name, (value, _) in self.automatic().items()}
+        return dataclasses.replace(self, **values) if values else self
 
     def user_code(self) -> list[str]:
         """The user's Python files the options name (`user_code`)."""
@@ -128,16 +184,17 @@ def positive_ints(text: str, name: str) -> list[int]:
     return ks
 
 
-def verifier_opt():
+def verifier_opt(**meta):
     """The held-out evaluation's --verifier (sft, dpo, ppo, grpo)."""
     return opt("auto", "How held-out answers are checked, as `align eval --verifier` (auto: the rows' reasoning-gym "
-                       "task, math when every answer is a number or ends in one, else exact).", code=True)
+                       "task, math when every answer is a number or ends in one, else exact).", code=True,
+               **meta)
 
 
 AUTO = "auto"  # a held-out data option's default: see held_out_opt
 
 
-def held_out_opt(shipped: str, help: str, split: bool = True, label: str = "held-out"):
+def held_out_opt(shipped: str, help: str, split: bool = True, label: str = "held-out", group: str = "data"):
     """A held-out data option whose default, auto, follows --data (TrainConfig.resolved): the shipped file
     `shipped` when --data is the stage's default (the shipped task's training data); else, for an option of
     --data's own kind (`split`), the part --eval-split holds out of --data; else none. `label` names it in the
@@ -146,7 +203,7 @@ def held_out_opt(shipped: str, help: str, split: bool = True, label: str = "held
     root = DATA_DIR.parent
     short = str(Path(shipped).relative_to(root)) if Path(shipped).is_relative_to(root) else shipped
     return opt(AUTO, f"{help} auto: {short} when --data is the default, {rest}.", path=True, shipped=shipped,
-               split=split, label=label)
+               split=split, label=label, group=group)
 
 
 def is_list(t) -> bool:
@@ -155,7 +212,9 @@ def is_list(t) -> bool:
 
 def defaults(**values):
     """Class decorator, under @dataclass: new defaults for options a stage inherits (their help stays), e.g.
-    `@defaults(lr=2e-3, max_steps=1500)`. The option keeps its place in --help."""
+    `@defaults(lr=ByModel(2e-3, 2e-5), max_steps=1500)`. The option keeps its place in --help. An option with an
+    automatic value (--lr, --warmup-steps: `opt(..., auto=...)`) keeps it as its default; the new value is what it
+    becomes (`resolved`)."""
 
     def decorate(cls):
         inherited = {f.name: f for base in cls.__mro__[1:] if dataclasses.is_dataclass(base)
@@ -163,7 +222,10 @@ def defaults(**values):
         annotations = dict(cls.__dict__.get("__annotations__", {}))
         for name, value in values.items():
             f = inherited[name]
-            setattr(cls, name, opt(value, **f.metadata))
+            if "auto" in f.metadata:
+                setattr(cls, name, opt(f.default, **{**f.metadata, "auto": value}))
+            else:
+                setattr(cls, name, opt(value, **f.metadata))
             annotations[name] = f.type
         cls.__annotations__ = annotations
         return cls
@@ -175,37 +237,44 @@ def defaults(**values):
 class StageConfig(Options):
     """Flags every stage shares."""
 
-    model: str = opt("tiny", "Preset name (tiny, small), a stage's --out artifact, or a save_pretrained dir.", path=True)
-    out: str = opt("runs/out", "Output artifact directory.", path=True)
+    model: str = opt("tiny", "Preset name (tiny, small), a stage's --out artifact, or a save_pretrained dir.", path=True,
+                     group="data")
+    out: str = opt("runs/out", "Output artifact directory.", path=True, group="run")
     overwrite: bool = opt(False, "Replace the complete artifact already in --out (without it, such a run is refused "
-                                 "before anything is written).")
-    seed: int = opt(0, "Random seed (data order, init, sampling).", ge=0, le=SEED_MAX)
-    zero_stage: int = opt(3, "DeepSpeed ZeRO stage 0..3.", ge=0, le=3)
-    nproc: int = opt(1, "Processes to launch on this machine (relaunches itself with torchrun).", ge=1)
+                                 "before anything is written).", group="run")
+    seed: int = opt(0, "Random seed (data order, init, sampling).", ge=0, le=SEED_MAX, group="run")
+    zero_stage: int = opt(3, "DeepSpeed ZeRO stage 0..3.", ge=0, le=3, group="hardware")
+    nproc: int = opt(1, "Processes to launch on this machine (relaunches itself with torchrun).", ge=1,
+                     group="hardware")
     nnodes: int = opt(1, "Machines in the run: start the same command on each, with its --node-rank (torchrun's "
-                         "static rendezvous at --master-addr:--master-port); --nproc processes on each.", ge=1)
-    node_rank: int = opt(0, "This machine's rank among --nnodes (0: the one at --master-addr).", ge=0)
-    master_addr: str = opt("127.0.0.1", "With --nnodes > 1: the address of node 0, reachable from every node.")
-    master_port: int = opt(29500, "With --nnodes > 1: a free TCP port on node 0.", ge=1, le=65535)
+                         "static rendezvous at --master-addr:--master-port); --nproc processes on each.", ge=1,
+                      group="hardware")
+    node_rank: int = opt(0, "This machine's rank among --nnodes (0: the one at --master-addr).", ge=0, group="hardware")
+    master_addr: str = opt("127.0.0.1", "With --nnodes > 1: the address of node 0, reachable from every node.",
+                           group="hardware")
+    master_port: int = opt(29500, "With --nnodes > 1: a free TCP port on node 0.", ge=1, le=65535, group="hardware")
     deepspeed: str = opt("", "A DeepSpeed JSON config for what align has no flag for (ZeRO bucket sizes, "
                              "persistence threshold, a ZeRO stage, ...): every key is applied, or refused with the "
-                             "flag to use instead (optimizer, scheduler, batch sizes, precision, clipping).", path=True)
-    trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).")
+                             "flag to use instead (optimizer, scheduler, batch sizes, precision, clipping).", path=True,
+                         group="hardware")
+    trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).",
+                                  group="data")
     precision: str = opt("auto", "Compute precision: auto (bf16-pure on CUDA, bf16-mixed there with an offload; fp32 on CPU), bf16 (a bf16 module, "
                                  "fp32 master weights), bf16-mixed (fp32 weights and gradients, matmuls in bf16 under "
                                  "torch.autocast, as TRL/Accelerate's mixed precision), bf16-pure (master weights, "
                                  "gradients and Adam moments in bf16 too: 10 instead of 16 bytes per trained "
                                  "parameter; with --zero-stage 0 no master copy at all: 8 bytes; AdamW writes the "
                                  "bf16 weights with stochastic rounding, so small updates survive) or fp32.",
-                         choices=PRECISIONS)
+                         choices=PRECISIONS, group="hardware")
     compile: bool = opt(True, "One GPU process (ZeRO-0, the one-GPU default): torch.compile each transformer "
                               "block (one compile serves them all): fewer kernel launches in every forward and "
                               "backward, for a first step ~10-20 s longer on a machine's first run (inductor "
-                              "caches the code on disk). Several processes, offloads and CPU runs stay eager.")
+                              "caches the code on disk). Several processes, offloads and CPU runs stay eager.",
+                      group="hardware")
     report_to: str = opt("", "Experiment trackers that get the metrics, config, lineage and RLMonitor events too "
                              "(rank 0): comma-separated tensorboard, wandb, trackio, mlflow (each an extra: pip "
                              "install 'align[wandb]'); local, inside --out, unless the tracker's environment "
-                             "variables say otherwise (see docs/trackers.md).")
+                             "variables say otherwise (see docs/trackers.md).", group="run")
 
     def __post_init__(self):
         # checked at construction, so every entry point (flags, --config, pipeline validate) refuses it before
@@ -238,55 +307,60 @@ class TrainConfig(StageConfig):
 
     offload_optimizer: bool = opt(False, "ZeRO-Offload: fp32 master weights, gradients and Adam moments in CPU memory "
                                          "(−12 bytes per trained parameter on the GPU; the optimiser step runs on "
-                                         "the CPU).")
-    columns: str = opt("", "Rename columns: old=new,old2=new2 (each old name must be a column of --data).")
-    max_steps: int = opt(1000, "Optimiser steps.", ge=1)
+                                         "the CPU).", group="hardware")
+    columns: str = opt("", "Rename columns: old=new,old2=new2 (each old name must be a column of --data).",
+                       group="data")
+    max_steps: int = opt(1000, "Optimiser steps.", ge=1, group="optimisation")
     micro_batch_size: int = opt(0, "Sequences (pairs) per forward per process (0: the whole batch of a process; grpo: "
-                                         "as many as --micro-batch-tokens allows).", ge=0)
-    lr: float = opt(1e-4, "Peak learning rate (AdamW).", gt=0)
+                                         "as many as --micro-batch-tokens allows).", ge=0, group="hardware")
+    lr: float = opt(AUTO_LR, "Peak learning rate (AdamW).", ge=0, auto=ByModel(1e-4, 1e-5), group="optimisation")
     schedule: str = opt("cosine", "LR schedule after warmup: cosine, linear (both to 10%) or constant.",
-                        choices=("cosine", "linear", "constant"))
-    warmup_steps: int = opt(20, "Linear warmup steps.", ge=0)
-    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).", ge=0)
+                        choices=("cosine", "linear", "constant"), group="optimisation")
+    warmup_steps: int = opt(AUTO_WARMUP, "Linear warmup steps.", ge=-1, auto=20,
+                            auto_note="at most half of --max-steps", group="optimisation")
+    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).", ge=0, group="optimisation")
     grad_clip: float = opt(1.0, "Gradient clipping: the global gradient norm is scaled down to at most this (0: off).",
-                           ge=0)
+                           ge=0, group="optimisation")
     eval_every: int = opt(100, "Evaluate on the held-out data every N steps (and always at the end; 0: only then).",
-                          ge=0)
+                          ge=0, group="run")
     eval_split: float = opt(0.0, "Hold out this fraction of --data as the held-out set, in place of --eval-data: "
-                                 "its rows leave training (the same rows for any --seed). 0: none.", ge=0, lt=1)
+                                 "its rows leave training (the same rows for any --seed). 0: none.", ge=0, lt=1,
+                            group="data")
     save_every: int = opt(0, "Checkpoint every N steps (and one at the end unless --no-final-checkpoint; 0: none "
                              "before the end). A checkpoint holds the optimiser state: several times the model's "
-                             "size on disk.", ge=0)
+                             "size on disk.", ge=0, group="run")
     keep_checkpoints: int = opt(1, "Keep the newest N checkpoints (the older ones are deleted once a new one is "
-                                   "complete, so a save needs room for one more).", ge=1)
+                                   "complete, so a save needs room for one more).", ge=1, group="run")
     final_checkpoint: bool = opt(True, "Checkpoint the end of the run, for a later --resume with a larger "
                                        "--max-steps (the model in model/ needs none: --no-final-checkpoint saves "
-                                       "its disk space).")
+                                       "its disk space).", group="run")
     max_shard_size: str = opt("5GB", "The largest safetensors file of the saved model (transformers' "
                                      "max_shard_size, e.g. 5GB, 500MB); a larger model is written in shards with "
-                                     "an index.")
-    resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).")
-    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True)
+                                     "an index.", group="run")
+    resume: bool = opt(False, "Resume from the checkpoint in --out (exactly: model, optimiser, data order, RNG).",
+                       group="run")
+    monitor: str = opt("", "TOML file with RLMonitor rule overrides.", path=True, group="run")
     on_alarm: str = opt("warn", "What an RLMonitor event does: warn (a warn rule warns, a stop rule stops), stop (any "
                                 "event ends the run; model/ holds the best held-out evaluation's weights) or rollback "
                                 "(back to the newest --save-every checkpoint, or before the first one to the run's "
-                                "start, once, with the rule's advised change).", choices=("warn", "stop", "rollback"))
+                                "start, once, with the rule's advised change).", choices=("warn", "stop", "rollback"),
+                         group="run")
     lora_r: int = opt(0, "LoRA rank (0: train every weight). The base stays frozen (a score head trains in full); "
-                         "model/adapter/ holds the adapter.", ge=0)
-    lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.", gt=0)
-    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.", ge=0, lt=1)
+                         "model/adapter/ holds the adapter.", ge=0, group="optimisation")
+    lora_alpha: float = opt(16.0, "LoRA α: the update is (α / r) · B A.", gt=0, group="optimisation")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.", ge=0, lt=1, group="optimisation")
     lora_targets: str = opt("all-linear", "Modules that get adapters: all-linear (every Linear but the LM head) or "
-                                          "comma-separated module names (q_proj,v_proj).")
+                                          "comma-separated module names (q_proj,v_proj).", group="optimisation")
     merge: bool = opt(True, "With --lora-r: model/ also holds the merged model (plain transformers loads it). "
                             "--no-merge: the adapter alone (a fraction of the size); later stages merge it into its "
-                            "base, this run's --model, when they load it.")
+                            "base, this run's --model, when they load it.", group="run")
     plan: bool = opt(False, "Print the memory plan (per device: weights, gradients, optimizer state, the rollout's "
                             "decoder copy and KV cache, activations, logits; the peak against the free memory) and "
-                            "exit, building and writing nothing.")
+                            "exit, building and writing nothing.", group="hardware")
     plan_check: bool = opt(True, "Stop (exit 2) before building anything when the memory plan's peak exceeds the "
                                  "device's free memory, naming the smallest change that fits (a micro-batch left "
                                  "at 0 is made smaller instead); --no-plan-check runs anyway (or "
-                                 "ALIGN_PLAN_CHECK=0).")
+                                 "ALIGN_PLAN_CHECK=0).", group="hardware")
 
     def __post_init__(self):
         super().__post_init__()
@@ -334,6 +408,23 @@ class TrainConfig(StageConfig):
             parts.append(f"{label}: {why}")
         return "; ".join(parts)
 
+    def automatic(self) -> dict[str, tuple[object, str]]:
+        """--lr 0: the stage's default for its --model (`ByModel`: a preset's model or a pretrained one);
+        --warmup-steps -1: the stage's default, at most half of --max-steps (`auto_warmup`)."""
+        auto = super().automatic()
+        meta = {f.name: f.metadata for f in dataclasses.fields(self)}
+        if self.lr == AUTO_LR:
+            lr = meta["lr"]["auto"]
+            preset = preset_architecture(self.model) if isinstance(lr, ByModel) else None
+            auto["lr"] = ((lr, "default") if not isinstance(lr, ByModel) else
+                          (lr.scratch, f"default for the {preset} preset's model") if preset else
+                          (lr.pretrained, "default for a pretrained model"))
+        if self.warmup_steps == AUTO_WARMUP:
+            default = meta["warmup_steps"]["auto"]
+            n = auto_warmup(default, self.max_steps)
+            auto["warmup_steps"] = (n, "default" if n == default else f"half of --max-steps {self.max_steps}")
+        return auto
+
     def validate(self):
         super().validate()
         if self.eval_split:
@@ -361,19 +452,20 @@ class TrainConfig(StageConfig):
 class SupervisedConfig(TrainConfig):
     """A stage that trains on a fixed dataset (sft, rm, dpo)."""
 
-    batch_size: int = opt(32, "Global batch size (examples or pairs per optimiser step, all processes).", ge=1)
+    batch_size: int = opt(32, "Global batch size (examples or pairs per optimiser step, all processes).", ge=1,
+                          group="optimisation")
     max_length: int = opt(256, "Max tokens of an example (prompt + the longer response of a pair); the prompt is "
-                               "cut from the left, a response never.", ge=1)
+                               "cut from the left, a response never.", ge=1, group="data")
 
 
 @dataclass(frozen=True)
 class SamplingConfig(Options):
     """How responses are sampled (eval, rollouts)."""
 
-    max_new_tokens: int = opt(48, "Max new tokens per response.", ge=1)
-    temperature: float = opt(1.0, "Sampling temperature (0: greedy).", ge=0)
-    top_k: int = opt(0, "Top-k sampling (0: off).", ge=0)
-    top_p: float = opt(1.0, "Top-p sampling (1: off).", gt=0, le=1)
+    max_new_tokens: int = opt(48, "Max new tokens per response.", ge=1, group="sampling")
+    temperature: float = opt(1.0, "Sampling temperature (0: greedy).", ge=0, group="sampling")
+    top_k: int = opt(0, "Top-k sampling (0: off).", ge=0, group="sampling")
+    top_p: float = opt(1.0, "Top-p sampling (1: off).", gt=0, le=1, group="sampling")
 
 
 @dataclass(frozen=True)
@@ -381,17 +473,18 @@ class RLConfig(SamplingConfig, TrainConfig):
     """An RL stage (ppo, grpo): rollouts of the policy on prompts, pass@k on held-out verifiable data."""
 
     temperature: float = opt(1.0, "Sampling temperature of the rollouts (they are sampled: > 0); the log-probs are "
-                                  "scored at the same temperature.", gt=0)
-    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Prompts {prompt[, answer, ...]}.", path=True)
+                                  "scored at the same temperature.", gt=0, group="sampling")
+    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Prompts {prompt[, answer, ...]}.", path=True,
+                    group="data")
     eval_data: str = held_out_opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out verifiable data {prompt, "
                                                                               "answer} ('' : skip).")
-    eval_samples: int = opt(200, "Held-out problems to evaluate (0: skip).", ge=0)
-    verifier: str = verifier_opt()
-    prompts_per_step: int = opt(16, "Prompts per step (all processes).", ge=1)
-    gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus).")
+    eval_samples: int = opt(200, "Held-out problems to evaluate (0: skip).", ge=0, group="data")
+    verifier: str = verifier_opt(group="data")
+    prompts_per_step: int = opt(16, "Prompts per step (all processes).", ge=1, group="sampling")
+    gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus).", group="hardware")
     tis_cap: float = opt(0.0, "Truncated importance sampling: weight each token's policy-gradient loss by "
                               "min(π_train / π_sampler, C), correcting for a decoder whose log-probs differ from the "
-                              "trainer's (0: off).", ge=0)
+                              "trainer's (0: off).", ge=0, group="sampling")
 
 
 def held_out_fields(cfg) -> list[dataclasses.Field]:
@@ -451,7 +544,8 @@ def normalise_keys(d: dict) -> dict:
 
 
 def build(cls, toml_path: str | None, explicit: dict):
-    """defaults < TOML file < explicit command-line values."""
+    """defaults < TOML file < explicit command-line values; checked. Its automatic values stay as they are
+    (`Options.resolved`: the run resolves them, and says so)."""
     values = {}
     if toml_path:
         data = normalise_keys(load_toml(toml_path))
@@ -459,7 +553,7 @@ def build(cls, toml_path: str | None, explicit: dict):
             values[k] = check_value(cls, k, v, str(toml_path))
     for k, v in explicit.items():
         values[k] = check_value(cls, k, list(v) if isinstance(v, tuple) else v, "", flag(k))
-    cfg = cls(**values).resolved()
+    cfg = cls(**values)
     cfg.validate()
     return cfg
 

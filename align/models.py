@@ -11,6 +11,7 @@ Weights load from safetensors only; `trust_remote_code` is off unless the user p
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from align.errors import UserError
 from align.paths import TOKENIZER_DIR
 
 REWARD_HEAD_KEY = "align_reward_head"  # a reward model's config names its head (align.reward_model)
+REWARD_HEADS = ("scalar", "likelihood")  # the heads a reward model may have (align.reward_model)
 
 PRESETS = {
     # ~0.5M parameters: 2 layers x d128 with RoPE learns the arithmetic task in minutes on 2 CPU cores.
@@ -28,6 +30,23 @@ PRESETS = {
     "small": dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
                   intermediate_size=2048, max_position_embeddings=1024),
 }
+
+
+def preset_architecture(spec: str) -> str | None:
+    """The preset `spec` (a --model value) is, or whose architecture its config.json has: a model align built from
+    scratch (`align model init`, a stage's output on one, a preset saved with save_pretrained). None for any other
+    model (a pretrained one), a hub id, and what cannot be read here (loading it says why). Reads config.json only."""
+    if spec in PRESETS and not Path(spec).exists():
+        return spec
+    path = Path(spec)
+    config = path / "model" / "config.json" if (path / "artifact.json").is_file() else path / "config.json"
+    try:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(values, dict) or values.get("model_type") != "llama":
+        return None
+    return next((name for name, arch in PRESETS.items() if all(values.get(k) == v for k, v in arch.items())), None)
 
 
 @dataclass
@@ -181,13 +200,18 @@ def hub_snapshot(repo_id: str) -> Path:
         ) from None
 
 
+# the files a tokenizer is loaded from (one of them): a fast tokenizer's, a SentencePiece model, BPE / WordPiece vocabularies
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
+
+
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(source.tokenizer_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise UserError(f"{source.tokenizer_dir}: cannot load a tokenizer ({str(e).splitlines()[0]}).") from None
+        raise tokenizer_error(source.tokenizer_dir, e) from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.eos_token is None:
@@ -196,6 +220,16 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     if isinstance(vocab, int) and len(tok) > vocab:
         raise vocabulary_error(source.model_dir, len(tok), vocab)
     return tok
+
+
+def tokenizer_error(directory: Path, e: Exception) -> UserError:
+    """Why no tokenizer loads from `directory`: its files are missing (the usual case: a model saved without
+    `tokenizer.save_pretrained`), or transformers' own reason."""
+    if directory.is_dir() and not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return UserError(f"{directory}: no tokenizer files (expected tokenizer.json, or tokenizer.model / vocab.json + "
+                         "merges.txt with tokenizer_config.json); save the tokenizer beside the model "
+                         f"(tokenizer.save_pretrained('{directory}')) or copy its files there.")
+    return UserError(f"{directory}: cannot load a tokenizer ({str(e).splitlines()[0] if str(e) else type(e).__name__}).")
 
 
 def vocabulary_error(model_dir, tokens: int, vocab: int) -> UserError:

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple
 from align.errors import UserError
 
 SEVERITIES = ("warn", "stop")
-RULE_OPTIONS = ("enabled", "severity", "window", "message")  # overridable besides a rule's params
+RULE_OPTIONS = ("enabled", "severity", "short_run", "window", "message")  # overridable besides a rule's params
 NOISE_SPAN = 5  # drop tests estimate the step noise over the last NOISE_SPAN * window values
 
 
@@ -54,13 +54,21 @@ class Rule:
     aligned: bool = False  # check sees only steps where all keys were logged in the same update
     enabled: bool = True
     at_end: bool = False  # also judged once at the end over the whole run, when the run was shorter than `window`
+    # the severity of that judgement of a run shorter than `window` ("": the rule's own): a stop rule whose verdict
+    # a short run cannot support (no_signal: a smoke test of a task the model already solves) only warns there
+    short_run: str = ""
     # --on-alarm rollback's advised change: factors for the learning rate ("lr") and the KL coefficient ("kl");
     # {} : nothing a rollback would fix (the run stops instead)
     remedy: dict = field(default_factory=lambda: {"lr": 0.5})
 
     def __post_init__(self):
-        if self.severity not in SEVERITIES:
+        if self.severity not in SEVERITIES or self.short_run not in ("", *SEVERITIES):
             raise ValueError(f"rule {self.name}: severity must be one of {SEVERITIES}, got {self.severity!r}")
+
+    @property
+    def end_severity(self) -> str:
+        """The severity of the judgement over a whole run shorter than the window (a warn rule never stops)."""
+        return "stop" if self.severity == "stop" and (self.short_run or "stop") == "stop" else "warn"
 
     @property
     def keys(self) -> tuple:
@@ -526,7 +534,10 @@ def default_rules(precision: str = "fp32") -> list:
                      "lists)), fix it and rerun (--on-reward-error fail stops at the first failure and shows the "
                      "completion)."),
         # window 50: with 16 groups a step, 50 steps without signal are 800 groups without one success (or failure)
-        Rule("no_signal", "signal_frac", check_held_at_most, "stop", 50, params={"max_value": 0.0}, at_end=True, remedy={},
+        # a run shorter than the window only warns: 2 steps of a task the model already solves (every group all
+        # right) are a smoke test that passed, not a run that cannot learn
+        Rule("no_signal", "signal_frac", check_held_at_most, "stop", 50, params={"max_value": 0.0}, at_end=True,
+             short_run="warn", remedy={},
              message="No sample carried a training signal: within every group the rewards were equal (all wrong, "
                      "all right, or a constant reward), so every advantage is 0 and the policy does not change. "
                      "Check the start model's pass@k on the task (align eval): start from a stronger (SFT) model "
@@ -603,7 +614,7 @@ def _override(rule: Rule, opts: dict) -> Rule:
         is_number = isinstance(val, (int, float)) and not isinstance(val, bool)
         if key == "enabled" and isinstance(val, bool):
             changes[key] = val
-        elif key == "severity" and val in SEVERITIES:
+        elif key in ("severity", "short_run") and val in SEVERITIES:
             changes[key] = val
         elif key == "window" and isinstance(val, int) and not isinstance(val, bool) and val >= 1:
             changes[key] = val
@@ -613,6 +624,7 @@ def _override(rule: Rule, opts: dict) -> Rule:
             params[key] = float(val)
         elif key in RULE_OPTIONS or key in params:
             expected = {"enabled": "true or false", "severity": " or ".join(map(repr, SEVERITIES)),
+                        "short_run": " or ".join(map(repr, SEVERITIES)),
                         "window": "an integer >= 1", "message": "a string"}.get(key, "a number")
             raise UserError(f"{where} {key} = {val!r}: expected {expected}")
         else:
@@ -704,7 +716,8 @@ class RLMonitor:
 
     def end(self, step: int) -> list:
         """At the end of a run: the `at_end` rules judged once over the whole run when it was shorter than their
-        window (a longer run's last window was judged at every step). Returns the new events."""
+        window (a longer run's last window was judged at every step), at their `end_severity` (no_signal: a
+        warning). Returns the new events."""
         new = []
         for rule in self.rules:
             series = [self.history.get(k, []) for k in rule.keys]
@@ -712,8 +725,10 @@ class RLMonitor:
                 continue
             res = rule.check(*series, window=len(series[0]), **rule.params)
             if res.fired:
-                new.append(Event(step, rule.name, rule.severity, res.metric or rule.metric, res.value,
-                                 res.threshold, rule.message, res.detail + " (the whole run)"))
+                short = (f"; shorter than the rule's {rule.window}-step window: a warning, not a stop"
+                         if rule.end_severity != rule.severity else "")
+                new.append(Event(step, rule.name, rule.end_severity, res.metric or rule.metric, res.value,
+                                 res.threshold, rule.message, f"{res.detail} (the whole run{short})"))
         self.events.extend(new)
         return new
 

@@ -724,11 +724,14 @@ def continuation(p: Pipeline, stage: Stage, out: Path, cfg: dict, st: State) -> 
         saved = checkpoint.read_state(out)
     except (OSError, UserError, json.JSONDecodeError):
         return None
-    now = C.as_dict(stage.config(**cfg).resolved())  # as the stage runs it: held-out options left at auto made concrete
-    old, new = saved["config"].get("max_steps"), now.get("max_steps")
+    old, new = saved["config"].get("max_steps"), cfg.get("max_steps")
+    auto = {k: v for k, (v, _) in stage.config(**cfg).automatic().items()}  # what the stage makes of --lr 0, ...
+    # as the stage runs it: held-out options left at auto made concrete, --lr 0 / --warmup-steps -1 resolved
+    now = {**C.as_dict(stage.config(**cfg).resolved()), **auto}
     changed = {k for k in (checkpoint.RESUMABLE | checkpoint.APPLIED) - {"out", "resume", *C.PREFLIGHT}
                if saved["config"].get(k) != now.get(k)}
-    if key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"}):
+    if (key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"})
+            or checkpoint.conflicts({k: saved["config"].get(k) for k in auto}, auto)):  # a warmup a new budget changes
         return None
     why = checkpoint.budget_conflict(saved["config"], now, saved["step"])
     if why:

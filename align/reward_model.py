@@ -17,13 +17,13 @@ import torch
 
 from align.errors import UserError
 from align.objectives.reward import likelihood_reward
-from align.models import LOAD_ERRORS, REWARD_HEAD_KEY
+from align.models import LOAD_ERRORS, REWARD_HEAD_KEY, REWARD_HEADS
 
 OFFSET_KEY = "align_reward_offset"
 SCALE_KEY = "align_reward_scale"
 HEAD_KEY = REWARD_HEAD_KEY
 BETA_KEY = "align_reward_beta"
-HEADS = ("scalar", "likelihood")
+HEADS = REWARD_HEADS
 
 
 def _getter(config):

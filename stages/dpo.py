@@ -29,9 +29,8 @@ from typing import ClassVar
 import torch
 
 from align import data as D
-from align import objectives, runtime
+from align import runtime
 from align.artifacts import describe_inputs
-from align.config import SupervisedConfig, defaults, held_out_opt, opt, verifier_opt
 from align.console import info
 from align.data import load_pairs
 from align.engine.build import Optim
@@ -44,80 +43,16 @@ from align.logprobs import logprobs
 from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.preference import Pairs, dpo_loss, kto_loss
 from align.objectives.tokens import IGNORE
-from align.paths import DATA_DIR
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import choose_verifier, row_fields
 from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
                                       verifier_note)
 from align.rollout.generation import Sampling, generate_on_rank
+from stages.dpo_config import DPOConfig  # the options (light: no torch), re-exported
 
 DPO_REF_TOKENS = 16384  # tokens per forward of the live reference (DPO.reference_logps)
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
         "logps/rejected")
-
-
-@dataclass(frozen=True)
-@defaults(out="runs/dpo", max_steps=300)
-class DPOConfig(SupervisedConfig):
-    ref_model: str = opt("", "Frozen reference model (default: the input --model).", path=True)
-    data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected} (or "
-                    "{chosen, rejected}, implicit prompt); --loss kto: also {prompt, completion, label}.", path=True)
-    eval_data: str = held_out_opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for implicit-reward accuracy "
-                                                                      "('' : none).")
-    pass_data: str = held_out_opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Verifiable data for greedy pass@1 of "
-                                  "policy and input model ('' : skip).", split=False, label="pass@1")
-    beta: float = opt(0.1, "β: strength of the implicit KL to the reference.", gt=0)
-    loss: str = opt("sigmoid", "Preference loss:", choices=objectives.Choices("preference", "unpaired_preference"))
-    simpo_gamma: float = opt(0.5, "γ of --loss simpo: the target reward margin.", ge=0)
-    desirable_weight: float = opt(1.0, "λ_D of --loss kto (raise it when desirable rows are fewer).", gt=0)
-    undesirable_weight: float = opt(1.0, "λ_U of --loss kto.", gt=0)
-    label_smoothing: float = opt(0.0, "ε of conservative DPO (--loss sigmoid).", ge=0, lt=0.5)
-    nll_coef: float = opt(0.0, "α of RPO's NLL term: α · the chosen answer's per-token NLL added to each pair's loss "
-                               "(0: off).", ge=0)
-    precompute_ref: bool = opt(False, "Compute reference log-probs once before training and free the reference model.")
-    eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).", ge=0)
-    eval_samples: int = opt(200, "Problems of --pass-data for greedy pass@1 (0: skip).", ge=0)
-    verifier: str = verifier_opt()
-    max_new_tokens: int = opt(48, "Generation budget for pass@1 (and, with --online, for the sampled pairs).", ge=1)
-    online: bool = opt(False, "Online DPO: pairs sampled from the current policy on the prompts of --data ({prompt, "
-                              "answer} rows) and ranked by --verifier, or by --reward-model.")
-    online_every: int = opt(1, "With --online: sample new pairs every N steps (each sampling fills the next N "
-                               "steps' batches).", ge=1)
-    online_samples: int = opt(4, "With --online: samples per prompt; chosen = the best, rejected = the worst.",
-                                ge=2)
-    temperature: float = opt(1.0, "With --online: sampling temperature.", gt=0)
-    reward_model: str = opt("", "With --online: an `align rm train` artifact that ranks the samples (default: the "
-                                "--verifier).", path=True)
-
-    @property
-    def unpaired(self) -> bool:
-        return self.loss in objectives.Choices("unpaired_preference")
-
-    @property
-    def objective(self) -> objectives.Entry:
-        return objectives.get("unpaired_preference" if self.unpaired else "preference", self.loss)
-
-    @property
-    def reference_free(self) -> bool:
-        return not self.objective.needs_reference
-
-    def validate(self):
-        super().validate()
-        if self.unpaired and self.precompute_ref:
-            raise UserError(f"--loss {self.loss} compares each row with mismatched ones of its batch: drop "
-                            "--precompute-ref.")
-        if self.reference_free and (self.precompute_ref or self.ref_model):
-            raise UserError(f"--loss {self.loss} uses no reference model: drop --precompute-ref / --ref-model.")
-        if self.label_smoothing and not self.objective.label_smoothing:
-            smoothed = objectives.Choices("preference", label_smoothing=True)
-            raise UserError(f"--label-smoothing applies to --loss {' / '.join(smoothed)} only.")
-        if self.online and self.eval_split:
-            raise UserError("--eval-split holds out pairs of --data, and --online reads prompts there: drop it.")
-        if self.online:
-            if self.unpaired or self.precompute_ref:
-                raise UserError(f"--online samples new pairs as it trains: drop --loss {self.loss} / --precompute-ref.")
-        elif self.reward_model:
-            raise UserError("--reward-model ranks sampled pairs: it needs --online.")
 
 
 @dataclass(frozen=True)
@@ -188,7 +123,7 @@ class DPO:
     split_examples: list = []  # the --eval-split part of --data (load_train)
 
     def __init__(self, cfg: DPOConfig, run):
-        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
+        cfg = run.cfg  # as the run resolved it: --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model, expect="policy")
         ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source
@@ -209,6 +144,7 @@ class DPO:
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
+        run.choose_verifier(self.verifier)
         dist = run.open(inputs, DPOPlan(cfg), lora=(source,), sequence_tokens=D.longest_row(self.examples),
                         prompt_tokens=max(map(len, self.prompt_ids), default=None),
                         notes={**verifier_note(self.verifier),

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from align.config import SEED_MAX, Options, opt
 from align.engine.run import StageRun
-from align.models import PRESETS, count_parameters, load_causal_lm, load_tokenizer, resolve
+from align.models import count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.paths import TOKENIZER_DIR
 from align.runtime import quiet_libraries
-
-
-@dataclass(frozen=True)
-class ModelInitConfig(Options):
-    preset: str = opt("tiny", "Model preset: tiny (~0.5M params, CPU) or small (~63M, GPU).", choices=PRESETS)
-    out: str = opt("runs/base", "Output artifact directory.", path=True)
-    overwrite: bool = opt(False, "Replace the complete artifact already in --out.")
-    seed: int = opt(0, "Initialisation seed.", ge=0, le=SEED_MAX)
+from stages.model_init_config import ModelInitConfig  # the options (light: no torch), re-exported
 
 
 def run(cfg: ModelInitConfig) -> dict:

@@ -34,7 +34,6 @@ import torch
 from align import data as D
 from align import objectives, runtime
 from align.artifacts import describe_inputs
-from align.config import RLConfig, defaults, opt
 from align.console import info, warn
 from align.engine.build import Optim
 from align.engine.plan import (Data, Device, Family, Model, Plan, RLPlan, Setup, activation_bytes, chunked_logit_bytes,
@@ -54,68 +53,11 @@ from align.objectives.ppo import (PPOPolicyBatch, episode_score, explained_varia
                                    ppo_policy_loss, ppo_value_loss, token_rewards, whiten)
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.tokens import completion_nll
-from align.paths import DATA_DIR
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
                                 score_ids)
 from align.rewards import RewardError, call_rewards, every_number, parse_rewards, probe
 from align.rollout.batch import Rollout, record_completions, record_mismatch, sample, select, timed
-
-DEFAULT_SFT, DEFAULT_RM = "runs/arithmetic/sft", "runs/arithmetic/rm"  # pipelines/arithmetic.toml's, as --data's default
-
-
-@dataclass(frozen=True)
-@defaults(out="runs/ppo", max_steps=50, prompts_per_step=64, micro_batch_size=16, schedule="constant", warmup_steps=0,
-          eval_every=5)
-class PPOConfig(RLConfig):
-    model: str = opt(DEFAULT_SFT, "Policy to train (an sft artifact); also the reference unless --ref-model.", path=True)
-    ref_model: str = opt("", "Frozen reference policy for the KL penalty (default: --model).", path=True)
-    reward_model: str = opt(DEFAULT_RM, "Reward model: an `align rm train` artifact (normalised scores).", path=True)
-    value_model: str = opt("", "Value network init (default: the reward model; a policy gets a new scalar head).",
-                           path=True)
-    gold_reward: str = opt("math", "Verifier for the gold reward when the prompts carry an `answer` (a grpo "
-                                   "--reward spec, per sample or batched; '' : off).", code=True)
-    gold_reward_coef: float = opt(0.0, "Weight of the gold reward in the score PPO trains on: s = RM score + "
-                                        "c·(gold − the batch's other episodes' mean gold) (0: the gold reward is "
-                                        "only logged; needs --gold-reward and an `answer` column).", ge=0)
-    ptx_data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "ptx data: pretraining text {text} (loss on every "
-                        "token) or SFT data {prompt, completion} (loss on the completion).", path=True)
-    ptx_coef: float = opt(0.1, "γ: weight of the pretraining LM loss (PPO-ptx); 0: plain PPO.", ge=0)
-    ptx_batch_size: int = opt(8, "Pretraining texts per optimiser step (all processes).", ge=1)
-    ptx_max_length: int = opt(128, "Max tokens per pretraining text (cut on the right).", ge=1)
-    minibatch_size: int = opt(32, "Episodes per optimiser step (all processes).", ge=1)
-    ppo_epochs: int = opt(4, "Passes over each rollout batch.", ge=1)
-    max_prompt_length: int = opt(512, "Prompts longer than this many tokens are dropped (all of them: exit 2).",
-                                   ge=1)
-    vf_lr: float = opt(3e-4, "Value network learning rate (its own AdamW).", gt=0)
-    cliprange: float = opt(0.2, "ε of the clipped surrogate.", gt=0)
-    cliprange_value: float = opt(0.2, "ε_v of the clipped value loss.", gt=0)
-    vf_coef: float = opt(0.1, "Value loss coefficient.", ge=0)
-    ent_coef: float = opt(0.0, "Entropy bonus coefficient (0: off).", ge=0)
-    gamma: float = opt(1.0, "GAE discount γ.", ge=0, le=1)
-    lam: float = opt(0.95, "GAE λ.", ge=0, le=1)
-    kl_estimator: str = opt("k1", "Per-token KL penalty estimator:", choices=objectives.Choices("kl"))
-    init_kl_coef: float = opt(0.1, "Initial β of the KL penalty.", ge=0)
-    target_kl: float = opt(2.0, "Adaptive controller target: mean KL per episode (nats, summed over tokens).",
-                            gt=0)
-    kl_horizon: float = opt(200.0, "Adaptive controller horizon (episodes).", gt=0)
-    fixed_kl: bool = opt(False, "Keep β fixed at --init-kl-coef (no adaptive controller).")
-    max_approx_kl: float = opt(0.0, "Stop a step's epoch loop once an epoch's approx-KL(π_old‖π_θ) exceeds this "
-                                     "(0: off).", ge=0)
-    missing_eos_penalty: float = opt(0.0, "Subtracted from the score of responses that never emit EOS.", ge=0)
-    reward_clip: float = opt(0.0, "Clip the score to [−c, c] (0: off).", ge=0)
-    offload_frozen: bool = opt(False, "ZeRO-3: keep the frozen reference and reward model parameters on the CPU.")
-
-    def validate(self):
-        super().validate()
-        if self.prompts_per_step % self.minibatch_size:
-            raise UserError(f"--minibatch-size {self.minibatch_size} must divide --prompts-per-step "
-                            f"{self.prompts_per_step}.")
-        if self.gold_reward:
-            parse_rewards([self.gold_reward], "--gold-reward")
-        elif self.gold_reward_coef:
-            raise UserError(f"--gold-reward-coef {self.gold_reward_coef} trains on the gold reward, but --gold-reward "
-                            "is off; name a verifier (e.g. --gold-reward math) or set --gold-reward-coef 0.")
-
+from stages.ppo_config import DEFAULT_RM, DEFAULT_SFT, PPOConfig  # the options (light: no torch), re-exported
 
 @dataclass(frozen=True)
 class PPOPlan(RLPlan):
@@ -268,7 +210,7 @@ class PPO:
     report_xy = ("objective/kl", ["reward", "gold_reward"])  # over-optimisation: proxy and gold reward vs KL
 
     def __init__(self, cfg: PPOConfig, run):
-        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
+        cfg = run.cfg  # as the run resolved it: --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         sources = self.read_inputs()
         world = runtime.world_size()
@@ -277,6 +219,7 @@ class PPO:
             if n % world:
                 raise UserError(f"{flag} {n} must be a multiple of the {world} processes.")
         self.n_local, self.mb_local = cfg.prompts_per_step // world, cfg.minibatch_size // world
+        run.choose_verifier(self.verifier)
         run.open(self.describe(sources), PPOPlan(cfg), lora=(sources["policy"], sources["value"]),
                  prompt_tokens=max(map(len, self.prompt_ids), default=0), notes=verifier_note(self.verifier))
         self.micro, accum = run.layout.micro, run.layout.accum

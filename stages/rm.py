@@ -27,7 +27,6 @@ import torch
 from align import data as D
 from align import runtime
 from align.artifacts import describe_inputs
-from align.config import StageConfig, SupervisedConfig, defaults, held_out_opt, opt
 from align.console import info
 from align.data import load_pairs
 from align.engine.build import Optim
@@ -37,55 +36,12 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.objectives.reward import rm_loss
-from align.paths import DATA_DIR
 from align.rollout.generation import Sampling, generate
-from align.reward_model import (BETA_KEY, HEAD_KEY, HEADS, OFFSET_KEY, SCALE_KEY, encode_scored, load_reward_model,
+from align.reward_model import (BETA_KEY, HEAD_KEY, OFFSET_KEY, SCALE_KEY, encode_scored, load_reward_model,
                                 normalized_reward, raw_rewards, score_ids)
+from stages.rm_config import RMConfig, RMEvalConfig, RMScoreConfig  # the options (light: no torch), re-exported
 
 CALIBRATION_EDGES = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)  # buckets of the BT confidence σ(|r_w − r_l|)
-
-
-# The defaults are the best recipe measured for the tiny model on data/prefs (50k pairs): held-out accuracy 0.87
-# in 47 min on 2 CPU cores with --nproc 2, ~5 min on one GPU (the default pipeline runs 1,000 steps).
-@dataclass(frozen=True)
-@defaults(out="runs/rm", max_steps=5000, batch_size=64, lr=5e-4, warmup_steps=50, eval_every=500)
-class RMConfig(SupervisedConfig):
-    data: str = opt(str(DATA_DIR / "prefs/train.jsonl"), "Preference pairs: {prompt, chosen, rejected[, margin]}.", path=True)
-    eval_data: str = held_out_opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out pairs for pairwise accuracy "
-                                                                      "('' : none).")
-    head: str = opt("scalar", f"Reward head: {' | '.join(HEADS)} (scalar: a value head at the last token; "
-                               "likelihood: β · mean response log-prob under the model's own LM head).",
-                       choices=HEADS)
-    likelihood_beta: float = opt(5.0, "β of the likelihood head (the Bradley–Terry temperature of its score).", gt=0)
-    center_coef: float = opt(0.0, "Reward-centring regulariser coefficient c · (r_w + r_l)² (0: off).", ge=0)
-    normalize_samples: int = opt(512, "Reference responses for the normalisation (first N training pairs' chosen).",
-                                 ge=1)
-    normalize_on_policy: str = opt("", "Normalise on samples of this policy (artifact/dir) instead of chosen responses.", path=True)
-    normalize_scale: bool = opt(False, "Also scale rewards to std 1 on the reference set.")
-    max_new_tokens: int = opt(48, "Generation budget for --normalize-on-policy samples.", ge=1)
-
-
-@dataclass(frozen=True)
-class RMEvalConfig(StageConfig):
-    model: str = opt("runs/rm", "Reward model: an `align rm train` artifact or a sequence-classifier dir.", path=True)
-    out: str = opt("runs/rm-eval", "Output artifact directory (metrics, per-pair scores).", path=True)
-    data: str = opt(str(DATA_DIR / "prefs/test.jsonl"), "Held-out preference pairs.", path=True)
-    columns: str = opt("", "Rename columns: old=new,old2=new2 (each old name must be a column of --data).")
-    max_length: int = opt(256, "Max tokens of prompt + the longer response; the prompt is cut from the left.", ge=1)
-    batch_size: int = opt(64, "Pairs per forward per process.", ge=1)
-
-
-@dataclass(frozen=True)
-class RMScoreConfig(RMEvalConfig):
-    out: str = opt("runs/rm-score", "Output directory; scores go to OUT/scores.jsonl.", path=True)
-    data: str = opt("", "Rows to score: {prompt, response} (JSONL/JSON/Parquet/save_to_disk).", path=True)
-    max_length: int = opt(256, "Max tokens of prompt + response; the prompt is cut from the left.", ge=1)
-    batch_size: int = opt(64, "Rows scored per forward per process.", ge=1)
-
-    def validate(self):
-        super().validate()
-        if not self.data:
-            raise UserError("--data is required: a file of {prompt, response} rows to score.")
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -151,7 +107,7 @@ class RewardModel:
     progress = ("loss", "accuracy", "eval/accuracy")
 
     def __init__(self, cfg: RMConfig, run):
-        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
+        cfg = run.cfg  # as the run resolved it: --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model, expect="policy")  # an RM starts from a causal LM (the SFT model); its head is new
         check_length(source, cfg.max_length)

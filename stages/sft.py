@@ -17,7 +17,6 @@ import torch
 from align import data as D
 from align import runtime
 from align.artifacts import describe_inputs
-from align.config import SupervisedConfig, defaults, held_out_opt, opt, verifier_opt
 from align.console import info
 from align.engine.build import Optim
 from align.engine.plan import (Data, Device, Family, Model, Plan, Setup, SupervisedPlan, full_logit_bytes, inference_bytes,
@@ -27,26 +26,9 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.models import check_length, count_parameters, load_causal_lm, load_tokenizer, resolve
 from align.objectives.tokens import completion_nll
-from align.paths import DATA_DIR
 from align.rollout.evaluation import evaluate_policy, fitting_rows, held_out_verifier, verifier_note
 from align.rollout.generation import Sampling
-
-
-@dataclass(frozen=True)
-@defaults(out="runs/sft", max_steps=1500, lr=2e-3, warmup_steps=50, eval_every=500)
-class SFTConfig(SupervisedConfig):
-    data: str = opt(str(DATA_DIR / "arithmetic/train.jsonl"), "Training data: {prompt, completion}, {messages} or "
-                    "{text} (a file, DIR[:SPLIT] or a Hub dataset NAME[:SPLIT]; docs/data.md).", path=True)
-    eval_data: str = held_out_opt(str(DATA_DIR / "arithmetic/test.jsonl"), "Held-out data; pass@1 too if it has "
-                                                                              "'answer' ('' : none).")
-    assistant_only_loss: bool = opt(False, "{messages} data: loss on every assistant turn (each turn's tokens as the "
-                                           "chat template renders them, its end of turn included), the system and "
-                                           "user turns masked; off: on the last assistant turn only.")
-    packing: bool = opt(False, "Pack examples into rows of --max-length (block-diagonal attention); "
-                               "--batch-size then counts packed rows.")
-    eval_samples: int = opt(200, "Held-out problems for pass@1 (0: skip).", ge=0)
-    verifier: str = verifier_opt()
-    max_new_tokens: int = opt(48, "Generation budget for pass@1.", ge=1)
+from stages.sft_config import SFTConfig  # the options (light: no torch), re-exported
 
 
 EVAL_ROWS = 64  # the held-out loss runs 64 rows a forward (SFT.evaluate; the memory plan's eval phase)
@@ -91,7 +73,7 @@ class SFT:
     progress = ("loss", "lr", "eval/loss", "eval/pass@1")
 
     def __init__(self, cfg: SFTConfig, run):
-        cfg = cfg.resolved()  # a config built without config.build (in-process callers)
+        cfg = run.cfg  # as the run resolved it: --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model)
         check_length(source, cfg.max_length)
@@ -110,6 +92,7 @@ class SFT:
         self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
                                        self.tok, source, cfg.max_new_tokens, cfg.eval_data or cfg.data)
         self.verifier = held_out_verifier(cfg.verifier, self.verifiable, self.tok, cfg.eval_data or cfg.data)
+        run.choose_verifier(self.verifier)
         dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), SFTPlan(cfg), lora=(source,),
                         sequence_tokens=D.longest_row(self.examples), notes=verifier_note(self.verifier))
         self.micro, accum = run.layout.micro, run.layout.accum

@@ -41,7 +41,7 @@ def test_bad_options_raise_user_errors_naming_them(tmp_path):
     r = python(f"""
         import align
         from align.errors import UserError
-        for kwargs, want in (({{"max_stepz": 3}}, "unknown option 'max_stepz'"), ({{"lr": -1.0}}, "lr must be > 0"),
+        for kwargs, want in (({{"max_stepz": 3}}, "unknown option 'max_stepz'"), ({{"lr": -1.0}}, "--lr must be >= 0"),
                              ({{"nproc": 2}}, "need the command line")):
             try:
                 align.sft(out={str(tmp_path / 'x')!r}, **kwargs)

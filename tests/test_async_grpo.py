@@ -163,8 +163,9 @@ def test_the_queued_rollout_is_in_the_stages_checkpoint_state(tiny_model_dir, tm
     ({"WORLD_SIZE": "4"}, {"rollout_gpus": 1}, True, (1, 0, 0.0)),  # asked: its own staleness (0)
 ])
 def test_rollout_gpus_auto_resolves_before_the_roles_are_split(monkeypatch, env, over, cuda, want):
-    """--rollout-gpus -1 (the default) becomes a number in the config every process builds (config.build): half the processes
-    decode on several GPUs of one machine (staleness 1, TIS cap 2 where left at 0), else 0."""
+    """--rollout-gpus -1 (the default) becomes a number in the config every process resolves (GRPOConfig.automatic,
+    before the roles are split, and again in StageRun): half the processes decode on several GPUs of one machine
+    (staleness 1, TIS cap 2 where left at 0), else 0."""
     from align.config import build
     from stages.grpo import GRPOConfig
 
@@ -174,5 +175,9 @@ def test_rollout_gpus_auto_resolves_before_the_roles_are_split(monkeypatch, env,
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert GRPOConfig(**over).rollout_gpus == -1 or "rollout_gpus" in over  # a config is never rewritten
-    cfg = build(GRPOConfig, None, over)  # resolved once (GRPOConfig.resolved), then validated
+    built = build(GRPOConfig, None, over)  # validated; its automatic values still left to the run
+    assert built.rollout_gpus == over.get("rollout_gpus", -1)
+    cfg = built.resolved()
     assert (cfg.rollout_gpus, cfg.max_staleness, cfg.tis_cap) == want
+    said = {k: why for k, (_, why) in built.automatic().items() if why}  # what the run's choices line says
+    assert ("rollout_gpus" in said) == (want[0] > 0 and "rollout_gpus" not in over)

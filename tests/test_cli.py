@@ -49,6 +49,51 @@ def test_the_cli_and_pipelines_import_no_stage_and_no_torch():
     assert proc.stdout.strip() == "[]"
 
 
+def test_every_commands_help_imports_no_torch():
+    """`align grpo --help` (and every other command's) reads the command's light config module: no torch,
+    transformers or stage module is imported, so the help prints at once (timing: benchmarks/cold_start.py)."""
+    code = ("import contextlib, io, sys\nfrom align import registry\nfrom align.cli import main\n"
+            "for cmd in registry.COMMANDS:\n"
+            "    sys.argv = ['align', *cmd.words, '--help']\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "        try:\n            main()\n        except SystemExit as e:\n            assert e.code == 0, cmd.words\n"
+            "    assert 'Usage: align' in out.getvalue(), cmd.words\n"
+            "configs = {c.config_module or c.module for c in registry.COMMANDS}\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'deepspeed', "
+            "'datasets') or m.startswith('stages.') and m not in configs))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_grpo_help_lists_its_own_options_first_then_the_groups(capsys, monkeypatch):
+    """The options a stage declares itself come first, in a panel of their own, then the shared groups in a fixed
+    order: model and data, optimisation, rollout and sampling, hardware, output and run."""
+    from align.cli import app
+
+    monkeypatch.setenv("COLUMNS", "200")
+    app().main(["grpo", "--help"], prog_name="align", standalone_mode=False)
+    shown = capsys.readouterr().out
+    titles = re.findall(r"╭─ (.+?) ─", shown)
+    assert titles == ["grpo options", "Model and data", "Optimisation", "Rollout and sampling", "Hardware",
+                      "Output and run"]
+    panel = dict(zip(titles, re.split(r"╭─ .+? ─+╮", shown)[1:]))
+    flags = {title: re.findall(r"│ (--[a-z-]+)", text) for title, text in panel.items()}
+    assert flags["grpo options"][:3] == ["--reward", "--reward-model", "--reward-model-weight"]
+    assert {"--num-generations", "--advantage", "--loss", "--beta", "--rollout-gpus", "--help"} <= set(flags["grpo options"])
+    assert {"--model", "--data", "--eval-data", "--verifier", "--columns"} <= set(flags["Model and data"])
+    assert {"--lr", "--warmup-steps", "--schedule", "--max-steps", "--lora-r"} <= set(flags["Optimisation"])
+    assert {"--temperature", "--max-new-tokens", "--prompts-per-step"} <= set(flags["Rollout and sampling"])
+    assert {"--precision", "--zero-stage", "--nproc", "--nnodes", "--offload-optimizer", "--compile",
+            "--deepspeed", "--micro-batch-size"} <= set(flags["Hardware"])
+    assert {"--out", "--overwrite", "--resume", "--save-every", "--report-to", "--monitor",
+            "--config"} <= set(flags["Output and run"])
+    assert "--lr" not in flags["grpo options"] and "--no-compile" in panel["Hardware"]
+    eval_titles = re.findall(r"╭─ (.+?) ─", (app().main(["eval", "--help"], prog_name="align", standalone_mode=False),
+                                             capsys.readouterr().out)[1])
+    assert eval_titles[:2] == ["Arguments", "eval options"] and "--out" in panel["Output and run"]
+
+
 def test_sft_help_shows_defaults():
     proc = run_align("sft", "--help", timeout=120)
     assert proc.returncode == 0, output(proc)

@@ -159,6 +159,27 @@ def test_resolve_config_without_safetensors(tmp_path, tiny_model_dir):
         resolve(str(tmp_path))
 
 
+def test_a_model_dir_without_tokenizer_files_is_one_line_naming_the_files(tmp_path, tiny_model_dir):
+    """A model saved without its tokenizer: transformers says "Couldn't instantiate the backend tokenizer from one
+    of: )"; align names the directory and the files it needs, exit 2, before --out is touched."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / f, model / f)
+    with pytest.raises(UserError) as e:
+        load_tokenizer(resolve(str(model)))
+    msg = str(e.value)
+    assert msg.startswith(f"{model}: no tokenizer files (expected tokenizer.json") and "\n" not in msg
+    assert "tokenizer.save_pretrained" in msg and "backend tokenizer" not in msg
+    proc = run_align("eval", str(model), "--data", ROOT / "data/arithmetic/test.jsonl", "--limit", 2,
+                     "--out", tmp_path / "out")
+    assert_user_error(proc, f"{model}: no tokenizer files")
+    assert not (tmp_path / "out").exists()
+    (model / "tokenizer.json").write_text("not json")  # a file there, but unreadable: transformers' reason
+    with pytest.raises(UserError, match="cannot load a tokenizer"):
+        load_tokenizer(resolve(str(model)))
+
+
 def test_resolve_incomplete_artifact(sft_artifact, tmp_path):
     art_dir = copy_artifact(sft_artifact, tmp_path / "a")
     rec = json.loads((art_dir / "artifact.json").read_text())

@@ -556,9 +556,15 @@ def test_a_run_shorter_than_the_window_is_judged_as_a_whole_at_its_end():
     m = feed([{"signal_frac": 0.0, "rewards/errors": 1.0}] * 3)
     assert m.events == []  # three steps: neither window is full
     events = m.end(3)
-    assert [(e.rule, e.severity, e.step) for e in events] == [("reward_errors", "stop", 3), ("no_signal", "stop", 3)]
+    # a reward failing on every row is a bug a short run shows; no signal in 3 steps is no verdict on the run: a
+    # warning (no_signal's short_run; a TOML override makes it a stop again)
+    assert [(e.rule, e.severity, e.step) for e in events] == [("reward_errors", "stop", 3), ("no_signal", "warn", 3)]
     assert "each of the last 3 steps" in events[0].detail and "the whole run" in events[0].detail
+    assert events[1].detail.endswith("(the whole run; shorter than the rule's 50-step window: a warning, not a stop)")
     assert m.events == events and m.should_stop()
+    assert not m.should_stop(events[1:])
+    strict = feed([{"signal_frac": 0.0}], RLMonitor(overrides={"no_signal": {"short_run": "stop"}})).end(1)
+    assert [(e.severity, e.detail) for e in strict] == [("stop", "<= 0 at each of the last 1 steps (the whole run)")]
     assert feed([{"signal_frac": 0.0}] * 2 + [{"signal_frac": 0.25}]).end(3) == []  # one step taught something
     assert feed([{"loss": 1.0}] * 3).end(3) == []  # rules whose metric was never logged (SFT) stay silent
     assert feed([{"signal_frac": 0.0}], RLMonitor(overrides={"no_signal": {"enabled": False}})).end(1) == []

@@ -145,6 +145,19 @@ def test_out_rules(tmp_path):
         failed.mkdir()
         (failed / "artifact.json").write_text(json.dumps({"stage": stage, "status": "failed"}))
         check(failed) if ok else refused(failed, "a failed dpo artifact")
+    # an unfinished run of the stage with a checkpoint: starting over would delete it, so it takes a flag
+    interrupted = tmp_path / "interrupted"
+    (interrupted / "checkpoints" / "step3").mkdir(parents=True)
+    (interrupted / "checkpoints" / "step3" / "state.json").write_text("{}")
+    (interrupted / "checkpoints" / "latest").write_text("step3\n")
+    (interrupted / "artifact.json").write_text(json.dumps({"stage": "grpo", "status": "failed",
+                                                           "reason": "interrupted (SIGINT) at step 3"}))
+    refused(interrupted, r"holds a failed grpo run \(interrupted \(SIGINT\) at step 3\) with its checkpoint at step 3\. "
+                         r"--resume continues it from there; --overwrite starts over and deletes the checkpoint")
+    check(interrupted, resume=True)
+    check(interrupted, overwrite=True)
+    (interrupted / "checkpoints" / "step3" / "state.json").unlink()  # a partial save only: nothing to lose
+    check(interrupted)
     damaged = tmp_path / "damaged"
     damaged.mkdir()
     (damaged / "artifact.json").write_text("{not json")

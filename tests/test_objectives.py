@@ -86,6 +86,34 @@ def test_registering_twice_or_an_unknown_kind_is_an_error_and_traits_have_defaul
     assert [e.name for e in objectives.entries("preference", needs_reference=False)] == ["simpo", "orpo"]
 
 
+def test_the_catalog_lists_the_built_in_entries_as_registered():
+    """--help and the checks read align.objectives.catalog (no torch); the registry, filled by the modules, must
+    say the same: every built-in entry's name, summary and traits, in registration order."""
+    from align.objectives import catalog, registry
+
+    registry.load()
+    live = {kind: tuple((e.name, e.help, e.traits) for e in found.values())
+            for kind, found in registry.REGISTRIES.items()}
+    listed = {kind: tuple((n, h, {**registry.TRAITS.get(kind, {}), **t}) for n, h, t in entries)
+              for kind, entries in catalog.BUILTIN.items()}
+    assert {k: v[: len(listed.get(k, ()))] for k, v in live.items()} == {k: listed.get(k, ()) for k in live}
+    assert catalog.LOSS_AGGREGATIONS == objectives.policy.LOSS_AGGREGATIONS
+
+
+def test_choices_list_the_catalog_without_importing_torch():
+    """A fresh interpreter: the choices of `align grpo --loss` and their summaries come from the catalog, and a
+    plug-in registered beside them is listed after them; torch is never imported."""
+    code = ("import sys\nfrom align import objectives\n"
+            "print(list(objectives.Choices('policy_loss')))\n"
+            "print(objectives.Choices('preference', needs_reference=False).describe())\n"
+            "assert 'torch' not in sys.modules\n")
+    out = __import__("subprocess").run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                                       check=True).stdout.splitlines()
+    assert out == ["['clip', 'cispo', 'gspo', 'reinforce']",
+                   "simpo (no reference: β·mean log-prob reward with margin --simpo-gamma; SimPO uses β ~2), orpo (no "
+                   "reference: chosen NLL + β · odds-ratio term)."]
+
+
 def test_the_old_flags_are_aliases_of_registered_policy_losses():
     from align.errors import UserError
     from stages.grpo import GRPOConfig

@@ -95,7 +95,7 @@ def test_a_bad_flag_over_a_finished_artifact_leaves_it_complete(tiny_model_dir, 
     proc = run_align("sft", "--model", tiny_model_dir, "--out", out, *FAST, "--max-steps", "1")
     assert proc.returncode == 0, output(proc)
     before = (out / "artifact.json").read_text()
-    assert_user_error(run_align("sft", "--model", tiny_model_dir, "--out", out, "--lr", "-1"), "--lr must be > 0, got -1.0.")
+    assert_user_error(run_align("sft", "--model", tiny_model_dir, "--out", out, "--lr", "-1"), "--lr must be >= 0, got -1.0.")
     assert (out / "artifact.json").read_text() == before and json.loads(before)["status"] == "complete"
     assert oct((out / "model" / "model.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
 

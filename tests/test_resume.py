@@ -17,6 +17,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from align.engine import checkpoint
 from align.runtime import free_port
 from tests.conftest import _DIST_ENV, ROOT, AlignProcess, parity_reward, processes_mentioning
 
@@ -175,6 +176,11 @@ def check_resume(stage, inputs, tmp_path, nproc=1):
     if stage == "sft":  # an incomplete artifact is refused as an input
         refused = finish(launch(["eval", str(out), "--out", str(tmp_path / "eval")]), code=2)
         assert "incomplete" in refused and "Traceback" not in refused
+        # rerun without --resume or --overwrite: refused, the checkpoint kept (a fresh run would delete it)
+        refused = " ".join(finish(launch([*args, "--out", str(out)]), code=2).split())
+        assert f"holds a killed sft run with its checkpoint at step {resumed_at}" in refused, refused
+        assert "--resume continues it from there; --overwrite starts over and deletes the checkpoint" in refused
+        assert checkpoint.latest(out) == f"step{resumed_at}"
 
     said = finish(launch([*args, "--out", str(out), "--resume"], nproc))
     assert f"resumed from the checkpoint at step {resumed_at}" in " ".join(said.split())
@@ -243,7 +249,7 @@ def test_a_new_max_steps_on_resume_continues_a_constant_schedule_and_is_refused_
         assert (out / "artifact.json").read_text() == before
 
     refused([*constant, "--max-steps", "3"], short, "--max-steps 4 -> 3: the checkpoint is at step 4, past the new "
-            "end", "Resume with --max-steps 4, or start over with --max-steps 3 (without --resume)")
+            "end", "Resume with --max-steps 4, or start over with --max-steps 3 (--overwrite instead of --resume)")
     cosine = tmp_path / "cosine"
     finish(launch([*base, "--max-steps", "2", "--out", str(cosine)]))
     refused([*base, "--max-steps", "4"], cosine, "--max-steps 2 -> 4: the checkpoint is at step 2 of a cosine "

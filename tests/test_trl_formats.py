@@ -323,26 +323,27 @@ def test_held_out_defaults_follow_the_data(tmp_path):
     from stages.sft import SFTConfig
 
     arith_test, prefs_test = str(DATA_DIR / "arithmetic/test.jsonl"), str(DATA_DIR / "prefs/test.jsonl")
+    built = lambda cls, toml, explicit: build(cls, toml, explicit).resolved()  # noqa: E731 (as the run resolves it)
     mine = str(write_jsonl(tmp_path / "mine.jsonl", [{"prompt": "p", "completion": "c"}]))
-    assert build(SFTConfig, None, {}).eval_data == arith_test
-    assert build(SFTConfig, None, {"data": str(DATA_DIR / "arithmetic/train.jsonl")}).eval_data == arith_test
-    assert build(SFTConfig, None, {"data": mine}).eval_data == ""
-    assert build(SFTConfig, None, {"data": mine, "eval_data": mine}).eval_data == mine
-    split = build(SFTConfig, None, {"data": mine, "eval_split": 0.05})
+    assert built(SFTConfig, None, {}).eval_data == arith_test
+    assert built(SFTConfig, None, {"data": str(DATA_DIR / "arithmetic/train.jsonl")}).eval_data == arith_test
+    assert built(SFTConfig, None, {"data": mine}).eval_data == ""
+    assert built(SFTConfig, None, {"data": mine, "eval_data": mine}).eval_data == mine
+    split = built(SFTConfig, None, {"data": mine, "eval_split": 0.05})
     assert (split.eval_data, split.eval_split) == ("", 0.05)
-    assert build(SFTConfig, None, {"eval_split": 0.05}).eval_data == ""  # the shipped data's split instead
+    assert built(SFTConfig, None, {"eval_split": 0.05}).eval_data == ""  # the shipped data's split instead
     for cls in (GRPOConfig, PPOConfig):
-        assert build(cls, None, {}).eval_data == arith_test and build(cls, None, {"data": mine}).eval_data == ""
-    assert build(RMConfig, None, {}).eval_data == prefs_test and build(RMConfig, None, {"data": mine}).eval_data == ""
-    dpo = build(DPOConfig, None, {})
+        assert built(cls, None, {}).eval_data == arith_test and built(cls, None, {"data": mine}).eval_data == ""
+    assert built(RMConfig, None, {}).eval_data == prefs_test and built(RMConfig, None, {"data": mine}).eval_data == ""
+    dpo = built(DPOConfig, None, {})
     assert (dpo.eval_data, dpo.pass_data) == (prefs_test, arith_test)
-    dpo = build(DPOConfig, None, {"data": mine, "eval_split": 0.1})
+    dpo = built(DPOConfig, None, {"data": mine, "eval_split": 0.1})
     assert (dpo.eval_data, dpo.pass_data) == ("", "")
     assert dpo.held_out_note() == ("held-out: 10% of --data (--eval-split 0.1), removed from training; pass@1: none "
                                    "(--data is yours: --pass-data FILE to measure it)")
-    assert build(SFTConfig, None, {"data": mine}).held_out_note() == \
+    assert built(SFTConfig, None, {"data": mine}).held_out_note() == \
         "held-out: none (--data is yours: --eval-split 0.05 holds out 5% of it)"
-    assert build(SFTConfig, None, {}).held_out_note() == \
+    assert built(SFTConfig, None, {}).held_out_note() == \
         f"held-out: {arith_test} (the shipped task's: --data is its training data)"
     with pytest.raises(UserError, match=f"--eval-split holds out part of --data .* --eval-data {mine}: give one"):
         build(SFTConfig, None, {"data": mine, "eval_data": mine, "eval_split": 0.1})

@@ -59,8 +59,8 @@ CASES = [  # (command, flag, value, the allowed range as the message says it)
     *[(c.words, "--seed", "-1", ">= 0 and <= 4294967295") for c in registry.COMMANDS  # every command with a seed
       if "seed" in C.field_types(c.config_class())],
     *[(words, flag, value, rule) for words in TRAINERS for flag, value, rule in
-      [("--lr", "0", "> 0"), ("--max-steps", "0", ">= 1"), ("--grad-clip", "-1", ">= 0"),
-       ("--warmup-steps", "-1", ">= 0"), ("--lora-dropout", "1", ">= 0 and < 1"), ("--zero-stage", "4", ">= 0 and <= 3")]],
+      [("--lr", "-1", ">= 0"), ("--max-steps", "0", ">= 1"), ("--grad-clip", "-1", ">= 0"),
+       ("--warmup-steps", "-2", ">= -1"), ("--lora-dropout", "1", ">= 0 and < 1"), ("--zero-stage", "4", ">= 0 and <= 3")]],
     *[(words, "--batch-size", "0", ">= 1") for words in [("sft",), ("rm", "train"), ("dpo",), ("eval",), ("rm", "score")]],
     *[(words, "--max-new-tokens", "0", ">= 1") for words in [("sft",), ("dpo",), ("ppo",), ("grpo",), ("eval",)]],
     *[(words, "--top-p", "2", "> 0 and <= 1") for words in [("ppo",), ("grpo",), ("eval",)]],
@@ -71,7 +71,7 @@ CASES = [  # (command, flag, value, the allowed range as the message says it)
     (("grpo",), "--num-generations", "1", ">= 2"),
     (("ppo",), "--gamma", "1.5", ">= 0 and <= 1"),
     (("dpo",), "--label-smoothing", "0.5", ">= 0 and < 0.5"),
-    (("sft",), "--lr", "nan", "> 0"),
+    (("sft",), "--lr", "nan", ">= 0"),
 ]
 
 

@@ -9,7 +9,8 @@
             that a rollback run writes before its first step (its input weights, a fresh optimiser) — which
             continues with that change, logged in health.jsonl and artifact.json; a second event (or one without a
             remedy) stops as under `stop`.
-A rule that says the run cannot learn at all (reward_errors, no_signal) fails the run under any mode.
+A rule that says the run cannot learn at all (reward_errors, no_signal) fails the run under any mode; its warning
+over a run shorter than its window (no_signal's) is only said.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ class Alarms:
             self.run.checkpoint(0, algo)
 
     def acting(self, events: list) -> Event | None:
-        """The event of `events` this mode acts on (None: only warnings to print)."""
+        """The event of `events` this mode acts on (None: only warnings to print). A hopeless rule's warning (its
+        verdict over a run shorter than its window: RLMonitor.end) is only said, under every mode."""
+        events = [e for e in events if not (e.rule in HOPELESS and e.severity == "warn")]
         stops = [e for e in events if e.severity == "stop"]
         if self.mode == "warn" or stops:
             return stops[0] if stops else None

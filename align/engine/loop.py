@@ -150,8 +150,8 @@ class StepLoop:
                      "no checkpoint was saved before it (--save-every N keeps one): rerun with a lower --lr")
         else:
             self.checkpoint(step, algo)
-            where = (f"checkpoint saved at step {step}: fix the cause, then --resume or rerun" if step < self.cfg.max_steps
-                     else "fix the cause and rerun")
+            where = (f"checkpoint saved at step {step}: fix the cause, then --resume, or rerun with --overwrite"
+                     if step < self.cfg.max_steps else "fix the cause and rerun with --overwrite")
         reason = f"RLMonitor stop at step {step}: {event.rule} ({event.detail}): {event.message} ({where})"
         self.writer.fail(reason, self.last, self.monitor.summary())
         bar.print(f"[bold red]{reason}[/]")

@@ -1,6 +1,8 @@
 """--out: a run writes only into a directory that is new, empty or an align artifact, never into one of its own
 inputs, and one run at a time (a lock file naming the holder's PID). A finished artifact is never replaced by
-accident: a complete one needs --overwrite (or --resume to continue it), and another stage's needs --overwrite."""
+accident: a complete one needs --overwrite (or --resume to continue it), and another stage's needs --overwrite; an
+unfinished run of the stage with a checkpoint (interrupted, killed, stopped) needs --resume or --overwrite, since a
+run that started over would delete the checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 
 from align.artifacts import ARTIFACT_FILE, read_artifact
 from align.config import Options, TrainConfig
+from align.engine import checkpoint
 from align.errors import UserError
 
 LOCK = ".lock"
@@ -38,8 +41,8 @@ def check(cfg: Options, stage: str) -> None:
 
 def _check_artifact(stage: str, out: Path, overwrite: bool, resume: bool | None) -> None:
     """--out holds an artifact: a run continues it (--resume, same stage), replaces it (--overwrite), or reruns
-    a failed run of its own stage; a complete artifact, or another stage's, is refused otherwise. `resume`: None
-    for a command without --resume."""
+    a failed run of its own stage that left no checkpoint; a complete artifact, another stage's, or a checkpoint
+    the rerun would delete is refused otherwise. `resume`: None for a command without --resume."""
     try:
         art = read_artifact(out) or {}
         have, status = art.get("stage"), art.get("status")
@@ -58,6 +61,13 @@ def _check_artifact(stage: str, out: Path, overwrite: bool, resume: bool | None)
         cont = ", --resume with a larger --max-steps to continue it" if resume is not None else ""
         raise UserError(f"{out}: holds a complete {stage} artifact{finished}. Pass --overwrite to replace it{cont}, "
                         "or choose another --out.")
+    tag = checkpoint.latest(out) if resume is not None else None
+    if tag and checkpoint.steps(out) and holder(out) is None:  # (a live run's lock is refused when --out is taken)
+        what = {"running": "a killed", "failed": "a failed", "stopped": "a stopped"}.get(status, "an unfinished")
+        why = f" ({art['reason']})" if art.get("reason") else ""
+        raise UserError(f"{out}: holds {what} {stage} run{why} with its checkpoint at {tag.replace('step', 'step ')}. "
+                        "--resume continues it from there; --overwrite starts over and deletes the checkpoint; or "
+                        "choose another --out.")
 
 
 def holder(out: Path) -> int | None:

@@ -29,15 +29,17 @@ saves — checkpoints, resume, disk, model/ — (align.engine.saves), Ctrl-C / S
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
 from align import runtime, trackers
 from align.artifacts import ArtifactWriter, describe_code
-from align.config import Options, StageConfig, TrainConfig, as_dict, load_toml
+from align.config import AUTO, Options, StageConfig, TrainConfig, as_dict, held_out_fields, load_toml
 from align.console import info, summary_table
 from align.engine import checkpoint, disk, outdir, plan
 from align.engine.alarm import Alarms
@@ -86,6 +88,22 @@ class Output:
     extra: dict = field(default_factory=dict)
 
 
+def held_out_defaults(cfg: Options) -> dict:
+    """The held-out data options left at auto (config.held_out_opt) and what they became: a choice the run says,
+    since it is not the --data given ("none" where --data is the user's and no --eval-split holds part out)."""
+    values, done = as_dict(cfg), as_dict(cfg.resolved())
+    return {f.name: {"value": done[f.name] or "none",
+                     "why": "auto: the shipped task's" if done[f.name] else "auto: --data is yours"}
+            for f in held_out_fields(cfg) if values[f.name] == AUTO}
+
+
+def fmt_choice(value) -> str:
+    """A chosen value as the choices line shows it (a learning rate as 2e-05, not 2.0000000000000002e-05)."""
+    if isinstance(value, str) and os.path.isabs(value) and not os.path.relpath(value).startswith(".."):
+        return os.path.relpath(value)  # a shipped file, under the current directory: data/arithmetic/test.jsonl
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def failure(exc: BaseException) -> str:
     """What artifact.json says of a run that ended with `exc`."""
     if isinstance(exc, KeyboardInterrupt):
@@ -106,6 +124,10 @@ class StageRun(StepLoop, Saves):
     and `settings` is the config as the run uses it (artifact.json, checkpoints)."""
 
     def __init__(self, cfg: Options, stage: str):
+        # the options left to the run made concrete, once (the stage reads them as run.cfg); said and recorded
+        self.choices = {name: {"value": value, "why": why} for name, (value, why) in cfg.automatic().items() if why}
+        self.choices |= held_out_defaults(cfg)
+        cfg = cfg.resolved()
         self.cfg, self.stage, self.out = cfg, stage, Path(cfg.out)
         self.training: TrainConfig | None = cfg if isinstance(cfg, TrainConfig) else None
         outdir.check(cfg, stage)  # at once: a refused --out is said before the inputs are read
@@ -178,7 +200,7 @@ class StageRun(StepLoop, Saves):
             seed_all(self.cfg.seed)
         code = describe_code(self.cfg.user_code())
         inputs = {**inputs, "code": code} if code else inputs
-        self.writer = ArtifactWriter(self.out, self.stage, self.settings, inputs, main, started, notes)
+        self.writer = ArtifactWriter(self.out, self.stage, self.settings, inputs, main, started, notes, self.choices)
         names = trackers.parse(self.cfg.report_to if isinstance(self.cfg, StageConfig) else "")
         if main and names:  # the experiment trackers: metrics.jsonl's rows and RLMonitor's events, on rank 0
             self.writer.sinks.append(trackers.Trackers(names, self.out, self.writer.record, resume))
@@ -193,6 +215,7 @@ class StageRun(StepLoop, Saves):
         if planned is None:
             return batch
         self.settings = {**self.settings, "micro_batch_size": planned}
+        self.choose("micro_batch_size", planned, "auto: smaller, to fit the memory plan")
         return stage.batch(runtime.world_size(), planned, data)
 
     def _lay_out(self, offloaded: bool, batch: tuple[int, int]) -> None:
@@ -202,12 +225,39 @@ class StageRun(StepLoop, Saves):
         self.dtype = compute_dtype(self.dist.device, self.layout.precision)
         if self.monitor is not None:
             self.monitor.set_precision(self.layout.precision)  # rollout_mismatch's tolerance
-        if self.layout.note:
-            info(self.layout.note)
+        self._layout_choices(offloaded)
+        if self.choices:
+            info(escape("choices: " + ", ".join(f"--{k.replace('_', '-')} {fmt_choice(c['value'])} ({c['why']})"
+                                                for k, c in self.choices.items())))
         if self.layout.compile:
             info("torch.compile: every engine's transformer blocks are compiled (the first steps compile, a "
                  f"later run reuses the code cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}; "
                  "--no-compile runs eagerly)")
+
+    def choose(self, name: str, value, why: str) -> None:
+        """Record an automatic choice (an option left to the run, and what it became): said in the run's
+        "choices:" line and recorded in artifact.json (a stage adds its own before `open`)."""
+        self.choices[name] = {"value": value, "why": why}
+
+    def choose_verifier(self, verifier) -> None:
+        """The verifier --verifier auto became (a rewards.Verifier; None: no held-out rows), as a choice."""
+        if verifier is not None and verifier.why:
+            self.choose("verifier", verifier.name, f"auto: {verifier.why}")
+
+    def _layout_choices(self, offloaded: bool) -> None:
+        """The layout's automatic choices: the precision `auto` became, a ZeRO stage other than asked, the
+        micro-batch of `--micro-batch-size 0`."""
+        cfg, layout, kind = self.cfg, self.layout, self.dist.device.type
+        choices = {}
+        if cfg.precision == "auto":
+            choices["precision"] = (layout.precision, f"auto: {'CUDA' if kind == 'cuda' else kind.upper()}"
+                                                      f"{', an offload' if offloaded and kind == 'cuda' else ''}")
+        if layout.zero_stage != cfg.zero_stage:
+            choices["zero_stage"] = (layout.zero_stage, "--deepspeed file" if cfg.deepspeed else
+                                     f"one GPU process: ZeRO-{cfg.zero_stage} would partition nothing")
+        if self.training is not None and cfg.micro_batch_size == 0 and "micro_batch_size" not in self.choices:
+            choices["micro_batch_size"] = (layout.micro, "auto")
+        self.choices = {**{k: {"value": v, "why": w} for k, (v, w) in choices.items()}, **self.choices}
 
     # ---- engines
 
@@ -273,13 +323,13 @@ class StageRun(StepLoop, Saves):
 
 def train(cfg: TrainConfig, stage: str, algorithm) -> dict:
     """Run a training stage: `algorithm(cfg, run)` builds it, the run trains it, saves it and says how it went.
-    The config's automatic values are made concrete first (a config built without config.build: in-process
-    callers), and a line says which held-out data the run uses and why."""
-    cfg = cfg.resolved()
-    if cfg.held_out_note():
-        info(cfg.held_out_note())
+    A line first says which held-out data the run uses and why; StageRun makes the config's automatic values
+    concrete (the stage reads them as run.cfg) and says them in its "choices:" line."""
+    note = cfg.resolved().held_out_note()  # StageRun resolves the config itself, and records what it chose
+    if note:
+        info(note)
     with StageRun(cfg, stage) as run:
-        algo = algorithm(cfg, run)
+        algo = algorithm(run.cfg, run)  # the config as the run resolved it
         close = getattr(algo, "close", lambda failed=False: None)  # what it holds beside its engines (decoder ranks)
         try:
             run.fit(algo)

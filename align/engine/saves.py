@@ -104,7 +104,7 @@ class Saves:
         if why:
             old, new = saved["max_steps"], now["max_steps"]
             raise UserError(f"{self.out}: --max-steps {old} -> {new}: {why}. Resume with --max-steps {old}, or start "
-                            f"over with --max-steps {new} (without --resume).")
+                            f"over with --max-steps {new} (--overwrite instead of --resume).")
 
     def _resume(self, algo) -> int:
         state = checkpoint.load(self.out, {n: e.eng for n, e in self.engines.items()}, self.dist)

@@ -1,8 +1,8 @@
 """Training objectives, one registry per kind (align.objectives.registry): advantage estimators, policy losses,
-KL estimators, preference losses and reward shaping. Importing the package registers every built-in entry."""
+KL estimators, preference losses and reward shaping. Importing the package is light (no torch): the built-in
+entries are registered when their modules are imported, which `get` and `entries` do on first use; `Choices`
+lists them from align.objectives.catalog until then."""
 
-from align.objectives import advantages, kl, policy, preference, shaping  # importing them registers their entries
-from align.objectives.registry import Choices, Entry, entries, get, register, unregister
+from align.objectives.registry import Choices, Entry, entries, get, load, register, unregister
 
-__all__ = ["Choices", "Entry", "advantages", "entries", "get", "kl", "policy", "preference", "register", "shaping",
-           "unregister"]
+__all__ = ["Choices", "Entry", "entries", "get", "load", "register", "unregister"]

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from align.objectives.catalog import LOSS_AGGREGATIONS  # the --loss-agg values (declared without torch)
 from align.objectives.registry import register
-
-LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-sum")
 
 
 @register("policy_loss", "clip", help="PPO's clipped surrogate", on_policy=False)

@@ -5,14 +5,19 @@
 
 A kind fixes the signature of its entries (KINDS). A stage reads its choices, its --help text and what each entry
 needs (its traits, e.g. a preference loss's `needs_reference`) from here, so a new objective is its function (and
-its test): nothing else names it. Pure Python (no torch): importing it is instant.
+its test): nothing else names it. Pure Python (no torch): importing it is instant. The built-in entries are
+registered when their modules are imported (`load`, which `get` and `entries` call); until then `Choices` lists
+them from align.objectives.catalog, so `--help` and a config's checks need no torch.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
+
+from align.objectives.catalog import BUILTIN, MODULES
 
 KINDS = {
     "advantage": "fn(rewards [P, G], valid [P, G] | None, reduce) -> advantages [P, G]",
@@ -58,6 +63,7 @@ def register(kind: str, name: str, *, help: str = "", **traits):
     """Decorator: registers the function as `name` among the objectives of `kind` (one name once per kind)."""
     if kind not in REGISTRIES:
         raise ValueError(f"unknown kind of objective {kind!r}; kinds: {', '.join(REGISTRIES)}")
+    load()  # the built-in entries first: their names are taken, and they come first in the listings
 
     def add(fn: Callable) -> Callable:
         if name in REGISTRIES[kind]:
@@ -73,7 +79,25 @@ def unregister(kind: str, name: str) -> None:
     del REGISTRIES[kind][name]
 
 
+_state = {"loading": False, "loaded": False}
+
+
+def load() -> None:
+    """Import the modules of the built-in entries, which registers them (once; a `register` while they are being
+    imported does not start it again)."""
+    if _state["loading"] or _state["loaded"]:
+        return
+    _state["loading"] = True
+    try:
+        for module in MODULES:
+            importlib.import_module(f"align.objectives.{module}")
+        _state["loaded"] = True
+    finally:
+        _state["loading"] = False
+
+
 def get(kind: str, name: str) -> Entry:
+    load()
     try:
         return REGISTRIES[kind][name]
     except KeyError:
@@ -81,9 +105,27 @@ def get(kind: str, name: str) -> Entry:
 
 
 def entries(*kinds: str, **traits) -> list[Entry]:
-    """The entries of `kinds`, in registration order, whose traits have the given values."""
-    return [e for k in kinds for e in REGISTRIES[k].values()
-            if all(e.traits.get(t) == v for t, v in traits.items())]
+    """The entries of `kinds` whose traits have the given values: per kind the built-in ones in the catalog's order,
+    then the others in registration order."""
+    load()
+    return [e for k in kinds for e in _ordered(k, REGISTRIES[k]) if all(e.traits.get(t) == v for t, v in traits.items())]
+
+
+def _ordered(kind: str, found: dict) -> list:
+    """`found`'s values (name -> entry) of `kind`: the catalog's names first, in its order, then the rest."""
+    builtin = [name for name, _, _ in BUILTIN.get(kind, ())]
+    return [found[n] for n in builtin if n in found] + [e for n, e in found.items() if n not in builtin]
+
+
+def listed(*kinds: str, **traits) -> list[tuple[str, str]]:
+    """(name, summary) of the entries of `kinds` with the given traits, without importing any objective: the
+    catalog's built-in entries, then those registered beside them (a plug-in, a test's)."""
+    out = []
+    for k in kinds:
+        known = {name: (name, text, {**TRAITS.get(k, {}), **t}) for name, text, t in BUILTIN.get(k, ())}
+        known |= {e.name: (e.name, e.help, e.traits) for e in REGISTRIES[k].values()}
+        out += [(name, text) for name, text, t in _ordered(k, known) if all(t.get(a) == v for a, v in traits.items())]
+    return out
 
 
 class Choices(Sequence):
@@ -94,7 +136,7 @@ class Choices(Sequence):
         self.kinds, self.traits = kinds, traits
 
     def names(self) -> list[str]:
-        return [e.name for e in entries(*self.kinds, **self.traits)]
+        return [name for name, _ in listed(*self.kinds, **self.traits)]
 
     def __getitem__(self, i):
         return self.names()[i]
@@ -110,5 +152,4 @@ class Choices(Sequence):
 
     def describe(self) -> str:
         """The --help list: 'a (what a is), b (what b is).'"""
-        return ", ".join(f"{e.name} ({e.help})" if e.help else e.name
-                         for e in entries(*self.kinds, **self.traits)) + "."
+        return ", ".join(f"{name} ({text})" if text else name for name, text in listed(*self.kinds, **self.traits)) + "."
