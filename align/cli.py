@@ -141,6 +141,8 @@ class StageCommand(TyperCommand):
 
     def get_help_option(self, ctx):
         option = super().get_help_option(ctx)
+        if option is not None:
+            option.opts = sorted(option.opts, key=len)  # click keeps the names in a set: "-h, --help" every time
         if option is not None and self.first_panel:
             option.rich_help_panel = self.first_panel
         return option
