@@ -115,6 +115,8 @@ def test_held_out_data_left_at_the_shipped_default_is_a_choice_said(tmp_path):
     assert held_out_defaults(SFTConfig()) == {"eval_data": {"value": test, "why": "auto: the shipped task's"}}
     mine = str(tmp_path / "train.jsonl")  # the user's --data: no held-out set unless --eval-split holds part out
     assert held_out_defaults(SFTConfig(data=mine)) == {"eval_data": {"value": "none", "why": "auto: --data is yours"}}
+    assert held_out_defaults(SFTConfig(data=mine, eval_split=0.1)) == {
+        "eval_data": {"value": "0.1 of --data", "why": "auto: --eval-split"}}
     assert held_out_defaults(SFTConfig(eval_data=str(tmp_path / "mine.jsonl"))) == {}  # given: no choice
     assert held_out_defaults(SFTConfig(eval_data="")) == {}
     assert set(held_out_defaults(DPOConfig())) == {"eval_data", "pass_data"}

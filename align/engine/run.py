@@ -92,9 +92,15 @@ def held_out_defaults(cfg: Options) -> dict:
     """The held-out data options left at auto (config.held_out_opt) and what they became: a choice the run says,
     since it is not the --data given ("none" where --data is the user's and no --eval-split holds part out)."""
     values, done = as_dict(cfg), as_dict(cfg.resolved())
-    return {f.name: {"value": done[f.name] or "none",
-                     "why": "auto: the shipped task's" if done[f.name] else "auto: --data is yours"}
-            for f in held_out_fields(cfg) if values[f.name] == AUTO}
+
+    def choice(f) -> dict:
+        if done[f.name]:
+            return {"value": done[f.name], "why": "auto: the shipped task's"}
+        if f.metadata["split"] and values.get("eval_split"):
+            return {"value": f"{values['eval_split']:g} of --data", "why": "auto: --eval-split"}
+        return {"value": "none", "why": "auto: --data is yours"}
+
+    return {f.name: choice(f) for f in held_out_fields(cfg) if values[f.name] == AUTO}
 
 
 def fmt_choice(value) -> str:
