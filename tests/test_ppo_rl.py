@@ -87,6 +87,25 @@ def test_gae_by_hand_with_masks():
     torch.testing.assert_close(ret, torch.tensor([[0.0, 0.58528, 0.574, 1.0, 0.0], [0.0, 0.0, 1.3464, 1.62, 2.0]]))
 
 
+def test_gae_across_a_tool_gap_by_hand():
+    """A two-turn episode: policy tokens 1-2, the tool's output at 3-4 (mask 0), policy tokens 5-6, the reward on
+    the last. The environment's tokens are no time step: V(t') after token 2 is token 5's, no discount across the
+    gap, and the final reward reaches the first turn; the tool's tokens get no advantage nor return. The same
+    episode with the gap removed gives the same advantages on the policy's tokens."""
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
+    rewards = torch.tensor([[0.0, -0.1, 0.0, 7.0, 7.0, 0.0, 1.0, 0.0]])  # 7: on the tool's tokens, ignored
+    values = torch.tensor([[9.0, 0.2, 0.3, 9.0, 9.0, 0.4, 0.5, 9.0]])
+    adv, ret = ppo.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # δ6 = 1 − 0.5 = 0.5, A6 = 0.5;  δ5 = 0 + 0.9·0.5 − 0.4 = 0.05, A5 = 0.05 + 0.72·0.5 = 0.41
+    # δ2 = 0 + 0.9·0.4 − 0.3 = 0.06 (V of token 5), A2 = 0.06 + 0.72·0.41 = 0.3552
+    # δ1 = −0.1 + 0.9·0.3 − 0.2 = −0.03, A1 = −0.03 + 0.72·0.3552 = 0.225744
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.225744, 0.3552, 0.0, 0.0, 0.41, 0.5, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 0.425744, 0.6552, 0.0, 0.0, 0.81, 1.0, 0.0]]))
+    keep = mask[0] > 0
+    flat_adv, _ = ppo.gae(rewards[:, keep], values[:, keep], mask[:, keep], gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv[:, keep], flat_adv)
+
+
 def test_gae_with_gamma_lambda_one_is_return_minus_value():
     rewards = torch.tensor([[0.0, -0.1, -0.1, 1.0, 0.0]])
     values = torch.tensor([[5.0, 0.2, 0.3, 0.4, 5.0]])

@@ -75,11 +75,13 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over the response tokens of each row:
 
-        δ_t = r_t + γ · m_{t+1} · V_{t+1} − V_t           (V after the last response token is 0: the episode ends)
-        A_t = m_t · (δ_t + γλ · A_{t+1}),   returns R_t = A_t + V_t
+        δ_t = r_t + γ · V_{t'} − V_t                      (t': the next response token; V after the last is 0)
+        A_t = m_t · (δ_t + γλ · A_{t'}),   returns R_t = A_t + V_t
 
-    rewards, values, mask: [N, T]; the mask is 1 on one contiguous span of response tokens per row. Returns
-    (advantages, returns), both 0 wherever the mask is 0.
+    rewards, values, mask: [N, T]. The mask is 1 on the tokens the policy sampled: one span per row, or several
+    in a multi-turn episode, where the environment's tokens between two turns (a tool's output) are no time step
+    of the policy's: the recursion skips them (no discount across the gap), so the final reward reaches every turn.
+    Returns (advantages, returns), both 0 wherever the mask is 0.
     """
     mask = mask.to(values.dtype)
     values, rewards = values * mask, rewards * mask
@@ -88,10 +90,12 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     last = torch.zeros_like(values[:, 0])
     out = []
     for t in reversed(range(T)):
+        m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = (delta + gamma * lam * last) * mask[:, t]
-        out.append(last)
-        next_value = values[:, t]
+        a = delta + gamma * lam * last
+        out.append(a * m)
+        last = torch.where(m > 0, a, last)  # across an environment token: carried to the previous policy token
+        next_value = torch.where(m > 0, values[:, t], next_value)
     adv = torch.stack(out[::-1], dim=1)
     return adv, (adv + values) * mask
 
