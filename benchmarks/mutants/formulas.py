@@ -107,6 +107,12 @@ MUTATIONS = [
     M("length reward: wrong answers keep λ > 0", "align/objectives/shaping.py",
       "return [lm if c else min(0.0, lm) for lm, c in zip(lam, correct)]", "return lam", RL_TESTS),
     # ---- PPO estimators (align/objectives/ppo.py) and loss aggregation (policy.py)
+    # ---- the calculator tool (align/tools/calculator.py)
+    M("calculator: any constant taken as a number", "align/tools/calculator.py",
+      "if isinstance(node, ast.Constant) and type(node.value) in (int, float):", "if isinstance(node, ast.Constant):",
+      ("tests/test_calculator.py",)),
+    M("calculator: a power's size unchecked", "align/tools/calculator.py",
+      "if digits(base) * abs(int(exponent)) > MAX_DIGITS:", "if False:", ("tests/test_calculator.py",)),
     M("gae: λ dropped", "align/objectives/ppo.py", "a = delta + gamma * lam * last",
       "a = delta + gamma * last", PPO_TESTS),
     M("gae: the chain cut at an environment token", "align/objectives/ppo.py",

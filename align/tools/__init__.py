@@ -1,0 +1,1 @@
+"""Tools a policy calls during its rollout (the built-in calculator first)."""
