@@ -4,6 +4,7 @@ sampler's log-probs and the environment's get no loss and no gradient."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from align.rollout.episode import CalculatorEnv, Episode, Limits, Step, model_turn_sampler, run_episode
@@ -119,3 +120,30 @@ def test_the_calculator_environment_answers_a_tool_call_and_ends_on_an_answer():
     ep = run_episode(sampler, lambda s: [ord(c) for c in s], lambda ids: "".join(map(chr, ids)), env, {}, [0])
     assert "".join(map(chr, ep.ids)) == "12*34=<calc>12*34</calc><out>408</out>#### 408"
     assert ep.stop == "done" and ep.tool_calls == 1 and ep.tool_errors == 0 and ep.env_tokens == len("<out>408</out>")
+
+
+def test_an_episodes_batch_masks_the_environment_and_the_trainer_scores_its_sampled_tokens(tiny_model_dir):
+    """Episode.completion → rollout_batch: the response mask is the policy mask at the trainer's positions, the
+    sampler's log-probs sit there (0 at the environment's tokens), and align.logprobs over the batch gives them
+    back on the policy's tokens; a plain completion's batch is unchanged (every response token)."""
+    from align.logprobs import logprobs
+    from align.rollout.batch import rollout_batch
+    from align.rollout.generation import Completion
+
+    model, tok = load(tiny_model_dir)
+    prompt = tok("Sort 3 1 2:", add_special_tokens=False)["input_ids"]
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eps = [run_episode(model_turn_sampler(model, tok, 1.0, key), encode, tok.decode, Echo(turns=2), {}, prompt,
+                       Limits(turn_tokens=5)) for key in (1, 2)]
+    plain = Completion(prompt, [5, 6, 7], "x", True, [-1.0, -2.0, -3.0])
+    batch = rollout_batch([e.completion(tok.decode) for e in eps] + [plain], tok.pad_token_id, "cpu")
+    start = len(prompt) - 1
+    for i, e in enumerate(eps):
+        assert batch["response_mask"][i, start:start + len(e.ids)].tolist() == e.policy_mask
+        assert batch["response_mask"][i, :start].sum() == 0 and batch["response_mask"][i, start + len(e.ids):].sum() == 0
+        assert batch["sampler_logp"][i, start:start + len(e.ids)].tolist() == pytest.approx(e.logprobs)
+    assert batch["response_mask"][2, start:start + 3].tolist() == [1, 1, 1] and batch["response_mask"][2].sum() == 3
+    with torch.no_grad():
+        trainer, _ = logprobs(model, batch)
+    m = batch["response_mask"][:2]
+    torch.testing.assert_close(trainer[:2] * m, batch["sampler_logp"][:2] * m, atol=1e-5, rtol=1e-5)

@@ -5,7 +5,7 @@ right-padded token tensors the losses see.
 of every response token at the sampling temperature, compared with the trainer's (objectives.offpolicy.rollout_mismatch).
 
 In `Rollout.batch()`, `response_mask[i, t] = 1` when target token t+1 of row i is a response token (the EOS
-included; prompt, padding and anything after EOS excluded). Rows are prompt-major: sample g of prompt p is row
+included; prompt, padding and anything after EOS excluded; in a multi-turn episode the environment's tokens too). Rows are prompt-major: sample g of prompt p is row
 p·G + g, which is what `grouped()` undoes.
 """
 
@@ -75,6 +75,8 @@ def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
     for i, c in enumerate(completions):
         start = len(c.prompt_ids) - 1  # logits at position p predict token p+1
         resp[i, start : start + len(c.ids)] = 1
+        if c.policy_mask is not None:  # a multi-turn episode: the environment's tokens are no response tokens
+            resp[i, start : start + len(c.ids)] = torch.tensor(c.policy_mask, dtype=resp.dtype)
     batch = {"input_ids": ids, "response_mask": resp}
     if completions and all(c.logps is not None for c in completions):
         # the sampler's log-probs at the positions the trainer's log-probs take (rollout/logp_abs_diff, --tis-cap)

@@ -79,6 +79,15 @@ class Episode:
         self.policy_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
 
+    def completion(self, decode: Callable[[list[int]], str]):
+        """The episode as a rollout Completion (align.rollout.generation): its tokens after the prompt, the
+        sampler's log-probs and the policy mask, so `rollout_batch` gives it a response mask over the policy's
+        tokens only; finished unless a limit cut it."""
+        from align.rollout.generation import Completion
+
+        return Completion(self.prompt_ids, self.ids, decode(self.ids), self.stop in ("done", "eos"), self.logprobs,
+                          self.policy_mask)
+
     @property
     def policy_tokens(self) -> int:
         return sum(self.policy_mask)

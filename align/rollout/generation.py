@@ -42,6 +42,9 @@ class Completion:
     # the sampler's log-probability of each response token: log_softmax(logits / T)[token] of the logits it sampled
     # from, at the temperature it sampled at, before top-k / top-p (what the trainer scores); None when greedy
     logps: list[float] | None = None
+    # a multi-turn episode's (align.rollout.episode): 1 on the tokens the policy sampled, 0 on the environment's;
+    # None: every response token is the policy's
+    policy_mask: list[int] | None = None
 
 
 def _generation_config(tokenizer, s: Sampling):
