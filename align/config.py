@@ -492,6 +492,22 @@ def held_out_fields(cfg) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cfg) if f.metadata.get("shipped")]
 
 
+def held_out_choices(cfg) -> dict:
+    """The held-out data options of `cfg` left at auto and what they become (TrainConfig.resolved), as the run's
+    choices ({name: {"value", "why"}}): a choice the run says, since it is not the --data given ("none" where
+    --data is the user's and no --eval-split holds part out)."""
+    values, done = as_dict(cfg), as_dict(cfg.resolved())
+
+    def choice(f) -> dict:
+        if done[f.name]:
+            return {"value": done[f.name], "why": "auto: the shipped task's"}
+        if f.metadata["split"] and values.get("eval_split"):
+            return {"value": f"{values['eval_split']:g} of --data", "why": "auto: --eval-split"}
+        return {"value": "none", "why": "auto: --data is yours"}
+
+    return {f.name: choice(f) for f in held_out_fields(cfg) if values[f.name] == AUTO}
+
+
 def fields(cls) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls))
 

@@ -727,7 +727,7 @@ def continuation(p: Pipeline, stage: Stage, out: Path, cfg: dict, st: State) -> 
     old, new = saved["config"].get("max_steps"), cfg.get("max_steps")
     auto = {k: v for k, (v, _) in stage.config(**cfg).automatic().items()}  # what the stage makes of --lr 0, ...
     # as the stage runs it: held-out options left at auto made concrete, --lr 0 / --warmup-steps -1 resolved
-    now = {**C.as_dict(stage.config(**cfg).resolved()), **auto}
+    now = C.as_dict(stage.config(**cfg).resolved())
     changed = {k for k in (checkpoint.RESUMABLE | checkpoint.APPLIED) - {"out", "resume", *C.PREFLIGHT}
                if saved["config"].get(k) != now.get(k)}
     if (key != resume_key(p, stage, cfg) or (st.status == "stale" and changed != {"max_steps"})

@@ -108,18 +108,19 @@ def test_the_shipped_pipelines_run_with_the_lr_and_warmup_they_always_had(file, 
 
 
 def test_held_out_data_left_at_the_shipped_default_is_a_choice_said(tmp_path):
-    from align.engine.run import fmt_choice, held_out_defaults
+    from align.config import held_out_choices
+    from align.engine.run import fmt_choice
     from align.paths import DATA_DIR
 
     test = str(DATA_DIR / "arithmetic/test.jsonl")
-    assert held_out_defaults(SFTConfig()) == {"eval_data": {"value": test, "why": "auto: the shipped task's"}}
+    assert held_out_choices(SFTConfig()) == {"eval_data": {"value": test, "why": "auto: the shipped task's"}}
     mine = str(tmp_path / "train.jsonl")  # the user's --data: no held-out set unless --eval-split holds part out
-    assert held_out_defaults(SFTConfig(data=mine)) == {"eval_data": {"value": "none", "why": "auto: --data is yours"}}
-    assert held_out_defaults(SFTConfig(data=mine, eval_split=0.1)) == {
+    assert held_out_choices(SFTConfig(data=mine)) == {"eval_data": {"value": "none", "why": "auto: --data is yours"}}
+    assert held_out_choices(SFTConfig(data=mine, eval_split=0.1)) == {
         "eval_data": {"value": "0.1 of --data", "why": "auto: --eval-split"}}
-    assert held_out_defaults(SFTConfig(eval_data=str(tmp_path / "mine.jsonl"))) == {}  # given: no choice
-    assert held_out_defaults(SFTConfig(eval_data="")) == {}
-    assert set(held_out_defaults(DPOConfig())) == {"eval_data", "pass_data"}
+    assert held_out_choices(SFTConfig(eval_data=str(tmp_path / "mine.jsonl"))) == {}  # given: no choice
+    assert held_out_choices(SFTConfig(eval_data="")) == {}
+    assert set(held_out_choices(DPOConfig())) == {"eval_data", "pass_data"}
     assert fmt_choice(2e-5) == "2e-05" and fmt_choice(0.002) == "0.002" and fmt_choice(4) == "4"
 
 

@@ -39,7 +39,7 @@ from rich.markup import escape
 
 from align import runtime, trackers
 from align.artifacts import ArtifactWriter, describe_code
-from align.config import AUTO, Options, StageConfig, TrainConfig, as_dict, held_out_fields, load_toml
+from align.config import Options, StageConfig, TrainConfig, as_dict, held_out_choices, load_toml
 from align.console import info, summary_table
 from align.engine import checkpoint, disk, outdir, plan
 from align.engine.alarm import Alarms
@@ -88,21 +88,6 @@ class Output:
     extra: dict = field(default_factory=dict)
 
 
-def held_out_defaults(cfg: Options) -> dict:
-    """The held-out data options left at auto (config.held_out_opt) and what they became: a choice the run says,
-    since it is not the --data given ("none" where --data is the user's and no --eval-split holds part out)."""
-    values, done = as_dict(cfg), as_dict(cfg.resolved())
-
-    def choice(f) -> dict:
-        if done[f.name]:
-            return {"value": done[f.name], "why": "auto: the shipped task's"}
-        if f.metadata["split"] and values.get("eval_split"):
-            return {"value": f"{values['eval_split']:g} of --data", "why": "auto: --eval-split"}
-        return {"value": "none", "why": "auto: --data is yours"}
-
-    return {f.name: choice(f) for f in held_out_fields(cfg) if values[f.name] == AUTO}
-
-
 def fmt_choice(value) -> str:
     """A chosen value as the choices line shows it (a learning rate as 2e-05, not 2.0000000000000002e-05)."""
     if isinstance(value, str) and os.path.isabs(value) and not os.path.relpath(value).startswith(".."):
@@ -132,8 +117,10 @@ class StageRun(StepLoop, Saves):
     def __init__(self, cfg: Options, stage: str):
         # the options left to the run made concrete, once (the stage reads them as run.cfg); said and recorded
         self.choices = {name: {"value": value, "why": why} for name, (value, why) in cfg.automatic().items() if why}
-        self.choices |= held_out_defaults(cfg)
+        self.choices |= held_out_choices(cfg)
         cfg = cfg.resolved()
+        if isinstance(cfg, TrainConfig) and (note := cfg.held_out_note()):
+            info(note)  # which held-out data the run uses and why, in words
         self.cfg, self.stage, self.out = cfg, stage, Path(cfg.out)
         self.training: TrainConfig | None = cfg if isinstance(cfg, TrainConfig) else None
         outdir.check(cfg, stage)  # at once: a refused --out is said before the inputs are read
@@ -329,11 +316,8 @@ class StageRun(StepLoop, Saves):
 
 def train(cfg: TrainConfig, stage: str, algorithm) -> dict:
     """Run a training stage: `algorithm(cfg, run)` builds it, the run trains it, saves it and says how it went.
-    A line first says which held-out data the run uses and why; StageRun makes the config's automatic values
-    concrete (the stage reads them as run.cfg) and says them in its "choices:" line."""
-    note = cfg.resolved().held_out_note()  # StageRun resolves the config itself, and records what it chose
-    if note:
-        info(note)
+    StageRun makes the config's automatic values concrete (the stage reads them as run.cfg), says which held-out
+    data the run uses and why, and says the choices in its "choices:" line."""
     with StageRun(cfg, stage) as run:
         algo = algorithm(run.cfg, run)  # the config as the run resolved it
         close = getattr(algo, "close", lambda failed=False: None)  # what it holds beside its engines (decoder ranks)
