@@ -28,7 +28,7 @@ PREFLIGHT = ("plan", "plan_check", "overwrite", "report_to")
 # the groups of options a command's --help shows, in this order, after the command's own options (those its config
 # class declares itself): an option declares its group with `opt(..., group=...)`
 GROUPS = {"data": "Model and data", "optimisation": "Optimisation", "sampling": "Rollout and sampling",
-          "hardware": "Hardware", "run": "Output and run"}
+          "tools": "Tools", "hardware": "Hardware", "run": "Output and run"}
 AUTO_LR, AUTO_WARMUP = 0.0, -1  # --lr / --warmup-steps left to the run: resolved() makes them concrete
 
 
@@ -182,6 +182,28 @@ def positive_ints(text: str, name: str) -> list[int]:
     if not ks or ks[0] < 1:
         raise UserError(f"{name} must be comma-separated integers >= 1 like 1,4,8, got {text!r}.")
     return ks
+
+
+def tools_opt(help: str = "Tools the policy calls in its rollouts, which become multi-turn episodes: calculator "
+                             "(the built-in: it writes <calc>EXPR</calc>, the tool answers <out>VALUE</out>, it goes "
+                             "on), or FILE.py:fn1,fn2 (your functions, in a sandbox: no network, memory and time "
+                             "limits); the tools' tokens carry no loss (docs/tools.md) ('' : none).", **meta):
+    """--tools (align.tools)."""
+    return opt("", help, code=True, group="tools", **meta)
+
+
+def max_turns_opt():
+    return opt(4, "With --tools: the most policy turns of an episode (a tool call ends a turn).", ge=1, group="tools")
+
+
+def max_tool_tokens_opt():
+    return opt(64, "With --tools: the most tokens the tools' answers add to an episode (beyond, it ends).", ge=1,
+               group="tools")
+
+
+def tool_timeout_opt():
+    return opt(10.0, "With --tools FILE.py:fn: seconds one call may take; past it the tool is killed and the episode "
+                     "ends (scored as --on-reward-error says, or 0).", gt=0, group="tools")
 
 
 def verifier_opt(**meta):

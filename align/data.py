@@ -392,12 +392,14 @@ def encode_completions(tokenizer, completions: list, prompts: list | None = None
     return [c + [tokenizer.eos_token_id] for c in ids]
 
 
-def sft_examples(tokenizer, rows: list[dict], max_length: int, assistant_only: bool = False) -> list[dict]:
+def sft_examples(tokenizer, rows: list[dict], max_length: int, assistant_only: bool = False,
+                 tools: str = "") -> list[dict]:
     """input_ids and labels (-100 on tokens without loss) per row, in the rows' order. {prompt, completion} and
     {messages} (its last assistant turn the completion): loss on the completion; the prompt loses tokens from the
     left, the completion is never cut, and a row whose completion alone does not fit is dropped. {messages} with
     `assistant_only` (--assistant-only-loss): loss on every assistant turn (`conversation_example`). {text}:
-    language modelling, loss on every token (`text_examples`)."""
+    language modelling, loss on every token (`text_examples`). `tools` (--tools): {prompt, completion} text
+    completions hold tool calls and the tools' answers (`tool_completion`): loss on the policy's parts only."""
     out: list[dict | None] = [None] * len(rows)
     pc, texts = [], []  # (place, prompt, completion); (place, text)
     for i, row in enumerate(rows):
@@ -411,16 +413,36 @@ def sft_examples(tokenizer, rows: list[dict], max_length: int, assistant_only: b
             texts.append((i, row["text"]))
     if pc:
         places, prompts, completions = (list(x) for x in zip(*pc))
-        encoded = zip(encode_prompts(tokenizer, prompts), encode_completions(tokenizer, completions, prompts))
-        for i, (p, c) in zip(places, encoded):
+        if tools:
+            labelled = [tool_completion(tokenizer, tools, c) for c in completions]
+        else:
+            labelled = [(c, c) for c in encode_completions(tokenizer, completions, prompts)]
+        for i, p, (c, lab) in zip(places, encode_prompts(tokenizer, prompts), labelled):
             if len(c) >= max_length:
                 continue
             p = p[max(0, len(p) + len(c) - max_length):]
-            out[i] = {"input_ids": p + c, "labels": [-100] * len(p) + c, "n_labels": len(c)}
+            out[i] = {"input_ids": p + c, "labels": [-100] * len(p) + lab, "n_labels": sum(t != IGNORE for t in lab)}
     if texts:
         for (i, _), e in zip(texts, text_examples(tokenizer, [t for _, t in texts], max_length)):
             out[i] = e
     return [e for e in out if e is not None]
+
+
+def tool_completion(tokenizer, tools: str, completion) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a demonstration holding tool calls: its text cut into the policy's parts and the tools'
+    answers (align.tools.segments), each part tokenised on its own — as an episode holds them: the policy's turns
+    as sampled, each answer tokenised when it came — then EOS; labels IGNORE on the tools' tokens."""
+    from align import tools as T
+
+    if not isinstance(completion, str):
+        raise UserError("--tools in SFT reads {prompt, completion} rows whose completion is text holding the tool "
+                        "calls and answers (as `align data make mul_tool` writes them).")
+    ids, labels = [], []
+    for text, policy in T.segments(tools, completion):
+        part = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        ids += part
+        labels += part if policy else [IGNORE] * len(part)
+    return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
 
 
 def conversation_example(tokenizer, messages: list[dict], max_length: int) -> dict | None:

@@ -252,6 +252,20 @@ def check_median_above(xs: list, window: int, max_value: float) -> Check:
     return QUIET
 
 
+def check_abandoned(calls: list, reward: list = (), *, window: int, max_ratio: float, min_calls: float) -> Check:
+    """The policy gives up its tools while its reward falls: the mean tool calls per episode of the last `window`
+    steps below max_ratio × those of the first `window` (which were at least `min_calls`), and the reward's mean
+    over the last `window` below its first. Needs 2 × window steps."""
+    if len(calls) < 2 * window or len(reward) < 2 * window:
+        return QUIET
+    start, now = _mean(calls[:window]), _mean(calls[-window:])
+    fell = _mean(reward[-window:]) < _mean(reward[:window])
+    if start < min_calls or not now < max_ratio * start or not fell:
+        return QUIET
+    return Check(True, now, max_ratio * start, f"tool calls per episode {now:.3g} in the last {window} steps, "
+                                               f"{start:.3g} in the first, while the reward fell")
+
+
 def check_collapse(xs: list, reward: list = (), truncated: list = (), gold: list = (), *, window: int, ref_window: int,
                    max_ratio: float, min_fall: float, min_z: float, min_value: float, floor_ratio: float,
                    learning_z: float = math.inf, max_truncated: float = 0.9) -> Check:
@@ -601,6 +615,29 @@ def default_rules(precision: str = "fp32") -> list:
                      "explains: the rollouts come from another policy than the one trained (a stale or wrongly "
                      "loaded decoder weight copy, a sampling bug). Check the weight refresh before each rollout; "
                      "--tis-cap 2 corrects the gradient for a small, real mismatch."),
+        # --tools: a tool whose every call fails (broken, hanging past its timeout, or the policy's calls all
+        # malformed), most calls failing, episodes that run into --max-turns (a policy looping on its tool), and
+        # a policy giving up its tools while the reward falls
+        Rule("tool_broken", "tools/failure_frequency", check_held_at_least, "stop", 5, params={"min_value": 1.0},
+             remedy={},
+             message="Every tool call failed for 5 steps in a row: the tool is broken (it raises, runs past its "
+                     "timeout or returns what is not text) or every call the policy writes is malformed. Read the "
+                     "transcripts in eval_samples.jsonl, call the tool by hand on one of them, fix it and rerun."),
+        Rule("tool_errors_high", "tools/failure_frequency", check_median_above, "warn", 10, params={"max_value": 0.5},
+             remedy={},
+             message="Most tool calls fail: the policy writes calls the tool cannot answer (look at the "
+                     "transcripts), or the tool fails on valid ones. Start from a model that has seen well-formed "
+                     "calls (SFT on tool demonstrations) or fix the tool."),
+        Rule("turn_limit", "episodes/stop/max_turns", check_median_above, "warn", 10, params={"max_value": 0.5},
+             remedy={},
+             message="Most episodes end at --max-turns: the policy keeps calling tools instead of answering (a "
+                     "loop its reward does not punish). Give a final answer a reward the loop cannot earn, lower "
+                     "--max-turns, or raise it if the task needs more calls."),
+        Rule("tools_abandoned", "tools/call_frequency", check_abandoned, "warn", 10, extra=("reward",),
+             params={"max_ratio": 0.5, "min_calls": 0.2},
+             message="The policy stopped calling its tools while its reward fell: the tool's answers may be "
+                     "wrong or cut by --max-tool-tokens, or tool errors cost more than answering alone. Check the "
+                     "tool on the transcripts; lower the LR or stop early (keep the best checkpoint)."),
     ]
 
 

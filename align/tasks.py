@@ -16,6 +16,10 @@ Row schemas:
     sort:       {"prompt", "completion", "answer"}            completion == answer == "1 3 7 9"
     prefs:      {"prompt", "chosen", "rejected", "answer"}    chosen is correct, rejected is not
     text:       {"text"}                                      short narrative paragraphs
+    mul_tool:   {"prompt", "completion", "answer", "tool"}    a product of a 3-4 digit and a 3-4 digit number; the
+                      completion answers directly, or (tool: true, tool_rate of the rows) calls the calculator
+                      first: "<calc>A * B</calc><out>P</out>P" (train with --tools calculator: the <out> part is
+                      the tool's)
 """
 
 import json
@@ -24,7 +28,7 @@ import random
 from align.artifacts import atomic_open
 from align.errors import UserError
 
-TASKS = ("digit_sort", "digit_sort_prefs", "arithmetic", "sort", "prefs", "text")
+TASKS = ("digit_sort", "digit_sort_prefs", "arithmetic", "sort", "prefs", "text", "mul_tool")
 LEVELS = {1: (1, 2), 2: (1, 3), 3: (2, 2), 4: (2, 3)}  # level -> (digits per operand, operands)
 
 NAMES = [
@@ -210,6 +214,37 @@ def digit_sort_pair(rng, **case):
     return {"prompt": prompt, "chosen": answer, "rejected": rejected, "answer": answer, "flaw": flaw}
 
 
+# mul_tool: the share of demonstrations that call the calculator (the others answer directly)
+TOOL_RATE = 0.2
+
+
+def mul_tool_row(rng, tool_rate=TOOL_RATE, min_digits=3, max_digits=4, call="calculator"):
+    """Row {"prompt", "completion", "answer", "tool"}: "What is A * B?" for A, B of min_digits..max_digits digits;
+    the demonstration answers with the product directly, or, with probability tool_rate, asks the calculator first
+    (call "calculator": the format of align.tools.calculator.CalculatorEnv; call "mul": a user's function
+    mul(a, b) in align.tools.functions' format). A small model cannot multiply such numbers in its head: only the
+    tool gets them right."""
+    if call not in ("calculator", "mul"):
+        raise UserError(f"mul_tool call must be calculator or mul, got {call!r}")
+    if not 0.0 <= float(tool_rate) <= 1.0:
+        raise UserError(f"mul_tool tool_rate must be in [0, 1], got {tool_rate}")
+    if not 1 <= int(min_digits) <= int(max_digits) <= 12:
+        raise UserError(f"mul_tool digits must satisfy 1 <= min_digits <= max_digits <= 12, got {min_digits}..{max_digits}")
+    a, b = (_digits(rng, int(min_digits), int(max_digits)) for _ in range(2))
+    product = str(a * b)
+    tool = rng.random() < float(tool_rate)
+    request = (f"<calc>{a} * {b}</calc>" if call == "calculator" else
+               f'<tool>{{"name": "mul", "arguments": {{"a": {a}, "b": {b}}}}}</tool>')
+    completion = f"{request}<out>{product}</out>{product}" if tool else product
+    return {"prompt": f"What is {a} * {b}?", "completion": completion, "answer": product, "tool": tool}
+
+
+def _digits(rng, lo: int, hi: int) -> int:
+    """A number of lo..hi digits, the digit count drawn uniformly."""
+    n = rng.randint(lo, hi)
+    return rng.randint(10 ** (n - 1), 10**n - 1)
+
+
 def corrupt_arithmetic(rng, nums, ops):
     """A wrong worked solution: wrong final number, consistent slip, wrong operator or misread operand."""
     correct = evaluate(nums, ops)
@@ -305,7 +340,8 @@ def _row_maker(task, levels, opts):
     """A function rng, index -> row for the task, with options checked up front."""
     allowed = {"digit_sort": {"flaw_rate", "min_len", "max_len"}, "digit_sort_prefs": {"min_len", "max_len"},
                "arithmetic": set(), "sort": {"min_len", "max_len", "max_value"},
-               "prefs": {"sort_frac", "min_len", "max_len", "max_value"}, "text": {"min_sentences", "max_sentences"}}
+               "prefs": {"sort_frac", "min_len", "max_len", "max_value"}, "text": {"min_sentences", "max_sentences"},
+               "mul_tool": {"tool_rate", "min_digits", "max_digits", "call"}}
     if task not in allowed:
         raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
     unknown = set(opts) - allowed[task]
@@ -325,6 +361,8 @@ def _row_maker(task, levels, opts):
         return lambda rng, i: sort_row(rng, **opts)
     if task == "prefs":
         return lambda rng, i: prefs_row(rng, levels[i % len(levels)], **opts)
+    if task == "mul_tool":
+        return lambda rng, i: mul_tool_row(rng, **opts)
     return lambda rng, i: text_row(rng, levels, **opts)
 
 

@@ -19,11 +19,12 @@ def stale_decoder(onset: int):
 
     original, calls, frozen = R.generate_on_rank, [0], {}
 
-    def generate_on_rank(eng, tokenizer, prompts, s, dist, batch_size=64, gather=True, on_batch=None, indices=None):
+    def generate_on_rank(eng, tokenizer, prompts, s, dist, batch_size=64, gather=True, on_batch=None, indices=None,
+                         agent=None, rows=None):
         k = calls[0]
         calls[0] += 1
         if k < onset - 1:
-            return original(eng, tokenizer, prompts, s, dist, batch_size, gather, on_batch, indices)
+            return original(eng, tokenizer, prompts, s, dist, batch_size, gather, on_batch, indices, agent, rows)
         if indices is None:
             indices = range(dist.rank * len(prompts), (dist.rank + 1) * len(prompts))
         with runtime.gathered_for_generation(eng, gather) as module, torch.no_grad():
@@ -36,7 +37,7 @@ def stale_decoder(onset: int):
                     p.copy_(frozen[n])
             try:
                 return generate_local(module, tokenizer, prompts, s, batch_size, dist.device, on_batch=on_batch,
-                                      indices=indices)
+                                      indices=indices, agent=agent, rows=rows)
             finally:
                 for n, t in live.items():
                     params[n].copy_(t)

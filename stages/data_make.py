@@ -4,7 +4,7 @@
 stage): OUT/data.jsonl, OUT/test.jsonl and artifact.json, read by later stages as `@NAME` (its data.jsonl) or
 `@NAME/test.jsonl`.
 
-TASK is one of the built-in tasks (digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text), `rg:NAME` for a reasoning-gym task (optional
+TASK is one of the built-in tasks (digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool), `rg:NAME` for a reasoning-gym task (optional
 extra), or `prefs --from-model M --data FILE`: preference pairs a model makes itself — K sampled completions per
 prompt of a verifiable file, a correct one as `chosen` and an incorrect one as `rejected` (on-policy pairs, as in
 online / iterative DPO recipes).
@@ -28,7 +28,7 @@ from align.errors import UserError
 
 @dataclass(frozen=True)
 class DataMakeConfig(Options):
-    task: str = opt("arithmetic", "Task: digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, or rg:NAME "
+    task: str = opt("arithmetic", "Task: digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool, or rg:NAME "
                                   "(a reasoning-gym task).")
     n: int = opt(1000, "Rows to generate (prefs --from-model: prompts to sample, 0 = all of --data).", ge=0)
     seed: int = opt(0, "Random seed.", ge=0, le=SEED_MAX)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import SamplingConfig, StageConfig, opt, positive_ints
+from align.config import (SamplingConfig, StageConfig, max_tool_tokens_opt, max_turns_opt, opt, positive_ints,
+                          tool_timeout_opt, tools_opt)
 from align.paths import DATA_DIR
 from align.rewards import REWARDS, verifier_fn
 
@@ -23,6 +24,11 @@ class EvalConfig(SamplingConfig, StageConfig):
                                 "exact).", code=True)
     batch_size: int = opt(64, "Generation batch per process.", ge=1)
     gather: bool = opt(True, "ZeRO-3: gather weights once per generation phase (off: synced_gpus, less memory).")
+    tools: str = tools_opt("Tools the model may call: calculator (see `align grpo --help`); every answer is then a "
+                           "multi-turn episode, graded on its last turn ('' : none).")
+    max_turns: int = max_turns_opt()
+    max_tool_tokens: int = max_tool_tokens_opt()
+    tool_timeout: float = tool_timeout_opt()
 
     def ks(self) -> list[int]:
         return positive_ints(self.k, "--k")
@@ -30,5 +36,9 @@ class EvalConfig(SamplingConfig, StageConfig):
     def validate(self):
         super().validate()
         self.ks()
+        if self.tools:
+            from align import tools
+
+            tools.check(self.tools)
         if self.verifier != "auto":
             verifier_fn(self.verifier)

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from align import data as D
-from align import objectives, runtime
+from align import objectives, runtime, tools
 from align.artifacts import describe_inputs
 from align.console import info
 from align.engine.build import Optim, rows_within
@@ -44,7 +44,7 @@ from align.objectives.grpo import GRPOBatch, GRPOCoefs, grpo_loss
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_rewards, parse_rewards, probe
 from align.rollout import disagg
-from align.rollout.batch import Rollout, record_completions, record_mismatch, sample, select, timed
+from align.rollout.batch import Rollout, record_completions, record_episodes, record_mismatch, sample, select, timed
 from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
                                       verifier_note)
 from align.rollout.generation import Sampling
@@ -58,8 +58,9 @@ def rewards_of(cfg: GRPOConfig, fns: list, rows: list[dict], completions: list) 
     (parse_rewards): each function called on them all (a batched one once), then their values summed per
     sample."""
     texts, ids = [c.text for c in completions], [c.ids for c in completions]
-    table = [call_rewards(r, rows, texts, ids, cfg.reward_timeout) if r.fn is not None else [None] * len(texts)
-             for r in fns]
+    answers = [c.answer for c in completions]  # a built-in verifier grades an episode's last turn, yours all of it
+    table = [call_rewards(r, rows, texts if r.path else answers, ids, cfg.reward_timeout) if r.fn is not None
+             else [None] * len(texts) for r in fns]
     return [reward(cfg, fns, [values[i] for values in table], c) for i, c in enumerate(completions)]
 
 
@@ -68,7 +69,11 @@ def reward(cfg: GRPOConfig, fns: list, values: list, c) -> tuple[float | None, d
     returned for it (call_rewards: a number, None — TRL's "does not apply": left out of the sum and of
     rewards/NAME — or a RewardError). None when a function failed and --on-reward-error is skip, or when every
     function returned None and no --reward-model scores it (TRL's unscorable sample: left out as a skipped one is,
-    not counted as an error). A failure under skip or zero is counted in parts["errors"]."""
+    not counted as an error). A failure under skip or zero is counted in parts["errors"]. An episode a tool ended
+    by failing (stop "tool_error": align.tools.functions) is skipped under skip and scores 0 otherwise (fail too:
+    a tool's failure never stops the run), counted in parts["errors"]."""
+    if c.episode and c.episode.stop == "tool_error":  # a tool hung, crashed or returned garbage: never the run
+        return (None if cfg.on_reward_error == "skip" else 0.0), {"errors": 1.0}
     parts, total, scored = {"errors": 0.0}, 0.0, False
     for r, v in zip(fns, values):
         if r.fn is None:  # a group reward (length), added per group in score()
@@ -84,10 +89,13 @@ def reward(cfg: GRPOConfig, fns: list, values: list, c) -> tuple[float | None, d
         scored = True
         parts[r.name] = v
         total += r.weight * v
+    if c.episode and c.episode.env_reward is not None:  # what the environment gave along the episode
+        scored, parts["env"] = True, c.episode.env_reward
+        total += c.episode.env_reward
     if not scored and not cfg.reward_model:
         return None, parts
     if cfg.overlong_cache:
-        n = len(c.ids) if c.finished else cfg.max_new_tokens + 1
+        n = len(c.policy_ids) if c.finished else cfg.max_new_tokens + 1
         overlong = objectives.get("shaping", "overlong").fn
         total += overlong([n], max_len=cfg.max_new_tokens, cache=cfg.overlong_cache)[0]
     return total, parts
@@ -133,7 +141,7 @@ class GRPOPlan(RLPlan):
         sequences per process and step)."""
         cfg = self.cfg
         n = cfg.prompts_per_step // world * cfg.num_generations
-        longest = data.prompt() + cfg.max_new_tokens
+        longest = data.prompt() + cfg.episode_tokens
         return min(micro_batch_size or rows_within(n, longest, cfg.micro_batch_tokens), n), n
 
     def terms(self, plan: Plan, models: dict[str, Model], s: Setup, data: Data) -> None:
@@ -147,12 +155,12 @@ class GRPOPlan(RLPlan):
             plan.add("reference: weights", model_state(ref, s)["weights"])
         if self.decoders:
             decoder_terms(plan, policy, self.decoders, cfg.prompts_per_step * cfg.num_generations, prompt,
-                          cfg.max_new_tokens, s)
+                          cfg.episode_tokens, s)
         else:
-            rollout_terms(plan, policy, n, prompt, cfg.max_new_tokens, s)
-        score_terms(plan, ([policy] if cfg.num_iterations > 1 else []) + others, micro, prompt + cfg.max_new_tokens, s)
+            rollout_terms(plan, policy, n, prompt, cfg.episode_tokens, s)
+        score_terms(plan, ([policy] if cfg.num_iterations > 1 else []) + others, micro, prompt + cfg.episode_tokens, s)
         zero3_blocks(plan, [policy, *others], s)
-        update_terms(plan, a, micro, prompt + cfg.max_new_tokens, s)
+        update_terms(plan, a, micro, prompt + cfg.episode_tokens, s)
 
     def changes(self, device: Device, data: Data) -> Iterator[Family]:
         """No decoder ranks (every process trains), a smaller micro-batch, gradient checkpointing, LoRA, optimizer
@@ -181,15 +189,17 @@ class GRPO:
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
         # each reward function on the first rows: a wrong signature or return fails here, before any model is built
         probe(self.reward_fns, self.rows, timeout=cfg.reward_timeout, tokenizer=self.tok, where=cfg.data)
+        # your tools' sandbox started (their file loaded, their schemas read) before any model is built
+        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout)
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                   held_out=True) if cfg.eval_data and cfg.eval_samples else
                                       D.verifiable_rows(split[: cfg.eval_samples], cfg.data),
-                                      self.tok, source, cfg.max_new_tokens, cfg.eval_data or cfg.data)
+                                      self.tok, source, cfg.episode_tokens, cfg.eval_data or cfg.data)
         self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data or cfg.data)
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
         self.rows, self.prompt_ids = fitting(self.rows, D.encode_prompts(self.tok, [r["prompt"] for r in self.rows]),
-                                             context_length(source), cfg.max_new_tokens, cfg.data)
+                                             context_length(source), cfg.episode_tokens, cfg.data)
 
         teacher_source = resolve(cfg.teacher, expect="policy") if cfg.teacher else None
         if teacher_source and load_tokenizer(teacher_source, cfg.trust_remote_code).get_vocab() != self.tok.get_vocab():
@@ -227,7 +237,8 @@ class GRPO:
              f"rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
-             f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}")
+             f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}"
+             f"{f', tools {cfg.tools} (up to {cfg.max_turns} turns)' if self.agent else ''}")
 
     def load_policy(self, source):
         cfg = self.cfg
@@ -268,7 +279,7 @@ class GRPO:
         cfg = self.cfg
         idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
         return sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx],
-                      cfg.num_generations, self.sampling_of(step), self.run.dist, cfg.gather)
+                      cfg.num_generations, self.sampling_of(step), self.run.dist, cfg.gather, self.agent)
 
     def step_prompts(self, step: int) -> list[list[int]]:
         """The token ids of every prompt of rollout `step` (all ranks')."""
@@ -287,7 +298,7 @@ class GRPO:
             for p in range(len(r.rows)):
                 group = range(p * G, (p + 1) * G)
                 correct = [results[j][1].get("math") == 1.0 for j in group]
-                lengths = [len(r.completions[j].ids) for j in group]
+                lengths = [len(r.completions[j].policy_ids) for j in group]
                 shaped = objectives.get("shaping", "length").fn(lengths, correct)
                 r.rewards[p] += length_fn.weight * torch.tensor(shaped)
         if self.rm is not None:  # every rank scores its equal share (ZeRO-3 forwards are collective)
@@ -403,6 +414,8 @@ class GRPO:
         stats.std("reward_std", r.rewards[r.valid.bool()])
         stats.mean("frac_reward_zero_std", zero_std.sum(), len(zero_std))
         record_completions(stats, r)
+        if self.agent:
+            record_episodes(stats, r)
         stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/generate"], 1e-9))
         stats.sum("tokens", lengths.sum())  # sampled and trained on: the run logs tokens_per_s of the whole step
         for k, v in r.parts.items():  # NaN: a function that applied to no sample of the step (TRL's nanmean)
@@ -435,7 +448,7 @@ class GRPO:
         ks = self.cfg.ks()
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
                                   sampling=replace(self.sampling, seed=self.cfg.seed), gather=self.cfg.gather,
-                                  verifier=self.verifier)
+                                  verifier=self.verifier, agent=self.agent)
         save_eval_samples(self.run.out, step, recs, self.run.dist)
         return {f"eval/{k}": v for k, v in m.items()}
 
@@ -450,8 +463,11 @@ class GRPO:
         return Output(self.policy.eng, self.tok, extra={"rollout_gpus": self.cfg.rollout_gpus} if self.cfg.rollout_gpus else {})
 
     def close(self, failed: bool = False) -> None:
-        """The decoder ranks stop (--rollout-gpus); `failed`: the bridge is dropped without a word to them."""
+        """The decoder ranks stop (--rollout-gpus); `failed`: the bridge is dropped without a word to them. Your
+        tools' sandbox stops (--tools FILE.py:fn)."""
         self.rollouts.sampler.close(failed)
+        if self.agent:
+            self.agent.close()
 
 
 def run(cfg: GRPOConfig) -> dict:

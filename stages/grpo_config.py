@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 
 from align import objectives
-from align.config import ByModel, RLConfig, defaults, opt, positive_ints
+from align.config import (ByModel, RLConfig, defaults, max_tool_tokens_opt, max_turns_opt, opt, positive_ints,
+                          tool_timeout_opt, tools_opt)
 from align.errors import UserError
 from align.objectives.catalog import LOSS_AGGREGATIONS
 from align.rewards import parse_rewards
@@ -67,6 +68,15 @@ class GRPOConfig(RLConfig):
                                 "processes train. 0: every process samples and trains. -1 (auto): on 2 or more "
                                 "GPUs of one machine, half the processes decode, one step off (--max-staleness 1 "
                                 "and --tis-cap 2 where left at 0); otherwise 0.", ge=-1)
+    tools: str = tools_opt()
+    max_turns: int = max_turns_opt()
+    max_tool_tokens: int = max_tool_tokens_opt()
+    tool_timeout: float = tool_timeout_opt()
+
+    @property
+    def episode_tokens(self) -> int:
+        """The most tokens a rollout adds after its prompt: --max-new-tokens, plus the tools' with --tools."""
+        return self.max_new_tokens + (self.max_tool_tokens if self.tools else 0)
 
     @property
     def policy_loss(self) -> str:
@@ -91,6 +101,16 @@ class GRPOConfig(RLConfig):
 
             disagg.require_trainers(gpus, self.launched_world())
         self.ks()
+        if self.tools:
+            from align import tools
+
+            tools.check(self.tools)
+            if gpus:
+                raise UserError("--tools with --rollout-gpus: the decoder ranks do not run episodes yet; pass "
+                                "--rollout-gpus 0 (every process samples its episodes and trains).")
+            if not self.gather and self.launched_world() > 1:
+                raise UserError("--tools with --no-gather: episodes end after different numbers of turns, so the "
+                                "processes cannot share each sharded forward; drop --no-gather.")
         parse_rewards(self.reward)  # an unknown reward or a bad weight fails here, before --out is touched
 
     def launched_world(self) -> int:

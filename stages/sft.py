@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from align import data as D
-from align import runtime
+from align import runtime, tools
 from align.artifacts import describe_inputs
 from align.console import info
 from align.engine.build import Optim
@@ -83,14 +83,19 @@ class SFT:
             raise UserError(f"{cfg.data}: --assistant-only-loss trains every assistant turn of {{messages}} "
                             f"conversations; this is {D.data_kind(rows)} data, whose loss is already on "
                             f"{'every token' if D.data_kind(rows) == 'text' else 'the completion'}: drop the flag.")
+        if cfg.tools and D.data_kind(rows) != "prompt-completion":
+            raise UserError(f"{cfg.data}: --tools reads {{prompt, completion}} rows whose completions hold the tool "
+                            f"calls and answers; this is {D.data_kind(rows)} data.")
         self.tok = load_tokenizer(source, cfg.trust_remote_code)
-        examples = D.sft_examples(self.tok, rows, cfg.max_length, cfg.assistant_only_loss)
+        examples = D.sft_examples(self.tok, rows, cfg.max_length, cfg.assistant_only_loss, cfg.tools)
         if not examples:
             raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}; raise it.")
         self.examples = D.pack_examples(examples, cfg.max_length) if cfg.packing else examples
-        self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length, cfg.assistant_only_loss)
+        self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length, cfg.assistant_only_loss, cfg.tools)
+        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout)
         self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
-                                       self.tok, source, cfg.max_new_tokens, cfg.eval_data or cfg.data)
+                                       self.tok, source, cfg.max_new_tokens + (cfg.max_tool_tokens if cfg.tools else 0),
+                                       cfg.eval_data or cfg.data)
         self.verifier = held_out_verifier(cfg.verifier, self.verifiable, self.tok, cfg.eval_data or cfg.data)
         run.choose_verifier(self.verifier)
         dist = run.open(describe_inputs(source, cfg.data, cfg.eval_data), SFTPlan(cfg), lora=(source,),
@@ -134,13 +139,18 @@ class SFT:
             metrics.update(stats.reduce(dist.device))
         if self.verifiable:
             m, _ = evaluate_policy(self.policy.eng, self.tok, self.verifiable, dist, verifier=self.verifier,
-                                   sampling=Sampling(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0))
+                                   sampling=Sampling(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0),
+                                   agent=self.agent)
             metrics["eval/pass@1"], metrics["eval/pass@1_stderr"] = m["pass@1/greedy"], m["pass@1/greedy_stderr"]
         return metrics
 
     def final_metrics(self, last: dict, start: dict) -> dict:
         return {"train/loss": last["loss"], **{k: v for k, v in last.items() if k.startswith("eval/")},
                 "parameters": self.n_params}
+
+    def close(self, failed: bool = False) -> None:
+        if self.agent:  # your tools' sandbox (--tools FILE.py:fn)
+            self.agent.close()
 
     def output(self) -> Output:
         return Output(self.policy.eng, self.tok, extra={"zero_partition": runtime.partition_stats(self.policy.eng)})

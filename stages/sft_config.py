@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import ByModel, SupervisedConfig, defaults, held_out_opt, opt, verifier_opt
+from align.config import (ByModel, SupervisedConfig, defaults, held_out_opt, max_tool_tokens_opt, max_turns_opt, opt,
+                          tool_timeout_opt, tools_opt, verifier_opt)
 from align.paths import DATA_DIR
 
 
@@ -25,3 +26,16 @@ class SFTConfig(SupervisedConfig):
     eval_samples: int = opt(200, "Held-out problems for pass@1 (0: skip).", ge=0)
     verifier: str = verifier_opt()
     max_new_tokens: int = opt(48, "Generation budget for pass@1.", ge=1)
+    tools: str = tools_opt("The demonstrations call these tools: calculator (their <out>...</out> answers are the "
+                           "tool's: no loss, tokenised apart as a rollout holds them; pass@1 runs episodes with the "
+                           "tool) ('' : none).")
+    max_turns: int = max_turns_opt()
+    max_tool_tokens: int = max_tool_tokens_opt()
+    tool_timeout: float = tool_timeout_opt()
+
+    def validate(self):
+        super().validate()
+        if self.tools:
+            from align import tools
+
+            tools.check(self.tools)

@@ -68,14 +68,14 @@ def test_every_commands_help_imports_no_torch():
 
 def test_grpo_help_lists_its_own_options_first_then_the_groups(capsys, monkeypatch):
     """The options a stage declares itself come first, in a panel of their own, then the shared groups in a fixed
-    order: model and data, optimisation, rollout and sampling, hardware, output and run."""
+    order: model and data, optimisation, rollout and sampling, tools, hardware, output and run."""
     from align.cli import app
 
     monkeypatch.setenv("COLUMNS", "200")
     app().main(["grpo", "--help"], prog_name="align", standalone_mode=False)
     shown = capsys.readouterr().out
     titles = re.findall(r"╭─ (.+?) ─", shown)
-    assert titles == ["grpo options", "Model and data", "Optimisation", "Rollout and sampling", "Hardware",
+    assert titles == ["grpo options", "Model and data", "Optimisation", "Rollout and sampling", "Tools", "Hardware",
                       "Output and run"]
     panel = dict(zip(titles, re.split(r"╭─ .+? ─+╮", shown)[1:]))
     flags = {title: re.findall(r"│ (?:-h, )?(--[a-z-]+)", text) for title, text in panel.items()}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from align.rollout.episode import CalculatorEnv, Episode, Limits, Step, model_turn_sampler, run_episode
+from align.rollout.episode import Episode, Limits, Step, model_turn_sampler, run_episode
+from align.tools.calculator import CalculatorEnv
 
 
 class Echo:
@@ -26,6 +27,11 @@ class Echo:
         return Step(observation=self.text, reward=float(self.seen), done=self.seen == self.turns, tool_call=True)
 
 
+def one(sample_turn):
+    """A batched TurnSampler from a scripted one-context sampler(context, budget, stops)."""
+    return lambda contexts, which, offsets, budgets, stops: [sample_turn(c, b, stops) for c, b in zip(contexts, budgets)]
+
+
 def load(tiny_model_dir):
     from align.models import load_causal_lm, load_tokenizer, resolve
 
@@ -37,7 +43,7 @@ def load(tiny_model_dir):
 def test_an_episode_rescored_by_the_trainer_gives_the_samplers_logprobs_and_env_tokens_no_gradient(tiny_model_dir):
     model, tok = load(tiny_model_dir)
     prompt = tok("Sort 3 1 2:", add_special_tokens=False)["input_ids"]
-    sampler = model_turn_sampler(model, tok, temperature=1.0, key=7)
+    sampler = model_turn_sampler(model, tok, temperature=1.0, keys=[7])
     env = Echo(turns=3)
     ep = run_episode(sampler, lambda s: tok(s, add_special_tokens=False)["input_ids"], tok.decode, env, {}, prompt,
                      Limits(max_turns=5, turn_tokens=6, max_tokens=64, max_env_tokens=64))
@@ -69,7 +75,7 @@ def test_the_same_key_gives_the_same_episode_and_limits_end_it():
         return [5] * budget, [-1.0] * budget, "length"
 
     encode = lambda s: [9] * len(s)  # noqa: E731
-    run = lambda limits: run_episode(sampler, encode, str, Echo(turns=99, text="abc"), {}, [1, 2], limits)  # noqa: E731
+    run = lambda limits: run_episode(one(sampler), encode, str, Echo(turns=99, text="abc"), {}, [1, 2], limits)  # noqa: E731
     assert run(Limits(max_turns=2, turn_tokens=3)).stop == "max_turns"
     ep = run(Limits(max_turns=9, turn_tokens=3, max_tokens=7))
     assert ep.stop == "max_tokens" and ep.policy_tokens == 7 and [e - s for s, e in ep.turns] == [3, 3, 1]
@@ -96,9 +102,9 @@ def test_eos_without_a_tool_call_is_the_final_answer():
     def sampler(context, budget, stops):
         return [3, 2], [-0.1, -0.2], "eos"
 
-    ep = run_episode(sampler, lambda s: [7], str, Chat([False]), {}, [1], Limits(max_turns=5))
+    ep = run_episode(one(sampler), lambda s: [7], str, Chat([False]), {}, [1], Limits(max_turns=5))
     assert (ep.stop, len(ep.turns), ep.ids) == ("eos", 1, [3, 2])
-    ep = run_episode(sampler, lambda s: [7], str, Chat([True, False]), {}, [1], Limits(max_turns=5))
+    ep = run_episode(one(sampler), lambda s: [7], str, Chat([True, False]), {}, [1], Limits(max_turns=5))
     assert (ep.stop, len(ep.turns), ep.ids, ep.policy_mask) == ("eos", 2, [3, 2, 7, 3, 2], [1, 1, 0, 1, 1])
 
 
@@ -117,7 +123,7 @@ def test_the_calculator_environment_answers_a_tool_call_and_ends_on_an_answer():
         assert stops == ("</calc>",)
         return [ord(c) for c in text], [-0.5] * len(text), why
 
-    ep = run_episode(sampler, lambda s: [ord(c) for c in s], lambda ids: "".join(map(chr, ids)), env, {}, [0])
+    ep = run_episode(one(sampler), lambda s: [ord(c) for c in s], lambda ids: "".join(map(chr, ids)), env, {}, [0])
     assert "".join(map(chr, ep.ids)) == "12*34=<calc>12*34</calc><out>408</out>#### 408"
     assert ep.stop == "done" and ep.tool_calls == 1 and ep.tool_errors == 0 and ep.env_tokens == len("<out>408</out>")
 
@@ -133,7 +139,7 @@ def test_an_episodes_batch_masks_the_environment_and_the_trainer_scores_its_samp
     model, tok = load(tiny_model_dir)
     prompt = tok("Sort 3 1 2:", add_special_tokens=False)["input_ids"]
     encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    eps = [run_episode(model_turn_sampler(model, tok, 1.0, key), encode, tok.decode, Echo(turns=2), {}, prompt,
+    eps = [run_episode(model_turn_sampler(model, tok, 1.0, [key]), encode, tok.decode, Echo(turns=2), {}, prompt,
                        Limits(turn_tokens=5)) for key in (1, 2)]
     plain = Completion(prompt, [5, 6, 7], "x", True, [-1.0, -2.0, -3.0])
     batch = rollout_batch([e.completion(tok.decode) for e in eps] + [plain], tok.pad_token_id, "cpu")
@@ -147,3 +153,72 @@ def test_an_episodes_batch_masks_the_environment_and_the_trainer_scores_its_samp
         trainer, _ = logprobs(model, batch)
     m = batch["response_mask"][:2]
     torch.testing.assert_close(trainer[:2] * m, batch["sampler_logp"][:2] * m, atol=1e-5, rtol=1e-5)
+
+
+class StopAt:
+    """Ends a turn at a stop text and answers it; done after `turns` turns."""
+
+    def __init__(self, stops, turns=3):
+        self.stops, self.turns, self.seen = stops, turns, 0
+
+    def reset(self, row):
+        return None
+
+    def step(self, turn):
+        self.seen += 1
+        return Step(observation=" ->", tool_call=True, done=self.seen == self.turns)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_hf_episodes_equal_the_one_context_reference(tiny_model_dir, temperature):
+    """Episodes of 4 prompts in one batch on HF generate (left padding, stops at a text, EOS, budgets) give the
+    tokens of the one-context reference sampler under the same keys, and its log-probs (sampled); the policy
+    mask and turns agree."""
+    from align.rollout.episode import Agent
+    from align.rollout.generation import generate_episodes
+    from align.rollout.generation import Sampling
+
+    model, tok = load(tiny_model_dir)
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [encode(p) for p in ("Sort 3 1 2:", "What is 7 + 5?", "hi", "Sort in ascending order: 9 4 0 2")]
+    stops = ("e", " 1")  # common texts: a random model's turns end at them
+    limits = Limits(max_turns=3, turn_tokens=6, max_tokens=14, max_env_tokens=20)
+    keys = [11, 12, 13, 14] if temperature else None
+    s = Sampling(max_new_tokens=14, temperature=temperature)
+    agent = Agent("test", lambda row: StopAt(stops), limits)
+    got = generate_episodes(model, tok, prompts, [{}] * 4, s, agent, batch_size=4, device="cpu", keys=keys)
+    ref_sampler = model_turn_sampler(model, tok, temperature or 1.0, keys or [0] * 4)
+    if not temperature:  # greedy reference: the argmax
+
+        ref_sampler = _greedy_reference(model, tok)
+    for i, c in enumerate(got):
+        ref = run_episode(lambda cs, w, o, b, st: ref_sampler(cs, [i], o, b, st), encode,
+                          lambda ids: tok.decode(ids, skip_special_tokens=True), StopAt(stops), {}, prompts[i], limits)
+        assert c.ids == ref.ids and c.policy_mask == ref.policy_mask, i
+        assert c.episode.turns == len(ref.turns) and c.episode.stop == ref.stop
+        if temperature:
+            assert c.logps == pytest.approx(ref.logprobs, abs=1e-4)
+    assert any(c.episode.turns > 1 for c in got)  # the stops were met: multi-turn episodes
+
+
+def _greedy_reference(model, tok):
+    from align.rollout.episode import stopped
+
+    @torch.no_grad()
+    def sample_turns(contexts, which, offsets, budgets, stops):
+        out = []
+        for c, b in zip(contexts, budgets):
+            ids = []
+            for _ in range(b):
+                ids.append(int(model(input_ids=torch.tensor([c + ids])).logits[0, -1].argmax()))
+                if ids[-1] == tok.eos_token_id:
+                    out.append((ids, [0.0] * len(ids), "eos"))
+                    break
+                if stopped(tok, ids, stops):
+                    out.append((ids, [0.0] * len(ids), "stop"))
+                    break
+            else:
+                out.append((ids, [0.0] * len(ids), "length"))
+        return out
+
+    return sample_turns

@@ -581,7 +581,7 @@ def test_a_whole_step_samples_its_prompts_skips_failed_rewards_and_distils_from_
     resp_ids = [[[40, 41, EOS], [42, EOS], [43, 44, 45, EOS]], [[46, 47, 48, 49, 50], [51, EOS], [52, 53, EOS]]]
     asked = []
 
-    def fake_sample(policy, tok, rows, prompt_ids, group_size, s, dist, gather=True):
+    def fake_sample(policy, tok, rows, prompt_ids, group_size, s, dist, gather=True, agent=None):
         asked.append(([r["prompt"] for r in rows], prompt_ids, group_size, s))
         cs = [Completion(prompt_ids[p], resp_ids[p][g], texts[p][g], resp_ids[p][g][-1] == EOS)
               for p in range(len(rows)) for g in range(group_size)]

@@ -65,7 +65,8 @@ def test_every_default_rule_is_covered():
     names = [r.name for r in default_rules()]
     assert names == ["nan", "grad_explode", "kl_high", "kl_spike", "reward_falling", "reward_errors", "no_signal", "entropy_collapse", "clip_high",
                      "length_drift", "low_distinct_1", "low_distinct_2", "chosen_logp_falling", "reward_hacking",
-                     "reward_hacking_heldout", "heldout_degradation", "rollout_mismatch"]
+                     "reward_hacking_heldout", "heldout_degradation", "rollout_mismatch", "tool_broken",
+                     "tool_errors_high", "turn_limit", "tools_abandoned"]
 
 
 # --- one firing stream per rule ----------------------------------------------------------------
@@ -729,3 +730,53 @@ def test_rollout_mismatch_jump_needs_history_and_the_floor():
     assert run([0.004, 0.004, 0.03]) == []  # two values of history
     assert run([0.041, 0.039, 0.039, 0.040, 0.038, 0.028, 0.013, 0.006, 0.013, 0.005]) == []
     assert run([0.02] * 4 + [0.11]) == [(4, "warn")]  # the ceiling
+
+
+# --- tools (--tools) -----------------------------------------------------------------------------
+
+
+def tool_stream(n=60, seed=0, failures=0.05, max_turns=0.02, calls=(0.3, 1.0), reward=(0.1, 0.9)):
+    """A run with the calculator: calls per episode and reward rising together (a policy learning its tool),
+    a few failed calls and episodes cut at --max-turns."""
+    rng = random.Random(seed)
+    rows = []
+    for s in range(n):
+        t = min(1.0, 2 * s / n)
+        rows.append({"reward": reward[0] + (reward[1] - reward[0]) * t + rng.gauss(0, 0.05),
+                     "tools/call_frequency": max(0.0, calls[0] + (calls[1] - calls[0]) * t + rng.gauss(0, 0.05)),
+                     "tools/failure_frequency": min(1.0, max(0.0, failures + rng.gauss(0, 0.03))),
+                     "episodes/stop/max_turns": min(1.0, max(0.0, max_turns + rng.gauss(0, 0.02)))})
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_policy_learning_its_tool_raises_nothing(seed):
+    assert feed(tool_stream(seed=seed)).events == []
+
+
+def test_a_broken_tool_stops_after_five_steps_of_failed_calls():
+    rows = tool_stream(n=20)
+    for r in rows[8:]:
+        r["tools/failure_frequency"] = 1.0
+    assert fired(feed(rows), "tool_broken")[0] == (12, "stop")
+    rows[10]["tools/failure_frequency"] = 0.9  # one step with an answer: not 5 in a row until step 15
+    assert fired(feed(rows), "tool_broken")[0] == (15, "stop")
+
+
+def test_most_calls_failing_warns_and_a_few_do_not():
+    assert fired(feed(tool_stream(failures=0.7)), "tool_errors_high") == [(9, "warn")]
+    assert fired(feed(tool_stream(failures=0.4)), "tool_errors_high") == []
+
+
+def test_a_turn_limit_loop_warns():
+    rows = tool_stream(n=40)
+    for r in rows[20:]:
+        r["episodes/stop/max_turns"] = 0.8
+    assert fired(feed(rows), "turn_limit") == [(25, "warn")]
+
+
+def test_giving_up_the_tool_warns_only_while_the_reward_falls():
+    quit_tool = tool_stream(calls=(0.8, 0.1), reward=(0.6, 0.2))
+    assert fired(feed(quit_tool), "tools_abandoned")
+    # fewer calls while the reward rises: the policy learned it needs fewer (not a warning)
+    assert fired(feed(tool_stream(calls=(0.8, 0.1), reward=(0.2, 0.8))), "tools_abandoned") == []

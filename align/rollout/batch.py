@@ -49,7 +49,8 @@ class Rollout:
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.grouped(torch.tensor([float(len(c.ids)) for c in self.completions]))
+        """[P, G]: the tokens each sample's policy wrote (an episode's without the environment's)."""
+        return self.grouped(torch.tensor([float(len(c.policy_ids)) for c in self.completions]))
 
     def grouped(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.view(-1, self.group_size)
@@ -59,10 +60,13 @@ class Rollout:
 
 
 def sample(policy, tokenizer, rows: list[dict], prompt_ids: list[list[int]], group_size: int, s: Sampling,
-           dist: runtime.Dist, gather: bool = True) -> Rollout:
-    """G samples of each prompt from the policy engine (one generation phase, ZeRO-3 weights gathered once)."""
+           dist: runtime.Dist, gather: bool = True, agent=None) -> Rollout:
+    """G samples of each prompt from the policy engine (one generation phase, ZeRO-3 weights gathered once);
+    `agent` (align.rollout.episode.Agent): G multi-turn episodes of each."""
     prompts = [p for p in prompt_ids for _ in range(group_size)]
-    return Rollout(rows, generate_on_rank(policy, tokenizer, prompts, s, dist, len(prompts), gather), group_size)
+    sample_rows = [r for r in rows for _ in range(group_size)]
+    return Rollout(rows, generate_on_rank(policy, tokenizer, prompts, s, dist, len(prompts), gather, agent=agent,
+                                          rows=sample_rows), group_size)
 
 
 def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
@@ -103,7 +107,7 @@ def record_completions(stats, r: Rollout) -> None:
     """The completions' metrics, TRL's names, over every rank's completions: completions/mean_length, the share cut
     off at the token limit (completions/clipped_ratio), the mean length of those that ended with EOS
     (completions/mean_terminated_length, NaN when none did), and distinct_1/2 of all of them (gathered)."""
-    ids = [x for part in runtime.all_gather_objects([c.ids for c in r.completions]) for x in part]
+    ids = [x for part in runtime.all_gather_objects([c.policy_ids for c in r.completions]) for x in part]
     lengths, finished = r.lengths, r.finished  # properties: each builds its tensor
     n = lengths.numel()
     stats.mean("completions/mean_length", lengths.sum(), n)
@@ -111,6 +115,28 @@ def record_completions(stats, r: Rollout) -> None:
     stats.mean("completions/mean_terminated_length", (lengths * finished).sum(), finished.sum(), math.nan)
     stats.value("distinct_1", distinct_n(ids, 1))
     stats.value("distinct_2", distinct_n(ids, 2))
+
+
+def record_episodes(stats, r: Rollout) -> None:
+    """A multi-turn rollout's metrics (TRL's and verl's names where they have them): tools/call_frequency (calls
+    per episode), tools/failure_frequency (of the calls), num_turns/mean, the share of episodes by how they ended
+    (episodes/stop/REASON), episodes/env_tokens (the tools' tokens per episode), episodes/policy_token_frac (of
+    the response tokens, those in the loss) and time/tools (seconds in the environments, this rank's)."""
+    from align.rollout.episode import STOPS
+
+    eps = [c.episode for c in r.completions]
+    n = len(eps)
+    calls = sum(e.tool_calls for e in eps)
+    stats.mean("tools/call_frequency", calls, n)
+    stats.mean("tools/failure_frequency", sum(e.tool_errors for e in eps), calls)
+    stats.mean("num_turns/mean", sum(e.turns for e in eps), n)
+    for why in STOPS:
+        stats.mean(f"episodes/stop/{why}", sum(e.stop == why for e in eps), n)
+    env = sum(e.env_tokens for e in eps)
+    stats.mean("episodes/env_tokens", env, n)
+    policy = sum(len(c.ids) for c in r.completions) - env
+    stats.mean("episodes/policy_token_frac", policy, policy + env)
+    stats.value("time/tools", sum(e.tool_seconds for e in eps))
 
 
 def select(batch: dict, idx) -> dict:

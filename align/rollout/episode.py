@@ -21,40 +21,11 @@ or at `Limits.turn_tokens`; the episode ends when the environment says done, at 
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
-from align.tools.calculator import calculate
-
-STOPS = ("done", "eos", "max_turns", "max_tokens", "max_env_tokens")  # why an episode ended
-
-
-@dataclass(frozen=True)
-class Step:
-    """The environment's answer to one policy turn."""
-
-    observation: str | None = None  # text appended after the turn (None: nothing)
-    reward: float | None = None
-    done: bool = False
-    tool_call: bool = False  # the turn called a tool (counted)
-    tool_error: bool = False  # ... and the tool failed (counted)
-
-
-class Env(Protocol):
-    stops: tuple[str, ...]  # texts that end a policy turn (a tool call's closing tag); () for none
-
-    def reset(self, row: dict) -> str | None: ...
-
-    def step(self, turn: str) -> Step: ...
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_turns: int = 4  # policy turns
-    turn_tokens: int = 64  # tokens of one policy turn
-    max_tokens: int = 256  # policy tokens of the episode
-    max_env_tokens: int = 256  # environment tokens of the episode; an observation is cut to what is left
-
+from align.rollout.env import STOPS, Agent, Env, Limits, Step  # noqa: F401 (the contract, re-exported)
 
 @dataclass
 class Episode:
@@ -67,6 +38,7 @@ class Episode:
     stop: str = ""
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_seconds: float = 0.0  # in the environment's reset and steps
 
     def add_policy(self, ids: list[int], logprobs: list[float]) -> None:
         self.turns.append((len(self.ids), len(self.ids) + len(ids)))
@@ -82,11 +54,15 @@ class Episode:
     def completion(self, decode: Callable[[list[int]], str]):
         """The episode as a rollout Completion (align.rollout.generation): its tokens after the prompt, the
         sampler's log-probs and the policy mask, so `rollout_batch` gives it a response mask over the policy's
-        tokens only; finished unless a limit cut it."""
-        from align.rollout.generation import Completion
+        tokens only; finished unless a limit cut it. Its text is the whole transcript; `episode.final` the
+        policy's last turn (what a verifier grades)."""
+        from align.rollout.completion import Completion, EpisodeInfo
 
+        last = self.ids[slice(*self.turns[-1])] if self.turns else []
+        info = EpisodeInfo(decode(last), len(self.turns), self.tool_calls, self.tool_errors, self.stop,
+                           self.env_tokens, self.tool_seconds, sum(self.rewards) if self.rewards else None)
         return Completion(self.prompt_ids, self.ids, decode(self.ids), self.stop in ("done", "eos"), self.logprobs,
-                          self.policy_mask)
+                          self.policy_mask, info)
 
     @property
     def policy_tokens(self) -> int:
@@ -97,95 +73,122 @@ class Episode:
         return len(self.ids) - self.policy_tokens
 
 
-# sample_turn(context_ids, max_new_tokens, stops) -> (new ids, their log-probs, why: "eos" | "stop" | "length")
-TurnSampler = Callable[[list[int], int, tuple[str, ...]], tuple[list[int], list[float], str]]
+# sample_turns(contexts, which, offsets, budgets, stops) -> one (new ids, their log-probs, why) per context, why
+# "eos" | "stop" | "length": a policy turn of each episode still running, in one batch. `which`: the episodes' places
+# in the batch given to run_episodes (their sampling keys); `offsets`: how many tokens each already has after its
+# prompt (the position its sampling noise is keyed by); `budgets`: the most tokens each turn may take.
+TurnSampler = Callable[[list[list[int]], list[int], list[int], list[int], tuple[str, ...]],
+                       list[tuple[list[int], list[float], str]]]
 
 
-def run_episode(sample_turn: TurnSampler, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+def run_episodes(sample_turns: TurnSampler, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 envs: list[Env], rows: list[dict], prompt_ids: list[list[int]],
+                 limits: Limits = Limits()) -> list[Episode]:
+    """A batch of episodes, episode i of `envs[i]` on `rows[i]` after `prompt_ids[i]` (see the module's docstring):
+    each round samples one policy turn of every episode still running, in one call, then the environments answer."""
+    eps = [Episode(list(p)) for p in prompt_ids]
+    for ep, env, row in zip(eps, envs, rows):
+        opening = _timed(ep, env.reset, row)
+        if opening:
+            ep.add_env(encode(opening)[: limits.max_env_tokens])
+    running = list(range(len(eps)))
+    while running:
+        asking = []
+        for i in running:
+            ep = eps[i]
+            budget = min(limits.turn_tokens, limits.max_tokens - ep.policy_tokens)
+            if len(ep.turns) == limits.max_turns:
+                ep.stop = "max_turns"
+            elif budget <= 0:
+                ep.stop = "max_tokens"
+            else:
+                asking.append((i, budget))
+        if not asking:
+            break
+        turns = sample_turns([eps[i].prompt_ids + eps[i].ids for i, _ in asking], [i for i, _ in asking],
+                             [len(eps[i].ids) for i, _ in asking], [b for _, b in asking], envs[0].stops)
+        running = [i for (i, _), turn in zip(asking, turns) if _answer(eps[i], envs[i], *turn, encode, decode, limits)]
+    return eps
+
+
+def _timed(ep: Episode, fn, *args):
+    t = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        ep.tool_seconds += time.perf_counter() - t
+
+
+def _answer(ep: Episode, env: Env, ids: list[int], logps: list[float], why: str, encode, decode,
+            limits: Limits) -> bool:
+    """The environment's answer to the turn the policy just wrote (ids); False when the episode has ended."""
+    ep.add_policy(ids, logps)
+    step = _timed(ep, env.step, decode(ids))
+    ep.tool_calls += step.tool_call
+    ep.tool_errors += step.tool_error
+    if step.reward is not None:
+        ep.rewards.append(step.reward)
+    if step.done or (why == "eos" and not step.tool_call):
+        ep.stop = "tool_error" if step.failed else "done" if step.done else "eos"
+        return False
+    if step.observation:
+        room = limits.max_env_tokens - ep.env_tokens
+        if room <= 0:
+            ep.stop = "max_env_tokens"
+            return False
+        ep.add_env(encode(step.observation)[:room])
+    return True
+
+
+def run_episode(sample_turns: TurnSampler, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
                 env: Env, row: dict, prompt_ids: list[int], limits: Limits = Limits()) -> Episode:
-    """One episode of `env` on `row` after `prompt_ids` (see the module's docstring)."""
-    ep = Episode(list(prompt_ids))
-    opening = env.reset(row)
-    if opening:
-        ep.add_env(encode(opening)[: limits.max_env_tokens])
-    while True:
-        if len(ep.turns) == limits.max_turns:
-            ep.stop = "max_turns"
-            return ep
-        budget = min(limits.turn_tokens, limits.max_tokens - ep.policy_tokens)
-        if budget <= 0:
-            ep.stop = "max_tokens"
-            return ep
-        ids, logps, why = sample_turn(ep.prompt_ids + ep.ids, budget, env.stops)
-        ep.add_policy(ids, logps)
-        step = env.step(decode(ids))
-        ep.tool_calls += step.tool_call
-        ep.tool_errors += step.tool_error
-        if step.reward is not None:
-            ep.rewards.append(step.reward)
-        if step.done or (why == "eos" and not step.tool_call):
-            ep.stop = "done" if step.done else "eos"
-            return ep
-        if step.observation:
-            room = limits.max_env_tokens - ep.env_tokens
-            if room <= 0:
-                ep.stop = "max_env_tokens"
-                return ep
-            ep.add_env(encode(step.observation)[:room])
+    """One episode (run_episodes of one)."""
+    return run_episodes(sample_turns, encode, decode, [env], [row], [prompt_ids], limits)[0]
 
 
-@dataclass
-class CalculatorEnv:
-    """The built-in calculator as an environment: a turn that ends with `<calc>EXPR</calc>` is answered with
-    `<out>VALUE</out>` (align.tools.calculator: exact, bounded, never `eval`); any other turn is the final answer.
-    The tags are plain text, so any tokenizer writes them."""
-
-    open: str = "<calc>"
-    close: str = "</calc>"
-    answer: str = "<out>{}</out>"
-    stops: tuple[str, ...] = ("</calc>",)
-
-    def reset(self, row: dict) -> str | None:
-        return None
-
-    def step(self, turn: str) -> Step:
-        head, sep, _ = turn.rpartition(self.close)
-        if not sep or self.open not in head:
-            return Step(done=True)
-        value = calculate(head.rsplit(self.open, 1)[1])
-        return Step(observation=self.answer.format(value), tool_call=True, tool_error=value.startswith("error:"))
-
-
-def model_turn_sampler(model, tokenizer, temperature: float, key: int) -> TurnSampler:
-    """A TurnSampler over a causal LM (a plain module, no engine; the reference path of the tests and the CPU): it
-    prefills the context, samples with align.rollout.sampling's keyed noise — keyed by the token's position in the
-    episode, so a turn's tokens do not depend on how the episode was split into calls — and stops at EOS, at a
-    stop text or at the budget. Log-probs are log_softmax(logits / T) at the drawn token, in fp32."""
+def model_turn_sampler(model, tokenizer, temperature: float, keys: list[int]) -> TurnSampler:
+    """A TurnSampler over a causal LM, one context at a time (a plain module, no engine: the reference the batched
+    samplers are tested against). It prefills the context and samples with align.rollout.sampling's keyed noise —
+    episode `which`'s key, at the token's position after the prompt, so a turn's tokens do not depend on how the
+    episode was split into calls or batched — and stops at EOS, at a stop text or at the budget. Log-probs are
+    log_softmax(logits / T) at the drawn token, in fp32."""
     import torch
 
     from align.rollout.sampling import choose, sampled_logprobs
 
-    keys = torch.tensor([key], dtype=torch.int64)
     eos = tokenizer.eos_token_id
     # the KV cache's argument: `cache` from transformers 5.25 (`past_key_values` deprecated there), else the old name
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @torch.no_grad()
-    def sample_turn(context: list[int], budget: int, stops: tuple[str, ...]) -> tuple[list[int], list[float], str]:
+    def one(context: list[int], key: int, offset: int, budget: int, stops: tuple[str, ...]):
         out = model(input_ids=torch.tensor([context]), use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1].float()  # (the output keeps the old name)
         ids, logps = [], []
         for i in range(budget):
-            position = len(context) + i
-            token = choose(logits / temperature, keys, position)
+            token = choose(logits / temperature, torch.tensor([key], dtype=torch.int64), offset + i)
             ids.append(int(token))
             logps.append(float(sampled_logprobs(logits, token, temperature)))
             if ids[-1] == eos:
                 return ids, logps, "eos"
-            if stops and any(tokenizer.decode(ids).endswith(s) for s in stops):
+            if stopped(tokenizer, ids, stops):
                 return ids, logps, "stop"
             out = model(input_ids=token[:, None], use_cache=True, **{cache_arg: past})
             past, logits = out.past_key_values, out.logits[:, -1].float()
         return ids, logps, "length"
 
-    return sample_turn
+    def sample_turns(contexts, which, offsets, budgets, stops):
+        return [one(c, keys[w], o, b, stops) for c, w, o, b in zip(contexts, which, offsets, budgets)]
+
+    return sample_turns
+
+
+def stopped(tokenizer, ids: list[int], stops: tuple[str, ...]) -> bool:
+    """Whether the turn's tokens so far end in a stop text (its last token completing it: the text may end inside
+    that token, which is kept whole)."""
+    if not stops:
+        return False
+    longest = max(map(len, stops))
+    tail = tokenizer.decode(ids[-longest:])  # a token is at least one character: the stop lies within these
+    last = tokenizer.decode(ids[-1:])
+    return any(s in tail and s not in tail[: len(tail) - len(last)] for s in stops)

@@ -37,38 +37,46 @@ def verifier_note(v: Verifier | None) -> dict:
 def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=(1,), samples: int = 0,
                     sampling: Sampling | None = None, verifier: str | Verifier = "auto", batch_size: int = 64,
                     gather: bool = True, use_evaluate: bool = False,
-                    progress: str = "") -> tuple[dict, list[dict]]:
+                    progress: str = "", agent=None) -> tuple[dict, list[dict]]:
     """Greedy pass@1 (`pass@1/greedy`, with its binomial standard error `pass@1/greedy_stderr`) and, with `samples` = n > 0, unbiased sampled pass@k for k <= n, over the
     problems whose prompt leaves room for the answer in the model's context (`problems` counts them).
 
     Returns (metrics, per-problem records). Call on every rank; generation is sharded over the ranks.
     `use_evaluate` computes pass@k through the shipped `evaluate` metric module (align/metrics/pass_at_k).
     `progress` titles a progress bar over the generations. `verifier`: the stage's (held_out_verifier), or a
-    --verifier setting chosen here.
+    --verifier setting chosen here. `agent` (align.rollout.episode.Agent): every answer is a multi-turn episode
+    (pass@k of whole episodes; its last turn is graded, the transcript kept), and `tools/call_frequency` counts the
+    greedy episodes' tool calls.
     """
     sampling = sampling or Sampling()
     check = verifier if isinstance(verifier, Verifier) else choose_verifier(verifier, rows)
+    extra = agent.limits.max_env_tokens if agent else 0
     rows, prompts = fitting(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows]),
-                            context_length(eng.module.config), sampling.max_new_tokens)
+                            context_length(eng.module.config), sampling.max_new_tokens + extra)
     greedy = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
     local = -(-len(prompts) // dist.world_size) * (1 + samples)  # this rank's generations
     with TrainProgress(progress, local) if progress else _NoBar() as bar:
         outs = generate(eng, tokenizer, prompts, greedy, dist, batch_size=batch_size, gather=gather,
-                        on_batch=bar.advance)
+                        on_batch=bar.advance, agent=agent, rows=rows)
         many = (generate(eng, tokenizer, [p for p in prompts for _ in range(samples)], sampling, dist,
-                         batch_size=batch_size, gather=gather, on_batch=bar.advance) if samples > 0 else [])
+                         batch_size=batch_size, gather=gather, on_batch=bar.advance, agent=agent,
+                         rows=[r for r in rows for _ in range(samples)]) if samples > 0 else [])
     records = [
         {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text,
-         "greedy_correct": check.check(r, o.text, o.ids)} for r, o in zip(rows, outs)
+         "greedy_correct": check.check(r, o.answer, o.ids),
+         **({"greedy_tool_calls": o.episode.tool_calls, "greedy_stop": o.episode.stop} if o.episode else {})}
+        for r, o in zip(rows, outs)
     ]
     p = sum(rec["greedy_correct"] for rec in records) / len(records)
     metrics = {"pass@1/greedy": p, "pass@1/greedy_stderr": math.sqrt(p * (1 - p) / len(records)),
-               "completions/mean_length": sum(len(o.ids) for o in outs) / len(outs), "problems": len(records)}
+               "completions/mean_length": sum(len(o.policy_ids) for o in outs) / len(outs), "problems": len(records)}
+    if agent:
+        metrics["tools/call_frequency"] = sum(o.episode.tool_calls for o in outs) / len(outs)
     if samples > 0:
         for i, rec in enumerate(records):
             group = many[i * samples : (i + 1) * samples]
             rec["samples"] = [o.text for o in group]
-            rec["n_correct"] = sum(check.check(rows[i], o.text, o.ids) for o in group)
+            rec["n_correct"] = sum(check.check(rows[i], o.answer, o.ids) for o in group)
         ks = [k for k in ks if k <= samples]
         ns, cs = [samples] * len(records), [rec["n_correct"] for rec in records]
         if use_evaluate:

@@ -11,12 +11,14 @@ not on the batch size, the number of processes or the other prompts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from align import runtime
 from align.data import pad
+from align.rollout.completion import Completion, EpisodeInfo  # noqa: F401 (re-exported)
+from align.rollout.episode import Agent, TurnSampler, run_episodes, stopped
 from align.rollout.sampling import sampled_logprobs
 
 
@@ -31,20 +33,6 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
-
-
-@dataclass
-class Completion:
-    prompt_ids: list[int]
-    ids: list[int]  # response tokens, up to and including EOS when the model stopped
-    text: str  # decoded response without special tokens
-    finished: bool  # emitted EOS within max_new_tokens
-    # the sampler's log-probability of each response token: log_softmax(logits / T)[token] of the logits it sampled
-    # from, at the temperature it sampled at, before top-k / top-p (what the trainer scores); None when greedy
-    logps: list[float] | None = None
-    # a multi-turn episode's (align.rollout.episode): 1 on the tokens the policy sampled, 0 on the environment's;
-    # None: every response token is the policy's
-    policy_mask: list[int] | None = None
 
 
 def _generation_config(tokenizer, s: Sampling):
@@ -66,20 +54,23 @@ def sampling_keys(s: Sampling, indices) -> list[int] | None:
     return prompt_keys(s.seed if s.seed is not None else int(torch.randint(0, 2**62, ())), indices)
 
 
-def _keyed_sampler(s: Sampling, keys: list[int], prompt_len: int, device, logps: list):
+def _keyed_sampler(s: Sampling, keys: list[int], prompt_len: int, device, logps: list, offsets: list[int] | None = None):
     """A logits processor for HF's greedy search that samples: temperature, top-k / top-p, then the race of
     align.rollout.sampling with each row's key; the sampled token is given score 0, every other one -inf. Each step's
-    sampling log-probs ([B]) are appended to `logps`."""
+    sampling log-probs ([B]) are appended to `logps`. `offsets`: each row's position of its first new token (an
+    episode's tokens so far; default 0)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     from align.rollout.sampling import choose, filter_logits
 
     key_t = torch.tensor(keys, device=device)
+    offset_t = None if offsets is None else torch.tensor(offsets, dtype=torch.int64, device=device)
 
     class KeyedSampler(LogitsProcessor):
         def __call__(self, input_ids, scores):
             z = filter_logits(scores.float() / s.temperature, s.top_k, s.top_p)
-            tok = choose(z, key_t, input_ids.shape[1] - prompt_len)
+            step = input_ids.shape[1] - prompt_len
+            tok = choose(z, key_t, step if offset_t is None else offset_t + step)
             logps.append(sampled_logprobs(scores, tok, s.temperature))
             return torch.full_like(scores, float("-inf")).scatter_(1, tok[:, None], 0.0)
 
@@ -118,10 +109,13 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
 @torch.no_grad()
 def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, batch_size: int,
                    device, synced_gpus: bool = False, fast: bool | None = None, on_batch=None,
-                   indices=None) -> list[Completion]:
+                   indices=None, agent=None, rows: list[dict] | None = None) -> list[Completion]:
     """Generate for this rank's prompts with a plain (already gathered or unsharded) module. `indices`: each
-    prompt's index for its sampling key (default 0, 1, ...)."""
+    prompt's index for its sampling key (default 0, 1, ...). `agent` (align.rollout.episode.Agent): multi-turn
+    episodes instead, rows[i] prompt i's data row."""
     keys = sampling_keys(s, range(len(prompts)) if indices is None else indices)
+    if agent is not None:
+        return generate_episodes(module, tokenizer, prompts, rows, s, agent, batch_size, device, keys, on_batch)
     length = max((len(p) for p in prompts), default=0) + s.max_new_tokens
     if use_fast_path(module, device, synced_gpus, fast, length):
         if fast:  # forced (tests): errors surface
@@ -206,24 +200,98 @@ def _decode_chunks(dec, tokenizer, prompts, s: Sampling, batch_size: int, on_bat
     return out
 
 
+def hf_turn_sampler(module, tokenizer, s, keys: list[int] | None, device) -> TurnSampler:
+    """A TurnSampler over HF `generate` (align.rollout.generation's path): the contexts left-padded into one batch,
+    sampled with the keyed race at each row's position after its prompt (greedy when `keys` is None, no
+    log-probs), a row stopped at EOS, at a stop text (`stopped`) or at its budget."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from align.models import autocast_dtype
+    from align.runtime import eager
+
+    amp = autocast_dtype(module)
+
+    class StopTexts(StoppingCriteria):
+        def __init__(self, start: int, stops: tuple[str, ...]):
+            self.start, self.stops, self.at = start, stops, {}
+
+        def __call__(self, input_ids, scores, **kwargs):
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            for i, row in enumerate(input_ids[:, self.start:].tolist()):
+                if i in self.at or stopped(tokenizer, row, self.stops):
+                    self.at.setdefault(i, len(row))
+                    done[i] = True
+            return done
+
+    @torch.no_grad()
+    def sample_turns(contexts, which, offsets, budgets, stops):
+        ids = torch.tensor(pad(contexts, tokenizer.pad_token_id, side="left"), device=device)
+        mask = torch.tensor(pad([[1] * len(c) for c in contexts], 0, side="left"), device=device)
+        width, step_logps = ids.shape[1], []
+        keyed = None if keys is None else _keyed_sampler(s, [keys[w] for w in which], width, device, step_logps,
+                                                         offsets=offsets)
+        stop = StopTexts(width, stops)
+        cfg = _generation_config(tokenizer, replace(s, max_new_tokens=max(budgets)))
+        with torch.autocast(torch.device(device).type, dtype=amp or torch.bfloat16, enabled=amp is not None), eager():
+            gen = module.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, logits_processor=keyed,
+                                  stopping_criteria=StoppingCriteriaList([stop]) if stops else None)
+        lp = torch.stack(step_logps, 1).tolist() if step_logps else None
+        out = []
+        for i, (row, budget) in enumerate(zip(gen[:, width:].tolist(), budgets)):
+            n, why = budget, "length"
+            if tokenizer.eos_token_id in row[:budget]:
+                n, why = row.index(tokenizer.eos_token_id) + 1, "eos"
+            if stop.at.get(i, budget + 1) <= n:
+                n, why = stop.at[i], "stop"
+            out.append((row[:n], lp[i][:n] if lp else [0.0] * n, why))
+        return out
+
+    return sample_turns
+
+
+def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[dict], s: Sampling, agent: Agent,
+                      batch_size: int, device, keys: list[int] | None, on_batch=None) -> list:
+    """Episodes of `agent` after each prompt (rows[i] its data row), `batch_size` at a time, on HF `generate`;
+    returned as rollout Completions (Episode.completion)."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    was_training = module.training
+    module.eval()
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = slice(i, i + batch_size)
+        sampler = hf_turn_sampler(module, tokenizer, s, None if keys is None else keys[chunk], device)
+        eps = run_episodes(sampler, encode, decode, [agent.make_env(r) for r in rows[chunk]], rows[chunk],
+                           prompts[chunk], agent.limits)
+        out += [ep.completion(decode) for ep in eps]
+        if on_batch:
+            on_batch(len(eps))
+    module.train(was_training)
+    return out
+
+
 def generate_on_rank(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,
-                     batch_size: int = 64, gather: bool = True, on_batch=None, indices=None) -> list[Completion]:
+                     batch_size: int = 64, gather: bool = True, on_batch=None, indices=None, agent=None,
+                     rows: list[dict] | None = None) -> list[Completion]:
     """Generate for THIS rank's `prompts` with a DeepSpeed engine: under ZeRO-3 its weights are gathered once for
     the whole phase (`gather=False`: they stay sharded and every rank joins every forward, so every rank must
     pass as many prompts). `indices`: the prompts' places in the global list, for their sampling keys; by default
-    this rank's prompts are its contiguous share of equal shares (runtime.shard): rank · len(prompts) + i."""
+    this rank's prompts are its contiguous share of equal shares (runtime.shard): rank · len(prompts) + i.
+    `agent`, `rows`: multi-turn episodes (generate_local)."""
     synced = runtime.is_zero3(eng) and not gather and dist.world_size > 1
     if indices is None:
         indices = range(dist.rank * len(prompts), (dist.rank + 1) * len(prompts))
     with runtime.gathered_for_generation(eng, gather) as module:
         return generate_local(module, tokenizer, prompts, s, batch_size, dist.device, synced_gpus=synced,
-                              on_batch=on_batch, indices=indices)
+                              on_batch=on_batch, indices=indices, agent=agent, rows=rows)
 
 
 def generate(eng, tokenizer, prompts: list[list[int]], s: Sampling, dist: runtime.Dist,
-             batch_size: int = 64, gather: bool = True, on_batch=None) -> list[Completion]:
+             batch_size: int = 64, gather: bool = True, on_batch=None, agent=None,
+             rows: list[dict] | None = None) -> list[Completion]:
     """Generate for ALL `prompts` across the ranks (each rank takes an equal shard) and return them in order on
-    every rank. Call on every rank. `on_batch(n)` is called after each batch of n of this rank's prompts."""
+    every rank. Call on every rank. `on_batch(n)` is called after each batch of n of this rank's prompts.
+    `agent`, `rows`: multi-turn episodes (generate_local)."""
     local = generate_on_rank(eng, tokenizer, runtime.shard(prompts, dist, pad=True), s, dist, batch_size, gather,
-                             on_batch)
+                             on_batch, agent=agent, rows=runtime.shard(rows, dist, pad=True) if agent else None)
     return [c for part in runtime.all_gather_objects(local) for c in part][: len(prompts)]

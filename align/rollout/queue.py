@@ -47,7 +47,7 @@ class Pending:
 
     @classmethod
     def from_json(cls, d: dict) -> Pending:
-        return cls(**{**d, "completions": [Completion(**c) for c in d["completions"]]})
+        return cls(**{**d, "completions": [Completion.from_json(c) for c in d["completions"]]})
 
 
 class LocalSampler:

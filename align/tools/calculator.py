@@ -20,7 +20,10 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from dataclasses import dataclass
 from fractions import Fraction
+
+from align.rollout.env import Step
 
 MAX_CHARS = 200
 MAX_NODES = 64
@@ -114,3 +117,42 @@ def calculate(expression: str) -> str:
         return f"error: {e}"
     except (ArithmeticError, RecursionError, MemoryError) as e:  # a deep nesting within MAX_NODES cannot recurse this
         return f"error: {type(e).__name__}"
+
+
+@dataclass
+class CalculatorEnv:
+    """The built-in calculator as an environment: a turn that ends with `<calc>EXPR</calc>` is answered with
+    `<out>VALUE</out>` (align.tools.calculator: exact, bounded, never `eval`); any other turn is the final answer.
+    The tags are plain text, so any tokenizer writes them."""
+
+    name: str = "calculator"
+    open: str = "<calc>"
+    close: str = "</calc>"
+    answer: str = "<out>{}</out>"
+    stops: tuple[str, ...] = ("</calc>",)
+
+    def reset(self, row: dict) -> str | None:
+        return None
+
+    def step(self, turn: str) -> Step:
+        head, sep, _ = turn.rpartition(self.close)
+        if not sep or self.open not in head:
+            return Step(done=True)
+        value = calculate(head.rsplit(self.open, 1)[1])
+        return Step(observation=self.answer.format(value), tool_call=True, tool_error=value.startswith("error:"))
+
+    def segments(self, text: str) -> list[tuple[str, bool]]:
+        """A demonstration's completion cut into the policy's parts (True) and the tool's answers (False), as an
+        episode would hold them: every `<out>...</out>` that follows a call is the tool's."""
+        head, tail = self.answer.split("{}")
+        out, rest = [], text
+        while True:
+            call = rest.find(self.close)
+            if call < 0 or not rest[call + len(self.close):].startswith(head):
+                return [*out, (rest, True)] if rest else out
+            end = rest.find(tail, call + len(self.close) + len(head))
+            if end < 0:
+                return [*out, (rest, True)]
+            cut = call + len(self.close)
+            out += [(rest[:cut], True), (rest[cut:end + len(tail)], False)]
+            rest = rest[end + len(tail):]
