@@ -201,6 +201,13 @@ def max_tool_tokens_opt():
                group="tools")
 
 
+def env_opt():
+    """--env (align.tools.environments)."""
+    return opt("", "Your environment, FILE.py:NAME: a class, one object per episode, reset(row) -> first observation, "
+                   "step(turn) -> (observation, reward, done); run in a sandbox like --tools FILE.py:fn (docs/tools.md) "
+                   "('' : none).", code=True, group="tools")
+
+
 def tool_timeout_opt():
     return opt(10.0, "With --tools FILE.py:fn: seconds one call may take; past it the tool is killed and the episode "
                      "ends (scored as --on-reward-error says, or 0).", gt=0, group="tools")

@@ -396,12 +396,14 @@ def check_drift(xs: list, window: int, max_rel_change: float) -> Check:
 
 
 def check_length_drift(length: list, terminated: list = (), reward: list = (), truncated: list = (), gold: list = (),
-                       *, window: int, max_rel_change: float, learning_z: float = math.inf,
-                       max_truncated: float = 0.9) -> Check:
+                       calls: list = (), *, window: int, max_rel_change: float, learning_z: float = math.inf,
+                       max_truncated: float = 0.9, min_new_calls: float = 0.5) -> Check:
     """Response length far from the start (check_drift's ratio, c = max_rel_change), judged by direction:
 
     - longer: the mean length of all completions grew x(1+c): length hacking (a reward that pays for length) or
-      EOS lost; answers that grow run into the token limit. Always fires.
+      EOS lost; answers that grow run into the token limit. Fires unless the policy now makes `min_new_calls` more
+      tool calls per episode than at the start (`calls`, tools/call_frequency, with --tools): the calls it writes
+      are the growth.
     - shorter: the length of the completions that ended with EOS (`terminated`, TRL's
       completions/mean_terminated_length; the mean length where it is not logged) fell /(1+c). Truncated answers
       count at the token limit in the mean, so a policy whose cut-off answers start to finish shortens the mean
@@ -412,7 +414,8 @@ def check_length_drift(length: list, terminated: list = (), reward: list = (), t
     """
     grown = check_drift(length, window, max_rel_change)
     if grown.fired and grown.value > 1:
-        return grown
+        tooled = len(calls) >= 2 * window and _mean(calls[-window:]) - _mean(calls[:window]) >= min_new_calls
+        return QUIET if tooled else grown
     finished = len(terminated) >= 2 * window and _finite(terminated[:window]) and _finite(terminated[-window:])
     key, xs = ("completions/mean_terminated_length", terminated) if finished else ("", length)
     shrunk = check_drift(xs, window, max_rel_change)
@@ -573,7 +576,8 @@ def default_rules(precision: str = "fp32") -> list:
                      "Lower the LR, use fewer PPO epochs per batch, or a smaller clip epsilon."),
         # longer: always; shorter (the finished answers): only while the run is not learning
         Rule("length_drift", "completions/mean_length", check_length_drift, "warn", 10,
-             extra=("completions/mean_terminated_length", *SHARPENING), params={"max_rel_change": 1.0, **LEARNING},
+             extra=("completions/mean_terminated_length", *SHARPENING, "tools/call_frequency"),
+             params={"max_rel_change": 1.0, **LEARNING},
              message="Response length drifted far from the start: length hacking or EOS lost (longer), answers "
                      "collapsing without a reward gain (shorter). Add a length penalty, check EOS/stop-token "
                      "handling and max_new_tokens truncation."),

@@ -19,6 +19,7 @@ or path/to/file.py:FUNCTION[:WEIGHT]; the total reward is Σ weight · fn. Regis
   answer_format   1 if the completion ends with "#### <number>"
   exact           1 if the completion equals row["answer"] (surrounding white space ignored)
   length          Kimi k1.5 length reward within each group (needs math; computed per group: GROUP_REWARDS)
+  env             the rewards an environment (--env) gave along the episode, summed (the stage adds them)
   rg:TASK         a reasoning-gym task's own scorer (optional extra; rows made by `align data make rg:TASK`)
 A verifier (eval's --verifier) is a registered reward read as correct when it returns 1; `auto` picks rg:TASK for
 rows made from a reasoning-gym task, math when every answer is a number or ends in one (what math reads), else
@@ -267,7 +268,7 @@ REWARDS: dict[str, Callable] = {
     "math": math_fn, "sort": sort_fn, "sort_inclusion": sort_inclusion_fn,
     "format": format_fn, "answer_format": answer_format_fn, "exact": exact_fn,
 }
-GROUP_REWARDS = ("length",)
+GROUP_REWARDS = ("length", "env")  # no function of a completion: the stage computes them
 
 
 @dataclass

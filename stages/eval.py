@@ -19,7 +19,8 @@ def run(cfg: EvalConfig) -> dict:
     source = resolve(cfg.model)
     rows = D.load_rows(cfg.data, "verifiable", cfg.columns, limit=cfg.limit)
     tok = load_tokenizer(source, cfg.trust_remote_code)
-    agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout)
+    agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout,
+                             cfg.env)
     rows = fitting_rows(rows, tok, source, cfg.max_new_tokens + (cfg.max_tool_tokens if agent else 0), cfg.data)
     verifier = held_out_verifier(cfg.verifier, rows, tok, cfg.data)
     try:
@@ -36,7 +37,7 @@ def _evaluate(cfg: EvalConfig, ks, source, rows, tok, verifier, agent) -> dict:
         seed_all(cfg.seed * 1000 + dist.rank)
         eng = run.frozen(lambda dtype: load_causal_lm(source, tok, dtype, cfg.seed, cfg.trust_remote_code))
         info(f"eval: {len(rows)} problems, {max(ks)} samples each, k = {ks}"
-             f"{f', tools {cfg.tools} (up to {cfg.max_turns} turns)' if agent else ''}")
+             f"{f', tools {cfg.tools or cfg.env} (up to {cfg.max_turns} turns)' if agent else ''}")
         metrics, records = evaluate_policy(eng, tok, rows, dist, ks=ks, samples=max(ks),
                                            sampling=Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
                                                              seed=cfg.seed),

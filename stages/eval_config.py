@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from align.config import (SamplingConfig, StageConfig, max_tool_tokens_opt, max_turns_opt, opt, positive_ints,
-                          tool_timeout_opt, tools_opt)
+from align.config import (SamplingConfig, StageConfig, env_opt, max_tool_tokens_opt, max_turns_opt, opt,
+                          positive_ints, tool_timeout_opt, tools_opt)
 from align.paths import DATA_DIR
 from align.rewards import REWARDS, verifier_fn
 
@@ -29,6 +29,7 @@ class EvalConfig(SamplingConfig, StageConfig):
     max_turns: int = max_turns_opt()
     max_tool_tokens: int = max_tool_tokens_opt()
     tool_timeout: float = tool_timeout_opt()
+    env: str = env_opt()
 
     def ks(self) -> list[int]:
         return positive_ints(self.k, "--k")
@@ -36,9 +37,9 @@ class EvalConfig(SamplingConfig, StageConfig):
     def validate(self):
         super().validate()
         self.ks()
-        if self.tools:
+        if self.tools or self.env:
             from align import tools
 
-            tools.check(self.tools)
+            tools.check(self.tools, env=self.env)
         if self.verifier != "auto":
             verifier_fn(self.verifier)

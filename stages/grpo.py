@@ -89,9 +89,10 @@ def reward(cfg: GRPOConfig, fns: list, values: list, c) -> tuple[float | None, d
         scored = True
         parts[r.name] = v
         total += r.weight * v
-    if c.episode and c.episode.env_reward is not None:  # what the environment gave along the episode
+    env_fn = next((r for r in fns if r.name == "env"), None)
+    if env_fn and c.episode and c.episode.env_reward is not None:  # --reward env: what the environment gave
         scored, parts["env"] = True, c.episode.env_reward
-        total += c.episode.env_reward
+        total += env_fn.weight * c.episode.env_reward
     if not scored and not cfg.reward_model:
         return None, parts
     if cfg.overlong_cache:
@@ -190,7 +191,8 @@ class GRPO:
         # each reward function on the first rows: a wrong signature or return fails here, before any model is built
         probe(self.reward_fns, self.rows, timeout=cfg.reward_timeout, tokenizer=self.tok, where=cfg.data)
         # your tools' sandbox started (their file loaded, their schemas read) before any model is built
-        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout)
+        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens,
+                                 cfg.tool_timeout, cfg.env)
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                   held_out=True) if cfg.eval_data and cfg.eval_samples else
                                       D.verifiable_rows(split[: cfg.eval_samples], cfg.data),
@@ -238,7 +240,7 @@ class GRPO:
              f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
              f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
              f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}"
-             f"{f', tools {cfg.tools} (up to {cfg.max_turns} turns)' if self.agent else ''}")
+             f"{f', tools {cfg.tools or cfg.env} (up to {cfg.max_turns} turns)' if self.agent else ''}")
 
     def load_policy(self, source):
         cfg = self.cfg

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 
 from align import objectives
-from align.config import (ByModel, RLConfig, defaults, max_tool_tokens_opt, max_turns_opt, opt, positive_ints,
-                          tool_timeout_opt, tools_opt)
+from align.config import (ByModel, RLConfig, defaults, env_opt, max_tool_tokens_opt, max_turns_opt, opt,
+                          positive_ints, tool_timeout_opt, tools_opt)
 from align.errors import UserError
 from align.objectives.catalog import LOSS_AGGREGATIONS
 from align.rewards import parse_rewards
@@ -72,11 +72,12 @@ class GRPOConfig(RLConfig):
     max_turns: int = max_turns_opt()
     max_tool_tokens: int = max_tool_tokens_opt()
     tool_timeout: float = tool_timeout_opt()
+    env: str = env_opt()
 
     @property
     def episode_tokens(self) -> int:
         """The most tokens a rollout adds after its prompt: --max-new-tokens, plus the tools' with --tools."""
-        return self.max_new_tokens + (self.max_tool_tokens if self.tools else 0)
+        return self.max_new_tokens + (self.max_tool_tokens if self.tools or self.env else 0)
 
     @property
     def policy_loss(self) -> str:
@@ -101,12 +102,12 @@ class GRPOConfig(RLConfig):
 
             disagg.require_trainers(gpus, self.launched_world())
         self.ks()
-        if self.tools:
+        if self.tools or self.env:
             from align import tools
 
-            tools.check(self.tools)
+            tools.check(self.tools, env=self.env)
             if gpus:
-                raise UserError("--tools with --rollout-gpus: the decoder ranks do not run episodes yet; pass "
+                raise UserError("--tools or --env with --rollout-gpus: the decoder ranks do not run episodes yet; pass "
                                 "--rollout-gpus 0 (every process samples its episodes and trains).")
             if not self.gather and self.launched_world() > 1:
                 raise UserError("--tools with --no-gather: episodes end after different numbers of turns, so the "

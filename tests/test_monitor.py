@@ -780,3 +780,15 @@ def test_giving_up_the_tool_warns_only_while_the_reward_falls():
     assert fired(feed(quit_tool), "tools_abandoned")
     # fewer calls while the reward rises: the policy learned it needs fewer (not a warning)
     assert fired(feed(tool_stream(calls=(0.8, 0.1), reward=(0.2, 0.8))), "tools_abandoned") == []
+
+
+def test_answers_that_grow_by_the_tool_calls_the_policy_learned_are_not_length_drift():
+    """With --tools, a policy that learns to call its tool writes the calls: its length doubles. That is not length
+    hacking when the calls per episode rose with it; the same growth without more calls still warns."""
+    rows = tool_stream(n=40, calls=(0.2, 1.0))
+    for i, r in enumerate(rows):
+        r["completions/mean_length"] = 15.0 if i < 20 else 31.0
+    assert fired(feed(rows), "length_drift") == []
+    for r in rows:
+        r["tools/call_frequency"] = 0.2
+    assert fired(feed(rows), "length_drift")

@@ -42,7 +42,7 @@ def test_a_tool_answers_and_each_failure_is_an_answer_not_an_exception(box):
     assert box.call("hog", {"n": 64}) == ("failed", "error: out of memory")
     status, text = box.call("net", {"host": "1.1.1.1"})
     assert status == "failed" and "unreachable" in text.lower()
-    assert box.call("junk", {"x": 1}) == ("failed", "error: returned list, not text or a number")
+    assert box.call("junk", {"x": 1}) == ("failed", "error: TypeError: returned list, not text or a number")
     assert box.call("mul", {"a": 1})[0] == "failed"  # a missing argument: the function raised
     assert box.call("nope", {})[0] == "error" and box.call("mul", [1, 2])[0] == "error"
     assert box.call("mul", {"a": 2, "b": 2}) == ("ok", "4")
@@ -128,3 +128,74 @@ def test_grpo_and_eval_with_a_users_tool_file_end_to_end(tmp_path, tiny_model_di
           "--max-new-tokens", "24", "--out", tmp_path / "eval")
     left = subprocess.run(["pgrep", "-f", str(TOOLS)], capture_output=True, text=True).stdout.split()
     assert not left, "a sandbox outlived its stage"
+
+
+ENVS = Path(__file__).parent / "fixtures" / "user_env.py"
+
+
+def test_a_users_environment_answers_turns_until_done_and_its_failures_end_the_episode(shipped_tokenizer):
+    """--env FILE.py:NAME: the environment's object per episode lives in the sandbox; its observations are appended
+    as the environment's tokens, its rewards summed; EOS ends a turn, not the episode (the environment says done);
+    a reset or step that raises, hangs, returns garbage or a NaN reward ends the episode with stop tool_error."""
+    from align import tools
+
+    tok = shipped_tokenizer
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    eos = tok.eos_token_id
+
+    def answers(*texts):
+        it = iter(texts)
+
+        def sampler(contexts, which, offsets, budgets, stops):
+            ids = encode(next(it)) + [eos]
+            return [(ids, [-0.1] * len(ids), "eos")]
+
+        return sampler
+
+    retry = tools.agent("", 16, 4, 32, timeout=2.0, env=f"{ENVS}:Retry")
+    try:
+        row = {"prompt": "What is 2 + 3?", "answer": "5"}
+        ep = run_episode(answers("4", "6", "5"), encode, decode, retry.make_env(row), row, encode(row["prompt"]),
+                         retry.limits)
+        assert ep.stop == "done" and len(ep.turns) == 3 and ep.rewards == [0.0, 0.0, 1.0]
+        assert decode(ep.ids).count("Wrong, try again:") == 2 and ep.policy_mask.count(0) == 2 * len(encode(" Wrong, try again:"))
+        ep = run_episode(answers("1", "2", "3"), encode, decode, retry.make_env(row), row, [1], retry.limits)
+        assert ep.stop == "done" and len(ep.turns) == 3 and sum(ep.rewards) == 0.0
+    finally:
+        retry.close()
+    broken = tools.agent("", 16, 4, 32, timeout=2.0, env=f"{ENVS}:Broken")
+    try:
+        for how, turns in (("reset", 0), ("raise", 1), ("hang", 1), ("garbage", 1), ("nan", 1)):
+            row = {"how": how}
+            ep = run_episode(answers("x"), encode, decode, broken.make_env(row), row, [1], broken.limits)
+            assert ep.stop == "tool_error" and len(ep.turns) == turns, how
+        ep = run_episode(answers("x"), encode, decode, broken.make_env({}), {}, [1], broken.limits)
+        assert ep.stop == "done" and ep.rewards == [1.0] and decode(ep.ids).startswith("Go:")
+    finally:
+        broken.close()
+
+
+def test_grpo_with_a_users_environment_end_to_end(tmp_path, tiny_model_dir):
+    """align grpo --env FILE.py:Retry --reward env on the tiny model: episodes of up to 3 turns, the environment's
+    reward logged as rewards/env, and the environment file hashed into the artifact's inputs."""
+    import json
+    import sys
+
+    from align.data import encode_prompts
+    from align.models import load_tokenizer, resolve
+    from tests.conftest import align_env, eos_prone, run_command, small_data, small_sft
+
+    tok = load_tokenizer(resolve(str(tiny_model_dir)))
+    first = json.loads(small_data()["arith"].read_text().splitlines()[0])["prompt"]
+    eos_prone(tiny_model_dir, encode_prompts(tok, [first])[0], 5.0, out=tmp_path / "eos")  # turns that end
+    proc = run_command([sys.executable, "-m", "align", "grpo", "--model", str(tmp_path / "eos"), "--env", f"{ENVS}:Retry",
+                        "--reward", "env", "--max-turns", "3", "--max-steps", "2", "--prompts-per-step", "4",
+                        "--num-generations", "4", "--max-new-tokens", "24", "--eval-samples", "4", "--eval-k", "1",
+                        *small_sft(), "--out", str(tmp_path / "g")], align_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [json.loads(x) for x in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in steps if "reward" in r)
+    assert "rewards/env" in step and step["num_turns/mean"] > 1  # an untrained model is wrong: it retries
+    art = json.loads((tmp_path / "g" / "artifact.json").read_text())
+    assert any("user_env.py" in str(k) for k in art["inputs"]["code"]), art["inputs"]

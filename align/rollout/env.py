@@ -4,6 +4,9 @@ light, no torch, so a tool or a user's environment file imports only this.
 An environment (`Env`) is made per episode from its data row: `reset(row)` may give an opening observation,
 `step(turn_text)` answers one policy turn with a `Step`: the next observation (text, or None), an optional reward
 and whether the episode is done. `stops` are the texts that end a policy turn (a tool call's closing tag).
+Optional attributes: `decides_end` (True: EOS ends a turn, not the episode; the environment says done), `failed`
+(set by a reset that could not start the episode) and `release()` (called when the episode ends: a sandboxed
+environment's object is dropped).
 """
 
 from __future__ import annotations

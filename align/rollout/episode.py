@@ -89,25 +89,19 @@ def run_episodes(sample_turns: TurnSampler, encode: Callable[[str], list[int]], 
     eps = [Episode(list(p)) for p in prompt_ids]
     for ep, env, row in zip(eps, envs, rows):
         opening = _timed(ep, env.reset, row)
-        if opening:
+        if getattr(env, "failed", False):  # a user's environment that could not start: the episode ends now
+            ep.stop = "tool_error"
+        elif opening:
             ep.add_env(encode(opening)[: limits.max_env_tokens])
-    running = list(range(len(eps)))
-    while running:
-        asking = []
-        for i in running:
-            ep = eps[i]
-            budget = min(limits.turn_tokens, limits.max_tokens - ep.policy_tokens)
-            if len(ep.turns) == limits.max_turns:
-                ep.stop = "max_turns"
-            elif budget <= 0:
-                ep.stop = "max_tokens"
-            else:
-                asking.append((i, budget))
-        if not asking:
-            break
+    running = [i for i, ep in enumerate(eps) if not ep.stop]
+    while running:  # (an episode leaves `running` at a limit before it could ask for a turn it has no room for)
+        asking = [(i, min(limits.turn_tokens, limits.max_tokens - eps[i].policy_tokens)) for i in running]
         turns = sample_turns([eps[i].prompt_ids + eps[i].ids for i, _ in asking], [i for i, _ in asking],
                              [len(eps[i].ids) for i, _ in asking], [b for _, b in asking], envs[0].stops)
         running = [i for (i, _), turn in zip(asking, turns) if _answer(eps[i], envs[i], *turn, encode, decode, limits)]
+    for ep, env in zip(eps, envs):
+        if callable(getattr(env, "release", None)):  # a sandboxed environment's object is dropped with its episode
+            _timed(ep, env.release)
     return eps
 
 
@@ -128,8 +122,11 @@ def _answer(ep: Episode, env: Env, ids: list[int], logps: list[float], why: str,
     ep.tool_errors += step.tool_error
     if step.reward is not None:
         ep.rewards.append(step.reward)
-    if step.done or (why == "eos" and not step.tool_call):
+    if step.done or (why == "eos" and not step.tool_call and not getattr(env, "decides_end", False)):
         ep.stop = "tool_error" if step.failed else "done" if step.done else "eos"
+        return False
+    if len(ep.turns) == limits.max_turns or ep.policy_tokens >= limits.max_tokens:  # no turn left to read it
+        ep.stop = "max_turns" if len(ep.turns) == limits.max_turns else "max_tokens"
         return False
     if step.observation:
         room = limits.max_env_tokens - ep.env_tokens

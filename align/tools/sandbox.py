@@ -32,39 +32,62 @@ from align.errors import UserError
 
 MAX_RESULT = 4000  # characters of a tool's answer kept (the episode's --max-tool-tokens cut it further)
 
-# argv: MEMORY_MB PATH NAMES; MEMORY_MB "schema": import the file, answer its functions' schemas and exit (no memory
-# limit: transformers' get_json_schema imports torch); otherwise serve calls within MEMORY_MB
+# argv: MEMORY_MB PATH NAMES KIND (functions | env). MEMORY_MB "schema": import the file, answer what the trainer
+# needs to know of it (functions: their JSON schemas; env: its class's `stops`) and exit (no memory limit:
+# transformers' get_json_schema imports torch); otherwise serve requests within MEMORY_MB, one JSON line each:
+# {"op": "call", "name", "arguments"}; {"op": "new", "id", "row"} (an environment per episode, its reset(row));
+# {"op": "step", "id", "turn"}; {"op": "drop", "id"}
 WORKER = r"""
-import importlib.util, json, os, resource, sys
-memory, path, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+import importlib.util, json, math, os, resource, sys
+memory, path, names, kind = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
 if memory != "schema" and int(memory):
     resource.setrlimit(resource.RLIMIT_AS, (int(memory) << 20, int(memory) << 20))
 out = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)  # what a tool prints goes to stderr, not into the answers
 def send(**msg):
     out.write(json.dumps(msg) + "\n"); out.flush()
+def text(value):
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"returned {type(value).__name__} as an observation, not text or None")
 try:
     spec = importlib.util.spec_from_file_location("user_tools", path)
     module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
     fns = {n: getattr(module, n) for n in names}
     if memory == "schema":
+        if kind == "env":
+            send(ok=True, stops=[str(x) for x in getattr(fns[names[0]], "stops", ())]); sys.exit(0)
         from transformers.utils import get_json_schema
         send(ok=True, schemas=[get_json_schema(fns[n]) for n in names]); sys.exit(0)
 except BaseException as e:
     send(ok=False, error=f"{type(e).__name__}: {e}"[:500]); sys.exit(1)
 send(ok=True)
+envs = {}
 for line in sys.stdin:
     req = json.loads(line)
     try:
-        value = fns[req["name"]](**req["arguments"])
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            send(ok=False, fatal=True, error=f"returned {type(value).__name__}, not text or a number")
-        else:
+        if req["op"] == "call":
+            value = fns[req["name"]](**req["arguments"])
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise TypeError(f"returned {type(value).__name__}, not text or a number")
             send(ok=True, result=str(value)[:%d])
+        elif req["op"] == "new":
+            env = envs[req["id"]] = fns[names[0]]()
+            send(ok=True, observation=text(env.reset(req["row"])))
+        elif req["op"] == "step":
+            result = envs[req["id"]].step(req["turn"])
+            observation, reward, done = result
+            if reward is not None and (isinstance(reward, bool) or not math.isfinite(float(reward))):
+                raise TypeError(f"returned reward {reward!r}, not a finite number or None")
+            send(ok=True, observation=text(observation), reward=None if reward is None else float(reward),
+                 done=bool(done))
+        else:
+            envs.pop(req["id"], None)
+            send(ok=True)
     except MemoryError:
-        send(ok=False, fatal=True, error="out of memory")
+        send(ok=False, error="out of memory")
     except BaseException as e:
-        send(ok=False, fatal=True, error=f"{type(e).__name__}: {e}"[:500])
+        send(ok=False, error=f"{type(e).__name__}: {e}"[:500])
 """ % MAX_RESULT
 
 
@@ -96,12 +119,13 @@ class Sandbox:
     """A user's tool functions in a worker process (see the module's docstring)."""
 
     def __init__(self, path: str, names: list[str], *, timeout: float = 5.0, memory_mb: int = 1024,
-                 cpu_seconds: int = 600, flag: str = "--tools"):
+                 cpu_seconds: int = 600, flag: str = "--tools", kind: str = "functions"):
         self.path, self.names, self.timeout, self.memory_mb = os.path.abspath(path), list(names), timeout, memory_mb
-        self.cpu_seconds, self.flag = cpu_seconds, flag
+        self.cpu_seconds, self.flag, self.kind = cpu_seconds, flag, kind
         self.prefix = require_isolation(flag)
         self.proc: subprocess.Popen | None = None
-        self.schemas = self._start(schema=True)["schemas"]  # a worker of its own, gone once it answered
+        self.about = self._start(schema=True)  # a worker of its own, gone once it answered
+        self.schemas = self.about.get("schemas", [])
         self._start()
 
     def _start(self, schema: bool = False) -> dict:
@@ -115,7 +139,7 @@ class Sandbox:
 
         memory = "schema" if schema else str(self.memory_mb)
         self.proc = subprocess.Popen([*self.prefix, sys.executable, "-I", "-c", WORKER, memory, self.path,
-                                      ",".join(self.names)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      ",".join(self.names), self.kind], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, preexec_fn=limits)
         hello = self._read(max(self.timeout, 60.0))  # the first answer imports the file (and transformers' schema)
         if schema:
@@ -154,25 +178,30 @@ class Sandbox:
             return "error", f"error: no tool named {name!r} (tools: {', '.join(self.names)})"
         if not isinstance(arguments, dict):
             return "error", "error: the arguments must be an object"
+        answer = self.request({"op": "call", "name": name, "arguments": arguments})
+        return ("ok", answer["result"]) if answer.get("ok") else ("failed", f"error: {answer['error']}")
+
+    def request(self, req: dict) -> dict:
+        """The worker's answer to `req`: {"ok": True, ...}, or {"ok": False, "error": why} — the function or
+        environment raised, returned garbage, hung past the timeout (the worker is killed; the next request starts
+        a fresh one) or crashed. Never raises for what the user's code does."""
         if self.proc is None or self.proc.poll() is not None:
             try:
                 self._start()
             except UserError:
-                return "failed", "error: the tool's sandbox did not start"
+                return {"ok": False, "error": "the sandbox did not start"}
         try:
-            self.proc.stdin.write(json.dumps({"name": name, "arguments": arguments}) + "\n")
+            self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError, TypeError, ValueError) as e:
             self._kill()
-            return "failed", f"error: {type(e).__name__}"
+            return {"ok": False, "error": type(e).__name__}
         answer = self._read(self.timeout)
         if answer is None:
             timed_out = self.proc.poll() is None
             self._kill()
-            return "failed", f"error: timed out after {self.timeout:g} s" if timed_out else "error: the tool crashed"
-        if answer.get("ok"):
-            return "ok", answer["result"]
-        return ("failed" if answer.get("fatal") else "error"), f"error: {answer.get('error', '')}"
+            return {"ok": False, "error": f"timed out after {self.timeout:g} s" if timed_out else "the tool crashed"}
+        return answer
 
     def close(self) -> None:
         self._kill()
