@@ -77,7 +77,7 @@ def test_a_failing_tool_ends_its_episode_and_the_stage_scores_it_by_the_policy(b
             text, why = next(it)
             return [(encode(text), [-0.1] * len(encode(text)), why)]
 
-        return run_episode(sampler, encode, decode, FunctionsEnv(box), {}, encode("What is 3 * 4?"), Limits())
+        return run_episode(sampler, encode, decode, FunctionsEnv(box=box), {}, encode("What is 3 * 4?"), Limits())
 
     ok = episode(('<tool>{"name": "mul", "arguments": {"a": 3, "b": 4}}</tool>', "stop"), ("12", "eos"))
     assert ok.stop == "done" and ok.tool_calls == 1 and ok.tool_errors == 0 and "<out>12</out>" in decode(ok.ids)

@@ -82,7 +82,7 @@ def agent(spec: str, max_new_tokens: int, max_turns: int, max_tool_tokens: int, 
 
     box = Sandbox(user[0], user[1], timeout=timeout)
     atexit.register(box.close)
-    return Agent(spec, lambda row: FunctionsEnv(box), limits, close=box.close)
+    return Agent(spec, lambda row: FunctionsEnv(box=box), limits, close=box.close)
 
 
 def segments(spec: str, text: str) -> list[tuple[str, bool]]:

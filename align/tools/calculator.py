@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from align.rollout.env import Step
+from align.tools.tagged import TaggedTool
 
 MAX_CHARS = 200
 MAX_NODES = 64
@@ -120,39 +121,14 @@ def calculate(expression: str) -> str:
 
 
 @dataclass
-class CalculatorEnv:
+class CalculatorEnv(TaggedTool):
     """The built-in calculator as an environment: a turn that ends with `<calc>EXPR</calc>` is answered with
-    `<out>VALUE</out>` (align.tools.calculator: exact, bounded, never `eval`); any other turn is the final answer.
-    The tags are plain text, so any tokenizer writes them."""
+    `<out>VALUE</out>` (exact, bounded, never `eval`; an error is answered too: the policy's mistake); any other
+    turn is the final answer. The tags are plain text, so any tokenizer writes them."""
 
-    name: str = "calculator"
     open: str = "<calc>"
     close: str = "</calc>"
-    answer: str = "<out>{}</out>"
-    stops: tuple[str, ...] = ("</calc>",)
 
-    def reset(self, row: dict) -> str | None:
-        return None
-
-    def step(self, turn: str) -> Step:
-        head, sep, _ = turn.rpartition(self.close)
-        if not sep or self.open not in head:
-            return Step(done=True)
-        value = calculate(head.rsplit(self.open, 1)[1])
+    def answer_call(self, body: str) -> Step:
+        value = calculate(body)
         return Step(observation=self.answer.format(value), tool_call=True, tool_error=value.startswith("error:"))
-
-    def segments(self, text: str) -> list[tuple[str, bool]]:
-        """A demonstration's completion cut into the policy's parts (True) and the tool's answers (False), as an
-        episode would hold them: every `<out>...</out>` that follows a call is the tool's."""
-        head, tail = self.answer.split("{}")
-        out, rest = [], text
-        while True:
-            call = rest.find(self.close)
-            if call < 0 or not rest[call + len(self.close):].startswith(head):
-                return [*out, (rest, True)] if rest else out
-            end = rest.find(tail, call + len(self.close) + len(head))
-            if end < 0:
-                return [*out, (rest, True)]
-            cut = call + len(self.close)
-            out += [(rest[:cut], True), (rest[cut:end + len(tail)], False)]
-            rest = rest[end + len(tail):]

@@ -17,27 +17,18 @@ from dataclasses import dataclass
 
 from align.rollout.env import Step
 from align.tools.sandbox import Sandbox
-
-FORMAT = ('<tool>{"name": NAME, "arguments": {...}}</tool>', "<out>RESULT</out>")
+from align.tools.tagged import TaggedTool
 
 
 @dataclass
-class FunctionsEnv:
-    box: Sandbox
+class FunctionsEnv(TaggedTool):
+    box: Sandbox | None = None
     open: str = "<tool>"
     close: str = "</tool>"
-    answer: str = "<out>{}</out>"
-    stops: tuple[str, ...] = ("</tool>",)
 
-    def reset(self, row: dict) -> str | None:
-        return None
-
-    def step(self, turn: str) -> Step:
-        head, sep, _ = turn.rpartition(self.close)
-        if not sep or self.open not in head:
-            return Step(done=True)
+    def answer_call(self, body: str) -> Step:
         try:
-            call = json.loads(head.rsplit(self.open, 1)[1])
+            call = json.loads(body)
             name, arguments = call["name"], call.get("arguments", {})
         except (ValueError, KeyError, TypeError, AttributeError):
             return Step(observation=self.answer.format('error: a call is {"name": ..., "arguments": {...}}'),
@@ -46,8 +37,3 @@ class FunctionsEnv:
         if status == "failed":
             return Step(done=True, tool_call=True, tool_error=True, failed=True)
         return Step(observation=self.answer.format(text), tool_call=True, tool_error=status == "error")
-
-    def segments(self, text: str) -> list[tuple[str, bool]]:
-        from align.tools.calculator import CalculatorEnv
-
-        return CalculatorEnv(close=self.close, answer=self.answer).segments(text)
