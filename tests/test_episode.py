@@ -169,11 +169,13 @@ class StopAt:
         return Step(observation=" ->", tool_call=True, done=self.seen == self.turns)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["hf", "fast-decoder"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_batched_hf_episodes_equal_the_one_context_reference(tiny_model_dir, temperature):
-    """Episodes of 4 prompts in one batch on HF generate (left padding, stops at a text, EOS, budgets) give the
-    tokens of the one-context reference sampler under the same keys, and its log-probs (sampled); the policy
-    mask and turns agree."""
+def test_batched_episodes_equal_the_one_context_reference(tiny_model_dir, temperature, fast):
+    """Episodes of 4 prompts in one batch, on HF generate and on the fast decoder (left padding, stops at a text,
+    EOS, budgets; the fast decoder prefills each turn's contexts into one cache and is asked to end rows at a stop
+    between steps), give the tokens of the one-context reference sampler under the same keys, and its log-probs
+    (sampled); the policy mask and turns agree."""
     from align.rollout.episode import Agent
     from align.rollout.generation import generate_episodes
     from align.rollout.generation import Sampling
@@ -186,7 +188,9 @@ def test_batched_hf_episodes_equal_the_one_context_reference(tiny_model_dir, tem
     keys = [11, 12, 13, 14] if temperature else None
     s = Sampling(max_new_tokens=14, temperature=temperature)
     agent = Agent("test", lambda row: StopAt(stops), limits)
-    got = generate_episodes(model, tok, prompts, [{}] * 4, s, agent, batch_size=4, device="cpu", keys=keys)
+    # batches of 3: the second (one episode) is filled to the first's width on the fast decoder
+    got = generate_episodes(model, tok, prompts, [{}] * 4, s, agent, batch_size=3, device="cpu", keys=keys, fast=fast)
+    assert hasattr(model, "_align_fast_decoder") == fast  # the path asked for was the one taken
     ref_sampler = model_turn_sampler(model, tok, temperature or 1.0, keys or [0] * 4)
     if not temperature:  # greedy reference: the argmax
 

@@ -189,3 +189,15 @@ def stopped(tokenizer, ids: list[int], stops: tuple[str, ...]) -> bool:
     tail = tokenizer.decode(ids[-longest:])  # a token is at least one character: the stop lies within these
     last = tokenizer.decode(ids[-1:])
     return any(s in tail and s not in tail[: len(tail) - len(last)] for s in stops)
+
+
+def first_stop(tokenizer, ids: list[int], stops: tuple[str, ...], start: int = 0) -> int | None:
+    """The length of the shortest prefix ids[:n] (n > start) that `stopped` ends: where a batched sampler that ran
+    past the stop cuts the turn; None when no stop text completes after ids[:start]. One decode rules out a row
+    with no stop text in its new tokens."""
+    if not stops:
+        return None
+    tail = tokenizer.decode(ids[max(0, start - max(map(len, stops))):])
+    if not any(s in tail for s in stops):
+        return None
+    return next((n for n in range(start + 1, len(ids) + 1) if stopped(tokenizer, ids[:n], stops)), None)

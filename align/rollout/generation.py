@@ -18,7 +18,7 @@ import torch
 from align import runtime
 from align.data import pad
 from align.rollout.completion import Completion, EpisodeInfo  # noqa: F401 (re-exported)
-from align.rollout.episode import Agent, TurnSampler, run_episodes, stopped
+from align.rollout.episode import Agent, TurnSampler, first_stop, run_episodes, stopped
 from align.rollout.sampling import sampled_logprobs
 
 
@@ -115,7 +115,8 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
     episodes instead, rows[i] prompt i's data row."""
     keys = sampling_keys(s, range(len(prompts)) if indices is None else indices)
     if agent is not None:
-        return generate_episodes(module, tokenizer, prompts, rows, s, agent, batch_size, device, keys, on_batch)
+        return generate_episodes(module, tokenizer, prompts, rows, s, agent, batch_size, device, keys, on_batch,
+                                 fast=False if synced_gpus else fast)
     length = max((len(p) for p in prompts), default=0) + s.max_new_tokens
     if use_fast_path(module, device, synced_gpus, fast, length):
         if fast:  # forced (tests): errors surface
@@ -249,24 +250,86 @@ def hf_turn_sampler(module, tokenizer, s, keys: list[int] | None, device) -> Tur
     return sample_turns
 
 
+def fast_turn_sampler(dec, tokenizer, s, keys: list[int] | None, width: int, capacity: int) -> TurnSampler:
+    """A TurnSampler over the fast decoder (align.rollout.fast): each round's contexts (prompt + the episode so far,
+    as sampled) prefilled into its cache and decoded as one batch, as wide as the first round (rows repeating the
+    last context: one graph shape for the whole episode) and sized for the whole episode (`capacity`); keyed noise
+    at each row's position after its prompt. A row ends at EOS, at a stop text (the decoder asks between steps;
+    the turn is cut at the token that completed it, as HF's path cuts it) or at its budget."""
+    eos = tokenizer.eos_token_id
+
+    def ended_at_stop(stops):
+        seen: dict[int, int] = {}
+
+        def ended(rows: list[list[int]]) -> list[int]:  # rows whose tokens since the last look complete a stop
+            done = [i for i, row in enumerate(rows)
+                    if eos not in row and first_stop(tokenizer, row, stops, seen.get(i, 0))]
+            seen.update((i, len(row)) for i, row in enumerate(rows))
+            return done
+
+        return ended
+
+    def sample_turns(contexts, which, offsets, budgets, stops):
+        fill = max(0, width - len(contexts))
+        ck = None if keys is None else [keys[w] for w in which]
+        rows = dec.generate(contexts + contexts[-1:] * fill, replace(s, max_new_tokens=max(budgets)), eos,
+                            tokenizer.pad_token_id, None if ck is None else ck + ck[-1:] * fill,
+                            offsets=list(offsets) + list(offsets[-1:]) * fill,
+                            stop=ended_at_stop(stops) if stops else None, capacity=capacity)
+        lp = dec.last_logps
+        out = []
+        for i, (row, budget) in enumerate(zip(rows, budgets)):
+            n, why = min(budget, len(row)), "length"
+            if eos in row[:n]:
+                n, why = row.index(eos) + 1, "eos"
+            cut = first_stop(tokenizer, row[:n], stops)
+            if cut is not None:  # (HF's path: a stop text completed by the EOS token itself is a stop too)
+                n, why = cut, "stop"
+            out.append((row[:n], lp[i][:n] if lp else [0.0] * n, why))
+        return out
+
+    return sample_turns
+
+
 def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[dict], s: Sampling, agent: Agent,
-                      batch_size: int, device, keys: list[int] | None, on_batch=None) -> list:
-    """Episodes of `agent` after each prompt (rows[i] its data row), `batch_size` at a time, on HF `generate`;
-    returned as rollout Completions (Episode.completion)."""
+                      batch_size: int, device, keys: list[int] | None, on_batch=None, fast: bool | None = None) -> list:
+    """Episodes of `agent` after each prompt (rows[i] its data row), `batch_size` at a time, on the fast decoder
+    where it applies (use_fast_path: CUDA, a supported model), else HF `generate`; returned as rollout
+    Completions (Episode.completion)."""
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    lim = agent.limits
+    capacity = max((len(p) for p in prompts), default=0) + lim.max_tokens + lim.max_env_tokens + 1
+    dec = parked = None
+    if use_fast_path(module, device, fast=fast, length=capacity):
+        from align.lora import parked_base
+        from align.rollout.fast.decoder import decoder_for
+        from align.rollout.fast.support import bare
+
+        dec = decoder_for(bare(module), device)
+        parked = parked_base(module, device)  # LoRA: the base W is not read while the decoder decodes
+        if parked:
+            parked.park()
     was_training = module.training
     module.eval()
     out = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = slice(i, i + batch_size)
-        sampler = hf_turn_sampler(module, tokenizer, s, None if keys is None else keys[chunk], device)
-        eps = run_episodes(sampler, encode, decode, [agent.make_env(r) for r in rows[chunk]], rows[chunk],
-                           prompts[chunk], agent.limits)
-        out += [ep.completion(decode) for ep in eps]
-        if on_batch:
-            on_batch(len(eps))
-    module.train(was_training)
+    try:
+        for i in range(0, len(prompts), batch_size):
+            chunk = slice(i, i + batch_size)
+            ck = None if keys is None else keys[chunk]
+            sampler = (fast_turn_sampler(dec, tokenizer, s, ck, min(batch_size, len(prompts)), capacity) if dec
+                       else hf_turn_sampler(module, tokenizer, s, ck, device))
+            eps = run_episodes(sampler, encode, decode, [agent.make_env(r) for r in rows[chunk]], rows[chunk],
+                               prompts[chunk], lim)
+            out += [ep.completion(decode) for ep in eps]
+            if on_batch:
+                on_batch(len(eps))
+    finally:
+        if dec is not None:
+            dec.release()  # the KV cache is not needed until the next rollout
+        if parked:
+            parked.restore()
+        module.train(was_training)
     return out
 
 

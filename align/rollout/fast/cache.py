@@ -33,6 +33,8 @@ class KVCache:
         self.sidx = torch.zeros(1, dtype=torch.long, device=d)  # column of `out` the next token goes to
         self.finished = torch.zeros(B, dtype=torch.bool, device=d)
         self.keys = torch.zeros(B, dtype=torch.long, device=d)  # each row's sampling key (align.rollout.sampling)
+        # each row's position of its first new token for its keyed noise (an episode's tokens so far; else 0)
+        self.key_offset = torch.zeros(B, dtype=torch.long, device=d)
         self.out = None
         self.out_logp = None
         self.last_logps = None  # the last `generate`'s sampling log-probs per row (None when greedy)

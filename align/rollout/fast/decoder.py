@@ -49,7 +49,7 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
     def _step_out(self, x: torch.Tensor, sampling, eos: int, pad: int) -> None:
         """Final norm, LM head, the next token chosen; EOS tracking and the cache / position bookkeeping."""
         logits = F.linear(rms(x, self.norm, self.eps), self.head).float()
-        nxt = self._choose(logits, self.sidx, sampling)
+        nxt = self._choose(logits, self.sidx + self.key_offset, sampling)
         if not sampling.greedy:  # the sampler's log-probs, as the trainer scores them (rollout/logp_abs_diff)
             self.out_logp.index_copy_(1, self.sidx, sampled_logprobs(logits, nxt, sampling.temperature)[:, None])
         nxt = torch.where(self.finished, torch.full_like(nxt, pad), nxt)
@@ -70,11 +70,16 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling, eos: int, pad: int, keys=None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], sampling, eos: int, pad: int, keys=None, offsets=None,
+                 stop=None, capacity: int = 0) -> list[list[int]]:
         """Tokens generated for each prompt (rows padded after EOS with `pad`, length <= max_new_tokens); `keys`:
-        each prompt's sampling key (align.rollout.sampling; default: drawn from torch's RNG)."""
+        each prompt's sampling key (align.rollout.sampling; default: drawn from torch's RNG). A multi-turn
+        episode's turn (align.rollout.generation.fast_turn_sampler): `offsets`, each row's position of its first
+        new token for its keyed noise; `stop(tokens [n, steps] on the host) -> rows that ended` (at a tool
+        call's stop text), asked whenever the decoder checks for EOS, ends those rows early (the caller cuts their
+        tokens at the stop); `capacity`: the cache's least length (an episode's: one shape for all its turns)."""
         n, P, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
-        ids, mask = self._inputs(prompts, P, new, pad)
+        ids, mask = self._inputs(prompts, P, new, pad, capacity)
         clock = _DebugClock() if os.environ.get("ALIGN_FAST_DEBUG") == "1" else None
         # one runner per attention length the decode steps will need (writing slots P .. P + new - 2), all
         # made before the prefill: a capture's warm-up scribbles on the state
@@ -82,12 +87,12 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
                    for k in sorted({self.attn_len(w) for w in range(P, P + new - 1)})}
         if clock:
             clock.lap()
-        self._first_token(ids, mask, sampling, eos, pad, keys, n)
+        self._first_token(ids, mask, sampling, eos, pad, keys, n, offsets)
         steps = 1
         while steps < new:
             runners[self.attn_len(P + steps - 1)]()
             steps += 1
-            if steps % self.check_every == 0 and bool(self.finished[:n].all()):
+            if steps % self.check_every == 0 and self._all_ended(n, steps, stop):
                 break
         if clock:
             clock.report(self, n, steps)
@@ -95,12 +100,21 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         self.last_logps = None if sampling.greedy else self.out_logp[:n, :steps].tolist()
         return self.out[:n, :steps].tolist()
 
-    def _inputs(self, prompts: list[list[int]], P: int, new: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _all_ended(self, n: int, steps: int, stop) -> bool:
+        """Whether every row has ended (EOS, or a row `stop` names: marked finished, so it decodes padding)."""
+        if stop is not None:
+            ended = stop(self.out[:n, :steps].tolist())
+            if ended:
+                self.finished[torch.tensor(sorted(ended), device=self.device)] = True
+        return bool(self.finished[:n].all())
+
+    def _inputs(self, prompts: list[list[int]], P: int, new: int, pad: int,
+                capacity: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache and output buffers for the prompts (rows: a power of two with graphs, the last prompt
-        repeated) and their left-padded ids and mask [B, P] on the device."""
+        repeated; slots: at least `capacity`) and their left-padded ids and mask [B, P] on the device."""
         n = len(prompts)
         B = n if not self.use_graphs else max(8, 1 << (n - 1).bit_length())  # graph shapes: powers of two
-        cap = P + new
+        cap = max(P + new, capacity)
         cap = -(-cap // 128) * 128 if self.use_graphs else cap  # few shapes: one compile per (B, cap)
         if self._shape_key is not None and self._shape_key[0] == B and self._shape_key[1] >= cap:
             cap = self._shape_key[1]  # keep the captured graphs: a larger cache is fine
@@ -120,9 +134,12 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
             self._graphs, self._warm = {}, set()  # the graphs hold the old `out` (a new shape: compiled again)
         return ids, mask
 
-    def _first_token(self, ids: torch.Tensor, mask: torch.Tensor, sampling, eos: int, pad: int, keys, n: int) -> None:
+    def _first_token(self, ids: torch.Tensor, mask: torch.Tensor, sampling, eos: int, pad: int, keys, n: int,
+                     offsets=None) -> None:
         """The prefill and each row's first token; the decode state set for the step that writes slot P."""
         B, P = ids.shape
+        offsets = [0] * n if offsets is None else list(offsets)
+        self.key_offset.copy_(torch.tensor(offsets + offsets[-1:] * (B - n)))
         # the attention mask AFTER the captures: their warm-up opens slots 0-1 (`_step`) for every row
         self.attn_bias.fill_(torch.finfo(torch.float32).min)
         self.attn_bias[:, :P].masked_fill_(mask.bool(), 0.0)
@@ -130,7 +147,7 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
             keys = torch.randint(0, 1 << 32, (n,)).tolist() if keys is None else list(keys)
             self.keys.copy_(torch.tensor(keys + keys[-1:] * (B - n)))
         logits = self._prefill(ids, mask)
-        first = self._choose(logits, 0, sampling)
+        first = self._choose(logits, self.key_offset, sampling)
         self.out.fill_(pad)
         self.out[:, 0] = first
         if not sampling.greedy:
