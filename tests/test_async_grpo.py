@@ -4,12 +4,15 @@ importance sampling written out by hand."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from align.engine.run import StageRun
 from align.engine.stats import Stats
 from align.rollout.batch import timed
+from align.tools.sandbox import isolation
 from tests.conftest import parity_reward, small_data
 
 
@@ -21,9 +24,10 @@ def single_process_env(single_process):
 def config(tmp_path, model, name: str, **over):
     from stages.grpo import GRPOConfig
 
+    over = {"reward": [parity_reward()], "max_new_tokens": 6, **over}
     cfg = GRPOConfig(model=str(model), out=str(tmp_path / name), eval_data="", data=str(small_data()["arith"]),
-                     reward=[parity_reward()], prompts_per_step=2, num_generations=4, max_new_tokens=6,
-                     micro_batch_size=8, lr=1e-2, warmup_steps=0, zero_stage=0, **over)
+                     prompts_per_step=2, num_generations=4, micro_batch_size=8, lr=1e-2, warmup_steps=0,
+                     zero_stage=0, **over)
     cfg.validate()
     return cfg
 
@@ -55,13 +59,25 @@ def steps(cfg, n: int, written_out: bool = False) -> tuple[list[dict], dict, dic
         return rows, weights(algo), algo.state_dict()
 
 
-def test_the_queue_at_staleness_0_is_the_synchronous_step_bit_for_bit(tiny_model_dir, tmp_path):
+# multi-turn episodes: an environment answering each turn (ended at common texts) until the third
+EPISODES = {"env": f"{Path(__file__).parent / 'fixtures' / 'user_env.py'}:ShortTurns",
+            "reward": ["env", parity_reward()], "max_turns": 3, "max_new_tokens": 8}
+
+
+@pytest.mark.parametrize("kind", ["completions", "episodes"])
+def test_the_queue_at_staleness_0_is_the_synchronous_step_bit_for_bit(tiny_model_dir, tmp_path, kind):
     """--max-staleness 0 in one process: the stage's step takes its rollout from the queue, whose LocalSampler
     samples rollout t in step t, right before its update; that is the synchronous step, bit for bit: the same
     metrics (no rollout/staleness nor time/wait: nothing is stale or waited for), the same weights, and a state
-    without rollouts (none is kept between steps: a checkpoint holds what it held without the queue)."""
-    sync, w_sync, _ = steps(config(tmp_path, tiny_model_dir, "sync"), 3, written_out=True)
-    queued, w_queued, state = steps(config(tmp_path, tiny_model_dir, "queued"), 3)
+    without rollouts (none is kept between steps: a checkpoint holds what it held without the queue). Also with
+    multi-turn episodes (--env)."""
+    if kind == "episodes" and isolation() is None:
+        pytest.skip("this machine cannot isolate a process's network: no user environment runs")
+    over = EPISODES if kind == "episodes" else {}
+    sync, w_sync, _ = steps(config(tmp_path, tiny_model_dir, "sync", **over), 3, written_out=True)
+    queued, w_queued, state = steps(config(tmp_path, tiny_model_dir, "queued", **over), 3)
+    if kind == "episodes":
+        assert all(r["num_turns/mean"] > 1 for r in sync)  # several turns: the environment's tokens in between
     assert [list(r) for r in queued] == [list(r) for r in sync] and "time/generate" in sync[0]
 
     def timeless(rows):

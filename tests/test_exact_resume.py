@@ -5,6 +5,7 @@ contents, a new --max-steps — and the helpers: test_resume.py). A file of its 
 
 import pytest
 
+from align.tools.sandbox import isolation
 from tests.test_resume import STAGES, check_resume, stage_inputs
 
 
@@ -15,6 +16,8 @@ def inputs(tiny_model_dir, tiny_reward_model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_resume_after_sigkill_equals_an_uninterrupted_run(stage, inputs, tmp_path):
+    if stage == "grpo-env" and isolation() is None:
+        pytest.skip("this machine cannot isolate a process's network: no user environment runs")
     check_resume(stage, inputs, tmp_path)
 
 

@@ -23,6 +23,7 @@ from tests.conftest import _DIST_ENV, ROOT, AlignProcess, parity_reward, process
 
 STEPS = 6
 ARITH = ROOT / "data/arithmetic/train.jsonl"
+FIXTURES = ROOT / "tests" / "fixtures"
 COMMON = ["--max-steps", str(STEPS), "--warmup-steps", "2", "--eval-every", "3", "--save-every", "1"]
 STAGES = {
     "sft": ["sft", "--batch-size", "8", "--lr", "3e-3", "--eval-samples", "4", "--max-new-tokens", "4"],
@@ -35,6 +36,11 @@ STAGES = {
     "grpo-stale": ["grpo", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--eval-samples",
                    "4", "--eval-k", "1,2", "--micro-batch-size", "8", "--lr", "1e-3", "--max-staleness", "2",
                    "--tis-cap", "2"],
+    # multi-turn episodes (an environment that answers a wrong answer until the third turn), sampled ahead of their
+    # step: the checkpoint holds queued episodes (their policy masks, turns, stops) and the environment's rewards
+    "grpo-env": ["grpo", "--prompts-per-step", "4", "--num-generations", "2", "--max-new-tokens", "8", "--max-turns",
+                 "3", "--eval-samples", "4", "--eval-k", "1", "--micro-batch-size", "8", "--lr", "1e-3",
+                 "--max-staleness", "2", "--tis-cap", "2"],
     "ppo": ["ppo", "--model", "tiny", "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2",
             "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"],
 }
@@ -143,6 +149,8 @@ def stage_inputs(tiny_model_dir, tiny_reward_model_dir, d) -> dict:
             "dpo": [*model, "--data", prefs, "--eval-data", ptest, "--pass-data", test],
             "grpo": [*model, "--data", arith, "--eval-data", test, "--reward", parity_reward()],  # a training signal
             "grpo-stale": [*model, "--data", arith, "--eval-data", test, "--reward", parity_reward()],
+            "grpo-env": [*model, "--data", arith, "--eval-data", test, "--env", f"{FIXTURES / 'user_env.py'}:ShortTurns",
+                         "--reward", "env"],
             "ppo": ["--reward-model", str(tiny_reward_model_dir), "--data", arith, "--eval-data", test,
                     "--ptx-data", arith]}
 
