@@ -78,7 +78,9 @@ def measure(shape: str, tree: Path | None = None) -> tuple[dict, str]:
     if not res:
         raise SystemExit(f"[{shape}] the harness gave no result for {key}: see the logs under {out}")
     shutil.rmtree(out, ignore_errors=True)  # its models and checkpoints: a few runs of them fill a small disk
-    return {k: float(res[k]) for k in metrics if res.get(k) is not None}, " ".join(["python", *cmd[1:-2]])
+    got = {k: float(res[k]) for k in metrics if res.get(k) is not None}
+    print(f"[{shape}{' before' if tree else ''}] {json.dumps(got)}", flush=True)  # each run's figures as they come
+    return got, " ".join(["python", *cmd[1:-2]])
 
 
 def card() -> str:
