@@ -106,6 +106,18 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
     return wanted and why is None
 
 
+def _fast_failed(e: Exception) -> None:
+    """The fast decoder raised: its traceback and a warning, and HF generate for the rest of this process."""
+    import os
+    import traceback
+
+    from align.console import warn
+
+    traceback.print_exc()
+    warn(f"fast generation failed ({type(e).__name__}: {e}); falling back to HF generate for this process")
+    os.environ["ALIGN_FAST_GENERATION"] = "0"
+
+
 @torch.no_grad()
 def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, batch_size: int,
                    device, synced_gpus: bool = False, fast: bool | None = None, on_batch=None,
@@ -124,14 +136,7 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
         try:
             return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch, keys)
         except Exception as e:  # never lose a run to the fast path: say so once, then use HF generate
-            import os
-            import traceback
-
-            from align.console import warn
-
-            traceback.print_exc()
-            warn(f"fast generation failed ({type(e).__name__}: {e}); falling back to HF generate for this process")
-            os.environ["ALIGN_FAST_GENERATION"] = "0"
+            _fast_failed(e)
     from align.models import autocast_dtype
     from align.runtime import eager
 
@@ -317,10 +322,22 @@ def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[di
         for i in range(0, len(prompts), batch_size):
             chunk = slice(i, i + batch_size)
             ck = None if keys is None else keys[chunk]
-            sampler = (fast_turn_sampler(dec, tokenizer, s, ck, min(batch_size, len(prompts)), capacity) if dec
-                       else hf_turn_sampler(module, tokenizer, s, ck, device))
-            eps = run_episodes(sampler, encode, decode, [agent.make_env(r) for r in rows[chunk]], rows[chunk],
-                               prompts[chunk], lim)
+
+            def episodes(dec):
+                sampler = (fast_turn_sampler(dec, tokenizer, s, ck, min(batch_size, len(prompts)), capacity) if dec
+                           else hf_turn_sampler(module, tokenizer, s, ck, device))
+                return run_episodes(sampler, encode, decode, [agent.make_env(r) for r in rows[chunk]], rows[chunk],
+                                    prompts[chunk], lim)
+
+            try:
+                eps = episodes(dec)
+            except Exception as e:
+                if dec is None or fast:  # HF's own errors, or the fast path forced (tests): they surface
+                    raise
+                _fast_failed(e)  # never lose a run to the fast path: this batch again on HF generate
+                dec.release()
+                dec = None
+                eps = episodes(None)
             out += [ep.completion(decode) for ep in eps]
             if on_batch:
                 on_batch(len(eps))
