@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 
 from align import data as D
-from align import objectives, runtime
+from align import objectives, runtime, tools
 from align.artifacts import describe_inputs
 from align.console import info, warn
 from align.engine.build import Optim
@@ -56,7 +56,7 @@ from align.objectives.tokens import completion_nll
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
                                 score_ids)
 from align.rewards import RewardError, call_rewards, every_number, parse_rewards, probe
-from align.rollout.batch import Rollout, record_completions, record_mismatch, sample, select, timed
+from align.rollout.batch import Rollout, record_completions, record_episodes, record_mismatch, sample, select, timed
 from stages.ppo_config import DEFAULT_RM, DEFAULT_SFT, PPOConfig  # the options (light: no torch), re-exported
 
 @dataclass(frozen=True)
@@ -105,10 +105,10 @@ class PPOPlan(RLPlan):
         if ref:
             plan.add("reference: weights", model_state(ref, s)["weights"])
         others = ([ref] if ref else []) + frozen_weights(plan, models, ("reward model",), s)
-        rollout_terms(plan, policy, cfg.prompts_per_step // s.world, prompt, cfg.max_new_tokens, s)
-        score_terms(plan, [policy, value, *others], micro, prompt + cfg.max_new_tokens, s)
+        rollout_terms(plan, policy, cfg.prompts_per_step // s.world, prompt, cfg.episode_tokens, s)
+        score_terms(plan, [policy, value, *others], micro, prompt + cfg.episode_tokens, s)
         zero3_blocks(plan, [policy, value, *others], s)
-        self.update_pass(plan, policy, value, micro, prompt + cfg.max_new_tokens, s)
+        self.update_pass(plan, policy, value, micro, prompt + cfg.episode_tokens, s)
 
     def update_pass(self, plan: Plan, policy: Model, value: Model, micro: int, longest: int, s: Setup) -> None:
         """The update's largest pass: the policy's activations and logits (full with an entropy bonus, which takes
@@ -262,6 +262,8 @@ class PPO:
         self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in rows[0] else None
         probe([self.gold_fn] if self.gold_fn else [], rows, "--gold-reward", tokenizer=self.tok, where=cfg.data)
         rows, split = D.split_off(rows, cfg.eval_split, cfg.data)
+        # --tools: rollouts become episodes; your tools' sandbox started before any model is built
+        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout)
         prompt_ids = D.encode_prompts(self.tok, [r["prompt"] for r in rows])
         keep = [i for i, p in enumerate(prompt_ids) if len(p) <= cfg.max_prompt_length]
         if not keep:
@@ -269,14 +271,14 @@ class PPO:
                             f"(shortest {min(map(len, prompt_ids))}); raise --max-prompt-length or shorten the prompts.")
         self.dropped = len(rows) - len(keep)
         self.rows, self.prompt_ids = fitting([rows[i] for i in keep], [prompt_ids[i] for i in keep],
-                                             context_length(policy), cfg.max_new_tokens, cfg.data)
+                                             context_length(policy), cfg.episode_tokens, cfg.data)
         if cfg.gold_reward_coef and self.gold_fn is None:
             raise UserError(f"{cfg.data}: --gold-reward-coef {cfg.gold_reward_coef} needs the verifier's `answer` "
                             "column in the prompts; add it (or --columns old=answer) or set --gold-reward-coef 0.")
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                   held_out=True) if cfg.eval_data and cfg.eval_samples else
                                       D.verifiable_rows(split[: cfg.eval_samples], cfg.data),
-                                      self.tok, policy, cfg.max_new_tokens, cfg.eval_data or cfg.data)
+                                      self.tok, policy, cfg.episode_tokens, cfg.eval_data or cfg.data)
         self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data or cfg.data)
         self.ptx = ptx_examples(self.tok, cfg.ptx_data, cfg.ptx_max_length) if cfg.ptx_coef else []
         return sources
@@ -324,9 +326,10 @@ class PPO:
         gold = torch.zeros_like(proxy)
         if self.gold_fn is not None:
             try:
+                # a built-in verifier grades an episode's last turn, your reward file all of it (as in GRPO)
+                texts = [c.text if self.gold_fn.path else c.answer for c in r.completions]
                 gold = torch.tensor(every_number(self.gold_fn, call_rewards(
-                    self.gold_fn, r.sample_rows, [c.text for c in r.completions], [c.ids for c in r.completions])),
-                    device=device)
+                    self.gold_fn, r.sample_rows, texts, [c.ids for c in r.completions])), device=device)
             except RewardError as e:
                 raise UserError(f"--gold-reward: {e}") from None
         baseline = 0.0
@@ -423,7 +426,7 @@ class PPO:
         with timed(times, "time/generate"):
             idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
             r = sample(self.policy.eng, self.tok, [self.rows[i] for i in idx], [self.prompt_ids[i] for i in idx], 1,
-                       replace(self.sampling, seed=derive(cfg.seed, step)), dist, cfg.gather)
+                       replace(self.sampling, seed=derive(cfg.seed, step)), dist, cfg.gather, self.agent)
         with timed(times, "time/reward"):
             proxy, s, gold = self.scores(r)
         with timed(times, "time/score"):
@@ -449,6 +452,8 @@ class PPO:
             stats.mean("gold_reward", gold.sum(), n)
         stats.mean("kl", ro["kl"].sum(), mask.sum())
         record_completions(stats, r)
+        if self.agent:
+            record_episodes(stats, r)
         stats.value("val/explained_variance", explained_variance(ro["old_values"], ro["returns"], mask,
                                                                     reduce=runtime.all_reduce_sum))
 
@@ -459,7 +464,7 @@ class PPO:
             return {}
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist,
                                   sampling=Sampling(self.cfg.max_new_tokens, 0.0), gather=self.cfg.gather,
-                                  verifier=self.verifier)
+                                  verifier=self.verifier, agent=self.agent)
         r = score(self.rm, self.rm_tok, [x["prompt"] for x in recs], [x["greedy"] for x in recs], 64)
         save_eval_samples(self.run.out, step, [{**x, "rm_score": v} for x, v in zip(recs, r.tolist())], self.run.dist)
         # held-out gold (verified greedy answers) and proxy (the RM's score of the same answers), watched by
@@ -496,6 +501,11 @@ class PPO:
 
     def output(self) -> Output:
         return Output(self.policy.eng, self.tok)
+
+    def close(self, failed: bool = False) -> None:
+        """Your tools' sandbox stops (--tools FILE.py:fn)."""
+        if self.agent:
+            self.agent.close()
 
 
 def run(cfg: PPOConfig) -> dict:

@@ -3,10 +3,12 @@ and a config's checks are instant."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from align import objectives
-from align.config import ByModel, RLConfig, defaults, opt
+from align.config import (ByModel, RLConfig, defaults, max_tool_tokens_opt, max_turns_opt, opt, tool_timeout_opt,
+                          tools_opt)
 from align.errors import UserError
 from align.paths import DATA_DIR
 from align.rewards import parse_rewards
@@ -56,12 +58,28 @@ class PPOConfig(RLConfig):
     missing_eos_penalty: float = opt(0.0, "Subtracted from the score of responses that never emit EOS.", ge=0)
     reward_clip: float = opt(0.0, "Clip the score to [−c, c] (0: off).", ge=0)
     offload_frozen: bool = opt(False, "ZeRO-3: keep the frozen reference and reward model parameters on the CPU.")
+    tools: str = tools_opt()
+    max_turns: int = max_turns_opt()
+    max_tool_tokens: int = max_tool_tokens_opt()
+    tool_timeout: float = tool_timeout_opt()
+
+    @property
+    def episode_tokens(self) -> int:
+        """The most tokens a rollout adds after its prompt: --max-new-tokens, plus the tools' with --tools."""
+        return self.max_new_tokens + (self.max_tool_tokens if self.tools else 0)
 
     def validate(self):
         super().validate()
         if self.prompts_per_step % self.minibatch_size:
             raise UserError(f"--minibatch-size {self.minibatch_size} must divide --prompts-per-step "
                             f"{self.prompts_per_step}.")
+        if self.tools:
+            from align import tools
+
+            tools.check(self.tools)
+            if not self.gather and int(os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes) > 1:
+                raise UserError("--tools with --no-gather: episodes end after different numbers of turns, so the "
+                                "processes cannot share each sharded forward; drop --no-gather.")
         if self.gold_reward:
             parse_rewards([self.gold_reward], "--gold-reward")
         elif self.gold_reward_coef:

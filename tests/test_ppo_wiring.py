@@ -897,3 +897,71 @@ def test_a_resume_restores_the_stages_state_and_keeps_the_start_evaluation(files
     assert s0 >= 1 and beta == pytest.approx(dict(first["beta"])[s0]) and beta != pytest.approx(first["beta"][0][1])
     assert first["evaluated"][0] == 0 and 0 not in resumed["evaluated"] and resumed["evaluated"][-1] == 3
     assert start and again == start
+
+
+# ---- multi-turn episodes (--tools)
+
+# (policy turn, tool answer) pairs then the last turn: 1 on the policy's tokens, 0 on the tool's
+EPISODES = [([40, 41], [70, 71, 72], [42, 43]), ([44], [73], [45, 46, 47]), ([48, 49, 50], [], []),
+            ([51], [74, 75], [52])]
+
+
+def episode_rollout(algo) -> Rollout:
+    """Four episodes: three with a tool's answer between two policy turns (the last turn ends at EOS), one of a
+    single turn."""
+    from align.rollout.completion import EpisodeInfo
+
+    eos, comps = algo.tok.eos_token_id, []
+    for i, (first, tool, last) in enumerate(EPISODES):
+        ids = first + tool + last + [eos]
+        mask = [1] * len(first) + [0] * len(tool) + [1] * (len(last) + 1)
+        info = EpisodeInfo("", 2 if tool else 1, int(bool(tool)), 0, "eos", len(tool), 0.0)
+        comps.append(Completion(algo.prompt_ids[i], ids, "", True, None, mask, info))
+    return Rollout(algo.rows[:4], comps, 1)
+
+
+def test_ppo_over_episodes_scores_values_and_advantages_at_the_policys_tokens_only(files, tmp_path):
+    """--tools: an episode's tool answers are no time steps of the policy. The response mask is the policy mask;
+    π_old, π_ref, the KL penalty, V_old, the advantages and the returns are 0 at the tool's tokens; the score sits
+    on the last policy token; GAE runs over the policy's tokens only, across the tool's gap (the hand GAE over
+    each row's policy positions, γ 0.9, λ 0.8); the update's gradient from the tool's tokens is 0 (their
+    log-probs changed, the update's gradient does not). A real step samples episodes and logs their metrics."""
+    with stage(files, tmp_path, tools="calculator", value_model=str(files["value"]), gamma=0.9, lam=0.8) as algo:
+        r = episode_rollout(algo)
+        batch = r.batch(algo.tok.pad_token_id, "cpu")
+        m = batch["response_mask"]
+        for i, c in enumerate(r.completions):
+            start = len(c.prompt_ids) - 1
+            assert m[i, start:start + len(c.ids)].tolist() == c.policy_mask and m[i].sum() == sum(c.policy_mask)
+        tool = torch.zeros_like(m)
+        for i, c in enumerate(r.completions):
+            start = len(c.prompt_ids) - 1
+            tool[i, start:start + len(c.ids)] = 1 - torch.tensor(c.policy_mask)
+        assert tool.sum() == 6
+        s = torch.tensor([1.5, -0.5, 0.25, -2.0])
+        ro = algo.advantages(batch, s, 0.2)
+        for k in ("old_logp", "ref_logp", "kl", "old_values", "adv", "returns"):
+            assert (ro[k] * tool).abs().sum() == 0, k
+        with torch.no_grad():
+            old, _ = hand_logp(causal_lm(files["policy"]), batch)
+            values = hand_values(classifier(files["value"]), batch) * m
+        close(ro["old_logp"] * m, old)
+        adv, returns = hand_gae(hand_token_rewards(s, ro["kl"], m, 0.2), values, m, 0.9, 0.8)
+        close(ro["returns"], returns, 1e-4)
+        close(ro["adv"], hand_whiten(adv, m), 1e-4)
+        # the first turn's advantages see the score after the gap: without it they would change
+        gapless = hand_gae(hand_token_rewards(torch.zeros(4), ro["kl"], m, 0.2), values, m, 0.9, 0.8)[0]
+        first = [len(c.prompt_ids) - 1 for c in r.completions[:2]]
+        assert all(abs(float(adv[i, t] - gapless[i, t])) > 1e-3 for i, t in enumerate(first))
+        # the tool's tokens give the policy no gradient: the same update with their old log-probs moved
+        full = {**batch, **ro}
+        moved = {**full, "old_logp": full["old_logp"] + 0.7 * tool}
+        grads, w0 = [], {k: v.clone() for k, v in algo.policy.module.state_dict().items()}
+        for b in (full, moved):
+            algo.policy.module.load_state_dict(w0)  # (the minibatch's optimiser step moved the weights)
+            with grads_of(algo.policy.module) as g:
+                algo.minibatch(b, Stats())
+            grads.append(torch.cat([g[n].flatten() for n in sorted(g)]))
+        torch.testing.assert_close(grads[0], grads[1])
+        got = algo.step(0).reduce("cpu")
+    assert {"tools/call_frequency", "num_turns/mean", "episodes/stop/eos", "episodes/policy_token_frac"} <= set(got)
