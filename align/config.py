@@ -208,9 +208,9 @@ def env_opt():
                    "('' : none).", code=True, group="tools")
 
 
-def tool_timeout_opt():
+def tool_timeout_opt(scored: str = "scored as --on-reward-error says, or 0"):
     return opt(10.0, "With --tools FILE.py:fn: seconds one call may take; past it the tool is killed and the episode "
-                     "ends (scored as --on-reward-error says, or 0).", gt=0, group="tools")
+                     f"ends ({scored}).", gt=0, group="tools")
 
 
 def verifier_opt(**meta):

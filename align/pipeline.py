@@ -428,7 +428,7 @@ def _validate_stage(stage: Stage, table: dict, root: Path, defaults: dict, probl
     paths = _path_fields(cls)
     try:
         cls(**{k: str(_resolve_path(root, v)) if k in paths and k not in stage.refs and v and not _is_preset(k, v, root)
-               else v for k, v in _base_values(stage, defaults).items()}).validate()
+               else v for k, v in _code_paths(cls, _base_values(stage, defaults), root).items()}).validate()
     except UserError as e:
         # the option at fault (e.option), or the first flag the message names (--schedule -> stages.NAME.schedule)
         raw = {k.replace("-", "_"): k for k in table}
@@ -462,6 +462,25 @@ def stage_out(root: Path, pipeline_out: Path, stage: Stage) -> Path:
     return pipeline_out / stage.name
 
 
+def _code_paths(cls, values: dict, root: Path) -> dict:
+    """`values` with each relative Python file the code options name (--reward, --tools, --env:
+    path/to/file.py:NAME specs) read from `root`, the pipeline file's folder, where it is there."""
+    from align.rewards import spec_file
+
+    def fix(spec):
+        file = spec_file(spec) if isinstance(spec, str) else None
+        if file is None or Path(file).is_absolute() or not (root / file).is_file():
+            return spec
+        return str(root / file) + spec[len(file):]
+
+    out = dict(values)
+    for f in C.fields(cls):
+        if f.metadata.get("code") and f.name in out:
+            v = out[f.name]
+            out[f.name] = [fix(x) for x in v] if isinstance(v, list) else fix(v)
+    return out
+
+
 def _base_values(stage: Stage, defaults: dict) -> dict:
     """The stage's values with the pipeline defaults (nproc, seed) applied where the stage has the option and does
     not set it (refs left as written)."""
@@ -475,7 +494,7 @@ def resolve(p: Pipeline, stage: Stage) -> dict:
     """The full config the stage runs with: every field, refs -> absolute out dirs, paths -> absolute."""
     cls = stage.config
     cfg = C.as_dict(cls())
-    cfg.update(_base_values(stage, p.defaults))
+    cfg.update(_code_paths(cls, _base_values(stage, p.defaults), p.root))
     for key in _path_fields(cls):
         v = cfg.get(key)
         if key in stage.refs:

@@ -54,6 +54,31 @@ def _reward_file(name: str, body: str) -> str:
     return f"{f}:{name}"
 
 
+def _tool_file(name: str, body: str) -> str:
+    """A tool file for --tools: `mul(a, b)` whose body is `body` (e.g. a raise: a broken tool)."""
+    f = Path(tempfile.gettempdir()) / f"align-bench-tool-{name}.py"
+    f.write_text(f'def mul(a: int, b: int) -> int:\n    """Multiply two integers.\n\n    Args:\n        a: the first '
+                 f'factor\n        b: the second factor\n    """\n    {body}\n')
+    return f"{f}:mul"
+
+
+def grpo_tools(seed: int, steps: int = 100, *extra, model: str = "@sft-tools", tools: str = "calculator",
+               data: str = "data-mul", turns: int = 3) -> list[str]:
+    """pipelines/tools.toml's GRPO (the calculator, up to 3 turns) from its SFT model; held-out greedy pass@1 on 200
+    products at the start, step 50 and the end."""
+    return ["grpo", "--model", model, "--data", f"@{data}", "--eval-data", f"@{data}/test.jsonl", "--tools", tools,
+            "--max-turns", str(turns), "--max-tool-tokens", "32", "--max-new-tokens", "40", "--max-steps", str(steps),
+            "--lr", "1e-4", "--eval-every", "50", "--eval-k", "1", "--eval-samples", "200", "--seed", str(seed),
+            *extra]
+
+
+def sft_tools(data: str, tools: str) -> list[str]:
+    """pipelines/tools.toml's SFT: 2,000 steps of 32 demonstrations (1 in 5 calls the tool), lr 1e-3."""
+    return ["sft", "--model", "tiny", "--data", f"@{data}", "--eval-data", f"@{data}/test.jsonl", "--tools", tools,
+            "--max-steps", "2000", "--batch-size", "32", "--lr", "1e-3", "--eval-every", "2000", "--max-new-tokens",
+            "40"]
+
+
 def grpo(seed: int, lr: float, steps: int = 15, *extra, reward: str = "", model: str = "tiny",
          tokens: int = 12) -> list[str]:
     """GRPO of the tiny model on the arithmetic prompts, 4 prompts x 4 samples, no held-out evaluation."""
@@ -105,9 +130,24 @@ class Departs:
 
 
 @dataclass(frozen=True)
+class Above:
+    """An onset read from the run: the first step from which every later value of `key` stays above `value`."""
+
+    key: str
+    value: float
+
+    def __call__(self, steps: dict) -> int | None:
+        onset = None
+        for s, row in sorted(steps.items()):
+            if self.key in row:
+                onset = (onset or s) if row[self.key] > self.value else None
+        return onset
+
+
+@dataclass(frozen=True)
 class Run:
     args: list  # align's arguments; "@NAME": the out directory of run NAME (trained first)
-    label: str | None = None  # the failure; None: a healthy run
+    label: str | None = None  # the failure; None: a healthy run; "input": data other runs read (not scored)
     onset: int | Departs = 0  # the step (1-based, as logged) the failure starts at, or how to read it from the run
     rules: tuple = ()  # the rules written for the failure: its lead is the first event of any of them
     heldout: bool = False  # the failure shows in held-out evaluations: its lead is also counted in evaluations
@@ -132,6 +172,7 @@ def metrics_file(name: str, out: Path) -> Path:
     return ROOT / r.stored if r.stored else out / name / "metrics.jsonl"
 
 
+USER_MUL = f"{ROOT / 'tests/fixtures/user_tools.py'}:mul"  # a user's tool: the sandbox runs it
 CHAIN_PPO = ["--fixed-kl", "--init-kl-coef", "0.2", "--ptx-coef", "0.5"]  # the arithmetic chain's PPO settings
 NO_KL = ["--init-kl-coef", "0", "--fixed-kl", "--ptx-coef", "0"]
 # PPO without KL, 4 epochs a batch, against a scalar reward model trained 40 steps (near chance on held-out pairs):
@@ -205,6 +246,28 @@ RUNS = {
     "ppo-degradation": Run(["ppo", "--model", "@sft", "--reward-model", "@rm", *NO_KL, "--lr", "2e-4", "--seed", "11",
                             "--max-steps", "60"], "held-out degradation without proxy gain", 1, HELDOUT, True),
     "ppo-weak-rm": Run(WEAK_RM, "over-optimisation of a weak reward model", 1, ("reward_hacking", *HELDOUT), True),
+    # tools (pipelines/tools.toml's recipe): products of 3-4 digit numbers, demonstrations that call the calculator
+    # (or a user's `mul` in the JSON call format) 1 time in 5, SFT on them, then GRPO with the tool
+    "data-mul": Run(["data", "make", "mul_tool", "--n", "4000", "--test-n", "200", "--param", "tool_rate=0.2"],
+                    "input"),
+    "data-mul-call": Run(["data", "make", "mul_tool", "--n", "4000", "--test-n", "200", "--param", "tool_rate=0.2",
+                          "--param", "call=mul"], "input"),
+    "sft-tools": Run(sft_tools("data-mul", "calculator")),
+    "sft-tools-mul": Run(sft_tools("data-mul-call", USER_MUL)),
+    # healthy: the policy learns to call (held-out greedy pass@1 ~0.05 -> ~1.0)
+    "grpo-tools-s0": Run(grpo_tools(0)),
+    "grpo-tools-s1": Run(grpo_tools(1)),
+    "grpo-user-tool-s0": Run(grpo_tools(0, 60, model="@sft-tools-mul", tools=USER_MUL, data="data-mul-call")),
+    # failures: the user's tool raises on every call (a service down); a bonus for calling the tool (nanochat's +0.2,
+    # design-notes/01) with --max-turns 1, too few for a call and an answer: every call ends its episode at the turn
+    # limit unanswered, the bonus pays the loop all the same, and the policy learns to call (onset: the step from
+    # which more than a quarter of the episodes end at the limit for good)
+    "grpo-tool-broken": Run(grpo_tools(0, 20, model="@sft-tools-mul", tools=_tool_file(
+        "broken", "raise ConnectionError('the multiplication service is down')"), data="data-mul-call"),
+        "broken tool", 1, ("tool_broken", "tool_errors_high")),
+    "grpo-turn-loop": Run(grpo_tools(0, 60, "--reward", "math", "--reward", _reward_file(
+        "tool_bonus", "0.2 * ('</calc>' in completion)"), turns=1), "turn-limit loop",
+        Above("episodes/stop/max_turns", 0.25), ("turn_limit",)),
 }
 # --on-alarm on the weak reward model's over-optimisation: (run name, mode); not scored as rule runs
 ON_ALARM = {"ppo-weak-rm-stop": ("ppo-weak-rm", "stop"), "ppo-weak-rm-rollback": ("ppo-weak-rm", "rollback")}
@@ -217,7 +280,7 @@ def run(name: str, out: Path) -> Path:
     r = RUNS[name]
     if r.stored:
         return ROOT / r.stored
-    args = [str(run(a[1:], out)) if a.startswith("@") else a for a in r.args]
+    args = [_at(a, out) for a in r.args]
     d = out / name
     art = d / "artifact.json"
     if art.is_file() and json.loads(art.read_text()).get("status") in ("complete", "failed", "stopped"):
@@ -227,6 +290,15 @@ def run(name: str, out: Path) -> Path:
     print(f"  {name}: {' '.join(cmd[3:])}", flush=True)
     subprocess.run(cmd, cwd=ROOT, env={**env, "COLUMNS": "200"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return d
+
+
+def _at(arg: str, out: Path) -> str:
+    """"@NAME[/PATH]": run NAME's out directory (trained first), or PATH in it; any other argument as it is."""
+    if not arg.startswith("@"):
+        return arg
+    name, _, rest = arg[1:].partition("/")
+    d = run(name, out)
+    return str(d / rest) if rest else str(d)
 
 
 def by_step(f: Path) -> dict:
@@ -262,7 +334,7 @@ def score(out: Path, names: list[str]) -> dict:
     leads, runs = [], []
     for name in names:
         r = RUNS[name]
-        if r.label == "on-alarm":
+        if r.label in ("on-alarm", "input"):
             continue
         f = metrics_file(name, out)
         if not f.is_file():

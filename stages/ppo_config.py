@@ -61,7 +61,7 @@ class PPOConfig(RLConfig):
     tools: str = tools_opt()
     max_turns: int = max_turns_opt()
     max_tool_tokens: int = max_tool_tokens_opt()
-    tool_timeout: float = tool_timeout_opt()
+    tool_timeout: float = tool_timeout_opt("unfinished: --missing-eos-penalty applies")
 
     @property
     def episode_tokens(self) -> int:

@@ -201,6 +201,25 @@ def test_fingerprint_follows_config_and_input_content(tmp_path):
     assert P.plan(P.load(f))[0].state.status == "missing"
 
 
+def test_your_python_files_are_read_from_the_pipelines_folder_and_hashed(tmp_path):
+    """A relative reward or environment file (path/to/file.py:NAME) is read from the pipeline file's folder, as data
+    paths are (not from where `align pipeline run` was started); a change to it makes the stage stale."""
+    (tmp_path / "t.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    (tmp_path / "envs").mkdir()
+    env = tmp_path / "envs" / "e.py"
+    env.write_text("class E:\n    def reset(self, row):\n        return None\n")
+    (tmp_path / "r.py").write_text("def r(prompt, completion, **row):\n    return 1.0\n")
+    f = write(tmp_path, '[stages.grpo]\nmodel = "tiny"\ndata = "t.jsonl"\neval-data = ""\nenv = "envs/e.py:E"\n'
+                        'reward = ["env", "r.py:r:0.5", "math"]\n')
+    p = P.load(f)
+    cfg = P.resolve(p, p.stages[0])
+    assert cfg["env"] == f"{tmp_path / 'envs/e.py'}:E"
+    assert cfg["reward"] == ["env", f"{tmp_path / 'r.py'}:r:0.5", "math"]
+    fp = P.fingerprint(p, p.stages[0])
+    env.write_text("class E:\n    def reset(self, row):\n        return 'go'\n")
+    assert P.fingerprint(P.load(f), P.load(f).stages[0]) != fp
+
+
 # ----------------------------------------------------------------------------- real stages (subprocesses)
 
 
