@@ -965,3 +965,24 @@ def test_ppo_over_episodes_scores_values_and_advantages_at_the_policys_tokens_on
         torch.testing.assert_close(grads[0], grads[1])
         got = algo.step(0).reduce("cpu")
     assert {"tools/call_frequency", "num_turns/mean", "episodes/stop/eos", "episodes/policy_token_frac"} <= set(got)
+
+
+def test_the_gold_verifier_grades_an_episodes_last_turn_and_the_rm_its_transcript(files, tmp_path):
+    """--tools: the built-in gold verifier reads the policy's last turn (its answer), not the transcript, where the
+    tool's answer may hold the right number; the reward model scores the whole transcript."""
+    from align.rollout.completion import EpisodeInfo
+
+    with stage(files, tmp_path, tools="calculator") as algo:
+        answers = [str(row["answer"]) for row in algo.rows[:4]]
+        comps = []
+        for i, a in enumerate(answers):
+            final = f"The answer is {a}." if i % 2 else "I cannot say."  # right on odd rows only
+            text = f"<calc>{a}</calc><out>{a}</out>{final}"
+            ids = algo.tok(text, add_special_tokens=False)["input_ids"] + [algo.tok.eos_token_id]
+            mask = [1] * len(ids)
+            info = EpisodeInfo(final, 2, 1, 0, "eos", 0, 0.0)
+            comps.append(Completion(algo.prompt_ids[i], ids, text, True, None, mask, info))
+        r = Rollout(algo.rows[:4], comps, 1)
+        proxy, _, gold = algo.scores(r)
+        assert gold.tolist() == [0.0, 1.0, 0.0, 1.0]
+        close(proxy, hand_rm_scores(classifier(files["rm"]), r))
