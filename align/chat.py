@@ -16,33 +16,36 @@ IGNORE = -100  # the label of a token without loss
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # a template that marks the assistant's tokens itself
 
 
-def prompt_text(tokenizer, prompt: str | list[dict]) -> str:
-    """The text a policy sees before its response: the chat template with a generation prompt, if any."""
+def prompt_text(tokenizer, prompt: str | list[dict], tools: list | None = None) -> str:
+    """The text a policy sees before its response: the chat template with a generation prompt, if any; `tools`:
+    the JSON schemas of the tools it may call, rendered by the template (align.tools.chat_format)."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
     text = "\n".join(m["content"] for m in messages)
     return (tokenizer.bos_token or "") + text if isinstance(prompt, list) else (tokenizer.bos_token or "") + prompt
 
 
-def prompt_texts(tokenizer, prompts: list) -> list[str]:
+def prompt_texts(tokenizer, prompts: list, tools: list | None = None) -> list[str]:
     """`prompt_text` for many prompts. Plain-string prompts are rendered once through the chat template around a
     sentinel and spliced (jinja per row costs ~0.2 ms: seconds per epoch of a large dataset). Templates that
     transform the content (trim, escape, ...) are detected by a second, padded probe and rendered per row."""
     sentinel = "\x00ALIGN\x00"
-    probe = prompt_text(tokenizer, sentinel)
+    probe = prompt_text(tokenizer, sentinel, tools)
     if probe.count(sentinel) != 1:
-        return [prompt_text(tokenizer, p) for p in prompts]
+        return [prompt_text(tokenizer, p, tools) for p in prompts]
     head, tail = probe.split(sentinel)
     padded = " " + sentinel + " \n"
-    if prompt_text(tokenizer, padded) != head + padded + tail:
-        return [prompt_text(tokenizer, p) for p in prompts]
-    return [head + p + tail if isinstance(p, str) else prompt_text(tokenizer, p) for p in prompts]
+    if prompt_text(tokenizer, padded, tools) != head + padded + tail:
+        return [prompt_text(tokenizer, p, tools) for p in prompts]
+    return [head + p + tail if isinstance(p, str) else prompt_text(tokenizer, p, tools) for p in prompts]
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+def _render(tokenizer, messages: list[dict], generation_prompt: bool = False, tools: list | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                             **({"tools": tools} if tools else {}))
     except Exception as e:  # noqa: BLE001 - a template's own raise_exception (an unknown role, ...) is jinja's
         raise UserError(f"the chat template cannot render this conversation ({e}).") from None
 
@@ -71,38 +74,40 @@ def completion_ids(tokenizer, prompt: str | list[dict], completion: list[dict]) 
     return ids if tokenizer.eos_token_id in ids else ids + [tokenizer.eos_token_id]
 
 
-def conversation_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def conversation_tokens(tokenizer, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of a whole conversation as the chat template renders it, the labels IGNORE on every
     token but the assistant turns' (their content and end-of-turn tokens). A template with {% generation %}
     markers says which tokens are the assistant's itself (transformers' return_assistant_tokens_mask); otherwise
     each assistant turn is the rendering of the conversation up to and including it past the rendering before it
-    with the generation prompt (`prefix_tokens`). A final assistant turn without EOS gets one, as a completion."""
+    with the generation prompt (`prefix_tokens`). A final assistant turn without EOS gets one, as a completion.
+    `tools`: the JSON schemas of the tools the conversation calls (a row's `tools`, as TRL's datasets give them):
+    the template shows them; its tool calls are the assistant's tokens, the tools' answers are not."""
     if not tokenizer.chat_template:
         raise UserError("--assistant-only-loss finds the assistant turns through the chat template, and this "
                         "tokenizer has none; use a model whose tokenizer has one.")
     ids, labels = [], []
     if GENERATION.search(tokenizer.chat_template):
         enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+                                            return_assistant_tokens_mask=True, **({"tools": tools} if tools else {}))
         ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
         labels = [t if m else IGNORE for t, m in zip(ids, mask)]
     if not any(t != IGNORE for t in labels):  # no markers, or markers around nothing
-        ids, labels = prefix_tokens(tokenizer, messages)
+        ids, labels = prefix_tokens(tokenizer, messages, tools)
     tail = last_span(labels)
     if messages[-1]["role"] == "assistant" and tokenizer.eos_token_id not in ids[tail:]:
         ids, labels = ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
     return ids, labels
 
 
-def prefix_tokens(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+def prefix_tokens(tokenizer, messages: list[dict], tools: list | None = None) -> tuple[list[int], list[int]]:
     """`conversation_tokens` by rendering prefixes: the text between an assistant turn's generation prompt and
     the end of its turn is the assistant's; each piece of the whole rendering is tokenised on its own (as a
     prompt and its completion are), the assistant's pieces labelled."""
-    full, at, pieces = _render(tokenizer, messages), 0, []
+    full, at, pieces = _render(tokenizer, messages, tools=tools), 0, []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head, turn = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1])
+        head, turn = _render(tokenizer, messages[:i], True, tools), _render(tokenizer, messages[: i + 1], tools=tools)
         if not (turn.startswith(head) and full.startswith(turn) and len(head) >= at):
             raise UserError(f"the chat template does not render the conversation up to assistant turn {i + 1} as the "
                             f"start of the whole conversation, so its tokens cannot be told apart; use a template "

@@ -370,12 +370,14 @@ def split_messages(row: dict) -> tuple[list[dict], str]:
     return msgs[:-1], msgs[-1]["content"]
 
 
-def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
+def encode_prompts(tokenizer, prompts: list, tools: list | None = None) -> list[list[int]]:
+    """The prompts' tokens as the chat template renders them with a generation prompt; `tools`: the JSON schemas
+    of the tools the policy may call, shown by the template (an Agent's `schemas`: align.tools.chat_format)."""
     if not prompts:
         return []
     # verbose=False: no "sequence length is longer than the specified maximum" warning; align cuts or drops
     # what does not fit (the callers' --max-length / context checks)
-    return tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False, verbose=False)["input_ids"]
+    return tokenizer(prompt_texts(tokenizer, prompts, tools), add_special_tokens=False, verbose=False)["input_ids"]
 
 
 def encode_completions(tokenizer, completions: list, prompts: list | None = None) -> list[list[int]]:
@@ -406,7 +408,7 @@ def sft_examples(tokenizer, rows: list[dict], max_length: int, assistant_only: b
         if "prompt" in row and "completion" in row:
             pc.append((i, row["prompt"], row["completion"]))
         elif "messages" in row and assistant_only:
-            out[i] = conversation_example(tokenizer, row["messages"], max_length)
+            out[i] = conversation_example(tokenizer, row["messages"], max_length, row_tools(row))
         elif "messages" in row:
             pc.append((i, *split_messages(row)))
         else:
@@ -445,10 +447,23 @@ def tool_completion(tokenizer, tools: str, completion) -> tuple[list[int], list[
     return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
 
 
-def conversation_example(tokenizer, messages: list[dict], max_length: int) -> dict | None:
-    """A whole conversation with loss on every assistant turn (align.chat.conversation_tokens). Too long: it
-    loses tokens from the left; None when its last assistant turn alone does not fit."""
-    ids, labels = conversation_tokens(tokenizer, messages)
+def row_tools(row: dict) -> list | None:
+    """A conversation row's `tools` (TRL's column: the JSON schemas of the functions it calls; a JSON string is
+    read), None without one."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise UserError(f"a row's tools must be a list of JSON schemas (or its JSON text), got {tools[:60]!r}") from None
+    return tools or None
+
+
+def conversation_example(tokenizer, messages: list[dict], max_length: int, tools: list | None = None) -> dict | None:
+    """A whole conversation with loss on every assistant turn (align.chat.conversation_tokens; `tools`: the schemas
+    its template shows). Too long: it loses tokens from the left; None when its last assistant turn alone does not
+    fit."""
+    ids, labels = conversation_tokens(tokenizer, messages, tools)
     if len(ids) - last_span(labels) >= max_length:
         return None
     cut = max(0, len(ids) - max_length)

@@ -192,7 +192,7 @@ class GRPO:
         probe(self.reward_fns, self.rows, timeout=cfg.reward_timeout, tokenizer=self.tok, where=cfg.data)
         # your tools' sandbox started (their file loaded, their schemas read) before any model is built
         self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens,
-                                 cfg.tool_timeout, cfg.env)
+                                 cfg.tool_timeout, cfg.env, tokenizer=self.tok)
         self.eval_rows = fitting_rows(D.load_rows(cfg.eval_data, "verifiable", cfg.columns, limit=cfg.eval_samples,
                                                   held_out=True) if cfg.eval_data and cfg.eval_samples else
                                       D.verifiable_rows(split[: cfg.eval_samples], cfg.data),
@@ -200,7 +200,9 @@ class GRPO:
         self.verifier = held_out_verifier(cfg.verifier, self.eval_rows, self.tok, cfg.eval_data or cfg.data)
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
-        self.rows, self.prompt_ids = fitting(self.rows, D.encode_prompts(self.tok, [r["prompt"] for r in self.rows]),
+        schemas = self.agent and self.agent.schemas  # tools the chat template shows in the prompt
+        self.rows, self.prompt_ids = fitting(self.rows, D.encode_prompts(self.tok, [r["prompt"] for r in self.rows],
+                                                                         schemas),
                                              context_length(source), cfg.episode_tokens, cfg.data)
 
         teacher_source = resolve(cfg.teacher, expect="policy") if cfg.teacher else None

@@ -263,8 +263,9 @@ class PPO:
         probe([self.gold_fn] if self.gold_fn else [], rows, "--gold-reward", tokenizer=self.tok, where=cfg.data)
         rows, split = D.split_off(rows, cfg.eval_split, cfg.data)
         # --tools: rollouts become episodes; your tools' sandbox started before any model is built
-        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout)
-        prompt_ids = D.encode_prompts(self.tok, [r["prompt"] for r in rows])
+        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout,
+                                 tokenizer=self.tok)
+        prompt_ids = D.encode_prompts(self.tok, [r["prompt"] for r in rows], self.agent and self.agent.schemas)
         keep = [i for i, p in enumerate(prompt_ids) if len(p) <= cfg.max_prompt_length]
         if not keep:
             raise UserError(f"{cfg.data}: every prompt is longer than --max-prompt-length {cfg.max_prompt_length} tokens "

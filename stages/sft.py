@@ -92,7 +92,8 @@ class SFT:
             raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}; raise it.")
         self.examples = D.pack_examples(examples, cfg.max_length) if cfg.packing else examples
         self.eval_examples = D.sft_examples(self.tok, eval_rows, cfg.max_length, cfg.assistant_only_loss, cfg.tools)
-        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout)
+        self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout,
+                                 tokenizer=self.tok)
         self.verifiable = fitting_rows([r for r in eval_rows if "answer" in r and "prompt" in r][: cfg.eval_samples],
                                        self.tok, source, cfg.max_new_tokens + (cfg.max_tool_tokens if cfg.tools else 0),
                                        cfg.eval_data or cfg.data)

@@ -56,3 +56,6 @@ class Agent:
     make_env: Callable[[dict], Env]
     limits: Limits
     close: Callable[[], None] = lambda: None
+    # the tools' JSON schemas, for prompts whose chat template shows them (align.tools.chat_format); None: the
+    # policy learned its tools from demonstrations (align's built-in formats)
+    schemas: list | None = None

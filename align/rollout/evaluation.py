@@ -51,7 +51,7 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
     sampling = sampling or Sampling()
     check = verifier if isinstance(verifier, Verifier) else choose_verifier(verifier, rows)
     extra = agent.limits.max_env_tokens if agent else 0
-    rows, prompts = fitting(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows]),
+    rows, prompts = fitting(rows, encode_prompts(tokenizer, [r["prompt"] for r in rows], agent and agent.schemas),
                             context_length(eng.module.config), sampling.max_new_tokens + extra)
     greedy = Sampling(max_new_tokens=sampling.max_new_tokens, temperature=0.0)
     local = -(-len(prompts) // dist.world_size) * (1 + samples)  # this rank's generations

@@ -52,7 +52,7 @@ def check(spec: str, flag: str = "--tools", env: str = "") -> None:
 
 
 def agent(spec: str, max_new_tokens: int, max_turns: int, max_tool_tokens: int, timeout: float = 10.0,
-          env: str = ""):
+          env: str = "", tokenizer=None):
     """The Agent of --tools `spec` or --env `env` (None for neither): its environment per episode, a turn's and
     the episode's policy tokens within --max-new-tokens, at most --max-turns turns and --max-tool-tokens of the
     environment's tokens. Your functions or environment get one sandbox for the stage (closed by Agent.close, and
@@ -78,10 +78,15 @@ def agent(spec: str, max_new_tokens: int, max_turns: int, max_tool_tokens: int, 
         from align.tools.calculator import CalculatorEnv
 
         return Agent(spec, lambda row: CalculatorEnv(), limits)
-    from align.tools.functions import FunctionsEnv
-
     box = Sandbox(user[0], user[1], timeout=timeout)
     atexit.register(box.close)
+    from align.tools.chat_format import ChatTools, family
+
+    fam = family(tokenizer) if tokenizer is not None else None
+    if fam:  # the model's own tool format: its template shows the tools and renders their answers
+        return Agent(spec, lambda row: ChatTools(box, tokenizer, fam), limits, close=box.close, schemas=box.schemas)
+    from align.tools.functions import FunctionsEnv
+
     return Agent(spec, lambda row: FunctionsEnv(box=box), limits, close=box.close)
 
 
