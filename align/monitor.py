@@ -402,8 +402,8 @@ def check_length_drift(length: list, terminated: list = (), reward: list = (), t
 
     - longer: the mean length of all completions grew x(1+c): length hacking (a reward that pays for length) or
       EOS lost; answers that grow run into the token limit. Fires unless the policy now makes `min_new_calls` more
-      tool calls per episode than at the start (`calls`, tools/call_frequency, with --tools): the calls it writes
-      are the growth.
+      tool calls per episode than at the start (`calls`, tools/call_frequency, with --tools), or its calls grew by
+      at least the length's factor: the calls it writes are the growth.
     - shorter: the length of the completions that ended with EOS (`terminated`, TRL's
       completions/mean_terminated_length; the mean length where it is not logged) fell /(1+c). Truncated answers
       count at the token limit in the mean, so a policy whose cut-off answers start to finish shortens the mean
@@ -414,7 +414,8 @@ def check_length_drift(length: list, terminated: list = (), reward: list = (), t
     """
     grown = check_drift(length, window, max_rel_change)
     if grown.fired and grown.value > 1:
-        tooled = len(calls) >= 2 * window and _mean(calls[-window:]) - _mean(calls[:window]) >= min_new_calls
+        start, now = (_mean(calls[:window]), _mean(calls[-window:])) if len(calls) >= 2 * window else (0.0, 0.0)
+        tooled = now - start >= min_new_calls or (start > 0 and now / start >= grown.value)
         return QUIET if tooled else grown
     finished = len(terminated) >= 2 * window and _finite(terminated[:window]) and _finite(terminated[-window:])
     key, xs = ("completions/mean_terminated_length", terminated) if finished else ("", length)

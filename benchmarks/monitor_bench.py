@@ -63,20 +63,20 @@ def _tool_file(name: str, body: str) -> str:
 
 
 def grpo_tools(seed: int, steps: int = 100, *extra, model: str = "@sft-tools", tools: str = "calculator",
-               data: str = "data-mul", turns: int = 3) -> list[str]:
+               data: str = "data-mul", turns: int = 3, tokens: int = 40) -> list[str]:
     """pipelines/tools.toml's GRPO (the calculator, up to 3 turns) from its SFT model; held-out greedy pass@1 on 200
     products at the start, step 50 and the end."""
     return ["grpo", "--model", model, "--data", f"@{data}", "--eval-data", f"@{data}/test.jsonl", "--tools", tools,
-            "--max-turns", str(turns), "--max-tool-tokens", "32", "--max-new-tokens", "40", "--max-steps", str(steps),
+            "--max-turns", str(turns), "--max-tool-tokens", "32", "--max-new-tokens", str(tokens), "--max-steps", str(steps),
             "--lr", "1e-4", "--eval-every", "50", "--eval-k", "1", "--eval-samples", "200", "--seed", str(seed),
             *extra]
 
 
-def sft_tools(data: str, tools: str) -> list[str]:
+def sft_tools(data: str, tools: str, tokens: int = 40) -> list[str]:
     """pipelines/tools.toml's SFT: 2,000 steps of 32 demonstrations (1 in 5 calls the tool), lr 1e-3."""
     return ["sft", "--model", "tiny", "--data", f"@{data}", "--eval-data", f"@{data}/test.jsonl", "--tools", tools,
             "--max-steps", "2000", "--batch-size", "32", "--lr", "1e-3", "--eval-every", "2000", "--max-new-tokens",
-            "40"]
+            str(tokens)]
 
 
 def grpo(seed: int, lr: float, steps: int = 15, *extra, reward: str = "", model: str = "tiny",
@@ -253,17 +253,20 @@ RUNS = {
     "data-mul-call": Run(["data", "make", "mul_tool", "--n", "4000", "--test-n", "200", "--param", "tool_rate=0.2",
                           "--param", "call=mul"], "input"),
     "sft-tools": Run(sft_tools("data-mul", "calculator")),
-    "sft-tools-mul": Run(sft_tools("data-mul-call", USER_MUL)),
+    # (the JSON call of `mul` takes ~50 of the tiny tokenizer's tokens: 96 new tokens leave room for it and the answer)
+    "sft-tools-mul": Run(sft_tools("data-mul-call", USER_MUL, 96)),
     # healthy: the policy learns to call (held-out greedy pass@1 ~0.05 -> ~1.0)
     "grpo-tools-s0": Run(grpo_tools(0)),
     "grpo-tools-s1": Run(grpo_tools(1)),
-    "grpo-user-tool-s0": Run(grpo_tools(0, 60, model="@sft-tools-mul", tools=USER_MUL, data="data-mul-call")),
+    "grpo-tools-s2": Run(grpo_tools(2)),
+    "grpo-user-tool-s0": Run(grpo_tools(0, 60, model="@sft-tools-mul", tools=USER_MUL, data="data-mul-call",
+                                        tokens=96)),
     # failures: the user's tool raises on every call (a service down); a bonus for calling the tool (nanochat's +0.2,
     # design-notes/01) with --max-turns 1, too few for a call and an answer: every call ends its episode at the turn
     # limit unanswered, the bonus pays the loop all the same, and the policy learns to call (onset: the step from
     # which more than a quarter of the episodes end at the limit for good)
     "grpo-tool-broken": Run(grpo_tools(0, 20, model="@sft-tools-mul", tools=_tool_file(
-        "broken", "raise ConnectionError('the multiplication service is down')"), data="data-mul-call"),
+        "broken", "raise ConnectionError('the multiplication service is down')"), data="data-mul-call", tokens=96),
         "broken tool", 1, ("tool_broken", "tool_errors_high")),
     "grpo-turn-loop": Run(grpo_tools(0, 60, "--reward", "math", "--reward", _reward_file(
         "tool_bonus", "0.2 * ('</calc>' in completion)"), turns=1), "turn-limit loop",

@@ -792,3 +792,11 @@ def test_answers_that_grow_by_the_tool_calls_the_policy_learned_are_not_length_d
     for r in rows:
         r["tools/call_frequency"] = 0.2
     assert fired(feed(rows), "length_drift")
+    # calls that grew by the length's factor (0.25 -> 0.7 a step, x2.8, length x2.1): quiet; by less: it warns
+    for i, r in enumerate(rows):
+        r["tools/call_frequency"] = 0.25 if i < 20 else 0.7
+        r["completions/mean_length"] = 23.0 if i < 20 else 49.0
+    assert fired(feed(rows), "length_drift") == []
+    for i, r in enumerate(rows):
+        r["tools/call_frequency"] = 0.25 if i < 20 else 0.4
+    assert fired(feed(rows), "length_drift")
