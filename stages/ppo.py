@@ -241,7 +241,7 @@ class PPO:
         self.announce()
 
     def read_inputs(self) -> dict:
-        """Models, tokenizers, prompts, gold verifier, held-out and ptx data, all checked before --out is touched."""
+        """Models, tokenizers, prompts, gold verifier, tools, held-out and ptx data, checked before --out is touched."""
         cfg = self.cfg
         policy = resolve_default(cfg.model, "policy", "--model SFT_ARTIFACT")
         rm = require_trained(resolve_default(cfg.reward_model, "reward", "--reward-model RM_ARTIFACT"), cfg.reward_model)
@@ -262,7 +262,6 @@ class PPO:
         self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in rows[0] else None
         probe([self.gold_fn] if self.gold_fn else [], rows, "--gold-reward", tokenizer=self.tok, where=cfg.data)
         rows, split = D.split_off(rows, cfg.eval_split, cfg.data)
-        # --tools: rollouts become episodes; your tools' sandbox started before any model is built
         self.agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout,
                                  tokenizer=self.tok)
         prompt_ids = D.encode_prompts(self.tok, [r["prompt"] for r in rows], self.agent and self.agent.schemas)
@@ -327,8 +326,7 @@ class PPO:
         gold = torch.zeros_like(proxy)
         if self.gold_fn is not None:
             try:
-                # a built-in verifier grades an episode's last turn, your reward file all of it (as in GRPO)
-                texts = [c.text if self.gold_fn.path else c.answer for c in r.completions]
+                texts = [c.text if self.gold_fn.path else c.answer for c in r.completions]  # built-in: last turn
                 gold = torch.tensor(every_number(self.gold_fn, call_rewards(
                     self.gold_fn, r.sample_rows, texts, [c.ids for c in r.completions])), device=device)
             except RewardError as e:
@@ -453,8 +451,7 @@ class PPO:
             stats.mean("gold_reward", gold.sum(), n)
         stats.mean("kl", ro["kl"].sum(), mask.sum())
         record_completions(stats, r)
-        if self.agent:
-            record_episodes(stats, r)
+        record_episodes(stats, r)
         stats.value("val/explained_variance", explained_variance(ro["old_values"], ro["returns"], mask,
                                                                     reduce=runtime.all_reduce_sum))
 

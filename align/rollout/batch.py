@@ -125,6 +125,8 @@ def record_episodes(stats, r: Rollout) -> None:
     from align.rollout.episode import STOPS
 
     eps = [c.episode for c in r.completions]
+    if not eps or None in eps:  # single-turn completions: nothing to record
+        return
     n = len(eps)
     calls = sum(e.tool_calls for e in eps)
     stats.mean("tools/call_frequency", calls, n)
