@@ -336,7 +336,9 @@ def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[di
                     raise
                 _fast_failed(e)  # never lose a run to the fast path: this batch again on HF generate
                 dec.release()
-                dec = None
+                if parked:  # HF generate reads the base weights the fast path had parked (LoRA)
+                    parked.restore()
+                dec = parked = None
                 eps = episodes(None)
             out += [ep.completion(decode) for ep in eps]
             if on_batch:
