@@ -173,8 +173,8 @@ class StopAt:
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_batched_episodes_equal_the_one_context_reference(tiny_model_dir, temperature, fast):
     """Episodes of 4 prompts in one batch, on HF generate and on the fast decoder (left padding, stops at a text,
-    EOS, budgets; the fast decoder prefills each turn's contexts into one cache and is asked to end rows at a stop
-    between steps), give the tokens of the one-context reference sampler under the same keys, and its log-probs
+    EOS, budgets; the fast decoder keeps each episode's turns in one cache, prefills only the environment's answers
+    and is asked to end rows at a stop between steps), give the tokens of the one-context reference sampler under the same keys, and its log-probs
     (sampled); the policy mask and turns agree."""
     from align.rollout.episode import Agent
     from align.rollout.generation import generate_episodes
@@ -191,6 +191,8 @@ def test_batched_episodes_equal_the_one_context_reference(tiny_model_dir, temper
     # batches of 3: the second (one episode) is filled to the first's width on the fast decoder
     got = generate_episodes(model, tok, prompts, [{}] * 4, s, agent, batch_size=3, device="cpu", keys=keys, fast=fast)
     assert hasattr(model, "_align_fast_decoder") == fast  # the path asked for was the one taken
+    if fast:  # later turns prefilled only what the episode added (the cache keeps the turns before)
+        assert model._align_fast_decoder.prefilled["appended"] > 0
     ref_sampler = model_turn_sampler(model, tok, temperature or 1.0, keys or [0] * 4)
     if not temperature:  # greedy reference: the argmax
 

@@ -339,3 +339,49 @@ def test_the_decoder_keeps_a_copy_where_it_must(monkeypatch):
 
     lora = get_peft_model(make("llama", True), LoraConfig(r=4, target_modules=["q_proj"]))
     assert "LoRA" in copy_reason(lora.base_model.model, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_next_turn_prefills_only_what_the_episode_added(temperature):
+    """An episode's next turn (`reuse`): each row keeps what its cache holds up to where the new context parts
+    from it (the turn cut at a stop, the tokens decoded past it closed), and only the rest (the turn's last token,
+    the environment's answer) is prefilled, after the slots written so far, at its positions in the context. Its
+    tokens and log-probs are those of prefilling the whole contexts afresh; an ended episode's row (None) decodes
+    padding; without room in the cache, everything is prefilled again (same tokens)."""
+    m = make("qwen3", False)
+    s = Sampling(max_new_tokens=6, temperature=temperature)
+    keys = [3, 4, 5, 6] if temperature else None
+
+    def turn(dec, contexts, reuse, offsets=None, rows=(0, 1, 2, 3)):
+        k = keys and [keys[i] for i in rows]
+        rows = dec.generate(contexts, s, EOS, PAD, k, offsets=offsets, capacity=64, reuse=reuse)
+        return rows, dec.last_logps
+
+    dec = FastDecoder(m, "cpu")
+    dec.load_weights(m)
+    first, _ = turn(dec, PROMPTS, False)
+    cut = [2, 6, 1, 4]  # each row's turn cut at another length (a stop text), an answer of 1-3 tokens after it
+    answers = [[50], [51, 52, 53], [54, 55], [56]]
+    nxt = [p + r[:c] + a for p, r, c, a in zip(PROMPTS, first, cut, answers)]
+    nxt[2] = None  # that episode ended
+    offsets = [len(c) - len(p) if c else 0 for c, p in zip(nxt, PROMPTS)]
+    before = dict(dec.prefilled)
+    got, got_lp = turn(dec, nxt, True, offsets)
+    assert dec.prefilled["full"] == before["full"]  # nothing prefilled whole ...
+    assert dec.prefilled["appended"] - before["appended"] == 4 * 4  # ... a block of 4 (the last token + 3) per row
+    assert got[2] == [PAD] * len(got[2])  # the ended episode's row
+    fresh = FastDecoder(m, "cpu")
+    fresh.load_weights(m)
+    live = [0, 1, 3]
+    want, want_lp = turn(fresh, [nxt[i] for i in live], False, [offsets[i] for i in live], live)
+    assert [got[i] for i in live] == want
+    if temperature:
+        for i, w in zip(live, want_lp):
+            assert got_lp[i] == pytest.approx(w, abs=1e-4)
+    # a cache with no room left for the block and its tokens: the contexts are prefilled whole, the same tokens
+    small = FastDecoder(m, "cpu")
+    small.load_weights(m)
+    small.generate(PROMPTS, s, EOS, PAD, keys, capacity=7 + 6)
+    full = small.prefilled["full"]
+    again = small.generate(nxt, s, EOS, PAD, keys, offsets=offsets, capacity=7 + 6, reuse=True)
+    assert small.prefilled["full"] > full and [again[i] for i in live] == want

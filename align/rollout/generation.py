@@ -256,12 +256,14 @@ def hf_turn_sampler(module, tokenizer, s, keys: list[int] | None, device) -> Tur
 
 
 def fast_turn_sampler(dec, tokenizer, s, keys: list[int] | None, width: int, capacity: int) -> TurnSampler:
-    """A TurnSampler over the fast decoder (align.rollout.fast): each round's contexts (prompt + the episode so far,
-    as sampled) prefilled into its cache and decoded as one batch, as wide as the first round (rows repeating the
-    last context: one graph shape for the whole episode) and sized for the whole episode (`capacity`); keyed noise
+    """A TurnSampler over the fast decoder (align.rollout.fast): episode i of the batch decodes in row i of the
+    decoder, every round at the same width (ended episodes' rows decode padding: one graph shape for the whole
+    episode) in a cache sized for the whole episode (`capacity`). The first round prefills the prompts; a later
+    one only what the episode added since (the environment's answer: FastDecoder.generate's `reuse`). Keyed noise
     at each row's position after its prompt. A row ends at EOS, at a stop text (the decoder asks between steps;
     the turn is cut at the token that completed it, as HF's path cuts it) or at its budget."""
     eos = tokenizer.eos_token_id
+    first = [True]
 
     def ended_at_stop(stops):
         seen: dict[int, int] = {}
@@ -275,22 +277,27 @@ def fast_turn_sampler(dec, tokenizer, s, keys: list[int] | None, width: int, cap
         return ended
 
     def sample_turns(contexts, which, offsets, budgets, stops):
-        fill = max(0, width - len(contexts))
-        ck = None if keys is None else [keys[w] for w in which]
-        rows = dec.generate(contexts + contexts[-1:] * fill, replace(s, max_new_tokens=max(budgets)), eos,
-                            tokenizer.pad_token_id, None if ck is None else ck + ck[-1:] * fill,
-                            offsets=list(offsets) + list(offsets[-1:]) * fill,
-                            stop=ended_at_stop(stops) if stops else None, capacity=capacity)
+        n = max(width, max(which) + 1)
+        at: list = [None] * n
+        row_offsets, row_keys = [0] * n, [0] * n
+        for j, w in enumerate(which):
+            at[w], row_offsets[w] = contexts[j], offsets[j]
+            row_keys[w] = keys[w] if keys is not None else 0
+        rows = dec.generate(at, replace(s, max_new_tokens=max(budgets)), eos, tokenizer.pad_token_id,
+                            None if keys is None else row_keys, offsets=row_offsets,
+                            stop=ended_at_stop(stops) if stops else None, capacity=capacity, reuse=not first[0])
+        first[0] = False
         lp = dec.last_logps
         out = []
-        for i, (row, budget) in enumerate(zip(rows, budgets)):
+        for w, budget in zip(which, budgets):
+            row = rows[w]
             n, why = min(budget, len(row)), "length"
             if eos in row[:n]:
                 n, why = row.index(eos) + 1, "eos"
             cut = first_stop(tokenizer, row[:n], stops)
             if cut is not None:  # (HF's path: a stop text completed by the EOS token itself is a stop too)
                 n, why = cut, "stop"
-            out.append((row[:n], lp[i][:n] if lp else [0.0] * n, why))
+            out.append((row[:n], lp[w][:n] if lp else [0.0] * n, why))
         return out
 
     return sample_turns
@@ -304,7 +311,10 @@ def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[di
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     lim = agent.limits
-    capacity = max((len(p) for p in prompts), default=0) + lim.max_tokens + lim.max_env_tokens + 1
+    # the cache holds an episode's turns in place (fast_turn_sampler): room for every turn at its full budget (a
+    # turn decodes until its batch's longest row ends), each answer and each turn's last token prefilled after it
+    turns = max(lim.max_tokens, lim.max_turns * lim.turn_tokens)
+    capacity = max((len(p) for p in prompts), default=0) + turns + lim.max_env_tokens + lim.max_turns + 1
     dec = parked = None
     if use_fast_path(module, device, fast=fast, length=capacity):
         from align.lora import parked_base

@@ -45,6 +45,8 @@ class KVCache:
         self._shape_key = (B, cap)
         self._graphs, self._warm = {}, set()
         self._released = False
+        self._held = None  # per row: (the tokens its cache holds, their slots), see `_extension`
+        self._next_slot = 0  # the first slot no row has written
 
     def _big(self) -> list[torch.Tensor]:
         return [self._kbuf, self._vbuf]
@@ -57,6 +59,7 @@ class KVCache:
         for t in self._big():
             t.untyped_storage().resize_(0)
         self._released = True
+        self._held = None
 
     def _restore(self) -> None:
         if not self._released:
@@ -67,6 +70,53 @@ class KVCache:
         if [t.data_ptr() for t in self._big()] != self._ptrs and self._graphs:
             self._drop_graphs("cache")
         self._released = False
+
+    def _remember(self, prompts: list[list[int] | None], rows: list[list[int]], slots: list, top: int,
+                  steps: int) -> None:
+        """After a generate: what each row's cache holds, its context then the generated tokens the decode steps
+        wrote (all but the last: `steps` - 1 of them, at slots top, top + 1, ...), with their slots."""
+        new = list(range(top, top + steps - 1))
+        self._held = [None if p is None else (p + row[: steps - 1], sl + new)
+                      for p, row, sl in zip(prompts, rows, slots)]
+        self._next_slot = top + steps - 1
+
+    def _extension(self, prompts: list[list[int] | None], new: int, pad: int):
+        """The plan to prefill only what each row's context adds to what its cache holds (`_held`): for each
+        row, the longest common prefix of the two stays in place (open), its other slots are closed, and the
+        rest of the context (at least its last token: the next token's logits) goes in one left-padded block
+        after the last slot written, at its positions in the context. (ids, mask, positions [B, m], the block's
+        first slot, the open slots before it [B, start], each row's slots); None when there is nothing held for
+        these rows or no room for the block and `new` tokens (then everything is prefilled again)."""
+        held, start = getattr(self, "_held", None), getattr(self, "_next_slot", 0)
+        if held is None or len(held) < len(prompts) or self._released:
+            return None
+        keep, todo = [], []
+        for p, h in zip(prompts, held):
+            if p is None or h is None:
+                keep.append(0), todo.append([])
+                continue
+            k = next((i for i, (a, b) in enumerate(zip(p, h[0])) if a != b), min(len(p), len(h[0])))
+            k = min(k, len(p) - 1)
+            keep.append(k), todo.append(p[k:])
+        m = max(map(len, todo))
+        B, cap = self._shape_key
+        if m == 0 or any(p is not None and h is None for p, h in zip(prompts, held)) or start + m + new > cap:
+            return None
+        self._outputs(B, new, pad)
+        ids = torch.full((B, m), pad, dtype=torch.long)
+        mask = torch.zeros(B, m, dtype=torch.long)
+        pos = torch.zeros(B, m, dtype=torch.long)
+        open_before = torch.zeros(B, start, dtype=torch.bool)
+        slots = []
+        for r, (k, t) in enumerate(zip(keep, todo)):
+            kept = held[r][1][:k] if k else []
+            open_before[r, kept] = True
+            ids[r, m - len(t):] = torch.tensor(t, dtype=torch.long)
+            mask[r, m - len(t):] = 1
+            pos[r, m - len(t):] = torch.arange(k, k + len(t))
+            slots.append(None if prompts[r] is None else kept + list(range(start + m - len(t), start + m)))
+        d = self.device
+        return ids.to(d), mask.to(d), pos.to(d), start, open_before, slots
 
     def kv_cache_bytes(self, rows: int, length: int) -> int:
         return 2 * self.n_layers * rows * self.n_kv * length * self.head_dim * torch.finfo(self.dtype).bits // 8

@@ -37,6 +37,8 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         self._init_weights(module)  # stable addresses for the life of the decoder
         self._init_graphs()
         self._shape_key = None  # (rows, capacity) of the allocated cache
+        # tokens prefilled (batch rows x block width) whole (`full`) and after an episode's kept cache (`appended`)
+        self.prefilled = {"full": 0, "appended": 0}
 
     def release(self) -> None:
         """Free the inference weights and the KV cache between rollouts (the training step
@@ -70,27 +72,46 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling, eos: int, pad: int, keys=None, offsets=None,
-                 stop=None, capacity: int = 0) -> list[list[int]]:
+    def generate(self, prompts: list[list[int] | None], sampling, eos: int, pad: int, keys=None, offsets=None,
+                 stop=None, capacity: int = 0, reuse: bool = False) -> list[list[int]]:
         """Tokens generated for each prompt (rows padded after EOS with `pad`, length <= max_new_tokens); `keys`:
-        each prompt's sampling key (align.rollout.sampling; default: drawn from torch's RNG). A multi-turn
-        episode's turn (align.rollout.generation.fast_turn_sampler): `offsets`, each row's position of its first
-        new token for its keyed noise; `stop(tokens [n, steps] on the host) -> rows that ended` (at a tool
-        call's stop text), asked whenever the decoder checks for EOS, ends those rows early (the caller cuts their
-        tokens at the stop); `capacity`: the cache's least length (an episode's: one shape for all its turns)."""
-        n, P, new = len(prompts), max(len(p) for p in prompts), sampling.max_new_tokens
-        ids, mask = self._inputs(prompts, P, new, pad, capacity)
+        each prompt's sampling key (align.rollout.sampling; default: drawn from torch's RNG).
+
+        A multi-turn episode's turn (align.rollout.generation.fast_turn_sampler): a prompt may be None (an ended
+        episode: its row decodes padding); `offsets`, each row's position of its first new token for its keyed
+        noise; `stop(tokens [n, steps] on the host) -> rows that ended` (at a tool call's stop text), asked
+        whenever the decoder checks for EOS, ends those rows early (the caller cuts their tokens at the stop);
+        `capacity`: the cache's least length (an episode's: one shape for all its turns); `reuse`: the rows are
+        the previous call's, each context the one the cache holds for that row (its prompt and tokens) up to
+        where they part, then new tokens (the environment's answer): only those are prefilled, after the slots
+        written so far, and the row's slots past the common part are closed (`_extension`); everything is
+        prefilled again when the cache has no room left."""
+        n, new = len(prompts), sampling.max_new_tokens
+        live = [p for p in prompts if p is not None]
+        plan = self._extension(prompts, new, pad) if reuse else None
+        if plan is None:
+            P = max(len(p) for p in live)
+            ids, mask = self._inputs([p if p is not None else live[-1] for p in prompts], P, new, pad, capacity)
+            plan = (ids, mask, None, 0, None, [list(range(P - len(p), P)) if p is not None else None
+                                               for p in prompts])
+        ids, mask, pos, start, open_before, slots = plan
+        self.prefilled["appended" if start else "full"] += ids.numel()
+        top = start + ids.shape[1]  # the slot the first decode step writes
         clock = _DebugClock() if os.environ.get("ALIGN_FAST_DEBUG") == "1" else None
-        # one runner per attention length the decode steps will need (writing slots P .. P + new - 2), all
-        # made before the prefill: a capture's warm-up scribbles on the state
+        # one runner per attention length the decode steps will need (writing slots top .. top + new - 2), all
+        # made before the prefill: a capture's warm-up scribbles on the decode state
         runners = {k: self._runner(sampling, eos, pad, k)
-                   for k in sorted({self.attn_len(w) for w in range(P, P + new - 1)})}
+                   for k in sorted({self.attn_len(w) for w in range(top, top + new - 1)})}
         if clock:
             clock.lap()
-        self._first_token(ids, mask, sampling, eos, pad, keys, n, offsets)
+        self._first_token(ids, mask, sampling, eos, pad, keys, n, offsets, start, pos, open_before)
+        dead = [i for i, p in enumerate(prompts) if p is None]
+        if dead:  # ended episodes' rows: padding from the first token on
+            dead = torch.tensor(dead, device=self.device)
+            self.finished[dead], self.out[dead, 0], self.cur_tok[dead] = True, pad, pad
         steps = 1
         while steps < new:
-            runners[self.attn_len(P + steps - 1)]()
+            runners[self.attn_len(top + steps - 1)]()
             steps += 1
             if steps % self.check_every == 0 and self._all_ended(n, steps, stop):
                 break
@@ -98,7 +119,9 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
             clock.report(self, n, steps)
         # the sampling log-prob of every generated token (positions after EOS hold garbage: cut with the tokens)
         self.last_logps = None if sampling.greedy else self.out_logp[:n, :steps].tolist()
-        return self.out[:n, :steps].tolist()
+        rows = self.out[:n, :steps].tolist()
+        self._remember(prompts, rows, slots, top, steps)
+        return rows
 
     def _all_ended(self, n: int, steps: int, stop) -> bool:
         """Whether every row has ended (EOS, or a row `stop` names: marked finished, so it decodes padding)."""
@@ -127,26 +150,33 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
             ids[i, P - len(p) :] = torch.tensor(p)
             mask[i, P - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        self._outputs(B, new, pad)
+        return ids, mask
+
+    def _outputs(self, B: int, new: int, pad: int) -> None:
         if self.out is None or self._out_len < new:
             self.out = torch.full((B, new), pad, dtype=torch.long, device=self.device)
             self.out_logp = torch.zeros(B, new, dtype=torch.float32, device=self.device)
             self._out_len = new
             self._graphs, self._warm = {}, set()  # the graphs hold the old `out` (a new shape: compiled again)
-        return ids, mask
 
     def _first_token(self, ids: torch.Tensor, mask: torch.Tensor, sampling, eos: int, pad: int, keys, n: int,
-                     offsets=None) -> None:
-        """The prefill and each row's first token; the decode state set for the step that writes slot P."""
+                     offsets=None, start: int = 0, pos=None, open_before=None) -> None:
+        """The prefill of the block `ids` at slots [start, start + P) (after the open slots `open_before` [B,
+        start]) and each row's first token; the decode state set for the step that writes slot start + P."""
         B, P = ids.shape
         offsets = [0] * n if offsets is None else list(offsets)
         self.key_offset.copy_(torch.tensor(offsets + offsets[-1:] * (B - n)))
         # the attention mask AFTER the captures: their warm-up opens slots 0-1 (`_step`) for every row
         self.attn_bias.fill_(torch.finfo(torch.float32).min)
-        self.attn_bias[:, :P].masked_fill_(mask.bool(), 0.0)
+        if start:
+            self.attn_bias[:, :start].masked_fill_(open_before.to(self.device), 0.0)
+        self.attn_bias[:, start : start + P].masked_fill_(mask.bool(), 0.0)
         if not sampling.greedy:
             keys = torch.randint(0, 1 << 32, (n,)).tolist() if keys is None else list(keys)
             self.keys.copy_(torch.tensor(keys + keys[-1:] * (B - n)))
-        logits = self._prefill(ids, mask)
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0) if pos is None else pos
+        logits = self._prefill(ids, mask, start, pos)
         first = self._choose(logits, self.key_offset, sampling)
         self.out.fill_(pad)
         self.out[:, 0] = first
@@ -154,8 +184,8 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
             self.out_logp[:, 0] = sampled_logprobs(logits, first, sampling.temperature)
         self.finished.copy_(first == eos)
         self.cur_tok.copy_(first)
-        self.cur_pos.copy_(mask.sum(-1))
-        self.widx.fill_(P)
+        self.cur_pos.copy_(pos[:, -1] + 1)
+        self.widx.fill_(start + P)
         self.sidx.fill_(1)
 
 

@@ -80,7 +80,10 @@ class CompiledStep:
         stream, then captured; the state it leaves is reset by the next prefill."""
         if self._compiled is None:
             self.compile_step()
-        saved = [t.clone() for t in (self.cur_tok, self.cur_pos, self.widx, self.sidx, self.finished)]
+        state = (self.cur_tok, self.cur_pos, self.widx, self.sidx, self.finished)
+        # ... and the first cache slots it writes: an episode's next turn keeps what the cache holds
+        held = (self._kbuf[:, :, :, :2], self._vbuf[:, :, :, :2], self.attn_bias[:, :2])
+        saved = [t.clone() for t in state + held]
         if self._side is None:  # ONE side stream for the decoder's life: cuBLAS keeps a workspace (32 MiB on
             self._side = torch.cuda.Stream()  # Hopper) per stream it ran on, so a new stream per capture leaks one
         if not self._graphs:  # one memory pool for the live graphs (run one at a time); a new one once all are
@@ -98,7 +101,7 @@ class CompiledStep:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
             body()
-        for t, v in zip((self.cur_tok, self.cur_pos, self.widx, self.sidx, self.finished), saved):
+        for t, v in zip(state + held, saved):
             t.copy_(v)
         return g
 

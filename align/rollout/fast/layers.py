@@ -86,17 +86,25 @@ class LayerMath:
             g, u = F.linear(h, L["gate"], L.get("gate_b")), F.linear(h, L["up"], L.get("up_b"))
         return F.linear(F.silu(g) * u, L["down"], L.get("down_b"))
 
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """ids/mask [B, P] (left-padded). Fills cache slots [0, P) and returns the last position's logits [B, V]."""
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, start: int = 0,
+                 pos: torch.Tensor | None = None) -> torch.Tensor:
+        """ids/mask [B, P] (left-padded): a block of tokens written to cache slots [start, start + P), each
+        attending to the cache's open slots before `start` (`attn_bias`: an episode's earlier turns, kept in the
+        cache) and causally to the block's own; `pos` [B, P]: their RoPE positions (default: 0, 1, ... from each
+        row's first token). Returns the block's last position's logits [B, V]."""
         B, P = ids.shape
-        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        if pos is None:
+            pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         cos, sin = self._rope(pos)  # [B, P, D]
         cos, sin = cos[:, None], sin[:, None]
         causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
         allowed = causal[None] & mask.bool()[:, None, :]  # [B, Pq, Pk]
-        bias = torch.zeros(B, 1, 1, P, P, device=ids.device, dtype=torch.float32)
-        bias = bias.masked_fill(~allowed[:, None, None], torch.finfo(torch.float32).min)
-        G = self.n_heads // self.n_kv
+        bias = torch.zeros(B, P, P, device=ids.device, dtype=torch.float32)
+        bias = bias.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        if start:  # the cached slots before the block: open or closed per row, alike for every query position
+            bias = torch.cat([self.attn_bias[:, None, :start].expand(B, P, start), bias], -1)
+        bias = bias[:, None, None]  # [B, 1, 1, Pq, start + Pk]
+        G, end = self.n_heads // self.n_kv, start + P
         x = F.embedding(ids, self.embed)
         for li, L in enumerate(self.layers):
             h = rms(x, L["ln1"], self.eps)
@@ -105,8 +113,9 @@ class LayerMath:
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = v.view(B, P, self.n_kv, self.head_dim).transpose(1, 2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            self.k_cache[li][:, :, :P].copy_(k)
-            self.v_cache[li][:, :, :P].copy_(v)
+            self.k_cache[li][:, :, start:end].copy_(k)
+            self.v_cache[li][:, :, start:end].copy_(v)
+            k, v = self.k_cache[li][:, :, :end], self.v_cache[li][:, :, :end]
             qg = q.reshape(B, self.n_kv, G, P, self.head_dim)
             s = torch.matmul(qg, k[:, :, None].transpose(-1, -2)).float() * self.scale + bias
             pr = s.softmax(-1).to(self.dtype)
