@@ -269,7 +269,7 @@ class GRPO:
                  f"on a rollout {cfg.max_staleness} update(s) old (--max-staleness), TIS cap {cfg.tis_cap:g} "
                  "(--rollout-gpus 0: every process samples and trains, on-policy)")
             sampler = disagg.RemoteSampler(self.policy.eng, self.run.dist, self.step_prompts, self.sampling_of,
-                                           cfg.num_generations)
+                                           cfg.num_generations, self.step_rows if self.agent else None)
         else:
             sampler = LocalSampler(lambda step: self.local_rollout(step).completions)
         return Rollouts(cfg.max_staleness, cfg.max_steps, sampler)
@@ -288,6 +288,10 @@ class GRPO:
     def step_prompts(self, step: int) -> list[list[int]]:
         """The token ids of every prompt of rollout `step` (all ranks')."""
         return [self.prompt_ids[i] for i in step_indices(len(self.rows), self.cfg.prompts_per_step, step, self.cfg.seed)]
+
+    def step_rows(self, step: int) -> list[dict]:
+        """The data rows of every prompt of rollout `step` (episodes' environments are made of them)."""
+        return [self.rows[i] for i in step_indices(len(self.rows), self.cfg.prompts_per_step, step, self.cfg.seed)]
 
     # ---- 2. rewards
 
@@ -497,5 +501,8 @@ def decoder(cfg: GRPOConfig) -> dict:
         mark_autocast(model, {"torch_autocast": {"enabled": precision == "bf16-mixed"}})
         return model
 
-    disagg.serve(with_lora(load, cfg), tok, compute_dtype(device, precision))
+    # --tools / --env: the decoder runs the episodes, their environments (a sandbox's worker) beside it
+    agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout, cfg.env,
+                        tokenizer=tok)
+    disagg.serve(with_lora(load, cfg), tok, compute_dtype(device, precision), agent)
     return {}

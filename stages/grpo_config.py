@@ -106,9 +106,6 @@ class GRPOConfig(RLConfig):
             from align import tools
 
             tools.check(self.tools, env=self.env)
-            if gpus:
-                raise UserError("--tools or --env with --rollout-gpus: the decoder ranks do not run episodes yet; pass "
-                                "--rollout-gpus 0 (every process samples its episodes and trains).")
             if not self.gather and self.launched_world() > 1:
                 raise UserError("--tools with --no-gather: episodes end after different numbers of turns, so the "
                                 "processes cannot share each sharded forward; drop --no-gather.")

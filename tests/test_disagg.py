@@ -10,12 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from align.runtime import free_port
 from tests.conftest import _DIST_ENV, AlignProcess, assert_same_training, parity_reward, small_sft, worker_pid
 
+FIXTURES = Path(__file__).parent / "fixtures"
 ARGS = ["--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--micro-batch-size", "8",
         "--eval-samples", "4", "--eval-k", "1", "--lr", "3e-3", "--warmup-steps", "0", "--reward", "math", *small_sft()]
 
@@ -49,12 +51,18 @@ def rows(out) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    """Staleness 0: one colocated process and 1 trainer + 1 decoder; staleness 1 (TIS): one colocated process and
-    2 trainers + 1 decoder (ZeRO-3 over the trainers, the weights gathered from their shards)."""
+    """Staleness 0: one colocated process and 1 trainer + 1 decoder, with multi-turn episodes where this machine can
+    isolate a user's environment (the decoder runs them, the environment beside it); staleness 1 (TIS): one
+    colocated process and 2 trainers + 1 decoder (ZeRO-3 over the trainers, the weights gathered from their
+    shards)."""
+    from align.tools.sandbox import isolation
+
     root = tmp_path_factory.mktemp("disagg")
     grpo = ["grpo", "--model", tiny_model_dir, "--max-steps", "3", "--reward", parity_reward(), *ARGS]
     stale = ["--max-staleness", "1", "--tis-cap", "2"]
-    plan = {"sync": ([], 1), "sync_disagg": (["--rollout-gpus", "1"], 2),
+    # an environment that answers "Wrong, try again" until the third turn, turns ending at common texts
+    env = ["--env", f"{FIXTURES / 'user_env.py'}:ShortTurns", "--max-turns", "3"] if isolation() else []
+    plan = {"sync": (env, 1), "sync_disagg": ([*env, "--rollout-gpus", "1"], 2),
             "stale": (stale, 1), "stale_disagg": ([*stale, "--rollout-gpus", "1"], 3)}
     for name, (extra, nproc) in plan.items():  # one at a time: 2 cores
         finish(start([*grpo, *extra, "--out", root / name], nproc))
@@ -74,6 +82,11 @@ def test_staleness_0_on_a_decoder_rank_is_the_colocated_run(runs, tiny_model_dir
     assert all(a[k].equal(b[k]) for k in a)
     art = json.loads((runs / "sync_disagg" / "artifact.json").read_text())
     assert art["status"] == "complete" and art["world_size"] == 1 and art["rollout_gpus"] == 1
+    from align.tools.sandbox import isolation
+
+    if isolation():  # the decoder's episodes: several turns, the environment's tokens out of the loss
+        got = [r for r in rows(runs / "sync_disagg") if "loss" in r]
+        assert max(r["num_turns/mean"] for r in got) > 1 and max(r["episodes/env_tokens"] for r in got) > 0
 
 
 def test_the_decoder_samples_from_the_updated_weights(runs):

@@ -10,8 +10,9 @@ The bridge, a process group of trainer 0 and the decoders built on the launcher'
 request as a JSON message (gloo); the weights follow a "weights" message as one broadcast per bucket of tensors
 (gloo on CPU, NCCL on GPU), gathered from the ZeRO-3 shards by every trainer and sent by trainer 0 — every
 parameter the first time, then only the trained ones (LoRA: the adapters); a "rollout" message names the step, its
-prompts (token ids) and the sampling settings, and each decoder answers with its share of the samples (their ids
-and the sampler's log-probs), which trainer 0 hands to the other trainers. "stop" ends a decoder.
+prompts (token ids), the sampling settings and (episodes: --tools / --env) the prompts' data rows, and each decoder
+answers with its share of the samples (their ids and the sampler's log-probs; an episode's policy mask, turns and
+stop), which trainer 0 hands to the other trainers. A decoder runs its episodes' environments beside it. "stop" ends a decoder.
 
 No wait is unbounded: the bridge's operations fail after --dist-timeout (ALIGN_DIST_TIMEOUT) seconds, and a peer
 that dies closes its connections at once, so the survivors fail with that error (the run's status says so).
@@ -208,8 +209,12 @@ def receive_weights(module, bridge: Bridge, msg: dict) -> None:
 # ---- rollouts
 
 
-def rollout_request(step: int, prompts: list[list[int]], group: int, sampling: Sampling) -> dict:
-    return {"op": "rollout", "step": step, "prompts": prompts, "group": group, "sampling": dataclasses.asdict(sampling)}
+def rollout_request(step: int, prompts: list[list[int]], group: int, sampling: Sampling,
+                    rows: list[dict] | None = None) -> dict:
+    """A "rollout" message; `rows`: the prompts' data rows, from which the decoders' environments are made (episodes:
+    --tools / --env)."""
+    msg = {"op": "rollout", "step": step, "prompts": prompts, "group": group, "sampling": dataclasses.asdict(sampling)}
+    return {**msg, "rows": rows} if rows is not None else msg
 
 
 def share(n: int, parts: int, i: int) -> range:
@@ -218,21 +223,27 @@ def share(n: int, parts: int, i: int) -> range:
     return range(min(n, i * per), min(n, (i + 1) * per))
 
 
-def decode(module, tok, msg: dict, device, index: int, parts: int) -> list[list]:
-    """This decoder's share of a rollout request: [ids, text, finished, logps] per sample, samples keyed by their
-    place in the whole request (the same samples as one process drawing them all)."""
+def decode(module, tok, msg: dict, device, index: int, parts: int, agent=None) -> list[dict]:
+    """This decoder's share of a rollout request: each sample's Completion (dataclasses.asdict, without its prompt),
+    samples keyed by their place in the whole request (the same samples as one process drawing them all); with
+    `agent` (and the request's rows), multi-turn episodes, their environments made here."""
     prompts = [p for p in msg["prompts"] for _ in range(msg["group"])]
     mine = share(len(prompts), parts, index)
     todo = [prompts[i] for i in mine]
-    out = generate_local(module, tok, todo, Sampling(**msg["sampling"]), max(len(todo), 1), device, indices=mine)
-    return [[c.ids, c.text, c.finished, c.logps] for c in out]
+    rows = None
+    if agent is not None:
+        every = [r for r in msg["rows"] for _ in range(msg["group"])]
+        rows = [every[i] for i in mine]
+    out = generate_local(module, tok, todo, Sampling(**msg["sampling"]), max(len(todo), 1), device, indices=mine,
+                         agent=agent, rows=rows)
+    return [{k: v for k, v in dataclasses.asdict(c).items() if k != "prompt_ids"} for c in out]
 
 
 def completions(prompts: list[list[int]], group: int, answers: list[dict]) -> list[Completion]:
     """The request's completions, in order, from every decoder's answer."""
-    rows = [row for a in answers for row in a["samples"]]
+    samples = [d for a in answers for d in a["samples"]]
     full = [p for p in prompts for _ in range(group)]
-    return [Completion(p, ids, text, finished, logps) for p, (ids, text, finished, logps) in zip(full, rows)]
+    return [Completion.from_json({**d, "prompt_ids": p}) for p, d in zip(full, samples)]
 
 
 @contextlib.contextmanager
@@ -248,8 +259,9 @@ class RemoteSampler:
     """The trainers' side of the decoders (align.rollout.queue's sampler): `publish` sends the new weights, `request`
     asks for a rollout, `receive` waits for it and hands every trainer its share."""
 
-    def __init__(self, engine, dist, prompts, sampling, group: int):
+    def __init__(self, engine, dist, prompts, sampling, group: int, rows=None):
         self.engine, self.dist, self.prompts, self.sampling, self.group = engine, dist, prompts, sampling, group
+        self.rows = rows  # step -> its prompts' data rows (episodes: the decoders make their environments of them)
         self.bridge = trainer_bridge()
         self.published: int | None = None
         self.asked: dict[int, list] = {}
@@ -264,7 +276,8 @@ class RemoteSampler:
         self.asked[step] = self.prompts(step)
         if self.bridge is not None:
             with lost_decoders():
-                self.bridge.send(rollout_request(step, self.asked[step], self.group, self.sampling(step)))
+                self.bridge.send(rollout_request(step, self.asked[step], self.group, self.sampling(step),
+                                                 self.rows(step) if self.rows else None))
 
     def receive(self, step: int) -> tuple[list[Completion], float, float]:
         prompts = self.asked.pop(step)
@@ -294,9 +307,10 @@ class RemoteSampler:
         self.bridge = None
 
 
-def serve(load, tok, dtype: torch.dtype) -> None:
+def serve(load, tok, dtype: torch.dtype, agent=None) -> None:
     """A decoder's life: `load(dtype)` (the policy's architecture: its weights come from the trainers), then
-    requests until "stop". Every answer says how long it took and how long the decoder waited before it."""
+    requests until "stop". Every answer says how long it took and how long the decoder waited before it. `agent`
+    (--tools / --env): each sample a multi-turn episode, its environment beside this decoder (closed at the end)."""
     import signal
 
     # Ctrl-C / SIGTERM stop the trainers at the end of their step (a checkpoint, then "stop"): the decoder serves
@@ -318,10 +332,12 @@ def serve(load, tok, dtype: torch.dtype) -> None:
                 continue
             idle += time.time() - t
             start = time.time()
-            samples = decode(module, tok, msg, device, index, n)
+            samples = decode(module, tok, msg, device, index, n, agent)
             seconds = time.time() - start
             t = time.time()
             bridge.gather({"samples": samples, "seconds": seconds, "idle": idle})
             idle = 0.0
     finally:
         bridge.close()
+        if agent is not None:
+            agent.close()
