@@ -228,3 +228,45 @@ def _greedy_reference(model, tok):
         return out
 
     return sample_turns
+
+
+def test_a_fast_decoder_failing_mid_episode_falls_back_and_releases_its_environments(tiny_model_dir, monkeypatch):
+    """The fast decoder raising in an episode's second turn (not forced: a real run's path) costs nothing but time:
+    that batch runs again on HF generate with new environments, every environment of the failed attempt is released,
+    and the episodes are HF's."""
+    import align.rollout.generation as G
+    from align.rollout.episode import Agent
+    from align.rollout.fast.decoder import FastDecoder
+
+    model, tok = load(tiny_model_dir)
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts = [encode(p) for p in ("Sort 3 1 2:", "What is 7 + 5?", "hi")]
+    made, released = [], []
+
+    class Tracked(StopAt):
+        def __init__(self):
+            super().__init__(("e", " 1"))
+            made.append(self)
+
+        def release(self):
+            released.append(self)
+
+    agent = Agent("test", lambda row: Tracked(), Limits(max_turns=3, turn_tokens=6, max_tokens=14, max_env_tokens=20))
+    s = G.Sampling(max_new_tokens=14, temperature=0.0)
+    want = G.generate_episodes(model, tok, prompts, [{}] * 3, s, agent, 3, "cpu", None, fast=False)
+    made.clear(), released.clear()
+    real, calls = FastDecoder.generate, []
+
+    def second_turn_fails(self, *a, **k):
+        calls.append(k.get("reuse"))
+        if k.get("reuse"):
+            raise RuntimeError("a failing capture")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(FastDecoder, "generate", second_turn_fails)
+    monkeypatch.setattr(G, "use_fast_path", lambda *a, **k: True)
+    monkeypatch.setenv("ALIGN_FAST_GENERATION", "1")  # _fast_failed turns it off (monkeypatch restores it)
+    got = G.generate_episodes(model, tok, prompts, [{}] * 3, s, agent, 3, "cpu", None, fast=None)
+    assert calls == [False, True]  # the fast path ran a turn, failed in the next
+    assert [c.ids for c in got] == [c.ids for c in want] and any(c.episode.turns > 1 for c in got)
+    assert len(made) == 6 and released == made  # both attempts' environments, each released once

@@ -87,21 +87,24 @@ def run_episodes(sample_turns: TurnSampler, encode: Callable[[str], list[int]], 
     """A batch of episodes, episode i of `envs[i]` on `rows[i]` after `prompt_ids[i]` (see the module's docstring):
     each round samples one policy turn of every episode still running, in one call, then the environments answer."""
     eps = [Episode(list(p)) for p in prompt_ids]
-    for ep, env, row in zip(eps, envs, rows):
-        opening = _timed(ep, env.reset, row)
-        if getattr(env, "failed", False):  # a user's environment that could not start: the episode ends now
-            ep.stop = "tool_error"
-        elif opening:
-            ep.add_env(encode(opening)[: limits.max_env_tokens])
-    running = [i for i, ep in enumerate(eps) if not ep.stop]
-    while running:  # (an episode leaves `running` at a limit before it could ask for a turn it has no room for)
-        asking = [(i, min(limits.turn_tokens, limits.max_tokens - eps[i].policy_tokens)) for i in running]
-        turns = sample_turns([eps[i].prompt_ids + eps[i].ids for i, _ in asking], [i for i, _ in asking],
-                             [len(eps[i].ids) for i, _ in asking], [b for _, b in asking], envs[0].stops)
-        running = [i for (i, _), turn in zip(asking, turns) if _answer(eps[i], envs[i], *turn, encode, decode, limits)]
-    for ep, env in zip(eps, envs):
-        if callable(getattr(env, "release", None)):  # a sandboxed environment's object is dropped with its episode
-            _timed(ep, env.release)
+    try:
+        for ep, env, row in zip(eps, envs, rows):
+            opening = _timed(ep, env.reset, row)
+            if getattr(env, "failed", False):  # a user's environment that could not start: the episode ends now
+                ep.stop = "tool_error"
+            elif opening:
+                ep.add_env(encode(opening)[: limits.max_env_tokens])
+        running = [i for i, ep in enumerate(eps) if not ep.stop]
+        while running:  # (an episode leaves `running` at a limit before it could ask for a turn it has no room for)
+            asking = [(i, min(limits.turn_tokens, limits.max_tokens - eps[i].policy_tokens)) for i in running]
+            turns = sample_turns([eps[i].prompt_ids + eps[i].ids for i, _ in asking], [i for i, _ in asking],
+                                 [len(eps[i].ids) for i, _ in asking], [b for _, b in asking], envs[0].stops)
+            running = [i for (i, _), turn in zip(asking, turns)
+                       if _answer(eps[i], envs[i], *turn, encode, decode, limits)]
+    finally:  # a sampler that failed mid-batch too (the batch runs again on another path, with new environments)
+        for ep, env in zip(eps, envs):
+            if callable(getattr(env, "release", None)):  # a sandboxed environment's object is dropped with it
+                _timed(ep, env.release)
     return eps
 
 

@@ -11,6 +11,7 @@ not on the batch size, the number of processes or the other prompts.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -167,8 +168,10 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
     return out
 
 
-def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None,
-                   keys=None) -> list[Completion]:
+@contextlib.contextmanager
+def fast_decoder(module, device):
+    """The module's fast decoder (align.rollout.fast) for one rollout: LoRA's base weights parked while its merged
+    copy decodes, its KV cache released after (the update needs the memory) and the base weights restored."""
     from align.lora import parked_base
     from align.rollout.fast.decoder import decoder_for
     from align.rollout.fast.support import bare
@@ -178,11 +181,17 @@ def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, dev
     if parked:
         parked.park()
     try:
-        return _decode_chunks(dec, tokenizer, prompts, s, batch_size, on_batch, keys)
+        yield dec
     finally:
         dec.release()  # the KV cache is not needed until the next rollout
         if parked:
             parked.restore()
+
+
+def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None,
+                   keys=None) -> list[Completion]:
+    with fast_decoder(module, device) as dec:
+        return _decode_chunks(dec, tokenizer, prompts, s, batch_size, on_batch, keys)
 
 
 def _decode_chunks(dec, tokenizer, prompts, s: Sampling, batch_size: int, on_batch=None,
@@ -315,49 +324,36 @@ def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[di
     # turn decodes until its batch's longest row ends), each answer and each turn's last token prefilled after it
     turns = max(lim.max_tokens, lim.max_turns * lim.turn_tokens)
     capacity = max((len(p) for p in prompts), default=0) + turns + lim.max_env_tokens + lim.max_turns + 1
-    dec = parked = None
-    if use_fast_path(module, device, fast=fast, length=capacity):
-        from align.lora import parked_base
-        from align.rollout.fast.decoder import decoder_for
-        from align.rollout.fast.support import bare
+    width = min(batch_size, len(prompts))
 
-        dec = decoder_for(bare(module), device)
-        parked = parked_base(module, device)  # LoRA: the base W is not read while the decoder decodes
-        if parked:
-            parked.park()
-    was_training = module.training
-    module.eval()
-    out = []
-    try:
-        for i in range(0, len(prompts), batch_size):
-            chunk = slice(i, i + batch_size)
-            ck = None if keys is None else keys[chunk]
+    def episodes(chunk: slice, dec) -> list:
+        ck = None if keys is None else keys[chunk]
+        sampler = (fast_turn_sampler(dec, tokenizer, s, ck, width, capacity) if dec
+                   else hf_turn_sampler(module, tokenizer, s, ck, device))
+        return run_episodes(sampler, encode, decode, [agent.make_env(r) for r in rows[chunk]], rows[chunk],
+                            prompts[chunk], lim)
 
-            def episodes(dec):
-                sampler = (fast_turn_sampler(dec, tokenizer, s, ck, min(batch_size, len(prompts)), capacity) if dec
-                           else hf_turn_sampler(module, tokenizer, s, ck, device))
-                return run_episodes(sampler, encode, decode, [agent.make_env(r) for r in rows[chunk]], rows[chunk],
-                                    prompts[chunk], lim)
-
-            try:
-                eps = episodes(dec)
-            except Exception as e:
-                if dec is None or fast:  # HF's own errors, or the fast path forced (tests): they surface
-                    raise
-                _fast_failed(e)  # never lose a run to the fast path: this batch again on HF generate
-                dec.release()
-                if parked:  # HF generate reads the base weights the fast path had parked (LoRA)
-                    parked.restore()
-                dec = parked = None
-                eps = episodes(None)
-            out += [ep.completion(decode) for ep in eps]
+    def run(dec) -> None:  # the batches not done yet, on `dec` (None: HF generate)
+        for i in range(len(out), len(prompts), batch_size):
+            eps = episodes(slice(i, i + batch_size), dec)
+            out.extend(ep.completion(decode) for ep in eps)
             if on_batch:
                 on_batch(len(eps))
+
+    was_training = module.training
+    module.eval()
+    out: list = []
+    try:
+        if use_fast_path(module, device, fast=fast, length=capacity):
+            try:
+                with fast_decoder(module, device) as dec:
+                    run(dec)
+            except Exception as e:
+                if fast:  # the fast path forced (tests): its errors surface
+                    raise
+                _fast_failed(e)  # never lose a run to the fast path: the batch it failed in and the rest on HF
+        run(None)
     finally:
-        if dec is not None:
-            dec.release()  # the KV cache is not needed until the next rollout
-        if parked:
-            parked.restore()
         module.train(was_training)
     return out
 
