@@ -136,12 +136,95 @@ def _context(batch: dict) -> dict:
     return {**kw, "use_cache": False}
 
 
+# ---- padding-free forwards
+
+
+class Packing:
+    """Where each sequence of a right-padded batch goes when the batch is packed (`packing`): the sequences (their
+    tokens up to the last one a response position predicts) first-fit by decreasing length into rows as wide as the
+    longest, `position_ids` restarting at 0 for each, so transformers gives every sequence its own causal block
+    (align.data.pack_examples) and none attends to another. `src` / `dst`: the flat indices of the packed and the
+    padded prediction positions ([rows, width − 1] and [N, L − 1]) that hold the same prediction."""
+
+    def __init__(self, lengths: list[int], width: int, shape: tuple[int, int]):
+        self.shape = shape  # the padded batch's [N, L]
+        self.width = width
+        self.rows: list[list[tuple[int, int]]] = []  # per packed row: (sequence, offset)
+        used: list[int] = []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            r = next((r for r, u in enumerate(used) if u + lengths[i] <= width), None)
+            if r is None:
+                self.rows.append([]), used.append(0)
+                r = len(used) - 1
+            self.rows[r].append((i, used[r]))
+            used[r] += lengths[i]
+        self.lengths, self.used = lengths, used
+        src, dst = [], []
+        for r, seqs in enumerate(self.rows):
+            for i, o in seqs:
+                n = lengths[i] - 1  # the sequence's prediction positions
+                src += range(r * (width - 1) + o, r * (width - 1) + o + n)
+                dst += range(i * (shape[1] - 1), i * (shape[1] - 1) + n)
+        self.src, self.dst = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+
+    @property
+    def tokens(self) -> int:
+        """Token positions the packed batch runs (the padded batch: N × L)."""
+        return len(self.rows) * self.width
+
+    def pack(self, batch: dict) -> dict:
+        """input_ids, position_ids [rows, width] and response_mask [rows, width − 1] of the packed batch."""
+        ids, resp = batch["input_ids"], batch["response_mask"]
+        R, W, dev = len(self.rows), self.width, ids.device
+        out_ids = torch.zeros(R, W, dtype=ids.dtype, device=dev)
+        pos = torch.zeros(R, W, dtype=torch.long)
+        for r, seqs in enumerate(self.rows):
+            for i, o in seqs:
+                n = self.lengths[i]
+                out_ids[r, o : o + n] = ids[i, :n]
+                pos[r, o : o + n] = torch.arange(n)
+            pos[r, self.used[r]:] = torch.arange(W - self.used[r])  # the row's padding: a segment of its own
+        mask = torch.zeros(R * (W - 1), dtype=resp.dtype, device=dev)
+        mask[self.src.to(dev)] = resp.reshape(-1)[self.dst.to(dev)]
+        return {"input_ids": out_ids, "position_ids": pos.to(dev), "response_mask": mask.view(R, W - 1)}
+
+    def unpack(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """A packed per-position tensor [rows, width − 1] in the padded batch's layout [N, L − 1] (0 elsewhere);
+        differentiable."""
+        if x is None:
+            return None
+        N, L = self.shape
+        out = x.new_zeros(N * (L - 1))
+        out[self.dst.to(x.device)] = x.reshape(-1)[self.src.to(x.device)]
+        return out.view(N, L - 1)
+
+
+def packing(batch: dict, min_saving: float = 0.0) -> Packing | None:
+    """The Packing of a right-padded batch (no attention mask, no position ids: a rollout's or DPO's batch), or None
+    when packing would not save more than `min_saving` of its token positions (equal lengths: nothing to gain).
+    A sequence ends at the last token its response positions predict."""
+    if batch.get("attention_mask") is not None or batch.get("position_ids") is not None:
+        return None
+    resp = batch["response_mask"]
+    N, L = batch["input_ids"].shape
+    pos = torch.arange(1, L, device=resp.device).expand(N, L - 1)
+    lengths = ((resp != 0) * pos).amax(1).add(1).clamp(min=2).tolist()  # last predicted token's index + 1
+    p = Packing(lengths, max(lengths), (N, L))
+    return p if p.tokens < (1 - min_saving) * N * L else None
+
+
 def logprobs(model, batch: dict, *, temperature: float = 1.0, with_entropy: bool = False,
-             entropy_grad: bool = False, fused: bool | None = None, chunk: int = 0):
+             entropy_grad: bool = False, fused: bool | None = None, chunk: int = 0, pack: bool = False):
     """log π(x_{t+1} | x_≤t) from logits / `temperature` (as sampled) at the positions `batch["response_mask"]`
     selects, 0 elsewhere: [N, L−1] fp32; and the entropy per position (detached, or differentiable with
     `entropy_grad`), or None. `model`: module or engine. `fused` forces a path (None: the fused one wherever the
-    model allows it and no differentiable entropy is asked)."""
+    model allows it and no differentiable entropy is asked). `pack`: the forward runs padding-free (`packing`:
+    the sequences packed into fewer rows; the same values, in the batch's layout) where that saves positions."""
+    p = packing(batch, min_saving=0.1) if pack else None
+    if p is not None:
+        logp, ent = logprobs(model, p.pack(batch), temperature=temperature, with_entropy=with_entropy,
+                             entropy_grad=entropy_grad, fused=fused, chunk=chunk)
+        return p.unpack(logp), p.unpack(ent)
     if fused is None:
         fused = supports_fused(getattr(model, "module", model)) and not entropy_grad
     if fused:
@@ -152,8 +235,9 @@ def logprobs(model, batch: dict, *, temperature: float = 1.0, with_entropy: bool
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch: dict, micro: int, temperature: float = 1.0, fused: bool | None = None) -> torch.Tensor:
+def batched_logprobs(model, batch: dict, micro: int, temperature: float = 1.0, fused: bool | None = None,
+                     pack: bool = False) -> torch.Tensor:
     """`logprobs` without gradients over a whole batch, `micro` rows at a time (π_old, π_ref)."""
     n = batch["input_ids"].shape[0]
     return torch.cat([logprobs(model, {k: v[i : i + micro] for k, v in batch.items()}, temperature=temperature,
-                               fused=fused)[0] for i in range(0, n, micro)])
+                               fused=fused, pack=pack)[0] for i in range(0, n, micro)])

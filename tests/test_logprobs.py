@@ -127,3 +127,51 @@ def test_the_entry_point_picks_its_path():
     logprobs(m2, batch)
     logprobs(m2, batch, with_entropy=True, entropy_grad=True)
     assert calls == ["tuple", "Tensor"]  # the swapped head returns (log-probs, entropies); the plain one logits
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_packed_forward_gives_the_padded_log_probs_entropies_and_gradients(fused, family):
+    """Padding-free (`pack=True`): ragged right-padded sequences (an RL batch: prompt, response, padding; an
+    episode's mask with a gap) packed first-fit into fewer rows with restarting positions give the padded batch's
+    log-probs, entropies and gradients, in its layout (0 at prompt, gap and padding positions)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from align.logprobs import packing
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        family, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=101, attn_implementation="sdpa"))
+    lengths = [14, 5, 9, 4, 6, 3]  # tokens per sequence; the batch is as wide as the longest
+    N, L = len(lengths), max(lengths)
+    ids = torch.randint(3, 101, (N, L))
+    resp = torch.zeros(N, L - 1)
+    for i, n in enumerate(lengths):
+        ids[i, n:] = 0  # padding
+        resp[i, 1 : n - 1] = 1  # position p predicts token p + 1: the response is tokens 2 .. n - 1
+    resp[0, 5:8] = 0  # an environment's tokens inside the first sequence
+    batch = {"input_ids": ids, "response_mask": resp}
+    p = packing(batch)
+    assert len(p.rows) == 3 and p.tokens == 3 * 14 < N * L  # [14], [9, 5], [6, 4, 3]: 42 positions for 84
+    packed = p.pack(batch)
+    assert packed["position_ids"][2].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 0]
+    got, got_ent = logprobs(m, batch, with_entropy=True, fused=fused, pack=True)
+    want, want_ent = logprobs(m, batch, with_entropy=True, fused=fused)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_ent, want_ent, rtol=1e-4, atol=1e-4)
+    assert (got[resp == 0] == 0).all()
+    # GRPO's loss (two iterations' worth: a moved π_old, a reference) over both: the same loss and gradients
+    from align.objectives.grpo import GRPOBatch, GRPOCoefs, grpo_loss
+
+    coefs = GRPOCoefs("clip", 0.2, 0.28, 0.04, 0.0, 0.0, "token-mean", L)
+    adv, old, ref = torch.randn(N), want.detach() + 0.05 * torch.randn(N, L - 1), want.detach() - 0.1
+    losses = [grpo_loss(GRPOBatch(lp, old * resp, adv, resp, ref * resp), coefs, n_tokens=resp.sum(), n_seqs=N)[0]
+              for lp in (got, want)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    g1 = torch.autograd.grad(losses[0], list(m.parameters()))
+    g2 = torch.autograd.grad(losses[1], list(m.parameters()))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    same = {"input_ids": ids[:2, :5].clone(), "response_mask": torch.ones(2, 4)}
+    assert packing(same, min_saving=0.1) is None  # equal lengths: nothing to gain, the padded forward runs

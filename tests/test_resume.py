@@ -28,10 +28,12 @@ COMMON = ["--max-steps", str(STEPS), "--warmup-steps", "2", "--eval-every", "3",
 STAGES = {
     "sft": ["sft", "--batch-size", "8", "--lr", "3e-3", "--eval-samples", "4", "--max-new-tokens", "4"],
     "rm": ["rm", "train", "--batch-size", "8", "--lr", "3e-3", "--normalize-samples", "8"],
+    # dpo, grpo, ppo: padding-free forwards (--packing), the same numbers whatever the batch's layout
     "dpo": ["dpo", "--batch-size", "8", "--lr", "1e-3", "--eval-pairs", "16", "--eval-samples", "4",
-            "--max-new-tokens", "4"],
+            "--max-new-tokens", "4", "--packing"],
     "grpo": ["grpo", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--eval-samples",
-             "4", "--eval-k", "1,2", "--micro-batch-size", "8", "--lr", "1e-3", "--beta", "0.1", "--num-iterations", "2"],
+             "4", "--eval-k", "1,2", "--micro-batch-size", "8", "--lr", "1e-3", "--beta", "0.1", "--num-iterations", "2",
+             "--packing"],
     # rollouts sampled ahead of their step: the checkpoint holds the queued ones (2 in one process, 1 on a decoder)
     "grpo-stale": ["grpo", "--prompts-per-step", "4", "--num-generations", "4", "--max-new-tokens", "8", "--eval-samples",
                    "4", "--eval-k", "1,2", "--micro-batch-size", "8", "--lr", "1e-3", "--max-staleness", "2",
@@ -42,7 +44,8 @@ STAGES = {
                  "3", "--eval-samples", "4", "--eval-k", "1", "--micro-batch-size", "8", "--lr", "1e-3",
                  "--max-staleness", "2", "--tis-cap", "2"],
     "ppo": ["ppo", "--model", "tiny", "--prompts-per-step", "4", "--minibatch-size", "2", "--micro-batch-size", "2",
-            "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4"],
+            "--ppo-epochs", "2", "--max-new-tokens", "8", "--ptx-batch-size", "2", "--eval-samples", "4",
+            "--packing"],
 }
 # 1 process: grpo runs what one CUDA process runs by default (ZeRO-0 engines, bf16 weights and moments, AdamW
 # with stochastic rounding whose noise comes from the checkpointed RNG); its fp32 ZeRO-3 resume is the 2-process
