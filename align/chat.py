@@ -9,11 +9,45 @@ the template up to its generation prompt, as at inference.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from align.errors import UserError
 
 IGNORE = -100  # the label of a token without loss
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # a template that marks the assistant's tokens itself
+
+
+def read_template(path: str) -> str:
+    """--chat-template FILE: its Jinja text, checked to parse as a chat template (one that reads `messages`, with
+    transformers' `{% generation %}` and loop controls); a UserError naming the file otherwise."""
+    import jinja2
+    from jinja2 import meta
+    from jinja2.ext import Extension, loopcontrols
+
+    class Generation(Extension):  # transformers' {% generation %}...{% endgeneration %}, parsed as its body
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    fix = "give a file holding a chat template's Jinja text (as a model's chat_template.jinja)"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        ast = jinja2.Environment(extensions=[loopcontrols, Generation]).parse(text)
+    except OSError as e:
+        raise UserError(f"--chat-template {path}: cannot read it ({e.strerror or type(e).__name__}); {fix}.",
+                        option="chat_template") from None
+    except UnicodeDecodeError:
+        raise UserError(f"--chat-template {path}: not UTF-8 text; {fix}.", option="chat_template") from None
+    except jinja2.TemplateSyntaxError as e:
+        why = (e.message or "syntax error").rstrip(".")
+        raise UserError(f"--chat-template {path}: not a Jinja template (line {e.lineno}: {why}); {fix}.",
+                        option="chat_template") from None
+    if "messages" not in meta.find_undeclared_variables(ast):
+        raise UserError(f"--chat-template {path}: never reads `messages`, so it cannot render a conversation; "
+                        f"{fix}.", option="chat_template")
+    return text
 
 
 def prompt_text(tokenizer, prompt: str | list[dict], tools: list | None = None) -> str:

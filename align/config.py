@@ -147,6 +147,12 @@ class Options:
         """The user's Python files the options name (`user_code`)."""
         return user_code(type(self), as_dict(self))
 
+    def user_files(self) -> dict[str, str]:
+        """The user's files besides data and code that the options name (declared `user_file=True`: --chat-template),
+        by name, those given: a run hashes them into its artifact's inputs."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.metadata.get("user_file") and getattr(self, f.name)}
+
     def paths(self) -> dict[str, str]:
         """The options that name a file or directory (declared `path=True`), by name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata.get("path")}
@@ -182,6 +188,13 @@ def positive_ints(text: str, name: str) -> list[int]:
     if not ks or ks[0] < 1:
         raise UserError(f"{name} must be comma-separated integers >= 1 like 1,4,8, got {text!r}.")
     return ks
+
+
+def chat_template_opt():
+    """--chat-template FILE (align.chat.read_template): a path, hashed into the run's inputs (`user_file`)."""
+    return opt("", "A Jinja chat template for --model's tokenizer, in place of its own (a model without one, or to "
+                   "override it): prompts, conversations and --tools schemas are rendered with it, and a trained "
+                   "model is saved with it ('' : the tokenizer's own).", path=True, user_file=True, group="data")
 
 
 def tools_opt(help: str = "Tools the policy calls in its rollouts, which become multi-turn episodes: calculator "
@@ -288,6 +301,7 @@ class StageConfig(Options):
                          group="hardware")
     trust_remote_code: bool = opt(False, "Allow model code from the model directory (off: never run untrusted code).",
                                   group="data")
+    chat_template: str = chat_template_opt()
     precision: str = opt("auto", "Compute precision: auto (bf16-pure on CUDA, bf16-mixed there with an offload; fp32 on CPU), bf16 (a bf16 module, "
                                  "fp32 master weights), bf16-mixed (fp32 weights and gradients, matmuls in bf16 under "
                                  "torch.autocast, as TRL/Accelerate's mixed precision), bf16-pure (master weights, "
@@ -316,6 +330,10 @@ class StageConfig(Options):
         from align import trackers
 
         trackers.check(self.report_to)  # an unknown or missing tracker is refused before anything runs
+        if self.chat_template:
+            from align.chat import read_template
+
+            read_template(self.chat_template)
         if getattr(self, "columns", ""):  # old=new pairs; that each old name is a column is checked on the data
             from align.data import parse_columns
 

@@ -205,13 +205,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentenc
                    "vocab.txt")
 
 
-def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False, chat_template: str = ""):
+    """`source`'s tokenizer; `chat_template` (--chat-template FILE): its chat template, in place of its own (what
+    the stage's saved model keeps)."""
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(source.tokenizer_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise tokenizer_error(source.tokenizer_dir, e) from None
+    if chat_template:
+        from align.chat import read_template
+
+        tok.chat_template = read_template(chat_template)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if tok.eos_token is None:

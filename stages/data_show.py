@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from rich.markup import escape
 
 from align import data as D
-from align.config import Options, opt
+from align.chat import read_template
+from align.config import Options, chat_template_opt, opt
 from align.console import console
 from align.errors import UserError
 from align.models import load_tokenizer, resolve
@@ -40,6 +41,7 @@ class DataShowConfig(Options):
     plain: bool = opt(False, "Plain text: each span on a line of its own, marked loss / no loss (the default when "
                              "the output is not a terminal: a pipe, a file).")
     trust_remote_code: bool = opt(False, "Allow tokenizer code from the model directory.")
+    chat_template: str = chat_template_opt()
 
     def validate(self):
         super().validate()
@@ -47,6 +49,8 @@ class DataShowConfig(Options):
             raise UserError("give the data to show: align data show FILE (or DIR[:SPLIT], or a Hub dataset NAME).")
         if self.columns:
             D.parse_columns(self.columns)
+        if self.chat_template:
+            read_template(self.chat_template)
 
 
 def row_sequences(fmt: str, tok, row: dict, cfg: DataShowConfig) -> list[tuple[str, list[int], list[int]]]:
@@ -102,7 +106,7 @@ def show_sequence(tok, head: str, ids: list[int], labels: list[int], plain: bool
 
 
 def run(cfg: DataShowConfig) -> dict:
-    tok = load_tokenizer(resolve(cfg.model, expect=None), cfg.trust_remote_code)
+    tok = load_tokenizer(resolve(cfg.model, expect=None), cfg.trust_remote_code, cfg.chat_template)
     fmts = AUTO_ORDER if cfg.format == "auto" else (cfg.format,)
     rows = D.load_rows(cfg.data, fmts, cfg.columns, limit=cfg.n)
     fmt = D.layout(fmts, D.columns_of(rows))[0]

@@ -128,7 +128,7 @@ class DPO:
         source = resolve(cfg.model, expect="policy")
         ref_source = resolve(cfg.ref_model, expect="policy") if cfg.ref_model else source
         check_length(source, cfg.max_length)
-        self.tok = load_tokenizer(source, cfg.trust_remote_code)
+        self.tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)
         self.examples = self.load_train()
         self.eval_examples = self.load_examples(cfg.eval_data) if cfg.eval_data else self.split_examples
         if cfg.eval_pairs:

@@ -18,7 +18,7 @@ def run(cfg: EvalConfig) -> dict:
     ks = cfg.ks()
     source = resolve(cfg.model)
     rows = D.load_rows(cfg.data, "verifiable", cfg.columns, limit=cfg.limit)
-    tok = load_tokenizer(source, cfg.trust_remote_code)
+    tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)
     agent = tools.agent(cfg.tools, cfg.max_new_tokens, cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout,
                         cfg.env, tokenizer=tok)
     rows = fitting_rows(rows, tok, source, cfg.max_new_tokens + (cfg.max_tool_tokens if agent else 0), cfg.data)

@@ -187,7 +187,7 @@ class GRPO:
         self.reward_fns = parse_rewards(cfg.reward)
         self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)
         self.rows, split = D.split_off(self.rows, cfg.eval_split, cfg.data)
-        self.tok = load_tokenizer(source, cfg.trust_remote_code)
+        self.tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)
         # each reward function on the first rows: a wrong signature or return fails here, before any model is built
         probe(self.reward_fns, self.rows, timeout=cfg.reward_timeout, tokenizer=self.tok, where=cfg.data)
         # your tools' sandbox started (their file loaded, their schemas read) before any model is built
@@ -492,7 +492,7 @@ def decoder(cfg: GRPOConfig) -> dict:
     from align.models import mark_autocast
 
     source = resolve(cfg.model)
-    tok = load_tokenizer(source, cfg.trust_remote_code)
+    tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     precision = resolve_precision(device, cfg.precision)
 

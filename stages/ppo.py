@@ -157,6 +157,20 @@ def tokenizer_difference(a, b) -> str:
     return ""
 
 
+def check_shared_tokenizers(cfg: PPOConfig, sources: dict, tok) -> None:
+    """The reference and the value network read the policy's tokens: a UserError unless their tokenizers (with
+    --chat-template's template, as the policy's `tok`) encode alike."""
+    for spec, other, role, fix in (
+            (cfg.ref_model, sources["reference"], "reference", "pass a --ref-model trained with the policy's tokenizer"),
+            (cfg.value_model or cfg.reward_model, sources["value"], "value network",
+             f"pass --value-model with the policy's tokenizer (e.g. --value-model {cfg.model}: its body, new head)")):
+        diff = (tokenizer_difference(tok, load_tokenizer(other, cfg.trust_remote_code, cfg.chat_template))
+                if other is not sources["policy"] else "")
+        if diff:
+            raise UserError(f"{spec}: its tokenizer differs from the policy's ({diff}), but the {role} reads the "
+                            f"policy's tokens; {fix}.")
+
+
 def ptx_examples(tok, path: str, max_length: int) -> list[dict]:
     """The ptx batch source. Pretraining text {text}: BOS + text + EOS cut on the right at `max_length`, LM loss
     on every token. SFT data {prompt, completion} (or {messages}): the chat-templated example, loss on the
@@ -247,17 +261,10 @@ class PPO:
         rm = require_trained(resolve_default(cfg.reward_model, "reward", "--reward-model RM_ARTIFACT"), cfg.reward_model)
         sources = {"policy": policy, "reference": resolve(cfg.ref_model, expect="policy") if cfg.ref_model else policy,
                    "reward_model": rm, "value": resolve(cfg.value_model, expect=None) if cfg.value_model else rm}
-        self.tok = load_tokenizer(policy, cfg.trust_remote_code)
+        self.tok = load_tokenizer(policy, cfg.trust_remote_code, cfg.chat_template)
         self.rm_tok = load_tokenizer(rm, cfg.trust_remote_code)
         self.rm_same_tok = not tokenizer_difference(self.tok, self.rm_tok)
-        for spec, other, role, fix in (
-                (cfg.ref_model, sources["reference"], "reference", "pass a --ref-model trained with the policy's tokenizer"),
-                (cfg.value_model or cfg.reward_model, sources["value"], "value network",
-                 f"pass --value-model with the policy's tokenizer (e.g. --value-model {cfg.model}: its body, new head)")):
-            diff = tokenizer_difference(self.tok, load_tokenizer(other, cfg.trust_remote_code)) if other is not policy else ""
-            if diff:
-                raise UserError(f"{spec}: its tokenizer differs from the policy's ({diff}), but the {role} reads the "
-                                f"policy's tokens; {fix}.")
+        check_shared_tokenizers(cfg, sources, self.tok)
         rows = D.load_rows(cfg.data, "prompts", cfg.columns)
         self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in rows[0] else None
         probe([self.gold_fn] if self.gold_fn else [], rows, "--gold-reward", tokenizer=self.tok, where=cfg.data)

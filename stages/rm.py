@@ -112,7 +112,7 @@ class RewardModel:
         source = resolve(cfg.model, expect="policy")  # an RM starts from a causal LM (the SFT model); its head is new
         check_length(source, cfg.max_length)
         self.policy_source = resolve(cfg.normalize_on_policy, expect="policy") if cfg.normalize_on_policy else None
-        self.tok = load_tokenizer(source, cfg.trust_remote_code)
+        self.tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)
         rows, split = D.split_off(D.load_rows(cfg.data, "preference", cfg.columns), cfg.eval_split, cfg.data)
         self.examples = load_pairs(cfg.data, cfg.columns, self.tok, cfg.max_length, rows=rows)
         self.eval_examples = (load_pairs(cfg.eval_data, cfg.columns, self.tok, cfg.max_length, held_out=True)
@@ -210,7 +210,7 @@ def run(cfg: RMConfig) -> dict:
 
 def run_eval(cfg: RMEvalConfig) -> dict:
     source = resolve(cfg.model, expect="reward")
-    tok = load_tokenizer(source, cfg.trust_remote_code)
+    tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)
     examples = load_pairs(cfg.data, cfg.columns, tok, cfg.max_length)
     with StageRun(cfg, "rm-eval") as run:
         dist = run.open(describe_inputs(source, cfg.data))
@@ -228,7 +228,7 @@ def run_eval(cfg: RMEvalConfig) -> dict:
 def run_score(cfg: RMScoreConfig) -> dict:
     source = resolve(cfg.model, expect="reward")
     rows = D.load_rows(cfg.data, "responses", cfg.columns)
-    tok = load_tokenizer(source, cfg.trust_remote_code)
+    tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)
     seqs = encode_scored(tok, [r["prompt"] for r in rows], [r["response"] for r in rows], cfg.max_length)
     with StageRun(cfg, "rm-score") as run:
         dist = run.open(describe_inputs(source, cfg.data))

@@ -86,7 +86,7 @@ class SFT:
         if cfg.tools and D.data_kind(rows) != "prompt-completion":
             raise UserError(f"{cfg.data}: --tools reads {{prompt, completion}} rows whose completions hold the tool "
                             f"calls and answers; this is {D.data_kind(rows)} data.")
-        self.tok = load_tokenizer(source, cfg.trust_remote_code)
+        self.tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)
         examples = D.sft_examples(self.tok, rows, cfg.max_length, cfg.assistant_only_loss, cfg.tools)
         if not examples:
             raise UserError(f"{cfg.data}: no example fits --max-length {cfg.max_length}; raise it.")

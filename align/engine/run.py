@@ -175,7 +175,8 @@ class StageRun(StepLoop, Saves):
         another run holds it), start the process group, make the run's layout (`run.layout`) and write
         artifact.json ("running"; `started`: when the work began, if before this call; `notes`: more of its keys,
         e.g. the verifier the stage chose). Its inputs gain the sha256 of every user Python file the config names
-        (`code`: --reward / --verifier file.py:FUNCTION)."""
+        (`code`: --reward / --verifier file.py:FUNCTION) and of its other user files (`chat_template`: {path:
+        sha256})."""
         batch = self._plan(stage, lora, plan.Data(prompt_tokens, sequence_tokens)) if stage else (0, 0)
         resume = self.training is not None and self.training.resume
         if resume:
@@ -193,6 +194,7 @@ class StageRun(StepLoop, Saves):
             seed_all(self.cfg.seed)
         code = describe_code(self.cfg.user_code())
         inputs = {**inputs, "code": code} if code else inputs
+        inputs = {**inputs, **{name: describe_code([path]) for name, path in self.cfg.user_files().items()}}
         self.writer = ArtifactWriter(self.out, self.stage, self.settings, inputs, main, started, notes, self.choices)
         names = trackers.parse(self.cfg.report_to if isinstance(self.cfg, StageConfig) else "")
         if main and names:  # the experiment trackers: metrics.jsonl's rows and RLMonitor's events, on rank 0
