@@ -100,16 +100,18 @@ class DPOPlan(SupervisedPlan):
         update_terms(plan, a, rows, length, s)
 
 
-def row_logps(model, batch: dict) -> torch.Tensor:
+def row_logps(model, batch: dict, pack: bool = False) -> torch.Tensor:
     """[N]: log π(y|x) summed over each row's response tokens (never averaged). The rows are right-padded, so no
-    attention mask is passed (causal attention never looks right) and attention runs its fused causal kernel."""
-    lp, _ = logprobs(model, {"input_ids": batch["input_ids"], "response_mask": batch["labels"][:, 1:] != IGNORE})
+    attention mask is passed (causal attention never looks right) and attention runs its fused causal kernel;
+    `pack` (--packing): padding-free, the rows packed into fewer (align.logprobs.packing)."""
+    lp, _ = logprobs(model, {"input_ids": batch["input_ids"], "response_mask": batch["labels"][:, 1:] != IGNORE},
+                     pack=pack)
     return lp.sum(-1)
 
 
-def pair_logps(model, batch: dict) -> torch.Tensor:
+def pair_logps(model, batch: dict, pack: bool = False) -> torch.Tensor:
     """[2, B]: log π(y_w|x) and log π(y_l|x) from ONE forward of the 2B-row pair batch."""
-    return row_logps(model, batch).view(2, -1)
+    return row_logps(model, batch, pack).view(2, -1)
 
 
 class DPO:
@@ -193,8 +195,8 @@ class DPO:
     def chunked_logps(self, model, examples: list[dict], batch_size: int) -> torch.Tensor:
         """[2, len(examples)] (chosen, rejected) log-probs of this rank's `examples`, `batch_size` pairs a forward."""
         device = self.run.dist.device
-        return torch.cat([pair_logps(model, D.to_device(D.collate_pairs(mb, self.tok.pad_token_id), device))
-                          for mb in chunks(examples, batch_size)], dim=1)
+        return torch.cat([pair_logps(model, D.to_device(D.collate_pairs(mb, self.tok.pad_token_id), device),
+                                     self.cfg.packing) for mb in chunks(examples, batch_size)], dim=1)
 
     def logps_of(self, model, examples: list[dict], batch_size: int = 32) -> torch.Tensor:
         """[len(examples), 2] (chosen, rejected) log-probs, split over the ranks, in order on every rank."""
@@ -249,7 +251,7 @@ class DPO:
         for sl in chunks(list(range(len(pairs))), self.micro):
             b = D.to_device(D.collate_pairs([pairs[i] for i in sl], self.tok.pad_token_id), device)
             w = weights[sl].to(device)
-            pc, pr = pair_logps(self.policy, b)
+            pc, pr = pair_logps(self.policy, b, self.cfg.packing)
             lengths = (b["labels"][:, 1:] != IGNORE).sum(-1).view(2, -1)
             rc, rr = (None, None) if ref is None else ref[:, sl].to(pc.dtype)
             loss, metrics = self.pair_loss(Pairs(pc, pr, rc, rr, *lengths))
@@ -338,12 +340,13 @@ class KTO(DPO):
         cfg, stats = self.cfg, Stats()
         batches = self.batches(step)
         with torch.no_grad():  # the reference point: the global batch's mean log-ratio on mismatched rows
-            kl = sum((row_logps(self.policy, m) - row_logps(self.reference, m)).sum() for _, m in batches)
+            kl = sum((row_logps(self.policy, m, cfg.packing) - row_logps(self.reference, m, cfg.packing)).sum()
+                     for _, m in batches)
             kl_sums = runtime.all_reduce_sum(torch.stack([kl.float(), torch.tensor(float(cfg.batch_size), device=kl.device)]))
         for matched, _ in batches:
-            pol = row_logps(self.policy, matched)
+            pol = row_logps(self.policy, matched, cfg.packing)
             with torch.no_grad():
-                ref = row_logps(self.reference, matched)
+                ref = row_logps(self.reference, matched, cfg.packing)
             loss, reward, z0 = kto_loss(pol, ref.to(pol.dtype), kl_sums, matched["desirable"], cfg.beta,
                                         cfg.desirable_weight, cfg.undesirable_weight)
             self.policy.backward(loss.sum() / cfg.batch_size)
@@ -360,7 +363,8 @@ class KTO(DPO):
         """[len(examples), 1] summed log-probs of each row's own completion, in order on every rank."""
         dist = self.run.dist
         parts = [row_logps(model, {k: v[: len(mb)] for k, v in D.to_device(D.collate_kto(mb, self.tok.pad_token_id),
-                                                                            dist.device).items()})[:, None].float().cpu()
+                                                                            dist.device).items()},
+                           self.cfg.packing)[:, None].float().cpu()
                  for mb in chunks(runtime.shard(examples, dist, pad=True), batch_size)]
         return runtime.gather(torch.cat(parts), len(examples))
 

@@ -351,8 +351,8 @@ class PPO:
 
     def advantages(self, batch: dict, s: torch.Tensor, beta: float) -> dict:
         cfg, mask = self.cfg, batch["response_mask"]
-        old_logp = batched_logprobs(self.policy, batch, self.micro, cfg.temperature)
-        ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature)
+        old_logp = batched_logprobs(self.policy, batch, self.micro, cfg.temperature, pack=cfg.packing)
+        ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature, pack=cfg.packing)
         old_values = batched_values(self.value, batch, self.micro) * mask
         kl = objectives.get("kl", cfg.kl_estimator).fn(old_logp, ref_logp) * mask
         adv, returns = gae(token_rewards(s, kl, mask, beta), old_values, mask, cfg.gamma, cfg.lam)
@@ -398,7 +398,7 @@ class PPO:
             mm = select(mb, slice(i, i + self.micro))
             mask = mm["response_mask"]
             logp, ent = logprobs(self.policy, mm, temperature=cfg.temperature, with_entropy=True,
-                                 entropy_grad=bool(cfg.ent_coef))
+                                 entropy_grad=bool(cfg.ent_coef), pack=cfg.packing)
             loss, metrics = ppo_policy_loss(PPOPolicyBatch(logp, mm["old_logp"], mm["adv"], ent, mask,
                                                            mm.get("sampler_logp")),
                                             cliprange=cfg.cliprange, ent_coef=cfg.ent_coef, tis_cap=cfg.tis_cap,
