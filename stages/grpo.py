@@ -351,7 +351,7 @@ class GRPO:
             for i in range(0, n, self.micro):
                 sl = slice(i, i + self.micro)
                 mb = select(batch, sl)
-                logp, ent = logprobs(self.policy, mb, temperature=cfg.temperature, with_entropy=it == 0, pack=cfg.packing)
+                logp, ent = logprobs(self.policy, mb, temperature=cfg.temperature, with_entropy=(it == 0), pack=cfg.packing)
                 old = old_logp[sl] if old_logp is not None else logp.detach()
                 loss, metrics = grpo_loss(GRPOBatch(logp, old, adv[sl], mb["loss_mask"],
                                                     ref_logp[sl] if ref_logp is not None else None,
@@ -398,11 +398,11 @@ class GRPO:
             batch = r.batch(self.tok.pad_token_id, dist.device)
             batch["loss_mask"] = batch["response_mask"] * keep.flatten().to(dist.device)[:, None]
             counted_mask = batch["response_mask"] * counted.flatten().to(dist.device)[:, None]
-            score = lambda model: batched_logprobs(model, batch, self.micro, cfg.temperature, pack=cfg.packing)  # noqa: E731
-            old_logp = score(self.policy) if cfg.num_iterations > 1 else None
-            ref_logp = score(self.reference) if self.reference else None
+            old_logp = (batched_logprobs(self.policy, batch, self.micro, cfg.temperature, pack=cfg.packing)
+                        if cfg.num_iterations > 1 else None)
+            ref_logp = batched_logprobs(self.reference, batch, self.micro, cfg.temperature, pack=cfg.packing) if self.reference else None
             if self.teacher is not None:  # the teacher scores every counted sample, dropped groups' too
-                batch["teacher_logp"] = score(self.teacher)
+                batch["teacher_logp"] = batched_logprobs(self.teacher, batch, self.micro, cfg.temperature, pack=cfg.packing)
                 batch["counted_mask"] = counted_mask
             n_tokens, n_seqs, n_kept = runtime.all_reduce_sum(torch.stack([
                 counted_mask.sum(), counted.sum().to(dist.device), batch["loss_mask"].sum()])).tolist()

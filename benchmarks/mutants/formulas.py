@@ -153,7 +153,7 @@ MUTATIONS = [
     M("length_drift: the tool calls a policy learned taken for length hacking", "align/monitor.py",
       "return QUIET if tooled else grown", "return grown", ("tests/test_monitor.py",)),
     M("fast decoder episodes: a row's noise not keyed by its place in the episode", "align/rollout/generation.py",
-      "offsets=list(offsets) + list(offsets[-1:]) * fill,", "offsets=None,", ("tests/test_episode.py",)),
+      "offsets=row_offsets,", "offsets=None,", ("tests/test_episode.py",)),
     M("fast decoder episodes: a turn not cut at its stop text", "align/rollout/generation.py",
       "            if cut is not None:  # (HF's path", "            if False:  # (HF's path", ("tests/test_episode.py",)),
     M("fast decoder: the first token's noise not at the row's offset", "align/rollout/fast/decoder.py",
