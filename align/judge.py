@@ -144,3 +144,50 @@ class Judge:
         logits = self.next_token_logits(ab + ba)
         p = first_preferred(logits, *self.pair_ids)
         return both_orders(p[: len(ab)], p[len(ab) :]).tolist()
+
+
+# ---- --reward judge:MODEL
+
+
+def as_text(x) -> str:
+    """A prompt or completion as the judge reads it: text as it is; chat messages as "role: content" lines (a
+    completion of TRL's conversational form, one assistant message, as its content)."""
+    if isinstance(x, str):
+        return x
+    if len(x) == 1 and x[0].get("role") == "assistant":
+        return str(x[0].get("content", ""))
+    return "\n".join(f"{m.get('role', '')}: {m.get('content', '')}" for m in x)
+
+
+def load(model: str, rubric: str = RUBRIC, pair_rubric: str = PAIR_RUBRIC, where: str = "") -> Judge:
+    """A Judge of `model` (an artifact, a model directory or a preset) on this process's device (bf16 on a GPU),
+    frozen. Never partitioned: loaded with transformers' ZeRO-3 link of a live training engine set aside."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    from align.models import load_causal_lm, load_tokenizer, resolve
+
+    source = resolve(model, expect=None)
+    tok = load_tokenizer(source)
+    cuda = torch.cuda.is_available()
+    link = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
+    hf_ds._hf_deepspeed_config_weak_ref = None  # (a live link would make from_pretrained shard the judge)
+    try:
+        judge = load_causal_lm(source, tok, torch.bfloat16 if cuda else torch.float32, seed=0)
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = link
+    judge = judge.to(torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu").requires_grad_(False)
+    return Judge(judge, tok, rubric, pair_rubric, where=where or f"judge {model}")
+
+
+def reward(model: str, rubric: str = RUBRIC):
+    """--reward judge:MODEL: a batched reward function (TRL's form) giving each completion the judge's pointwise
+    score in [0, 1]; the judge is loaded on the first call (the reward probe's, before the policy is built) and kept."""
+    state: dict = {}
+
+    def judge(prompts, completions, **columns):
+        if "judge" not in state:
+            state["judge"] = load(model, rubric, where=f"--reward judge:{model}")
+        return state["judge"].scores([as_text(p) for p in prompts], [as_text(c) for c in completions])
+
+    judge.batched = True
+    return judge

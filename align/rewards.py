@@ -437,9 +437,10 @@ def spec_file(spec: str) -> str | None:
     return parts[0] if len(parts) == 2 and parts[0].endswith(".py") else None
 
 
-def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
-    """The reward functions of --reward specs NAME[:WEIGHT], rg:TASK[:WEIGHT], file.py:FUNCTION[:WEIGHT] (`flag`
-    names the option in messages); a user function is checked against its form (`check_form`)."""
+def parse_rewards(specs: list[str], flag: str = "--reward", judge_rubric: str = "") -> list[RewardFn]:
+    """The reward functions of --reward specs NAME[:WEIGHT], rg:TASK[:WEIGHT], file.py:FUNCTION[:WEIGHT],
+    judge:MODEL[:WEIGHT] (`flag` names the option in messages; `judge_rubric`: the judge's rubric text, default
+    align.judge.RUBRIC); a user function is checked against its form (`check_form`)."""
     out = []
     for spec in specs:
         parts, weight = _split(spec)
@@ -449,6 +450,11 @@ def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
         if parts[0] == "rg" and len(parts) == 2:
             name = ":".join(parts)
             out.append(RewardFn(name, weight, lookup(name)))
+        elif parts[0] == "judge" and len(parts) == 2:  # an LLM judge's score in [0, 1] (align.judge)
+            from align import judge
+
+            out.append(RewardFn("judge", weight, judge.reward(parts[1], judge_rubric or judge.RUBRIC), True, None,
+                                spec))
         elif parts[0] == "python" and len(parts) == 2:
             fn = _python_fn(parts[1], flag)
             out.append(RewardFn(parts[1], weight, fn, is_batched(fn), getattr(fn, "__module__", None) or "python",
@@ -467,8 +473,8 @@ def parse_rewards(specs: list[str], flag: str = "--reward") -> list[RewardFn]:
             out.append(RewardFn(parts[0], weight, None))
         else:
             known = ", ".join([*REWARDS, *GROUP_REWARDS])
-            raise UserError(f"{flag} {spec}: unknown reward; built-ins: {known}, rg:TASK (reasoning-gym), or "
-                            "path/to/file.py:FUNCTION.")
+            raise UserError(f"{flag} {spec}: unknown reward; built-ins: {known}, rg:TASK (reasoning-gym), "
+                            "judge:MODEL (an LLM judge), or path/to/file.py:FUNCTION.")
     if not out:
         raise UserError("give at least one --reward (e.g. --reward math).")
     if any(r.name == "length" for r in out) and not any(r.name == "math" for r in out):

@@ -184,7 +184,7 @@ class GRPO:
         cfg = run.cfg  # as the run resolved it: --rollout-gpus, --lr, --warmup-steps left to it made concrete
         self.cfg, self.run = cfg, run
         source = resolve(cfg.model)
-        self.reward_fns = parse_rewards(cfg.reward)
+        self.reward_fns = parse_rewards(cfg.reward, judge_rubric=cfg.rubric())
         self.rows = D.load_rows(cfg.data, "prompts", cfg.columns)
         self.rows, split = D.split_off(self.rows, cfg.eval_split, cfg.data)
         self.tok = load_tokenizer(source, cfg.trust_remote_code, cfg.chat_template)

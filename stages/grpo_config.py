@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from align import objectives
 from align.config import (ByModel, RLConfig, defaults, env_opt, max_tool_tokens_opt, max_turns_opt, opt,
@@ -19,9 +20,10 @@ from align.rewards import parse_rewards
 @defaults(out="runs/grpo", max_steps=150, lr=ByModel(5e-5, pretrained=1e-6), schedule="constant", warmup_steps=5,
           micro_batch_size=0, eval_every=0)
 class GRPOConfig(RLConfig):
-    reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT] or file.py:FUNCTION[:WEIGHT]; repeat for several. A "
-                                      "function is per sample, fn(prompt, completion, **row) -> float, or batched as "
-                                      "TRL's, fn(prompts, completions, **kwargs) -> list[float] (docs/rewards.md).",
+    reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT], file.py:FUNCTION[:WEIGHT] or judge:MODEL[:WEIGHT] (an "
+                                      "LLM judge's score in [0, 1]); repeat for several. A function is per sample, "
+                                      "fn(prompt, completion, **row) -> float, or batched as TRL's, fn(prompts, "
+                                      "completions, **kwargs) -> list[float] (docs/rewards.md).",
                             code=True)
     reward_model: str = opt("", "An `align rm train` artifact as one more reward: its normalised score of prompt + "
                                 "completion, times --reward-model-weight, added to --reward's ('' : none).", path=True)
@@ -33,6 +35,9 @@ class GRPOConfig(RLConfig):
                                        "model loads, whatever this says.", choices=("fail", "skip", "zero"))
     reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (a batched function: "
                                       "this times its batch's completions; 0: no limit).", ge=0)
+    judge_rubric: str = opt("", "With --reward judge:MODEL: the judge's rubric, a text file with {prompt} and "
+                                "{completion} where they go, ending where the judge writes its score digit 0-9 "
+                                "(default: correctness, helpfulness and concision).", path=True, user_file=True)
     num_generations: int = opt(8, "G: completions per prompt (advantages are relative to the group).", ge=2)
     advantage: str = opt("zscore", "Advantage estimator:", choices=objectives.Choices("advantage"))
     loss: str = opt("clip", "Policy loss:", choices=objectives.Choices("policy_loss"))
@@ -109,7 +114,21 @@ class GRPOConfig(RLConfig):
             if not self.gather and self.launched_world() > 1:
                 raise UserError("--tools with --no-gather: episodes end after different numbers of turns, so the "
                                 "processes cannot share each sharded forward; drop --no-gather.")
-        parse_rewards(self.reward)  # an unknown reward or a bad weight fails here, before --out is touched
+        parse_rewards(self.reward, judge_rubric=self.rubric())  # an unknown reward or a bad weight fails here
+
+    def rubric(self) -> str:
+        """--judge-rubric's text ("" when not given): it must place the completion."""
+        if not self.judge_rubric:
+            return ""
+        try:
+            text = Path(self.judge_rubric).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--judge-rubric {self.judge_rubric}: cannot read it ({type(e).__name__}); pass a text "
+                            "file.", option="judge_rubric") from None
+        if "{completion}" not in text:
+            raise UserError(f"--judge-rubric {self.judge_rubric}: it has no {{completion}}: write {{prompt}} and "
+                            "{completion} where the judge reads them.", option="judge_rubric")
+        return text
 
     def launched_world(self) -> int:
         """Every process of the run, trainers and decoders: the launcher's count (kept in ALIGN_GLOBAL_WORLD once

@@ -65,3 +65,29 @@ def test_a_rubric_whose_end_merges_with_a_label_is_refused(tiny_model_dir):
     with pytest.raises(UserError, match="one token after the rubric's end"):
         Judge(model, tok, pair_rubric=PAIR_RUBRIC.rstrip("\n") + " Better: ")  # " A" is one token here
     Judge(model, tok)  # the shipped rubrics end with a newline: every label its own token
+
+
+def test_reward_judge_model_scores_as_the_judge_and_its_rubric_is_checked(tiny_model_dir, tmp_path):
+    """--reward judge:MODEL[:WEIGHT] is a batched reward giving the Judge's pointwise scores (chat prompts read as
+    their messages); --judge-rubric replaces the rubric, and one without {completion} is refused before a run."""
+    from align.judge import load
+    from align.rewards import call_rewards, parse_rewards
+    from stages.grpo_config import GRPOConfig
+
+    (r,) = parse_rewards([f"judge:{tiny_model_dir}:0.5"])
+    assert (r.name, r.weight, r.batched) == ("judge", 0.5, True)
+    rows = [{"prompt": "Sort 3 1 2:"}, {"prompt": [{"role": "user", "content": "What is 7 + 5?"}]}]
+    completions = ["1 2 3", "12"]
+    got = call_rewards(r, rows[:1], completions[:1]) + call_rewards(r, rows[1:], completions[1:])
+    judge = load(str(tiny_model_dir))
+    assert got == pytest.approx(judge.scores(["Sort 3 1 2:", "user: What is 7 + 5?"], completions), abs=1e-6)
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Is this answer short?\n{completion}\nOne digit, 0 to 9:\n")
+    cfg = GRPOConfig(model=str(tiny_model_dir), reward=[f"judge:{tiny_model_dir}"], judge_rubric=str(rubric))
+    cfg.validate()
+    (own,) = parse_rewards(cfg.reward, judge_rubric=cfg.rubric())
+    assert call_rewards(own, rows[:1], ["1 2 3"]) == pytest.approx(
+        Judge(judge.model, judge.tok, rubric=rubric.read_text()).scores(["Sort 3 1 2:"], ["1 2 3"]), abs=1e-6)
+    rubric.write_text("Is this answer short? {answer}\n")
+    with pytest.raises(UserError, match="no {completion}"):
+        GRPOConfig(model=str(tiny_model_dir), reward=[f"judge:{tiny_model_dir}"], judge_rubric=str(rubric)).validate()
