@@ -184,12 +184,12 @@ def test_live_reference_takes_a_steps_pairs_in_one_forward_and_matches_per_micro
     model = load_causal_lm(resolve("tiny"), tok, torch.float32, seed=0).eval()
     pairs = load_pairs(str(PAIRS), "", tok, 256)[:12]
     d = S.DPO.__new__(S.DPO)
-    d.cfg = SimpleNamespace(reference_free=False)
+    d.cfg = SimpleNamespace(reference_free=False, packing=False)
     d.run = SimpleNamespace(dist=SimpleNamespace(device=torch.device("cpu")))
     d.ref_train, d.micro, d.reference, d.tok = None, 2, model, tok
     calls = []
     real = S.pair_logps
-    monkeypatch.setattr(S, "pair_logps", lambda m, b: calls.append(b["input_ids"].shape[0]) or real(m, b))
+    monkeypatch.setattr(S, "pair_logps", lambda m, b, pack=False: calls.append(b["input_ids"].shape[0]) or real(m, b, pack))
     together = d.reference_logps(pairs, list(range(12)))
     assert calls == [24] and together.shape == (2, 12)
     monkeypatch.setattr(S, "DPO_REF_TOKENS", 1)  # at least a micro-batch per forward: the per-micro-batch passes

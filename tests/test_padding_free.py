@@ -40,11 +40,11 @@ def test_packed_runs_equal_the_padded_ones(stage, tiny_model_dir, tmp_path):
     if stage == "dpo":
         data = ragged(tmp_path / "prefs.jsonl", 32, "prefs")
         args = ["dpo", "--model", tiny_model_dir, "--data", data, "--eval-data", "", "--pass-data", "",
-                "--batch-size", "8", "--max-steps", "3", "--lr", "1e-3"]
+                "--batch-size", "8", "--max-steps", "2", "--lr", "1e-3"]
     else:
         data = ragged(tmp_path / "prompts.jsonl", 16, "prompts")
         args = ["grpo", "--model", tiny_model_dir, "--data", data, "--eval-data", "", "--prompts-per-step", "4",
-                "--num-generations", "4", "--max-new-tokens", "8", "--max-steps", "3", "--lr", "1e-3", "--beta", "0.1",
+                "--num-generations", "4", "--max-new-tokens", "8", "--max-steps", "2", "--lr", "1e-3", "--beta", "0.1",
                 "--num-iterations", "2", "--micro-batch-size", "8", "--reward", parity_reward()]
     run(args, tmp_path / "padded")
     run([*args, "--packing"], tmp_path / "packed")
