@@ -92,15 +92,17 @@ class KVCache:
             return None
         keep, todo = [], []
         for p, h in zip(prompts, held):
-            if p is None or h is None:
+            if p is None:  # an ended episode's row: nothing to prefill
                 keep.append(0), todo.append([])
                 continue
+            if h is None:  # a row the cache holds nothing of: everything is prefilled again
+                return None
             k = next((i for i, (a, b) in enumerate(zip(p, h[0])) if a != b), min(len(p), len(h[0])))
             k = min(k, len(p) - 1)
             keep.append(k), todo.append(p[k:])
         m = max(map(len, todo))
         B, cap = self._shape_key
-        if m == 0 or any(p is not None and h is None for p, h in zip(prompts, held)) or start + m + new > cap:
+        if m == 0 or start + m + new > cap:
             return None
         self._outputs(B, new, pad)
         ids = torch.full((B, m), pad, dtype=torch.long)
