@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 from align.objectives.tokens import entropy_from_logits, token_logprobs
+from align.varlen import cu_seqlens, enable as enable_varlen
 
 
 class _LinearLogprob(torch.autograd.Function):
@@ -129,10 +130,14 @@ def _plain(model, batch: dict, temperature: float, entropy_grad: bool):
     return logp, entropy_from_logits(logits if entropy_grad else logits.detach()) * mask
 
 
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
 def _context(batch: dict) -> dict:
-    """attention_mask (absent: a right-padded batch, where causal attention never looks at the padding) and
-    position_ids (packed rows) when the batch has them; never a KV cache."""
-    kw = {k: batch[k] for k in ("attention_mask", "position_ids") if batch.get(k) is not None}
+    """attention_mask (absent: a right-padded batch, where causal attention never looks at the padding),
+    position_ids (packed rows) and the packed sequences' boundaries (varlen attention, align.varlen) when the batch
+    has them; never a KV cache."""
+    kw = {k: batch[k] for k in ("attention_mask", "position_ids", *VARLEN_KEYS) if batch.get(k) is not None}
     return {**kw, "use_cache": False}
 
 
@@ -141,14 +146,17 @@ def _context(batch: dict) -> dict:
 
 class Packing:
     """Where each sequence of a right-padded batch goes when the batch is packed (`packing`): the sequences (their
-    tokens up to the last one a response position predicts) first-fit by decreasing length into rows as wide as the
-    longest, `position_ids` restarting at 0 for each, so transformers gives every sequence its own causal block
-    (align.data.pack_examples) and none attends to another. `src` / `dst`: the flat indices of the packed and the
-    padded prediction positions ([rows, width − 1] and [N, L − 1]) that hold the same prediction."""
+    tokens up to the last one a response position predicts) first-fit by decreasing length into rows `width`
+    wide, `position_ids` restarting at 0 for each, so that none attends to another: transformers gives every
+    sequence its own causal block (align.data.pack_examples), or, with `varlen`, varlen attention reads the
+    boundaries (`cu_seq_lens_q`: one row holding every sequence, no padding, no mask; align.varlen). `src` /
+    `dst`: the flat indices of the packed and the padded prediction positions ([rows, width − 1] and [N, L − 1])
+    that hold the same prediction."""
 
-    def __init__(self, lengths: list[int], width: int, shape: tuple[int, int]):
+    def __init__(self, lengths: list[int], width: int, shape: tuple[int, int], varlen: bool = False):
         self.shape = shape  # the padded batch's [N, L]
         self.width = width
+        self.varlen = varlen
         self.rows: list[list[tuple[int, int]]] = []  # per packed row: (sequence, offset)
         used: list[int] = []
         for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -186,7 +194,22 @@ class Packing:
             pos[r, self.used[r]:] = torch.arange(W - self.used[r])  # the row's padding: a segment of its own
         mask = torch.zeros(R * (W - 1), dtype=resp.dtype, device=dev)
         mask[self.src.to(dev)] = resp.reshape(-1)[self.dst.to(dev)]
-        return {"input_ids": out_ids, "position_ids": pos.to(dev), "response_mask": mask.view(R, W - 1)}
+        out = {"input_ids": out_ids, "position_ids": pos.to(dev), "response_mask": mask.view(R, W - 1)}
+        if self.varlen:
+            seg = self.segments()
+            cu = cu_seqlens(seg, dev)
+            out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(seg), max_length_k=max(seg))
+        return out
+
+    def segments(self) -> list[int]:
+        """The lengths of the causal segments of the flattened rows, in order: each row's sequences, then its
+        padding (a segment of its own)."""
+        out = []
+        for r, seqs in enumerate(self.rows):
+            out += [self.lengths[i] for i, _ in seqs]
+            if self.used[r] < self.width:
+                out.append(self.width - self.used[r])
+        return out
 
     def unpack(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """A packed per-position tensor [rows, width − 1] in the padded batch's layout [N, L − 1] (0 elsewhere);
@@ -199,17 +222,18 @@ class Packing:
         return out.view(N, L - 1)
 
 
-def packing(batch: dict, min_saving: float = 0.0) -> Packing | None:
+def packing(batch: dict, min_saving: float = 0.0, varlen: bool = False) -> Packing | None:
     """The Packing of a right-padded batch (no attention mask, no position ids: a rollout's or DPO's batch), or None
     when packing would not save more than `min_saving` of its token positions (equal lengths: nothing to gain).
-    A sequence ends at the last token its response positions predict."""
+    A sequence ends at the last token its response positions predict. `varlen`: one row holding all the sequences
+    (the model attends with align.varlen); else rows as wide as the longest sequence."""
     if batch.get("attention_mask") is not None or batch.get("position_ids") is not None:
         return None
     resp = batch["response_mask"]
     N, L = batch["input_ids"].shape
     pos = torch.arange(1, L, device=resp.device).expand(N, L - 1)
     lengths = ((resp != 0) * pos).amax(1).add(1).clamp(min=2).tolist()  # last predicted token's index + 1
-    p = Packing(lengths, max(lengths), (N, L))
+    p = Packing(lengths, sum(lengths) if varlen else max(lengths), (N, L), varlen)
     return p if p.tokens < (1 - min_saving) * N * L else None
 
 
@@ -219,8 +243,9 @@ def logprobs(model, batch: dict, *, temperature: float = 1.0, with_entropy: bool
     selects, 0 elsewhere: [N, L−1] fp32; and the entropy per position (detached, or differentiable with
     `entropy_grad`), or None. `model`: module or engine. `fused` forces a path (None: the fused one wherever the
     model allows it and no differentiable entropy is asked). `pack`: the forward runs padding-free (`packing`:
-    the sequences packed into fewer rows; the same values, in the batch's layout) where that saves positions."""
-    p = packing(batch, min_saving=0.1) if pack else None
+    the sequences packed into fewer rows, or one row under varlen attention where the model allows it
+    (align.varlen.enable); the same values, in the batch's layout) where that saves positions."""
+    p = packing(batch, min_saving=0.1, varlen=enable_varlen(model)) if pack else None
     if p is not None:
         logp, ent = logprobs(model, p.pack(batch), temperature=temperature, with_entropy=with_entropy,
                              entropy_grad=entropy_grad, fused=fused, chunk=chunk)

@@ -90,10 +90,12 @@ def out_root(out: str, prefix: str) -> Path:
     return root
 
 
-def make_model(name: str, root: Path) -> Path:
+def make_model(name: str, root: Path, stop_p: float = 0.0) -> Path:
     """A random-weight bf16 model of `name`'s config (built on the GPU when there is one: an 8B model in
-    seconds) with the project's tokenizer, saved as safetensors."""
-    out = root / f"model-{name}"
+    seconds) with the project's tokenizer, saved as safetensors. `stop_p` > 0: it samples EOS with about that
+    probability at each token at temperature 1 (`ragged`): completions of ragged lengths, where a random model
+    otherwise never stops."""
+    out = root / (f"model-{name}" + (f"-stop{stop_p:g}" if stop_p else ""))
     if (out / "config.json").exists():
         return out
     import torch
@@ -106,10 +108,48 @@ def make_model(name: str, root: Path) -> Path:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if stop_p:
+        ragged(model, tok.eos_token_id, stop_p)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     del model
     return out
+
+
+def stop_probability(budget: int, mean_fraction: float = 0.5) -> float:
+    """The per-token EOS probability p whose completions, cut at `budget` tokens, average `mean_fraction` of it:
+    E[min(Geometric(p), budget)] = (1 − (1 − p)^budget) / p, solved by bisection (0.5 of 512 → p ≈ 0.0031: a
+    fifth of the completions run to the budget, the rest spread below)."""
+    lo, hi = 1e-7, 1.0
+    for _ in range(100):
+        p = (lo * hi) ** 0.5
+        lo, hi = (p, hi) if (1 - (1 - p) ** budget) / p > mean_fraction * budget else (lo, p)
+    return (lo * hi) ** 0.5
+
+
+@__import__("torch").no_grad()
+def ragged(model, eos: int, stop_p: float, coord: int = 0) -> float:
+    """Make a random-weight model end its samples at a steady rate: the EOS row of the output matrix becomes
+    α·e_j, so EOS's logit is α·h_j (h the final normed hidden state, whose coordinates are about N(0, 1) in a
+    random model), and α is found by bisection on a forward of random tokens so that the mean of
+    softmax(logits)[EOS] over positions is `stop_p`. Returns α."""
+    import torch
+
+    dev = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (4, 256), generator=torch.Generator().manual_seed(0)).to(dev)
+    h = model(input_ids=ids, output_hidden_states=True).hidden_states[-1].float().flatten(0, 1)  # [P, d], normed
+    w = model.get_output_embeddings().weight
+    logits = h @ w.float().T
+    logits[:, eos] = float("-inf")
+    others = torch.logsumexp(logits, -1)  # log Σ_{v ≠ EOS} exp(logit_v)
+    lo, hi = 0.0, 64.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        lo, hi = (a, hi) if torch.sigmoid(a * h[:, coord] - others).mean().item() < stop_p else (lo, a)
+    row = torch.zeros_like(w[eos])
+    row[coord] = (lo + hi) / 2
+    w[eos] = row
+    return (lo + hi) / 2
 
 
 def n_params(name: str) -> int:

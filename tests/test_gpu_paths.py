@@ -279,3 +279,62 @@ def test_split_kv_decode_attention_equals_sdpa_in_bf16_and_in_the_compiled_decod
             del os.environ["ALIGN_DECODE_ATTN"]
     same = sum(a[:32] == b[:32] for a, b in zip(outs["split"], outs["sdpa"]))
     assert same >= 7, (same, outs)  # bf16: a near-tie may flip one row's greedy token late; not most rows early
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's varlen attention kernel runs on a GPU (run on a GPU machine)")
+def test_varlen_packed_forward_equals_the_padded_one_in_bf16_eager_and_compiled():
+    """--packing on a GPU: the ragged sequences in one row attended with PyTorch's varlen flash kernel
+    (align.varlen) give the padded batch's log-probs and gradients in bf16 (fp32 reductions), eagerly and with the
+    update's compiled, checkpointed blocks; the compiled blocks serve three micro-batches of other lengths with no
+    recompile after the second."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from align import varlen as V
+    from align.logprobs import logprobs
+
+    def model():
+        torch.manual_seed(0)
+        m = Qwen2ForCausalLM(Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                                         num_key_value_heads=2, intermediate_size=512, vocab_size=1000))
+        return m.cuda().bfloat16()
+
+    def batch(lengths, seed):
+        g = torch.Generator().manual_seed(seed)
+        N, L = len(lengths), max(lengths)
+        ids, resp = torch.randint(3, 1000, (N, L), generator=g), torch.zeros(N, L - 1)
+        for i, n in enumerate(lengths):
+            ids[i, n:] = 0
+            resp[i, 20 : n - 1] = 1  # a 20-token prompt, then the response
+        return {"input_ids": ids.cuda(), "response_mask": resp.cuda()}
+
+    def grads(m, b, pack):
+        m.zero_grad()
+        lp = logprobs(m, b, pack=pack)[0]
+        (lp * torch.linspace(-1, 1, lp.shape[1], device="cuda")).sum().backward()
+        return lp.detach(), [p.grad.float().clone() for p in m.parameters()]
+
+    ref, m = model(), model()
+    assert V.enable(m) and m.config._attn_implementation == V.NAME  # the kernel is there: not the per-segment path
+    b = batch([300, 41, 170, 90, 260, 33, 120, 64], 0)
+    (want, gw), (got, gg) = grads(ref, b, False), grads(m, b, True)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    for x, y in zip(gg, gw):
+        torch.testing.assert_close(x, y, atol=5e-2, rtol=5e-2)
+    torch._dynamo.reset()
+    counters.clear()
+    ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref.train(), m.train()
+    build.compile_blocks(ref), build.compile_blocks(m)
+    for i, lengths in enumerate(([300, 41, 170, 90, 260, 33, 120, 64], [200, 25, 77, 150], [90, 400, 61],
+                                 [128, 33, 257, 300, 99])):
+        b = batch(lengths, i)
+        (want, gw), (got, gg) = grads(ref, b, False), grads(m, b, True)
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+        for x, y in zip(gg, gw):
+            torch.testing.assert_close(x, y, atol=5e-2, rtol=5e-2)
+        if i == 1:
+            frames = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == frames  # dynamic lengths and boundaries: no recompile after the second

@@ -129,14 +129,17 @@ def test_the_entry_point_picks_its_path():
     assert calls == ["tuple", "Tensor"]  # the swapped head returns (log-probs, entropies); the plain one logits
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused,varlen", [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_packed_forward_gives_the_padded_log_probs_entropies_and_gradients(fused, family):
+def test_a_packed_forward_gives_the_padded_log_probs_entropies_and_gradients(fused, varlen, family):
     """Padding-free (`pack=True`): ragged right-padded sequences (an RL batch: prompt, response, padding; an
-    episode's mask with a gap) packed first-fit into fewer rows with restarting positions give the padded batch's
-    log-probs, entropies and gradients, in its layout (0 at prompt, gap and padding positions)."""
+    episode's mask with a gap) packed first-fit into fewer rows with restarting positions, or (`varlen`) into one
+    row attended with varlen attention (align.varlen: its per-segment path here, the CUDA kernel's definition),
+    give the padded batch's log-probs, entropies and gradients, in its layout (0 at prompt, gap and padding
+    positions)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from align import varlen as V
     from align.logprobs import packing
 
     torch.manual_seed(0)
@@ -152,10 +155,18 @@ def test_a_packed_forward_gives_the_padded_log_probs_entropies_and_gradients(fus
         resp[i, 1 : n - 1] = 1  # position p predicts token p + 1: the response is tokens 2 .. n - 1
     resp[0, 5:8] = 0  # an environment's tokens inside the first sequence
     batch = {"input_ids": ids, "response_mask": resp}
-    p = packing(batch)
-    assert len(p.rows) == 3 and p.tokens == 3 * 14 < N * L  # [14], [9, 5], [6, 4, 3]: 42 positions for 84
-    packed = p.pack(batch)
-    assert packed["position_ids"][2].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 0]
+    if varlen:
+        assert V.enable(m, force=True) and m.config._attn_implementation == V.NAME
+        p = packing(batch, varlen=True)
+        assert len(p.rows) == 1 and p.tokens == 41  # every sequence end to end: no padding at all
+        packed = p.pack(batch)
+        assert packed["cu_seq_lens_q"].tolist() == [0, 14, 23, 29, 34, 38, 41] and packed["max_length_q"] == 14
+    else:
+        p = packing(batch)
+        assert len(p.rows) == 3 and p.tokens == 3 * 14 < N * L  # [14], [9, 5], [6, 4, 3]: 42 positions for 84
+        packed = p.pack(batch)
+        assert packed["position_ids"][2].tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 0]
+        assert p.segments() == [14, 9, 5, 6, 4, 3, 1]  # row by row, the last row's padding a segment of its own
     got, got_ent = logprobs(m, batch, with_entropy=True, fused=fused, pack=True)
     want, want_ent = logprobs(m, batch, with_entropy=True, fused=fused)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -174,4 +185,43 @@ def test_a_packed_forward_gives_the_padded_log_probs_entropies_and_gradients(fus
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     same = {"input_ids": ids[:2, :5].clone(), "response_mask": torch.ones(2, 4)}
-    assert packing(same, min_saving=0.1) is None  # equal lengths: nothing to gain, the padded forward runs
+    assert packing(same, min_saving=0.1, varlen=varlen) is None  # equal lengths: nothing to gain, padded it runs
+
+
+def test_varlen_attention_keeps_the_boundaries_when_gradient_checkpointing_recomputes_a_layer(monkeypatch):
+    """Under gradient checkpointing a layer's forward runs again in the backward pass: the packed row's boundaries
+    travel as forward arguments (not a context), so the recomputed attention is the same varlen one and the
+    gradients equal the padded batch's. Without the boundaries the packed row would attend across sequences."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from align import varlen as V
+
+    torch.manual_seed(1)
+    m = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, vocab_size=101, attn_implementation="sdpa"))
+    lengths = [11, 4, 7, 3]
+    N, L = len(lengths), max(lengths)
+    ids, resp = torch.randint(3, 101, (N, L)), torch.zeros(N, L - 1)
+    for i, n in enumerate(lengths):
+        ids[i, n:] = 0
+        resp[i, : n - 1] = 1
+    batch, w = {"input_ids": ids, "response_mask": resp}, torch.randn(N, L - 1)
+    want = torch.autograd.grad((logprobs(m, batch)[0] * w).sum(), list(m.parameters()))
+    V.enable(m, force=True)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.train()
+    calls, kernel = [], V.varlen_causal
+    monkeypatch.setattr(V, "varlen_causal", lambda *a: calls.append(a[3].tolist()) or kernel(*a))
+    got = torch.autograd.grad((logprobs(m, batch, pack=True)[0] * w).sum(), list(m.parameters()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert calls == [[0, 11, 18, 22, 25]] * 4  # 2 layers, each forward and recomputed: all varlen
+    # the attention function itself: the segments [0, 3) and [3, 7) of a flat row each attend to themselves only
+    q, k, v = torch.randn(7, 4, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 8)
+    out = V.varlen_causal(q, k, v, V.cu_seqlens([3, 4]), 4, 8 ** -0.5)
+    for s, e in ((0, 3), (3, 7)):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].repeat_interleave(2, 1).transpose(0, 1),
+            v[s:e].repeat_interleave(2, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+        torch.testing.assert_close(out[s:e], ref)
