@@ -532,8 +532,9 @@ class RLConfig(SamplingConfig, TrainConfig):
     tis_cap: float = opt(0.0, "Truncated importance sampling: weight each token's policy-gradient loss by "
                               "min(π_train / π_sampler, C), correcting for a decoder whose log-probs differ from the "
                               "trainer's (0: off).", ge=0, group="sampling")
-    packing: bool = opt(False, "Padding-free forwards: each micro-batch's ragged sequences packed into fewer rows "
-                               "(positions restarting, block-diagonal attention); the same log-probs.",
+    packing: bool = opt(False, "Padding-free forwards: each micro-batch's ragged sequences packed (a GPU: one row, "
+                               "varlen flash attention; else fewer rows, block-diagonal attention); the same "
+                               "log-probs.",
                         group="hardware")
 
 

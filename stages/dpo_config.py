@@ -31,8 +31,9 @@ class DPOConfig(SupervisedConfig):
     nll_coef: float = opt(0.0, "α of RPO's NLL term: α · the chosen answer's per-token NLL added to each pair's loss "
                                "(0: off).", ge=0)
     precompute_ref: bool = opt(False, "Compute reference log-probs once before training and free the reference model.")
-    packing: bool = opt(False, "Padding-free forwards: each micro-batch's chosen and rejected rows packed into fewer "
-                               "rows (positions restarting, block-diagonal attention); the same log-probs.",
+    packing: bool = opt(False, "Padding-free forwards: each micro-batch's chosen and rejected rows packed (a GPU: one "
+                               "row, varlen flash attention; else fewer rows, block-diagonal attention); the same "
+                               "log-probs.",
                         group="hardware")
     eval_pairs: int = opt(0, "Held-out pairs to evaluate (0: all).", ge=0)
     eval_samples: int = opt(200, "Problems of --pass-data for greedy pass@1 (0: skip).", ge=0)
