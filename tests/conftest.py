@@ -474,13 +474,13 @@ def shipped_tokenizer():
     return load_tokenizer(resolve("tiny"))
 
 
-# The files that take longest on 2 CPU cores (pytest --durations, 2026-11-30: 159 s down to 16 s), longest first: the
-# workers take files in collection order, so these start first and the short files fill the end (longest-processing-
-# time-first; xdist's default order, by number of tests, could start a 3-minute file last and leave the other worker
-# idle).
-LONGEST_FIRST = ["test_exact_resume.py", "test_lora.py", "test_disagg.py", "test_distributed.py", "test_reliability.py",
-                 "test_pipeline.py", "test_dpo.py", "test_rm.py", "test_grpo.py", "test_resume.py", "test_ppo.py",
-                 "test_disk.py", "test_dpo_online.py", "test_grpo_update.py", "test_trackers.py"]
+# The files that take longest on 2 CPU cores (pytest --durations, 2026-12-05), longest first: the workers take files
+# in collection order, so these start first and the short files fill the end (longest-processing-time-first; xdist's
+# default order, by number of tests, could start a 3-minute file last and leave the other worker idle).
+LONGEST_FIRST = ["test_exact_resume.py", "test_disagg.py", "test_api.py", "test_lora.py", "test_distributed.py",
+                 "test_reliability.py", "test_grpo.py", "test_golden.py", "test_pipeline.py", "test_dpo.py", "test_rm.py",
+                 "test_ppo.py", "test_resume.py", "test_sandbox.py", "test_trl_formats_train.py", "test_disk.py",
+                 "test_dpo_online.py", "test_gpu_paths.py", "test_task_sources.py", "test_trackers.py"]
 
 
 def pytest_collection_modifyitems(session, config, items):
