@@ -6,8 +6,9 @@ Per variant: the first rollout (compile + graph capture), the median of three re
 simulated training step (the decoder's `release`, a large allocation and free, `load_weights`: what GRPO does
 between rollouts), with the graph re-captures it cost. Variants: the default (the decoder reads the module's own
 weights: separate q/k/v and gate/up matmuls), a weight copy (fused q/k/v and gate/up), one graph over the whole
-cache (no 256-slot buckets), greedy decoding (no keyed sampling noise, no sampler log-probs), and the fused SDPA
-kernel in place of the split-KV decode attention (align.rollout.fast.decode_attention).
+cache (no 256-slot buckets), greedy decoding (no keyed sampling noise, no sampler log-probs), the fused SDPA
+kernel in place of the split-KV decode attention (align.rollout.fast.decode_attention), and FP8 rollouts (E4M3
+q/k/v, o, gate/up and down with row scales: align.rollout.fast.fp8).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from benchmarks import vs_trl as V
 
 VARIANTS = {"default": {}, "copy (fused qkv, gate/up)": {"ALIGN_FAST_DECODER_COPY": "1"},
             "one graph (bucket 4096)": {"ALIGN_DECODE_BUCKET": "4096"}, "greedy": {},
-            "SDPA attention": {"ALIGN_DECODE_ATTN": "sdpa"}}
+            "SDPA attention": {"ALIGN_DECODE_ATTN": "sdpa"}, "fp8 (E4M3 linear layers)": {}}
 
 
 def timed(fn) -> float:
@@ -80,7 +81,7 @@ def main() -> None:
         for k, v in env.items():
             os.environ[k] = v
         s = Sampling(max_new_tokens=a.new, temperature=0.0 if name == "greedy" else 1.0)
-        dec = FastDecoder(m, "cuda")
+        dec = FastDecoder(m, "cuda", precision="fp8" if name.startswith("fp8") else "")
         dec.load_weights(m)
         gen = lambda: dec.generate(prompts, s, eos=-1, pad=0, keys=None if s.greedy else keys)  # noqa: E731
         first = timed(gen)

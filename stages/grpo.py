@@ -230,7 +230,8 @@ class GRPO:
         self.teacher = run.frozen(self.load_policy(teacher_source)) if cfg.teacher else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
-        self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)
+        self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
+                                 precision=cfg.decode_precision())
         self.beta = cfg.beta  # the KL weight (an --on-alarm rollback may raise it)
         self.rollouts = self.rollout_queue()
         self.stale = False  # the rollout being trained on was sampled from older weights
@@ -455,7 +456,7 @@ class GRPO:
             return {}
         ks = self.cfg.ks()
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
-                                  sampling=replace(self.sampling, seed=self.cfg.seed), gather=self.cfg.gather,
+                                  sampling=replace(self.sampling, seed=self.cfg.seed, precision=""), gather=self.cfg.gather,
                                   verifier=self.verifier, agent=self.agent)
         save_eval_samples(self.run.out, step, recs, self.run.dist)
         return {f"eval/{k}": v for k, v in m.items()}

@@ -338,3 +338,31 @@ def test_varlen_packed_forward_equals_the_padded_one_in_bf16_eager_and_compiled(
         if i == 1:
             frames = counters["stats"]["unique_graphs"]
     assert counters["stats"]["unique_graphs"] == frames  # dynamic lengths and boundaries: no recompile after the second
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 GEMM runs on a GPU (run on a GPU machine)")
+def test_fp8_rollouts_compile_and_replay_near_the_bf16_decoder():
+    """--rollout-precision fp8 on the GPU: torch._scaled_mm with row scales inside the compiled, graph-captured
+    decode step; its greedy tokens are those of the FP8 decoder without CUDA graphs, and mostly the bf16 decoder's early on."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from align.rollout.fast.decoder import FastDecoder
+    from align.rollout.generation import Sampling
+
+    torch.manual_seed(0)
+    m = Qwen2ForCausalLM(Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                                     num_key_value_heads=2, intermediate_size=512, vocab_size=1000)).cuda().bfloat16()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)  # sharper greedy choices
+    prompts = [[5 + i, 7, 9 + 2 * i][: 1 + i % 3] for i in range(8)]
+    s = Sampling(max_new_tokens=64, temperature=0.0)
+    outs = {}
+    for name, kw in (("bf16", {}), ("fp8", {"precision": "fp8"}), ("fp8-no-graphs", {"precision": "fp8", "use_graphs": False})):
+        dec = FastDecoder(m, "cuda", **kw)
+        dec.load_weights(m)
+        assert dec.layers[0]["gu"].dtype == (torch.float8_e4m3fn if name != "bf16" else torch.bfloat16)
+        outs[name] = dec.generate(prompts, s, eos=-1, pad=0)
+    assert sum(a == b for a, b in zip(outs["fp8"], outs["fp8-no-graphs"])) >= 7
+    assert sum(a[:8] == b[:8] for a, b in zip(outs["fp8"], outs["bf16"])) >= 5, outs

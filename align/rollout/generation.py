@@ -30,6 +30,7 @@ class Sampling:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     seed: int | None = None  # prompt i's samples depend on (seed, i) alone; None: a seed drawn from torch's RNG
+    precision: str = ""  # the fast decoder's linear layers: "" the model's compute dtype, "fp8" E4M3 (rollouts)
 
     @property
     def greedy(self) -> bool:
@@ -87,23 +88,31 @@ def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bo
 
 
 def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None = None,
-                  length: int | None = None) -> bool:
+                  length: int | None = None, precision: str = "") -> bool:
     """The compiled static-cache decoder (align.rollout.fast) is used on CUDA by default for the models it
     supports (`fast.support.SUPPORTED`) and rollouts of up to `length` tokens; `fast=False` or
-    ALIGN_FAST_GENERATION=0 selects HF `generate`; `fast=True` forces it (also on CPU, eagerly: tests). Never with
-    `synced_gpus` (sharded weights). On a GPU the choice and its reason are logged once per process."""
+    ALIGN_FAST_GENERATION=0 selects HF `generate`; `fast=True` forces it (also on CPU, eagerly: tests), as FP8
+    rollouts (`precision` fp8: only the fast decoder has them) ask for it. Never with `synced_gpus` (sharded
+    weights). On a GPU the choice and its reason are logged once per process; FP8 rollouts that cannot have it
+    are warned about."""
     from align.rollout.fast import support
 
     module = support.bare(module)
+    why = ("sharded weights (--no-gather)" if synced_gpus else "off (ALIGN_FAST_GENERATION)" if fast is False
+           or not support.enabled_by_env() else support.unsupported_reason(module, length))
+    if precision == "fp8" and why:
+        from align.console import warn
+
+        warn(f"FP8 rollouts decode in the fast decoder, which this rollout cannot use ({why}): it decodes in the "
+             "model's own dtype.", once=True)
     if synced_gpus or fast is False or not support.enabled_by_env():
         return False
-    wanted = bool(fast) or torch.device(device).type == "cuda"
-    why = support.unsupported_reason(module, length)
+    wanted = bool(fast) or torch.device(device).type == "cuda" or precision == "fp8"
     if wanted:
         from align.console import info
 
-        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({support.describe(module)})",
-             once=True)
+        info(f"rollouts: HF generate ({why})" if why else f"rollouts: fast decoder ({support.describe(module)}"
+             f"{', FP8 linear layers' if precision == 'fp8' else ''})", once=True)
     return wanted and why is None
 
 
@@ -131,7 +140,7 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
         return generate_episodes(module, tokenizer, prompts, rows, s, agent, batch_size, device, keys, on_batch,
                                  fast=False if synced_gpus else fast)
     length = max((len(p) for p in prompts), default=0) + s.max_new_tokens
-    if use_fast_path(module, device, synced_gpus, fast, length):
+    if use_fast_path(module, device, synced_gpus, fast, length, s.precision):
         if fast:  # forced (tests): errors surface
             return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch, keys)
         try:
@@ -169,14 +178,15 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
 
 
 @contextlib.contextmanager
-def fast_decoder(module, device):
-    """The module's fast decoder (align.rollout.fast) for one rollout: LoRA's base weights parked while its merged
-    copy decodes, its KV cache released after (the update needs the memory) and the base weights restored."""
+def fast_decoder(module, device, precision: str = ""):
+    """The module's fast decoder (align.rollout.fast) of that precision for one rollout: LoRA's base weights
+    parked while its merged copy decodes, its KV cache released after (the update needs the memory) and the base
+    weights restored."""
     from align.lora import parked_base
     from align.rollout.fast.decoder import decoder_for
     from align.rollout.fast.support import bare
 
-    dec = decoder_for(bare(module), device)
+    dec = decoder_for(bare(module), device, precision)
     parked = parked_base(module, device)  # LoRA: the base W is not read while the decoder's merged copy decodes
     if parked:
         parked.park()
@@ -190,7 +200,7 @@ def fast_decoder(module, device):
 
 def _generate_fast(module, tokenizer, prompts, s: Sampling, batch_size: int, device, on_batch=None,
                    keys=None) -> list[Completion]:
-    with fast_decoder(module, device) as dec:
+    with fast_decoder(module, device, s.precision) as dec:
         return _decode_chunks(dec, tokenizer, prompts, s, batch_size, on_batch, keys)
 
 
@@ -344,9 +354,9 @@ def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[di
     module.eval()
     out: list = []
     try:
-        if use_fast_path(module, device, fast=fast, length=capacity):
+        if use_fast_path(module, device, fast=fast, length=capacity, precision=s.precision):
             try:
-                with fast_decoder(module, device) as dec:
+                with fast_decoder(module, device, s.precision) as dec:
                     run(dec)
             except Exception as e:
                 if fast:  # the fast path forced (tests): its errors surface

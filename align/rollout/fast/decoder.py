@@ -20,9 +20,11 @@ from align.rollout.sampling import choose, filter_logits, sampled_logprobs
 class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
     """Inference copy + static cache + (on CUDA) compiled, graph-captured decode step for one model."""
 
-    def __init__(self, module, device, dtype=None, use_graphs: bool | None = None, check_every: int | None = None):
+    def __init__(self, module, device, dtype=None, use_graphs: bool | None = None, check_every: int | None = None,
+                 precision: str = ""):
         self.cfg = module.config
         self.device = torch.device(device)
+        self.precision = precision  # "fp8": E4M3 linear layers (align.rollout.fast.fp8); "": the compute dtype
         p0 = next(module.parameters())
         from align.models import autocast_dtype
 
@@ -210,11 +212,13 @@ class _DebugClock:
               file=sys.stderr, flush=True)
 
 
-def decoder_for(module, device) -> FastDecoder:
-    """The module's persistent FastDecoder (created on first use), with the module's current weights in it."""
-    dec = getattr(module, "_align_fast_decoder", None)
+def decoder_for(module, device, precision: str = "") -> FastDecoder:
+    """The module's persistent FastDecoder of that precision (created on first use; one per precision, so that
+    FP8 rollouts and the evaluation in the compute dtype each keep theirs), with the module's current weights."""
+    attr = "_align_fast_decoder" + (f"_{precision}" if precision else "")
+    dec = getattr(module, attr, None)
     if dec is None:
-        dec = FastDecoder(module, device)
-        object.__setattr__(module, "_align_fast_decoder", dec)  # plain attribute: not a submodule/param
+        dec = FastDecoder(module, device, precision=precision)
+        object.__setattr__(module, attr, dec)  # plain attribute: not a submodule/param
     dec.load_weights(module)
     return dec

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from align.rollout.fast import decode_attention
+from align.rollout.fast.fp8 import fp8_linear
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,18 +74,25 @@ class LayerMath:
             return q, k
         return rms(q, L["qn"], self.eps), rms(k, L["kn"], self.eps)
 
+    @staticmethod
+    def _lin(L, key: str, h):
+        """h·W_keyᵀ + b_key: in FP8 where the copy holds W_key so (its row scales f"{key}_s" beside it)."""
+        if f"{key}_s" in L:
+            return fp8_linear(h, L[key], L[f"{key}_s"], L.get(f"{key}_b"))
+        return F.linear(h, L[key], L.get(f"{key}_b"))
+
     def _qkv(self, L, h):
         """q, k, v of h: one fused matmul on the decoder's copy, three on the module's own weights."""
         if "qkv" in L:
-            return F.linear(h, L["qkv"], L.get("qkv_b")).split([self.nq, self.nk, self.nk], dim=-1)
+            return self._lin(L, "qkv", h).split([self.nq, self.nk, self.nk], dim=-1)
         return tuple(F.linear(h, L[k], L.get(f"{k}_b")) for k in ("q", "k", "v"))
 
     def _mlp(self, L, h):
         if "gu" in L:
-            g, u = F.linear(h, L["gu"], L.get("gu_b")).split(self.inter, dim=-1)
+            g, u = self._lin(L, "gu", h).split(self.inter, dim=-1)
         else:
             g, u = F.linear(h, L["gate"], L.get("gate_b")), F.linear(h, L["up"], L.get("up_b"))
-        return F.linear(F.silu(g) * u, L["down"], L.get("down_b"))
+        return self._lin(L, "down", F.silu(g) * u)
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, start: int = 0,
                  pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,7 +129,7 @@ class LayerMath:
             pr = s.softmax(-1).to(self.dtype)
             o = torch.matmul(pr, v[:, :, None])  # [B, KV, G, P, D]
             o = o.reshape(B, self.n_heads, P, self.head_dim).transpose(1, 2).reshape(B, P, self.nq)
-            x = x + F.linear(o, L["o"], L.get("o_b"))
+            x = x + self._lin(L, "o", o)
             x = x + self._mlp(L, rms(x, L["ln2"], self.eps))
         x = rms(x[:, -1], self.norm, self.eps)
         return F.linear(x, self.head).float()
@@ -152,5 +160,5 @@ class LayerMath:
             o = F.scaled_dot_product_attention(qg, kc[:, :, :n], vc[:, :, :n],
                                                attn_mask=bias[:, None, None, :].to(q.dtype),
                                                scale=self.scale).reshape(B, self.nq)
-        x = x + F.linear(o, L["o"], L.get("o_b"))
+        x = x + self._lin(L, "o", o)
         return x + self._mlp(L, rms(x, L["ln2"], self.eps))

@@ -13,6 +13,7 @@ import os
 import torch
 
 from align.lora import effective_weight, is_peft
+from align.rollout.fast import fp8
 
 SMALL_COPY_BYTES = 4 << 30  # on a GPU, a policy up to this size (~2B parameters in bf16) decodes from a fused copy
 
@@ -36,8 +37,10 @@ def copies_small(weight_bytes: int) -> bool:
     return copy_setting() != "0" and weight_bytes <= SMALL_COPY_BYTES
 
 
-def copy_reason(module, device, dtype) -> str | None:
+def copy_reason(module, device, dtype, precision: str = "") -> str | None:
     """Why the decoder keeps its own copy of the module's weights (None: it decodes from them in place)."""
+    if precision == "fp8":
+        return "FP8 rollouts: E4M3 weights with a scale per row"
     if copy_forced():
         return "ALIGN_FAST_DECODER_COPY"
     if is_peft(module) or any(hasattr(m, "get_delta_weight") for m in module.modules()):
@@ -56,22 +59,26 @@ def copy_reason(module, device, dtype) -> str | None:
     return None
 
 
+MATRICES = ("qkv", "o", "gu", "down")  # the copy's linear layers: E4M3 under FP8 rollouts
+
+
 class DecoderWeights:
     """FastDecoder's weights: `embed`, `norm`, `head` and, per layer, the dict `layers[i]` ("ln1", "ln2", "o",
     "down", the q/k norms and biases a family has; "qkv" and "gu" fused in the copy, "q", "k", "v", "gate", "up"
-    apart on the module's own tensors). The copy's tensors are views of ONE buffer, whose storage `release` gives
-    back between rollouts. Reads the layout LayerMath set (dims, biases); a tensor that moved drops the captured
-    graphs (CompiledStep._drop_graphs): they hold its old address."""
+    apart on the module's own tensors; under FP8 rollouts the four matrices in E4M3 with their row scales "qkv_s",
+    "o_s", "gu_s", "down_s": align.rollout.fast.fp8). The copy's tensors are views of ONE byte buffer, whose storage
+    `release` gives back between rollouts. Reads the layout LayerMath set (dims, biases); a tensor that moved drops
+    the captured graphs (CompiledStep._drop_graphs): they hold its old address."""
 
     def _init_weights(self, module) -> None:
         self.tied = bool(getattr(self.cfg, "tie_word_embeddings", False))
         self.layers = [{} for _ in range(self.n_layers)]
-        self.copy_reason = copy_reason(module, self.device, self.dtype)
+        self.copy_reason = copy_reason(module, self.device, self.dtype, self.precision)
         self._bound = None  # shared weights: the module tensors' addresses the decoder last read
         if self.copy_reason is None:
             self._wbuf = None
         else:
-            self._alloc_copy(self._copy_shapes())
+            self._alloc_copy(self._copy_layout())
 
     def _copy_shapes(self) -> dict:
         """The shape of every tensor of the fused copy: "embed", "norm", "head" (untied) and (layer, name)."""
@@ -92,17 +99,32 @@ class DecoderWeights:
                 shapes[i, "gu_b"], shapes[i, "down_b"] = (2 * inter,), (self.hidden,)
         return shapes
 
-    def _alloc_copy(self, shapes: dict) -> None:
-        """Every weight of the copy a view of ONE buffer (offsets 64-element aligned), so that `release` can hand
-        the whole inference copy back to the allocator between rollouts and `load_weights` take it again in one
-        piece."""
-        align = lambda n: -(-n // 64) * 64  # noqa: E731
+    def _copy_layout(self) -> dict:
+        """The shape and dtype of every tensor of the copy: the compute dtype, or (`precision` fp8) E4M3 for the
+        four matrices of each layer whose dimensions an FP8 GEMM takes, each with its fp32 row scales."""
+        out = {}
+        for k, shp in self._copy_shapes().items():
+            if self.precision == "fp8" and isinstance(k, tuple) and k[1] in MATRICES and fp8.supported(shp):
+                out[k], out[k[0], f"{k[1]}_s"] = (shp, fp8.E4M3), (shp[:1], torch.float32)
+            else:
+                out[k] = (shp, self.dtype)
+        return out
+
+    def _alloc_copy(self, layout: dict) -> None:
+        """Every weight of the copy a view of ONE byte buffer (offsets 256-byte aligned), so that `release` can
+        hand the whole inference copy back to the allocator between rollouts and `load_weights` take it again in
+        one piece."""
+        align = lambda n: -(-n // 256) * 256  # noqa: E731
         offsets, total = {}, 0
-        for k, shp in shapes.items():
+        for k, (shp, dt) in layout.items():
             offsets[k] = total
-            total += align(math.prod(shp))
-        self._wbuf = torch.empty(total, device=self.device, dtype=self.dtype)
-        view = {k: self._wbuf[o : o + math.prod(shapes[k])].view(shapes[k]) for k, o in offsets.items()}
+            total += align(math.prod(shp) * torch.finfo(dt).bits // 8)
+        self._wbuf = torch.empty(total, device=self.device, dtype=torch.uint8)
+        view = {}
+        for k, o in offsets.items():
+            shp, dt = layout[k]
+            n = math.prod(shp) * torch.finfo(dt).bits // 8
+            view[k] = self._wbuf[o : o + n].view(dt).view(shp)
         self.embed, self.norm = view["embed"], view["norm"]
         self.head = self.embed if self.tied else view["head"]
         for k, t in view.items():
@@ -132,13 +154,14 @@ class DecoderWeights:
             a, m = layer.self_attn, layer.mlp
             L["ln1"].copy_(layer.input_layernorm.weight)
             L["ln2"].copy_(layer.post_attention_layernorm.weight)
-            L["qkv"][:nq].copy_(effective_weight(a.q_proj))
-            L["qkv"][nq : nq + nk].copy_(effective_weight(a.k_proj))
-            L["qkv"][nq + nk :].copy_(effective_weight(a.v_proj))
-            L["o"].copy_(effective_weight(a.o_proj))
-            L["gu"][:inter].copy_(effective_weight(m.gate_proj))
-            L["gu"][inter:].copy_(effective_weight(m.up_proj))
-            L["down"].copy_(effective_weight(m.down_proj))
+            put = lambda k, rows, lin: _put(L, k, rows, effective_weight(lin))  # noqa: E731
+            put("qkv", slice(0, nq), a.q_proj)
+            put("qkv", slice(nq, nq + nk), a.k_proj)
+            put("qkv", slice(nq + nk, None), a.v_proj)
+            put("o", slice(None), a.o_proj)
+            put("gu", slice(0, inter), m.gate_proj)
+            put("gu", slice(inter, None), m.up_proj)
+            put("down", slice(None), m.down_proj)
             if self.qk_norm:
                 L["qn"].copy_(a.q_norm.weight)
                 L["kn"].copy_(a.k_norm.weight)
@@ -190,9 +213,8 @@ class DecoderWeights:
         """Bytes of the decoder's own weight copy (0: it reads the module's)."""
         if self.shares_weights:
             return 0
-        n = self.embed.numel() + (0 if self.tied else self.head.numel()) + self.norm.numel()
-        n += sum(t.numel() for L in self.layers for t in L.values())
-        return n * self.embed.element_size()
+        ts = [self.embed, self.norm, *([] if self.tied else [self.head])] + [t for L in self.layers for t in L.values()]
+        return sum(t.numel() * t.element_size() for t in ts)
 
     def _release_weights(self) -> None:
         """The copy's storage back to the allocator (its tensors stay: no recompile); `_take_weights` takes it
@@ -210,3 +232,14 @@ class DecoderWeights:
         t.untyped_storage().resize_(t.numel() * t.element_size())
         if t.data_ptr() != self._wptr and self._graphs:
             self._drop_graphs("weights")
+
+
+def _put(L: dict, key: str, rows: slice, w: torch.Tensor) -> None:
+    """Rows `rows` of the copy's matrix `key` from the module's weight `w`: copied, or quantised to E4M3 with a
+    scale per row where the copy holds the matrix in FP8 (its scales beside it, f"{key}_s")."""
+    if f"{key}_s" in L:
+        w8, s = fp8.quantize_rows(w)
+        L[key][rows].copy_(w8)
+        L[f"{key}_s"][rows].copy_(s)
+    else:
+        L[key][rows].copy_(w)
