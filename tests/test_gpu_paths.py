@@ -343,7 +343,8 @@ def test_varlen_packed_forward_equals_the_padded_one_in_bf16_eager_and_compiled(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 GEMM runs on a GPU (run on a GPU machine)")
 def test_fp8_rollouts_compile_and_replay_near_the_bf16_decoder():
     """--rollout-precision fp8 on the GPU: torch._scaled_mm with row scales inside the compiled, graph-captured
-    decode step; its greedy tokens are those of the FP8 decoder without CUDA graphs, and mostly the bf16 decoder's early on."""
+    decode step; its greedy tokens are those of the FP8 decoder without CUDA graphs, and mostly the bf16 decoder's
+    early on."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from align.rollout.fast.decoder import FastDecoder
@@ -359,7 +360,8 @@ def test_fp8_rollouts_compile_and_replay_near_the_bf16_decoder():
     prompts = [[5 + i, 7, 9 + 2 * i][: 1 + i % 3] for i in range(8)]
     s = Sampling(max_new_tokens=64, temperature=0.0)
     outs = {}
-    for name, kw in (("bf16", {}), ("fp8", {"precision": "fp8"}), ("fp8-no-graphs", {"precision": "fp8", "use_graphs": False})):
+    for name, kw in (("bf16", {}), ("fp8", {"precision": "fp8"}),
+                     ("fp8-no-graphs", {"precision": "fp8", "use_graphs": False})):
         dec = FastDecoder(m, "cuda", **kw)
         dec.load_weights(m)
         assert dec.layers[0]["gu"].dtype == (torch.float8_e4m3fn if name != "bf16" else torch.bfloat16)
