@@ -281,7 +281,8 @@ def test_split_kv_decode_attention_equals_sdpa_in_bf16_and_in_the_compiled_decod
     assert same >= 7, (same, outs)  # bf16: a near-tie may flip one row's greedy token late; not most rows early
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's varlen attention kernel runs on a GPU (run on a GPU machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="PyTorch's varlen attention kernel runs on a GPU (run on a GPU machine)")
 def test_varlen_packed_forward_equals_the_padded_one_in_bf16_eager_and_compiled():
     """--packing on a GPU: the ragged sequences in one row attended with PyTorch's varlen flash kernel
     (align.varlen) give the padded batch's log-probs and gradients in bf16 (fp32 reductions), eagerly and with the

@@ -39,7 +39,8 @@ def quantize_rows(w_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w_NK.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s.squeeze(-1)
 
 
-def fp8_linear(x: torch.Tensor, w8_NK: torch.Tensor, s_N: torch.Tensor, b_N: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w8_NK: torch.Tensor, s_N: torch.Tensor,
+               b_N: torch.Tensor | None = None) -> torch.Tensor:
     """x·Wᵀ (+ b) with x quantised per row (token) on the fly and W given quantised per row (`quantize_rows`):
     x [..., K] in bf16 / fp16 / fp32, returned in x's dtype."""
     lead, K = x.shape[:-1], x.shape[-1]
