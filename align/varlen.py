@@ -23,7 +23,7 @@ import torch.nn.functional as F
 NAME = "align_varlen"
 # set by `register` (outside any compiled region: the attention below runs inside compiled blocks)
 _KERNEL = None  # torch.nn.attention.varlen.varlen_attn, where this torch has it
-_NEW_API = False  # it takes scale, enable_gqa and window_size (torch >= 2.12), not only is_causal (2.10-2.11)
+_TAKES: frozenset = frozenset()  # the keyword arguments it takes (scale, enable_gqa, window_size / is_causal)
 _SDPA = None  # transformers' SDPA attention function
 
 
@@ -50,13 +50,13 @@ def _segments(q_TH, k_TH, v_TH, cu: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def _kernel():
-    """PyTorch's varlen_attn (None where this torch has none) and whether it takes scale, enable_gqa and
-    window_size."""
+    """PyTorch's varlen_attn (None where this torch has none) and the names of its parameters: its signature
+    grew over releases (is_causal, then scale, window_size, enable_gqa)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None, False
-    return varlen_attn, "window_size" in inspect.signature(varlen_attn).parameters
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def varlen_causal(q_TH, k_TH, v_TH, cu: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
@@ -65,15 +65,17 @@ def varlen_causal(q_TH, k_TH, v_TH, cu: torch.Tensor, max_len: int, scale: float
     fn = _KERNEL if q_TH.is_cuda else None
     if fn is None:
         return _segments(q_TH, k_TH, v_TH, cu, scale)
-    if _NEW_API:
-        return fn(q_TH, k_TH, v_TH, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
-                  enable_gqa=q_TH.shape[1] != k_TH.shape[1])
-    if abs(scale - q_TH.shape[-1] ** -0.5) > 1e-6:
-        raise NotImplementedError(f"varlen attention with scale {scale} needs torch >= 2.12")
+    kw = {"window_size": (-1, 0)} if "window_size" in _TAKES else {"is_causal": True}
+    if "scale" in _TAKES:
+        kw["scale"] = scale
+    elif abs(scale - q_TH.shape[-1] ** -0.5) > 1e-6:
+        raise NotImplementedError(f"varlen attention with scale {scale} needs a newer torch")
     g = q_TH.shape[1] // k_TH.shape[1]
-    if g > 1:  # this torch's kernel takes as many K/V heads as query heads
+    if g > 1 and "enable_gqa" in _TAKES:
+        kw["enable_gqa"] = True
+    elif g > 1:  # this torch's kernel takes as many K/V heads as query heads
         k_TH, v_TH = k_TH.repeat_interleave(g, 1), v_TH.repeat_interleave(g, 1)
-    return fn(q_TH, k_TH, v_TH, cu, cu, max_len, max_len, is_causal=True)
+    return fn(q_TH, k_TH, v_TH, cu, cu, max_len, max_len, **kw)
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -101,12 +103,12 @@ def _mask(*args, **kwargs):
 
 
 def register() -> None:
-    global _KERNEL, _NEW_API, _SDPA
+    global _KERNEL, _TAKES, _SDPA
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
-    _KERNEL, _NEW_API = _kernel()
+    _KERNEL, _TAKES = _kernel()
     _SDPA = sdpa_attention_forward
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, _mask)

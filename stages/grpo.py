@@ -230,8 +230,7 @@ class GRPO:
         self.teacher = run.frozen(self.load_policy(teacher_source)) if cfg.teacher else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
-        self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                 precision=cfg.decode_precision())
+        self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision=cfg.decode_precision())
         self.beta = cfg.beta  # the KL weight (an --on-alarm rollback may raise it)
         self.rollouts = self.rollout_queue()
         self.stale = False  # the rollout being trained on was sampled from older weights

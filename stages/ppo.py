@@ -251,8 +251,7 @@ class PPO:
         self.rm = run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
         self.kl_ctl = (FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
                        else AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
-        self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p,
-                                 precision=cfg.decode_precision())
+        self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision=cfg.decode_precision())
         self.announce()
 
     def read_inputs(self) -> dict:
