@@ -503,14 +503,26 @@ def _verifier_pairs(cfg: DataMakeConfig, rows: list[dict], texts: list, correct:
 
 
 def _judge_source(cfg: DataMakeConfig):
-    """--judge's model (a causal LM: an artifact, a model directory, a preset or a hub id), or a UserError naming
+    """--judge's model (a causal LM: an artifact, a model directory, a preset or a hub id), its rubric's labels
+    checked against its tokenizer (each one token where the rubric ends: align.judge.Judge), or a UserError naming
     the flag."""
-    from align.models import resolve
+    import torch
+
+    from align.judge import Judge
+    from align.models import load_tokenizer, resolve
 
     try:
-        return resolve(cfg.judge)
+        source = resolve(cfg.judge)
     except UserError as e:
-        raise UserError(f"--judge {cfg.judge}: {e}", option="judge") from None
+        raise UserError(f"--judge {cfg.judge}: {str(e).removeprefix(f'{cfg.judge}: ')}", option="judge") from None
+    Judge(torch.nn.Identity(), load_tokenizer(source), where=f"--judge {cfg.judge}", **_rubrics(cfg))  # no weights
+    return source
+
+
+def _rubrics(cfg: DataMakeConfig) -> dict:
+    """Judge's keyword for --judge-rubric's text: the pairwise rubric for two --samples, else the pointwise one."""
+    text = cfg.rubric()
+    return ({"pair_rubric": text} if cfg.samples == 2 else {"rubric": text}) if text else {}
 
 
 def _judge_ranked(cfg: DataMakeConfig, rows: list[dict], texts: list, correct: list, notes: dict) -> tuple:
@@ -521,9 +533,8 @@ def _judge_ranked(cfg: DataMakeConfig, rows: list[dict], texts: list, correct: l
     from align import judge as J
     from align.judge_pairs import agreement, judge_pairs
 
-    pairwise, text = cfg.samples == 2, cfg.rubric()
-    rubrics = ({"pair_rubric": text} if pairwise else {"rubric": text}) if text else {}
-    judge = J.load(cfg.judge, where=f"--judge {cfg.judge}", **rubrics)
+    pairwise = cfg.samples == 2
+    judge = J.load(cfg.judge, where=f"--judge {cfg.judge}", **_rubrics(cfg))
     info(f"data make prefs: judge {cfg.judge} ranks the samples "
          + ("pairwise, in both orders" if pairwise else "by its pointwise scores (the best against the worst)"))
     prompts = [J.as_text(r["prompt"]) for r in rows]

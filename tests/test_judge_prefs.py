@@ -237,10 +237,30 @@ def test_judge_options_are_refused_with_the_flag_that_is_wrong(tmp_path, tiny_mo
     with pytest.raises(UserError, match="--chat-template is --from-model's"):
         DataMakeConfig(task="prefs", chat_template=str(rubric)).validate()
     data = prompts_file(tmp_path, n=2)
-    with pytest.raises(UserError, match=r"^--judge .*nope: .*no such model"):
+    with pytest.raises(UserError, match=r"^--judge \S*nope: no such model"):
         run(DataMakeConfig(**{**base, "data": str(data), "judge": str(tmp_path / "nope"), "samples": 2}))
     with pytest.raises(UserError, match="--verifier exact: with --judge the verifier only measures"):
         run(DataMakeConfig(**{**base, "data": str(data), "verifier": "exact", "samples": 2}))
+
+
+def test_a_rubric_the_judge_cannot_answer_is_refused_before_any_sampling(tmp_path, tiny_model_dir):
+    """A judge without a chat template reads the rubric as plain text: one ending in a space merges with the label
+    (" A" is one token), refused on the judge's tokenizer before --from-model (here no model at all) is read."""
+    import shutil
+
+    plain = tmp_path / "plain_judge"
+    shutil.copytree(tiny_model_dir, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    rubric = tmp_path / "r.txt"
+    rubric.write_text("{prompt}\nA: {a}\nB: {b}\nBetter: ")
+    cfg = DataMakeConfig(task="prefs", from_model=str(tmp_path / "no-model"), data=str(prompts_file(tmp_path, n=2)),
+                         judge=str(plain), judge_rubric=str(rubric), samples=2, out=str(tmp_path / "x.jsonl"))
+    cfg.validate()
+    with pytest.raises(UserError, match=r"^--judge \S*plain_judge: the score label 'A' is not one token"):
+        run(cfg)
 
 
 def test_judge_demonstrations_ask_each_pair_both_ways(tmp_path, tiny_model_dir, shipped_tokenizer):
