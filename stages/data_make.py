@@ -433,13 +433,12 @@ def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
     else:
         per_prompt, extra = _verifier_pairs(cfg, rows, texts, correct)
     if len(per_prompt) <= cfg.test_n:
-        why = (f"the judge separated by --judge-margin {cfg.judge_margin} or more ({extra['judge_ties']} ties "
-               f"dropped, {extra['identical_samples']} prompts whose samples were all one text): lower "
-               "--judge-margin or sample more (--samples, --n, --temperature)" if cfg.judge else
-               "both a correct and an incorrect sample: sample more (--samples, --max-samples, --n) or use an "
-               "easier task")
-        raise UserError(f"only {len(per_prompt)} of {len(rows)} prompts had two samples {why}; too few for the "
-                        f"requested split (--test-n {cfg.test_n}).")
+        why = (f"two samples the judge separated by --judge-margin {cfg.judge_margin} or more ({extra['judge_ties']} "
+               f"ties dropped, {extra['identical_samples']} prompts whose samples were all one text): too few for "
+               "the requested split. Lower --judge-margin or sample more (--samples, --n, --temperature)."
+               if cfg.judge else "both a correct and an incorrect sample: too few for the requested split. Sample "
+               "more (--samples, --max-samples, --n) or use an easier task.")
+        raise UserError(f"only {len(per_prompt)} of {len(rows)} prompts had {why}")
     cut = len(per_prompt) - cfg.test_n  # the held-out split: the last prompts with a pair, one pair each
     pairs = [p for group in per_prompt[:cut] for p in group]
     test = [group[0] for group in per_prompt[cut:]] if cfg.test_n else None

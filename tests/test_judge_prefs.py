@@ -115,6 +115,10 @@ def test_pairs_closer_than_the_margin_are_dropped(pairwise, tiny_model_dir):
     assert [(p["prompt"], p["chosen"], p["rejected"]) for p in kept] == [
         (p["prompt"], p["chosen"], p["rejected"]) for p in above]
     assert got["judge_ties"] == len(pairs) - len(above) and got["judge_ranked"] == len(pairs)
+    with pytest.raises(UserError, match=r"only 0 of 12 prompts had two samples the judge separated by "
+                                        r"--judge-margin 1.0 or more \(\d+ ties dropped.*Lower --judge-margin"):
+        make(tmp / "none.jsonl", from_model=str(tiny_model_dir), judge=str(tiny_model_dir),
+             data=str(tmp / "prompts.jsonl"), samples=2, judge_margin=1.0)
 
 
 def test_pointwise_scores_the_best_against_the_worst(tiny_model_dir, judge_of, tmp_path):
@@ -198,6 +202,14 @@ def test_the_verifier_only_measures_the_judge(tmp_path, tiny_model_dir, shipped_
     split = [c for c, r in right if c != r]
     assert summary["judge_agreement_pairs"] == len(split) > 0
     assert summary["judge_agreement"] == pytest.approx(sum(split) / len(split), abs=1e-4)
+    # as an artifact (a pipeline's data stage): the judge is an input, the ranker; the verifier says its role
+    art = tmp_path / "art"
+    run(DataMakeConfig(task="prefs", out=str(art), max_new_tokens=6, seed=1, from_model=str(tiny_model_dir),
+                       judge="tiny", samples=2, data=str(tmp_path / "verifiable.jsonl"), judge_margin=0.3,
+                       verifier=f"{tmp_path / 'v.py'}:first_char_even"))
+    record = json.loads((art / "artifact.json").read_text())
+    assert record["inputs"]["judge"] == {"spec": "tiny"} and record["ranker"]["form"] == "pairwise"
+    assert record["verifier"]["role"].startswith("measures") and _read(art / "data.jsonl") == pairs
 
 
 def test_chat_template_renders_the_sampled_prompts(pairwise, tiny_model_dir):
@@ -313,5 +325,7 @@ def test_the_rlaif_pipeline_parses_and_its_stages_chain(tmp_path):
     assert Path(cfg["rm"]["eval_data"]).resolve() == Path(cfg["rm_self"]["eval_data"]).resolve() == shipped
     assert (cfg["ppo"]["model"], cfg["ppo"]["reward_model"], cfg["ppo"]["gold_reward"]) == (
         out("sft"), out("rm"), "exact")
+    _, problems = P.parse(path, ["stages.pairs.judge=tiny"])  # a preset judges too
+    assert not problems
     results = P.run(path, dry_run=True, overrides=[f"pipeline.out={tmp_path}"])
     assert {r.status for r in results} == {"would run"} and len(results) == 9
