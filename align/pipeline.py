@@ -189,7 +189,7 @@ def _is_preset(key: str, value: str, root: Path | None = None) -> bool:
     if key in DATA_KEYS:
         name = split_spec(value)[0]
         return value == C.AUTO or (is_hub_name(name) and not _exists(_resolve_path(root or Path.cwd(), name)))
-    return key in ("model", "from_model", "reward_model") and (value in PRESETS or (
+    return key in ("model", "from_model", "reward_model", "judge") and (value in PRESETS or (
         HUB_ID.fullmatch(value) is not None and not Path(value).exists()))
 
 

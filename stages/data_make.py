@@ -7,7 +7,7 @@ stage): OUT/data.jsonl, OUT/test.jsonl and artifact.json, read by later stages a
 TASK is one of the built-in tasks (digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool), `rg:NAME` for a reasoning-gym task (optional
 extra), or `prefs --from-model M --data FILE`: preference pairs a model makes itself — K sampled completions per
 prompt of a verifiable file, a correct one as `chosen` and an incorrect one as `rejected` (on-policy pairs, as in
-online / iterative DPO recipes).
+online / iterative DPO recipes); with `--judge J`, ranked by an LLM judge instead (RLAIF: align.judge_pairs).
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from align.config import SEED_MAX, Options, opt
 from align.console import info, summary_table
 from align.errors import UserError
 
+JUDGE_MARGIN = 0.1  # --judge-margin: a pairwise verdict of P(chosen ≻ rejected) ≥ 0.55, or 0.1 of the score scale
+
 
 @dataclass(frozen=True)
 class DataMakeConfig(Options):
-    task: str = opt("arithmetic", "Task: digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool, or rg:NAME "
-                                  "(a reasoning-gym task).")
+    task: str = opt("arithmetic", "Task: digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool, "
+                                  "rg:NAME (a reasoning-gym task), or judge (SFT demonstrations of a pairwise judge, "
+                                  "from --data's preference pairs).")
     n: int = opt(1000, "Rows to generate (prefs --from-model: prompts to sample, 0 = all of --data).", ge=0)
     seed: int = opt(0, "Random seed.", ge=0, le=SEED_MAX)
     out: str = opt("data.jsonl", "Output JSONL file, or a directory: an artifact with data.jsonl and test.jsonl.",
@@ -62,7 +65,51 @@ class DataMakeConfig(Options):
     temperature: float = opt(1.0, "prefs --from-model: sampling temperature.", gt=0)
     verifier: str = opt("auto", "prefs --from-model: how completions are graded (see `align eval --help`).",
                         code=True)
-    batch_size: int = opt(64, "prefs --from-model: generation batch.", ge=1)
+    batch_size: int = opt(64, "prefs --from-model: generation batch (and the judge's).", ge=1)
+    chat_template: str = opt("", "prefs --from-model: a Jinja chat template for --from-model's tokenizer, in place "
+                                 "of its own (a model without one, or to override it): the prompts are rendered with "
+                                 "it ('' : the tokenizer's own).", path=True, user_file=True)
+    judge: str = opt("", "prefs --from-model: rank the samples with this LLM judge (an artifact, a model directory "
+                         "or a preset) instead of the verifier: 2 --samples are compared pairwise in both orders, "
+                         "more are scored pointwise (the best against the worst); with answers in --data the "
+                         "verifier only measures the judge's agreement ('' : the verifier ranks).", path=True)
+    judge_rubric: str = opt("", "With --judge: its rubric, a text file with {prompt} and, for 2 --samples, {a} and "
+                                "{b} (ending where the judge writes A or B), else {completion} (ending where it "
+                                "writes a digit 0-9) (default: align.judge's).", path=True, user_file=True)
+    judge_margin: float = opt(JUDGE_MARGIN, "With --judge: the least margin a pair keeps, in [0, 1] "
+                                            "(pairwise: 2·P(chosen ≻ rejected) − 1; pointwise: the scores' "
+                                            "difference); closer pairs are ties and dropped.", ge=0, le=1)
+
+    def validate(self):
+        super().validate()
+        if self.chat_template:
+            if not self.from_model:
+                raise UserError("--chat-template is --from-model's: give --from-model MODEL, or drop it.",
+                                option="chat_template")
+            from align.chat import read_template
+
+            read_template(self.chat_template)
+        if self.judge or self.judge_rubric or self.judge_margin != JUDGE_MARGIN:
+            check_judge_options(self)
+
+    def rubric(self) -> str:
+        """--judge-rubric's text ("" when not given), with the fields its form needs: {a} and {b} for two
+        --samples (pairwise), {completion} for more (pointwise)."""
+        if not self.judge_rubric:
+            return ""
+        try:
+            text = Path(self.judge_rubric).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--judge-rubric {self.judge_rubric}: cannot read it ({type(e).__name__}); pass a text "
+                            "file.", option="judge_rubric") from None
+        pairwise = self.samples == 2 or self.task == "judge"
+        need = ("{a}", "{b}") if pairwise else ("{completion}",)
+        if missing := [f for f in need if f not in text]:
+            form = ("a pairwise judge reads two answers: write {prompt}, {a} and {b}" if pairwise else
+                    f"{self.samples} --samples are scored one by one: write {{prompt}} and {{completion}}")
+            raise UserError(f"--judge-rubric {self.judge_rubric}: it has no {' or '.join(missing)}; {form} where "
+                            "the judge reads them.", option="judge_rubric")
+        return text
 
 
 def run(cfg: DataMakeConfig) -> dict:
@@ -70,6 +117,8 @@ def run(cfg: DataMakeConfig) -> dict:
     check_out(cfg)
     if cfg.from_model:
         return _model_pairs(cfg, started)
+    if cfg.task == "judge":
+        return _judge_demos(cfg, started)
     from align import rgym
 
     params, excluded = rgym.parse_params(cfg.param), excluded_prompts(cfg)
@@ -167,6 +216,47 @@ def _write_artifact(cfg: DataMakeConfig, rows: list[dict], test: list[dict] | No
             tasks.write_jsonl(test, run.out / "test.jsonl")
             summary["test_rows"] = len(test)
         return run.complete(summary, f"data make {cfg.task} → {cfg.out}")
+
+
+def _judge_demos(cfg: DataMakeConfig, started: float) -> dict:
+    """`align data make judge --data PAIRS`: SFT demonstrations of a pairwise judge (a judge trained on labelled
+    comparisons, as JudgeLM or PandaLM): each of --data's first --n pairs (0: all) twice, in both orders, the
+    rubric (--judge-rubric, else align.judge's) filled with its prompt and the two answers as the prompt, the
+    letter of the chosen answer as the completion and the answer: {prompt, completion, answer}, "A" as often as
+    "B". With --test-n, the last N distinct prompts' pairs are the held-out split (`align eval` of a judge trained
+    on the rest: its one-order accuracy)."""
+    from align import data as D
+    from align.judge import PAIR_LABELS, PAIR_RUBRIC, as_text, fill
+
+    if not cfg.data:
+        raise UserError("data make judge needs --data: preference pairs {prompt, chosen, rejected} (its "
+                        "demonstrations compare their two sides).", option="data")
+    pairs = D.load_rows(cfg.data, "preference", limit=cfg.n)
+    rubric, rng = cfg.rubric() or PAIR_RUBRIC, random.Random(cfg.seed)
+    keys = list(dict.fromkeys(as_text(p["prompt"]) for p in pairs))
+    if cfg.test_n >= len(keys):
+        raise UserError(f"--test-n {cfg.test_n}: {cfg.data} has {len(keys)} distinct prompts; leave some to train "
+                        "on.", option="test_n")
+    held = set(keys[len(keys) - cfg.test_n:])
+
+    def demos(p: dict) -> list[dict]:
+        q = as_text(p["prompt"])
+        return [{"prompt": fill(rubric, prompt=q, a=a, b=b), "completion": label, "answer": label}
+                for a, b, label in ((p["chosen"], p["rejected"], PAIR_LABELS[0]),
+                                    (p["rejected"], p["chosen"], PAIR_LABELS[1]))]
+
+    rows = [d for p in pairs if as_text(p["prompt"]) not in held for d in demos(p)]
+    test = [d for p in pairs if as_text(p["prompt"]) in held for d in demos(p)] if cfg.test_n else None
+    rng.shuffle(rows)
+    return _write(cfg, rows, test, {"data": describe_inputs_data(cfg.data)}, started, pairs=len(pairs))
+
+
+def describe_inputs_data(path: str) -> dict:
+    """{path: sha256} of a data file (artifact.json's inputs)."""
+    from align.artifacts import hash_tree, sha256_file
+
+    p = Path(path)
+    return {str(path): sha256_file(p) if p.is_file() else hash_tree(p) if p.is_dir() else "missing"}
 
 
 def _reasoning_gym(cfg: DataMakeConfig, params: dict, excluded: set, started: float) -> dict:
@@ -284,33 +374,93 @@ def _closest_pairs(rng: random.Random, texts: list[str], correct: list[bool], k:
     return pairs
 
 
+def check_judge_options(cfg: DataMakeConfig) -> None:
+    """--judge and the options that go with it: what it cannot be combined with is refused, naming the flag."""
+    if cfg.task == "judge" and not cfg.from_model and not cfg.judge and cfg.judge_margin == JUDGE_MARGIN:
+        cfg.rubric()  # the rubric of the judge these demonstrations teach
+        return
+    if not cfg.judge:
+        flag = "--judge-rubric" if cfg.judge_rubric else "--judge-margin"
+        raise UserError(f"{flag} goes with --judge: give --judge MODEL, or drop {flag}.",
+                        option="judge_rubric" if cfg.judge_rubric else "judge_margin")
+    if not cfg.from_model:
+        raise UserError("--judge ranks the samples of --from-model: give --from-model MODEL and --data FILE "
+                        "(`align data make prefs --from-model M --data F --judge J`).", option="judge")
+    if cfg.max_samples:
+        raise UserError("--max-samples samples again the prompts the verifier found no pair in; with --judge every "
+                        "prompt with two different samples is ranked: drop --max-samples.", option="max_samples")
+    if cfg.pair_by != "random":
+        raise UserError(f"--pair-by {cfg.pair_by} pairs right answers with wrong ones by the verifier; with --judge "
+                        "the judge picks both sides (its best against its worst): drop --pair-by.", option="pair_by")
+    if cfg.samples == 2 and cfg.pairs_per_prompt > 1:
+        raise UserError(f"--pairs-per-prompt {cfg.pairs_per_prompt}: two --samples make one pair; with --judge give "
+                        "--samples 3 or more (scored pointwise) for several pairs per prompt.",
+                        option="pairs_per_prompt")
+    cfg.rubric()
+
+
 def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
-    """K samples per prompt from the model, graded by the verifier, up to --pairs-per-prompt (correct, incorrect)
-    pairs per prompt that has both; with --max-samples, K more at a time for the prompts that have no pair yet (a
-    model that is rarely right finds its rare right answers there), up to that many per prompt. With --test-n, the
-    last prompts with a pair are the held-out split, one pair each."""
+    """K samples per prompt from the model, ranked by the verifier (`_verifier_pairs`) or by --judge
+    (`_judge_ranked`). With --test-n, the last prompts with a pair are the held-out split, one pair each."""
+    from align import data as D
+    from align.artifacts import describe_inputs
+    from align.rewards import choose_verifier
+
+    if cfg.task != "prefs":
+        raise UserError(f"--from-model makes preference pairs: use `align data make prefs`, not {cfg.task!r}.")
+    if not cfg.data:
+        raise UserError("prefs --from-model needs --data: a verifiable JSONL file {prompt, answer}"
+                        + (" (with --judge, {prompt} alone will do)." if cfg.judge else "."))
+    if 0 < cfg.max_samples < 2 * cfg.samples:
+        raise UserError(f"--max-samples {cfg.max_samples} leaves no second round of --samples {cfg.samples}: give "
+                        f"at least {2 * cfg.samples}, or 0 for none.")
+    rows = D.load_rows(cfg.data, ("verifiable", "prompts") if cfg.judge else "verifiable", limit=cfg.n)
+    check = None
+    if "answer" in rows[0]:
+        check = choose_verifier(cfg.verifier, rows, where=cfg.data)
+        info(check.line + (" — it measures the judge, the judge ranks" if cfg.judge else ""))
+    elif cfg.verifier != "auto":
+        raise UserError(f"--verifier {cfg.verifier}: with --judge the verifier only measures the judge's agreement, "
+                        f"on rows with an 'answer'; {cfg.data} has none: drop --verifier.", option="verifier")
+    judge_source = _judge_source(cfg) if cfg.judge else None  # a wrong --judge fails before any sampling
+    source, texts, correct = _sample(cfg, rows, check)
+    inputs = describe_inputs(source, cfg.data)
+    if judge_source is not None:
+        inputs["judge"] = describe_inputs(judge_source)["model"]
+    notes = {"verifier": check.record()} if check is not None else {}
+    if cfg.judge:
+        per_prompt, extra = _judge_ranked(cfg, rows, texts, correct, notes)
+    else:
+        per_prompt, extra = _verifier_pairs(cfg, rows, texts, correct)
+    if len(per_prompt) <= cfg.test_n:
+        why = (f"two samples the judge separated by --judge-margin {cfg.judge_margin} or more ({extra['judge_ties']} "
+               f"ties dropped, {extra['identical_samples']} prompts whose samples were all one text): too few for "
+               "the requested split. Lower --judge-margin or sample more (--samples, --n, --temperature)."
+               if cfg.judge else "both a correct and an incorrect sample: too few for the requested split. Sample "
+               "more (--samples, --max-samples, --n) or use an easier task.")
+        raise UserError(f"only {len(per_prompt)} of {len(rows)} prompts had {why}")
+    cut = len(per_prompt) - cfg.test_n  # the held-out split: the last prompts with a pair, one pair each
+    pairs = [p for group in per_prompt[:cut] for p in group]
+    test = [group[0] for group in per_prompt[cut:]] if cfg.test_n else None
+    return _write(cfg, pairs, test, inputs, started, notes, prompts=len(rows), prompts_with_pairs=len(per_prompt),
+                  **pair_lengths(pairs), **extra)
+
+
+def _sample(cfg: DataMakeConfig, rows: list[dict], check) -> tuple:
+    """(the model's source, each prompt's sampled texts, their verifier grades: [] without a verifier). --samples
+    per prompt; with --max-samples, --samples more at a time for the prompts with no (correct, incorrect) pair
+    yet (a model that is rarely right finds its rare right answers there), up to that many per prompt."""
     import torch
 
     from align import data as D
     from align.console import TrainProgress
     from align.models import load_causal_lm, load_tokenizer, resolve
-    from align.rewards import choose_verifier
     from align.rollout.generation import Sampling, generate_local
     from align.runtime import quiet_libraries
 
-    if cfg.task != "prefs":
-        raise UserError(f"--from-model makes preference pairs: use `align data make prefs`, not {cfg.task!r}.")
-    if not cfg.data:
-        raise UserError("prefs --from-model needs --data: a verifiable JSONL file {prompt, answer}.")
-    if 0 < cfg.max_samples < 2 * cfg.samples:
-        raise UserError(f"--max-samples {cfg.max_samples} leaves no second round of --samples {cfg.samples}: give "
-                        f"at least {2 * cfg.samples}, or 0 for none.")
-    rows = D.load_rows(cfg.data, "verifiable", limit=cfg.n)
-    check = choose_verifier(cfg.verifier, rows, where=cfg.data)
-    info(check.line)
     quiet_libraries()
     source = resolve(cfg.from_model)
-    tok = load_tokenizer(source)
+    tok = load_tokenizer(source, chat_template=cfg.chat_template)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_causal_lm(source, tok, dtype, cfg.seed).to(device)
@@ -329,9 +479,16 @@ def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
         for j, i in enumerate(todo):
             for o in outs[j * cfg.samples:(j + 1) * cfg.samples]:
                 texts[i].append(o.text)
-                correct[i].append(check.check(rows[i], o.text, o.ids))
+                if check is not None:
+                    correct[i].append(check.check(rows[i], o.text, o.ids))
         rounds += 1
         todo = [i for i in todo if len(set(correct[i])) < 2 and len(texts[i]) + cfg.samples <= cap]
+    return source, texts, correct
+
+
+def _verifier_pairs(cfg: DataMakeConfig, rows: list[dict], texts: list, correct: list) -> tuple:
+    """(each prompt's pairs: up to --pairs-per-prompt (correct, incorrect) pairs of a prompt that has both,
+    --pair-by's; the summary's figures)."""
     rng, per_prompt = random.Random(cfg.seed), []
     for row, t, c in zip(rows, texts, correct):
         picked = pick_pairs(rng, t, c, cfg.pairs_per_prompt, cfg.pair_by)
@@ -339,17 +496,66 @@ def _model_pairs(cfg: DataMakeConfig, started: float) -> dict:
             per_prompt.append([{"prompt": row["prompt"], "chosen": a, "rejected": b, "answer": row["answer"]}
                                for a, b in picked])
     drawn, n_correct = sum(map(len, texts)), sum(map(sum, correct))
-    if len(per_prompt) <= cfg.test_n:
-        raise UserError(f"only {len(per_prompt)} of {len(rows)} prompts had both a correct and an incorrect sample: "
-                        "too few for the requested split. Sample more (--samples, --max-samples, --n) or use an "
-                        "easier task.")
-    cut = len(per_prompt) - cfg.test_n  # the held-out split: the last prompts with a pair, one pair each
-    pairs = [p for group in per_prompt[:cut] for p in group]
-    test = [group[0] for group in per_prompt[cut:]] if cfg.test_n else None
-    from align.artifacts import describe_inputs
+    extra = {"sample_accuracy": n_correct / drawn, "samples": drawn,
+             "first_round_accuracy": sum(sum(c[:cfg.samples]) for c in correct) / (len(rows) * cfg.samples)}
+    return per_prompt, extra
 
-    return _write(cfg, pairs, test, describe_inputs(source, cfg.data), started, {"verifier": check.record()},
-                  prompts=len(rows),
-                  prompts_with_pairs=len(per_prompt), **pair_lengths(pairs), sample_accuracy=n_correct / drawn,
-                  samples=drawn,
-                  first_round_accuracy=sum(sum(c[:cfg.samples]) for c in correct) / (len(rows) * cfg.samples))
+
+def _judge_source(cfg: DataMakeConfig):
+    """--judge's model (a causal LM: an artifact, a model directory, a preset or a hub id), its rubric's labels
+    checked against its tokenizer (each one token where the rubric ends: align.judge.Judge), or a UserError naming
+    the flag."""
+    import torch
+
+    from align.judge import Judge
+    from align.models import load_tokenizer, resolve
+
+    try:
+        source = resolve(cfg.judge)
+    except UserError as e:
+        raise UserError(f"--judge {cfg.judge}: {str(e).removeprefix(f'{cfg.judge}: ')}", option="judge") from None
+    Judge(torch.nn.Identity(), load_tokenizer(source), where=f"--judge {cfg.judge}", **_rubrics(cfg))  # no weights
+    return source
+
+
+def _rubrics(cfg: DataMakeConfig) -> dict:
+    """Judge's keyword for --judge-rubric's text: the pairwise rubric for two --samples, else the pointwise one."""
+    text = cfg.rubric()
+    return ({"pair_rubric": text} if cfg.samples == 2 else {"rubric": text}) if text else {}
+
+
+def _judge_ranked(cfg: DataMakeConfig, rows: list[dict], texts: list, correct: list, notes: dict) -> tuple:
+    """(each prompt's pairs ranked by --judge (align.judge_pairs: pairwise for two samples, pointwise for more),
+    those under --judge-margin dropped, with the judge's margin as a column; the summary's figures, the judge's
+    agreement with the verifier among them where --data has answers). `notes` (artifact.json's) gets the
+    ranker."""
+    from align import judge as J
+    from align.judge_pairs import agreement, judge_pairs
+
+    pairwise = cfg.samples == 2
+    judge = J.load(cfg.judge, where=f"--judge {cfg.judge}", **_rubrics(cfg))
+    info(f"data make prefs: judge {cfg.judge} ranks the samples "
+         + ("pairwise, in both orders" if pairwise else "by its pointwise scores (the best against the worst)"))
+    prompts = [J.as_text(r["prompt"]) for r in rows]
+    kept, counts = judge_pairs(judge, prompts, texts, cfg.pairs_per_prompt, cfg.judge_margin)
+    per_prompt, verdicts = [], []
+    for i, (row, pairs) in enumerate(zip(rows, kept)):
+        if pairs:
+            grade = dict(zip(texts[i], correct[i]))
+            verdicts += [(grade[p["chosen"]], grade[p["rejected"]]) for p in pairs] if correct[i] else []
+            per_prompt.append([{"prompt": row["prompt"], "chosen": p.pop("chosen"), "rejected": p.pop("rejected"),
+                                **({"answer": row["answer"]} if "answer" in row else {}), **p} for p in pairs])
+    drawn, margins = sum(map(len, texts)), [p["judge_margin"] for g in per_prompt for p in g]
+    extra = {"ranker": "judge, pairwise" if pairwise else "judge, pointwise", "samples": drawn,
+             "judge_ranked": counts["ranked"], "judge_ties": counts["ties"],
+             "identical_samples": counts["identical"],
+             "judge_margin_mean": round(sum(margins) / len(margins), 4) if margins else None}
+    notes["ranker"] = {"judge": cfg.judge, "form": "pairwise" if pairwise else "pointwise",
+                       "min_margin": cfg.judge_margin}
+    if "verifier" in notes:
+        share, n = agreement(verdicts)
+        extra.update(sample_accuracy=sum(map(sum, correct)) / drawn,
+                     judge_agreement=None if share is None else round(share, 4),
+                     judge_agreement_pairs=n)
+        notes["verifier"]["role"] = "measures the judge's agreement with the truth; the judge ranks"
+    return per_prompt, extra

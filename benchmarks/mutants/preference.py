@@ -1,4 +1,5 @@
-"""Wiring mutations of stages/dpo.py: DPO and its variants (IPO, SimPO, ORPO, KTO, RPO, online DPO)."""
+"""Wiring mutations of stages/dpo.py: DPO and its variants (IPO, SimPO, ORPO, KTO, RPO, online DPO); and of the
+preference pairs an LLM judge ranks (align/judge_pairs.py, `align data make prefs --judge`)."""
 
 from benchmarks.mutants import Mutation
 
@@ -19,6 +20,12 @@ TEMP = T + "test_online_samples_at_the_temperature_option"
 RMJ = T + "test_online_pairs_ranked_by_the_reward_model_option"
 PASS = T + "test_pass_at_1_on_the_first_eval_samples_greedy_with_the_verifier"
 OPTIM = T + "test_optimiser_options_and_columns_reach_the_step"
+JP = "align/judge_pairs.py"
+JT = "tests/test_judge_prefs.py::"
+JUDGED = JT + "test_pairwise_chosen_is_the_side_the_judge_prefers_in_both_orders"
+BY_HAND = JT + "test_ranking_and_margins_by_hand"
+POINTWISE = JT + "test_pointwise_scores_the_best_against_the_worst"
+MARGIN = JT + "test_pairs_closer_than_the_margin_are_dropped"
 
 MUTATIONS: list[Mutation] = [
     # which model is the reference
@@ -189,4 +196,14 @@ MUTATIONS: list[Mutation] = [
     M("online dpo wiring: samples drawn group-major (a slot's K samples of different prompts)", F,
       "prompts = [self.prompt_ids[i] for i in idx for _ in range(K)]",
       "prompts = [self.prompt_ids[i] for _ in range(K) for i in idx]", (ONLINE,)),
+    # ---- pairs ranked by an LLM judge (align/judge_pairs.py)
+    M("judge pairs: the chosen side is the one the judge prefers less", JP,
+      "chosen, rejected, p = (a, b, p_ab) if p_ab >= 0.5 else (b, a, 1.0 - p_ab)",
+      "chosen, rejected, p = (b, a, p_ab) if p_ab >= 0.5 else (a, b, 1.0 - p_ab)", (JUDGED, BY_HAND)),
+    M("judge pairs: pointwise, the worst sample is chosen", JP,
+      "order = sorted(range(len(texts)), key=lambda i: -scores[i])",
+      "order = sorted(range(len(texts)), key=lambda i: scores[i])", (POINTWISE,)),
+    M("judge pairs: --judge-margin ignored (every pair the judge does not tie kept)", JP,
+      'return pair["judge_margin"] > TIE and pair["judge_margin"] >= min_margin',
+      'return pair["judge_margin"] > TIE', (MARGIN,)),
 ]
