@@ -31,6 +31,15 @@ SHAPES = {
     "grpo-qwen2.5-1.5b": ("benchmarks.grpo_vs_trl", ["--models", "qwen2.5-1.5b", "--steps", "4", "--only", "ours"],
                           "grpo_vs_trl.json", "ours-qwen2.5-1.5b",
                           ["time/generate", "time/reward", "time/logprobs", "time/update", "time/step", "peak_gib"]),
+    # completions of ragged lengths (the random model samples EOS at a steady rate: vs_trl.ragged), padded and
+    # padding-free (--packing: varlen attention on a GPU)
+    "grpo-qwen2.5-1.5b-ragged": ("benchmarks.grpo_vs_trl", ["--models", "qwen2.5-1.5b", "--steps", "4", "--only", "ours",
+                                                            "--ragged"], "grpo_vs_trl.json", "ours-qwen2.5-1.5b",
+                                 ["time/generate", "time/logprobs", "time/update", "time/step", "peak_gib"]),
+    "grpo-qwen2.5-1.5b-ragged-packed": ("benchmarks.grpo_vs_trl", ["--models", "qwen2.5-1.5b", "--steps", "4", "--only",
+                                                                   "ours", "--ragged", "--ours-extra=--packing"],
+                                        "grpo_vs_trl.json", "ours-qwen2.5-1.5b",
+                                        ["time/generate", "time/logprobs", "time/update", "time/step", "peak_gib"]),
     "dpo-0.5b": ("benchmarks.dpo_vs_trl", ["--models", "0.5b", "--steps", "6", "--only", "ours"], "dpo_vs_trl.json",
                  "ours-0.5b", ["time/step", "peak_gib"]),
     "ppo-0.5b": ("benchmarks.ppo_speed", ["--models", "0.5b", "--steps", "4"], "ppo_speed.json", "ours-0.5b",
