@@ -233,6 +233,29 @@ def verifier_opt(**meta):
                **meta)
 
 
+def read_rubric(path: str, fields: tuple[str, ...], form: str) -> str:
+    """--judge-rubric's text ("" when not given), refused (UserError) unless it places each of `fields`
+    ("{completion}"; a pairwise judge's "{a}" and "{b}"), `form` saying what the judge reads."""
+    if not path:
+        return ""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--judge-rubric {path}: cannot read it ({type(e).__name__}); pass a text file.",
+                        option="judge_rubric") from None
+    if missing := [f for f in fields if f not in text]:
+        raise UserError(f"--judge-rubric {path}: it has no {' or '.join(missing)}; {form}.", option="judge_rubric")
+    return text
+
+
+def check_judge(judge: str, rubric: str, coef_set: bool = False) -> None:
+    """--judge-rubric (and a judge's weight, `coef_set`) goes with --judge: refused without it."""
+    if not judge and (rubric or coef_set):
+        flag = "--judge-rubric" if rubric else "--judge-coef"
+        raise UserError(f"{flag} goes with --judge: give --judge MODEL, or drop {flag}.",
+                        option=flag[2:].replace("-", "_"))
+
+
 AUTO = "auto"  # a held-out data option's default: see held_out_opt
 
 

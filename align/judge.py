@@ -54,6 +54,7 @@ Answer with one letter, A or B, and nothing else.
 """
 
 SCORE_LABELS = tuple("0123456789")
+BATCH = 16  # texts per forward of the judge (the memory plan counts one such batch: align.engine.plan.judge_terms)
 PAIR_LABELS = ("A", "B")
 
 
@@ -89,7 +90,7 @@ class Judge:
     """A causal LM as a judge: `scores` (pointwise) and `preferences` (pairwise, both orders), batched, no grad."""
 
     def __init__(self, model, tokenizer, rubric: str = RUBRIC, pair_rubric: str = PAIR_RUBRIC,
-                 batch_size: int = 16, where: str = "the judge"):
+                 batch_size: int = BATCH, where: str = "the judge"):
         self.model, self.tok, self.batch_size, self.where = model.eval(), tokenizer, batch_size, where
         self.rubric, self.pair_rubric = rubric, pair_rubric
         self.score_ids = self.label_ids(fill(rubric, prompt="x", completion="y"), SCORE_LABELS)
@@ -129,7 +130,8 @@ class Judge:
             x = torch.tensor(pad(ids, self.tok.pad_token_id or 0, side="left"), device=device)
             mask = torch.tensor(pad([[1] * len(s) for s in ids], 0, side="left"), device=device)
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            out.append(self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, -1].float())
+            out.append(self.model(input_ids=x, attention_mask=mask, position_ids=pos, use_cache=False,
+                                  logits_to_keep=1).logits[:, -1].float())  # (the last position's logits only)
         return torch.cat(out)
 
     def scores(self, prompts: list[str], completions: list[str]) -> list[float]:
@@ -181,13 +183,75 @@ def load(model: str, rubric: str = RUBRIC, pair_rubric: str = PAIR_RUBRIC, where
 
 def reward(model: str, rubric: str = RUBRIC):
     """--reward judge:MODEL: a batched reward function (TRL's form) giving each completion the judge's pointwise
-    score in [0, 1]; the judge is loaded on the first call (the reward probe's, before the policy is built) and kept."""
+    score in [0, 1]; the judge is loaded on the first call (the reward probe's, before the policy is built) and kept.
+    Its `judge()` is the Judge itself (a stage scores its held-out answers with it)."""
     state: dict = {}
 
-    def judge(prompts, completions, **columns):
+    def get() -> Judge:
         if "judge" not in state:
             state["judge"] = load(model, rubric, where=f"--reward judge:{model}")
-        return state["judge"].scores([as_text(p) for p in prompts], [as_text(c) for c in completions])
+        return state["judge"]
+
+    def judge(prompts, completions, **columns):
+        return get().scores([as_text(p) for p in prompts], [as_text(c) for c in completions])
 
     judge.batched = True
+    judge.judge = get
     return judge
+
+
+# ---- the judge in the training stages: grpo --reward judge:MODEL, ppo --judge, dpo --online --judge
+
+LEARNED = ("judge", "reward_model")  # the parts of a GRPO reward that a learned model gives: what a policy can game
+
+
+def watched(fns: list, parts: list[dict], reward_model: bool = False) -> dict[str, list[float]]:
+    """What RLMonitor's reward_hacking compares in a GRPO step whose reward holds both a learned scorer (a judge
+    among `fns`, or a --reward-model: `reward_model`) and a verifier (any other reward function of `fns`: math,
+    exact, a function of yours): {"proxy_reward": the mean of the learned scorers' values of each sample they
+    scored, "gold_reward": the mean of the verifiers' values of each sample they scored}, `parts` holding each
+    sample's {name: value}; {} without both (decided by the options alone: every process logs the same keys). A
+    verifier weighted 0 (`--reward math:0`) is a gold reward logged only, as PPO's --gold-reward is with
+    --gold-reward-coef 0."""
+    gold = [f.name for f in fns if f.fn is not None and f.name not in LEARNED]
+    proxy = ["judge"] * any(f.name == "judge" for f in fns) + ["reward_model"] * reward_model
+    if not gold or not proxy:
+        return {}
+    out: dict[str, list[float]] = {"proxy_reward": [], "gold_reward": []}
+    for p in parts:
+        for key, names in (("proxy_reward", proxy), ("gold_reward", gold)):
+            values = [p[n] for n in names if n in p]
+            if values:
+                out[key].append(sum(values) / len(values))
+    return out
+
+
+def judged_records(judge: Judge, records: list[dict]) -> tuple[list[dict], float]:
+    """Held-out records (rollout.evaluation's) with the judge's pointwise score of each greedy answer as "judge",
+    and the mean of those scores (the proxy RLMonitor's reward_hacking_heldout sets beside the verified pass
+    rate)."""
+    s = judge.scores([as_text(r["prompt"]) for r in records], [r["greedy"] for r in records])
+    return [{**r, "judge": v} for r, v in zip(records, s)], sum(s) / max(len(s), 1)
+
+
+def judge_model(specs: list[str]) -> str:
+    """The model of the first judge:MODEL[:WEIGHT] among --reward specs ('' : none), as parse_rewards reads it."""
+    from align.rewards import _split
+
+    return next((parts[1] for parts, _ in map(_split, specs) if parts[0] == "judge" and len(parts) == 2), "")
+
+
+def the_judge(fns: list) -> Judge | None:
+    """The Judge of the first judge:MODEL among reward functions (rewards.parse_rewards'), loaded; None if none."""
+    fn = next((f.fn for f in fns if f.name == "judge" and f.fn is not None), None)
+    return fn.judge() if fn is not None else None
+
+
+def rank_samples(judge: Judge, prompts: list[str], texts: list[str], k: int) -> torch.Tensor:
+    """[n] the judge's score of each of n = P·K samples (K = k a prompt, prompt-major) for ranking them: K = 2
+    pairwise, each sample's P(it ≻ the other) asked in both orders (`Judge.preferences`: a position bias cancels),
+    so a pair's two scores sum to 1; K > 2 pointwise, each sample's expected score (`Judge.scores`)."""
+    if k != 2:
+        return torch.tensor(judge.scores(prompts, texts))
+    p = torch.tensor(judge.preferences(prompts[::2], texts[::2], texts[1::2]))
+    return torch.stack([p, 1.0 - p], 1).flatten()

@@ -60,6 +60,9 @@ class Rule:
     # --on-alarm rollback's advised change: factors for the learning rate ("lr") and the KL coefficient ("kl");
     # {} : nothing a rollback would fix (the run stops instead)
     remedy: dict = field(default_factory=lambda: {"lr": 0.5})
+    # (key, substitute) pairs: where a run logs the substitute, the rule reads it in place of the key
+    # (reward_hacking: a GRPO run's proxy_reward, the learned scorers' part of a reward that holds a verifier's too)
+    substitutes: tuple = ()
 
     def __post_init__(self):
         if self.severity not in SEVERITIES or self.short_run not in ("", *SEVERITIES):
@@ -73,6 +76,12 @@ class Rule:
     @property
     def keys(self) -> tuple:
         return (self.metric, *self.extra)
+
+    def read(self, logged) -> tuple:
+        """The keys the rule reads where `logged` holds these metrics: each of `keys`, or its substitute where
+        that is logged."""
+        swap = dict(self.substitutes)
+        return tuple(swap[k] if swap.get(k) in logged else k for k in self.keys)
 
 
 @dataclass
@@ -456,7 +465,8 @@ def check_heldout_hacking(gold: list, proxy: list, problems: list, kl: list, win
     se = math.sqrt(max(g0 * (1 - g0) + g * (1 - g), 1e-12) / n)
     if g0 - g > min_z * se and p - p0 > min_rise:
         detail = (f"held-out gold {g0:.3g} -> {g:.3g} ({(g - g0) / se:+.1f} SE on {n:g} problems) while the proxy "
-                  f"reward of the same answers rose {p0:.3g} -> {p:.3g}; KL {kl[-1]:.3g}")
+                  f"reward of the same answers rose {p0:.3g} -> {p:.3g}"
+                  f"{f'; KL {kl[-1]:.3g}' if math.isfinite(kl[-1]) else ''}")
         return Check(True, g, g0 - min_z * se, detail)
     return QUIET
 
@@ -596,18 +606,18 @@ def default_rules(precision: str = "fp32") -> list:
                      "and rejected likelihoods fall). Lower the learning rate or raise beta, add an SFT "
                      "(NLL on chosen) term."),
         Rule("reward_hacking", "reward", check_diverging, "warn", 20, extra=("gold_reward",), aligned=True,
-             remedy=KL_REMEDY,
+             remedy=KL_REMEDY, substitutes=(("reward", "proxy_reward"),),
              params={"min_slope": 1e-3, "min_z": 2.0},
              message="Proxy reward rises while gold reward falls: reward hacking. "
-                     "Raise the KL coefficient, improve the reward model, stop early."),
+                     "Raise the KL coefficient, improve the reward model (or the judge's rubric), stop early."),
         # window: every evaluation is kept (the check compares the latest with the first)
         Rule("reward_hacking_heldout", "eval/pass@1/greedy", check_heldout_hacking, "warn", 100_000,
              extra=("eval/reward", "eval/problems", "eval/kl"), aligned=True, remedy=KL_REMEDY,
              params={"min_z": 2.0, "min_rise": 0.05},
-             message="The reward model's score of held-out answers rises while their verified correctness "
-                     "falls: over-optimisation of the reward model. Stop here (the last evaluation before it "
-                     "is the model to keep), raise the KL coefficient or lower the KL target, improve the "
-                     "reward model."),
+             message="The reward model's (or judge's) score of held-out answers rises while their verified "
+                     "correctness falls: over-optimisation of the learned reward. Stop here (the last evaluation "
+                     "before it is the model to keep), raise the KL coefficient or lower the KL target, improve "
+                     "the reward model or the judge."),
         # every evaluation is kept: the check compares the latest with the best (or first) one
         Rule("heldout_degradation", "eval/pass@1/greedy", check_heldout_degradation, "warn", 100_000,
              extra=("eval/problems",), aligned=True, params={"min_z": 2.0, "vs_best": 1.0}, remedy=KL_REMEDY,
@@ -720,15 +730,17 @@ class RLMonitor:
     def _series(self, rule: Rule, logged: dict) -> list | None:
         """The histories a rule checks this step, or None if the rule is inactive this step."""
         if rule.aligned:
-            if not all(k in logged for k in rule.keys):
+            keys = rule.read(logged)
+            if not all(k in logged for k in keys):
                 return None
             rows = self._paired.setdefault(rule.name, [])
-            rows.append(tuple(logged[k] for k in rule.keys))
+            rows.append(tuple(logged[k] for k in keys))
             del rows[: -rule.window]  # checks only look at the last window
             return [list(col) for col in zip(*rows)]
-        if not any(k in logged for k in rule.keys):
+        keys = rule.read(self.history)
+        if not any(k in logged for k in keys):
             return None
-        return [self.history.get(k, []) for k in rule.keys]
+        return [self.history.get(k, []) for k in keys]
 
     def update(self, step: int, metrics: dict) -> list:
         """Record `metrics` (numeric values only) for `step`, run every rule, return new events.
@@ -750,7 +762,7 @@ class RLMonitor:
                 self._firing.discard(rule.name)
                 continue
             if rule.severity == "stop" or rule.name not in self._firing:
-                new.append(Event(step, rule.name, rule.severity, res.metric or rule.metric,
+                new.append(Event(step, rule.name, rule.severity, res.metric or rule.read(logged)[0],
                                  res.value, res.threshold, rule.message, res.detail))
             self._firing.add(rule.name)
         self.events.extend(new)
@@ -762,7 +774,7 @@ class RLMonitor:
         warning). Returns the new events."""
         new = []
         for rule in self.rules:
-            series = [self.history.get(k, []) for k in rule.keys]
+            series = [self.history.get(k, []) for k in rule.read(self.history)]
             if not (rule.enabled and rule.at_end and 0 < len(series[0]) < rule.window):
                 continue
             res = rule.check(*series, window=len(series[0]), **rule.params)

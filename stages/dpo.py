@@ -14,9 +14,11 @@ the policy on --pass-data.
 --online (online DPO: Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"; Xiong et al.
 2024, iterative DPO): the pairs come from the CURRENT policy. Every --online-every steps, each slot of the next
 steps' batches gets one prompt of --data, --online-samples samples of it at --temperature, and a judge — the
---verifier on the row, or the score of an `align rm train` artifact (--reward-model) — ranks them: chosen = the
-best sample, rejected = the worst. A prompt whose samples all score the same gives no pair; its slot keeps a
-weight of 0, and the loss is the mean over the pairs that exist in the global batch.
+--verifier on the row, the score of an `align rm train` artifact (--reward-model), or an LLM judge (--judge,
+align.judge: with 2 samples pairwise, P(a ≻ b) asked in both orders so a position bias cancels; with more
+pointwise, each sample's expected score) — ranks them: chosen = the best sample, rejected = the worst. A prompt
+whose samples all score the same (an LLM judge's within judge_pairs.TIE) gives no pair; its slot keeps a weight
+of 0, and the loss is the mean over the pairs that exist in the global batch.
 """
 
 from __future__ import annotations
@@ -35,10 +37,14 @@ from align.console import info
 from align.data import load_pairs
 from align.engine.build import Optim
 from align.engine.plan import (Data, Model, Plan, Setup, SupervisedPlan, chunked_logit_bytes, inference_bytes,
-                               model_state, reference_model, rollout_terms, trained_model, update_terms)
+                               judge_terms, judge_tokens, model_state, reference_model, rollout_terms, trained_model,
+                               update_terms)
 from align.engine.run import Output, chunks, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
+from align.judge import PAIR_RUBRIC, RUBRIC, as_text, judged_records, rank_samples
+from align.judge import load as load_judge
+from align.judge_pairs import TIE
 from align.logprobs import logprobs
 from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.preference import Pairs, dpo_loss, kto_loss
@@ -71,7 +77,8 @@ class DPOPlan(SupervisedPlan):
     def models(self) -> dict[str, str]:
         cfg = self.cfg
         return {"policy": cfg.model, **({"reference": cfg.ref_model} if cfg.ref_model else {}),
-                **({"reward model": cfg.reward_model} if cfg.reward_model and cfg.online else {})}
+                **({"reward model": cfg.reward_model} if cfg.reward_model and cfg.online else {}),
+                **({"judge": cfg.judge} if cfg.judge and cfg.online else {})}
 
     def phases(self) -> tuple[str, ...]:
         return (("rollout",) if self.cfg.online else ()) + (() if self.cfg.reference_free else ("reference pass",)) + (
@@ -97,6 +104,9 @@ class DPOPlan(SupervisedPlan):
             plan.add("reward model: weights", model_state(models["reward model"], s)["weights"])
         if cfg.online:
             rollout_terms(plan, policy, 64, data.prompt(), cfg.max_new_tokens, s)
+            judge_terms(plan, models, cfg.batch_size // s.world * cfg.online_every * cfg.online_samples,
+                        judge_tokens(cfg.rubric() or (PAIR_RUBRIC if cfg.pairwise else RUBRIC), data.prompt(),
+                                     (1 + cfg.pairwise) * cfg.max_new_tokens), s, "rollout")
         update_terms(plan, a, rows, length, s)
 
 
@@ -146,11 +156,15 @@ class DPO:
         rm_source = require_trained(resolve(cfg.reward_model, expect="reward"), cfg.reward_model) if cfg.reward_model else None
         if rm_source:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
+        if cfg.judge and cfg.online:
+            inputs["judge"] = describe_inputs(resolve(cfg.judge, expect=None))["model"]
         run.choose_verifier(self.verifier)
         dist = run.open(inputs, DPOPlan(cfg), lora=(source,), sequence_tokens=D.longest_row(self.examples),
                         prompt_tokens=max(map(len, self.prompt_ids), default=None),
                         notes={**verifier_note(self.verifier),
-                               **({"judge": self.judging.record()} if self.judging else {})})
+                               **({"judge": self.judging.record()} if self.judging else {}),
+                               **({"judge": {"model": cfg.judge, "form": "pairwise" if cfg.pairwise else "pointwise"}}
+                                  if cfg.judge and cfg.online else {})})
         self.micro, accum = run.layout.micro, run.layout.accum
 
         def load(src):
@@ -165,6 +179,7 @@ class DPO:
         self.rm_tok = load_tokenizer(rm_source, cfg.trust_remote_code) if rm_source else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
+        self.lm_judge = online_judge(cfg) if cfg.judge and cfg.online else None
         self.ref_train: dict[int, torch.Tensor] | None = None  # --precompute-ref: pair index -> [2] log-probs
         self.ref_eval = None
         self.n_params = count_parameters(self.policy.module)
@@ -266,6 +281,8 @@ class DPO:
         if self.verifiable and step in (0, cfg.max_steps):
             m, recs = evaluate_policy(self.policy.eng, self.tok, self.verifiable, self.run.dist, verifier=self.verifier,
                                       sampling=Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
+            if self.lm_judge is not None and not cfg.pairwise:  # a pointwise judge's score of each greedy answer
+                recs, metrics["eval/reward"] = judged_records(self.lm_judge, recs)
             save_eval_samples(self.run.out, step, recs, self.run.dist)
             metrics["eval/pass@1/greedy"] = m["pass@1/greedy"]
             metrics["eval/pass@1/greedy_stderr"] = m["pass@1/greedy_stderr"]
@@ -379,13 +396,28 @@ class KTO(DPO):
                 "eval/rewards/margins": (r[label].mean() - r[~label].mean()).item() if both else 0.0}
 
 
-def best_worst(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def online_judge(cfg: DPOConfig):
+    """--judge loaded (align.judge.load), --judge-rubric the rubric of its form (`DPOConfig.pairwise`)."""
+    rubric = cfg.rubric()
+    pointwise, pairwise = (RUBRIC, rubric or PAIR_RUBRIC) if cfg.pairwise else (rubric or RUBRIC, PAIR_RUBRIC)
+    return load_judge(cfg.judge, pointwise, pairwise, where=f"--judge {cfg.judge}")
+
+
+def ranker(cfg: DPOConfig) -> str:
+    """What ranks online DPO's samples, for the run's first lines ('' : the verifier)."""
+    if cfg.judge:
+        form = "pairwise, both orders" if cfg.pairwise else "pointwise, its expected score"
+        return f"the judge {cfg.judge} ({form})"
+    return f"--reward-model {cfg.reward_model}" if cfg.reward_model else ""
+
+
+def best_worst(scores: torch.Tensor, tie: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Online DPO's pairs from a judge's scores [P, K] of K samples of each of P prompts: (index of the best
-    sample [P], of the worst [P], weight [P]): weight 1 where the best scores strictly above the worst, 0 where
-    all K tie (no preference: no pair). Ties at the top or the bottom go to the first such sample."""
+    sample [P], of the worst [P], weight [P]): weight 1 where the best scores above the worst by more than `tie`,
+    0 where all K tie (no preference: no pair). Ties at the top or the bottom go to the first such sample."""
     best, worst = scores.argmax(1), scores.argmin(1)
     rows = torch.arange(len(scores))
-    return best, worst, (scores[rows, best] > scores[rows, worst]).float()
+    return best, worst, (scores[rows, best] - scores[rows, worst] > tie).float()
 
 
 class OnlineDPO(DPO):
@@ -399,22 +431,27 @@ class OnlineDPO(DPO):
     def load_train(self) -> list[dict]:
         cfg = self.cfg
         rows = D.load_rows(cfg.data, "prompts", cfg.columns)
-        if not cfg.reward_model and "answer" not in rows[0] and cfg.verifier == "auto":
+        if not cfg.reward_model and not cfg.judge and "answer" not in rows[0] and cfg.verifier == "auto":
             raise UserError(f"{cfg.data}: --online ranks samples with the verifier, which needs an 'answer' column "
-                            "(or pass --reward-model RM_ARTIFACT, or --verifier file.py:FUNCTION).")
+                            "(or pass --reward-model RM_ARTIFACT, --judge MODEL, or --verifier file.py:FUNCTION).")
         # a pair is prompt + one sample: it fits --max-length (already checked against the model's context)
         self.rows, self.prompt_ids = fitting(rows, D.encode_prompts(self.tok, [r["prompt"] for r in rows]),
                                              cfg.max_length, cfg.max_new_tokens, cfg.data)
-        self.judging = None if cfg.reward_model else choose_verifier(cfg.verifier, self.rows, self.tok, cfg.data)
+        self.judging = None if cfg.reward_model or cfg.judge else choose_verifier(cfg.verifier, self.rows, self.tok,
+                                                                                   cfg.data)
         self.judge = self.judging and self.judging.fn
         self.buffer: dict[int, tuple[list[dict], torch.Tensor, float]] = {}  # step -> (pairs, weights, mean score)
         info(f"dpo --online: {len(self.rows)} prompts of {cfg.data}, {cfg.online_samples} samples each at T "
              f"{cfg.temperature}, new pairs every {cfg.online_every} step(s), ranked by "
-             f"{'--reward-model ' + cfg.reward_model if cfg.reward_model else 'the ' + self.judging.line}")
+             f"{ranker(cfg) or 'the ' + self.judging.line}")
         return []
 
     def rank(self, rows: list[dict], completions) -> torch.Tensor:
-        """[n] the judge's score of each completion (verifier: its reward; RM: its normalised score)."""
+        """[n] the judge's score of each completion (verifier: its reward; RM: its normalised score; --judge:
+        judge.rank_samples', a pair's two P(this ≻ the other) with 2 samples, else its expected score)."""
+        if self.lm_judge is not None:
+            prompts = [as_text(r["prompt"]) for r in rows]
+            return rank_samples(self.lm_judge, prompts, [c.text for c in completions], self.cfg.online_samples)
         if self.rm is not None:
             texts = [r["prompt"] for r in rows]
             return score(self.rm, self.rm_tok, texts, [c.text for c in completions], self.micro).float().cpu()
@@ -438,7 +475,7 @@ class OnlineDPO(DPO):
                                 dist, batch_size=64, indices=places)
         rows = [self.rows[i] for i in idx for _ in range(K)]
         scores = self.rank(rows, done).view(len(idx), K)
-        best, worst, weights = best_worst(scores)
+        best, worst, weights = best_worst(scores, TIE if self.lm_judge is not None else 0.0)
         pairs = [{"prompt_ids": self.prompt_ids[i], "chosen_ids": done[j * K + best[j]].ids,
                   "rejected_ids": done[j * K + worst[j]].ids, "margin": 0.0} for j, i in enumerate(idx)]
         per = len(idx) // len(steps)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from align import objectives
-from align.config import ByModel, SupervisedConfig, defaults, held_out_opt, opt, verifier_opt
+from align.config import (ByModel, SupervisedConfig, check_judge, defaults, held_out_opt, opt, read_rubric,
+                          verifier_opt)
 from align.errors import UserError
 from align.paths import DATA_DIR
 
@@ -40,7 +41,7 @@ class DPOConfig(SupervisedConfig):
     verifier: str = verifier_opt()
     max_new_tokens: int = opt(48, "Generation budget for pass@1 (and, with --online, for the sampled pairs).", ge=1)
     online: bool = opt(False, "Online DPO: pairs sampled from the current policy on the prompts of --data ({prompt, "
-                              "answer} rows) and ranked by --verifier, or by --reward-model.")
+                              "answer} rows) and ranked by --verifier, by --reward-model or by --judge.")
     online_every: int = opt(1, "With --online: sample new pairs every N steps (each sampling fills the next N "
                                "steps' batches).", ge=1)
     online_samples: int = opt(4, "With --online: samples per prompt; chosen = the best, rejected = the worst.",
@@ -48,6 +49,13 @@ class DPOConfig(SupervisedConfig):
     temperature: float = opt(1.0, "With --online: sampling temperature.", gt=0)
     reward_model: str = opt("", "With --online: an `align rm train` artifact that ranks the samples (default: the "
                                 "--verifier).", path=True)
+    judge: str = opt("", "With --online: an LLM judge (a causal LM: an artifact, a model directory, a preset) that "
+                         "ranks the samples: 2 --online-samples pairwise, asked in both orders (A/B), more pointwise "
+                         "by its expected score 0-9 (default: the --verifier).", path=True)
+    judge_rubric: str = opt("", "With --judge: its rubric, a text file: for 2 --online-samples with {prompt}, {a} and "
+                                "{b}, ending where the judge writes A or B; for more with {prompt} and {completion}, "
+                                "ending where it writes a digit 0-9 (default: align.judge's).", path=True,
+                            user_file=True)
 
     @property
     def unpaired(self) -> bool:
@@ -76,5 +84,24 @@ class DPOConfig(SupervisedConfig):
         if self.online:
             if self.unpaired or self.precompute_ref:
                 raise UserError(f"--online samples new pairs as it trains: drop --loss {self.loss} / --precompute-ref.")
-        elif self.reward_model:
-            raise UserError("--reward-model ranks sampled pairs: it needs --online.")
+        elif self.reward_model or self.judge:
+            flag = "--reward-model" if self.reward_model else "--judge"
+            raise UserError(f"{flag} ranks sampled pairs: it needs --online.", option=flag[2:].replace("-", "_"))
+        if self.reward_model and self.judge:
+            raise UserError("--reward-model and --judge both rank the samples: give one.", option="judge")
+        check_judge(self.judge, self.judge_rubric)
+        self.rubric()
+
+    @property
+    def pairwise(self) -> bool:
+        """--judge with 2 --online-samples: the judge compares the two (both orders), not one at a time."""
+        return self.online_samples == 2
+
+    def rubric(self) -> str:
+        """--judge-rubric's text ("" when not given), with the fields its form needs (`pairwise`)."""
+        if self.pairwise:
+            return read_rubric(self.judge_rubric, ("{a}", "{b}"), "with 2 --online-samples the judge compares two "
+                                                                 "answers: write {prompt}, {a} and {b} where it reads them")
+        return read_rubric(self.judge_rubric, ("{completion}",), f"with {self.online_samples} --online-samples the "
+                                                                  "judge scores each answer: write {prompt} and "
+                                                                  "{completion} where it reads them")

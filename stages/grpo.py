@@ -32,11 +32,13 @@ from align.artifacts import describe_inputs
 from align.console import info
 from align.engine.build import Optim, rows_within
 from align.engine.plan import (DECODER, Data, Device, Family, Model, Plan, RLPlan, Setup, decoder_terms, frozen_weights,
-                               memory_changes, micro_changes, model_state, nproc_changes, reference_model,
-                               rollout_changes, rollout_terms, score_terms, trained_model, update_terms, zero3_blocks)
+                               judge_terms, judge_tokens, memory_changes, micro_changes, model_state, nproc_changes,
+                               reference_model, rollout_changes, rollout_terms, score_terms, trained_model,
+                               update_terms, zero3_blocks)
 from align.engine.run import Output, step_indices, train
 from align.engine.stats import Stats
 from align.errors import UserError
+from align.judge import RUBRIC, judge_model, judged_records, the_judge, watched
 from align.logprobs import batched_logprobs, logprobs
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.advantages import zero_spread
@@ -102,6 +104,31 @@ def reward(cfg: GRPOConfig, fns: list, values: list, c) -> tuple[float | None, d
     return total, parts
 
 
+def announce(algo, world: int, n_local: int) -> None:
+    """The run's first line: the model, the batch, the rewards, the reference, teacher and tools."""
+    cfg, layout = algo.cfg, algo.run.layout
+    info(f"grpo: {count_parameters(algo.policy.module) / 1e6:.2f}M parameters, {len(algo.rows)} prompts, "
+         f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {world} process(es), "
+         f"ZeRO-{layout.zero_stage}, {layout.precision}, micro batch {algo.micro} x {n_local // algo.micro}, "
+         f"rewards {', '.join(f'{r.name}:{r.weight:g}' for r in algo.reward_fns)}"
+         f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if algo.rm else ''}, "
+         f"reference model {'on (beta ' + str(cfg.beta) + ')' if algo.reference else 'off (beta 0)'}"
+         f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if algo.teacher else ''}"
+         f"{f', tools {cfg.tools or cfg.env} (up to {cfg.max_turns} turns)' if algo.agent else ''}")
+
+
+def judged_eval(fns: list, records: list[dict], history: dict, step: int) -> tuple[list[dict], dict]:
+    """With a judge among --reward: each held-out greedy answer's judge score in its record ("judge"), and what
+    RLMonitor's reward_hacking_heldout reads beside the verified pass rate: eval/reward, the judge's mean score of
+    those answers (the proxy), and eval/kl, the latest step's KL to the reference (0 before training; NaN with
+    --beta 0, where none is measured). Without a judge: the records as they are, no metrics."""
+    judge = the_judge(fns)
+    if judge is None or not records:
+        return records, {}
+    records, proxy = judged_records(judge, records)
+    return records, {"eval/reward": proxy, "eval/kl": history.get("kl", [math.nan])[-1] if step else 0.0}
+
+
 @dataclass(frozen=True)
 class GRPOPlan(RLPlan):
     """GRPO in the memory plan: the rollout of G samples per prompt (or, with --rollout-gpus, a decoder rank's
@@ -122,8 +149,10 @@ class GRPOPlan(RLPlan):
 
     def models(self) -> dict[str, str]:
         cfg = self.cfg
+        judge = judge_model(cfg.reward)
         return {"policy": cfg.model, **({"teacher": cfg.teacher} if cfg.teacher else {}),
-                **({"reward model": cfg.reward_model} if cfg.reward_model else {})}
+                **({"reward model": cfg.reward_model} if cfg.reward_model else {}),
+                **({"judge": judge} if judge else {})}
 
     def phases(self) -> tuple[str, ...]:
         return (DECODER if self.decoders else "rollout", "score", "update")
@@ -160,6 +189,7 @@ class GRPOPlan(RLPlan):
         else:
             rollout_terms(plan, policy, n, prompt, cfg.episode_tokens, s)
         score_terms(plan, ([policy] if cfg.num_iterations > 1 else []) + others, micro, prompt + cfg.episode_tokens, s)
+        judge_terms(plan, models, n, judge_tokens(cfg.rubric() or RUBRIC, prompt, cfg.episode_tokens), s, "score")
         zero3_blocks(plan, [policy, *others], s)
         update_terms(plan, a, micro, prompt + cfg.episode_tokens, s)
 
@@ -215,6 +245,8 @@ class GRPO:
             inputs["reward_model"] = describe_inputs(rm_source)["model"]
         if teacher_source:
             inputs["teacher"] = describe_inputs(teacher_source)["model"]
+        if judge_model(cfg.reward):  # --reward judge:MODEL
+            inputs["judge"] = describe_inputs(resolve(judge_model(cfg.reward), expect=None))["model"]
         if cfg.prompts_per_step % runtime.world_size():
             raise UserError(f"--prompts-per-step {cfg.prompts_per_step} must be a multiple of {runtime.world_size()} processes.")
         n_local = cfg.prompts_per_step // runtime.world_size() * cfg.num_generations
@@ -234,15 +266,7 @@ class GRPO:
         self.beta = cfg.beta  # the KL weight (an --on-alarm rollback may raise it)
         self.rollouts = self.rollout_queue()
         self.stale = False  # the rollout being trained on was sampled from older weights
-        info(f"grpo: {count_parameters(self.policy.module) / 1e6:.2f}M parameters, {len(self.rows)} prompts, "
-             f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} per step, {dist.world_size} process(es), "
-             f"ZeRO-{run.layout.zero_stage}, {run.layout.precision}, micro batch {self.micro} x "
-             f"{n_local // self.micro}, "
-             f"rewards {', '.join(f'{r.name}:{r.weight:g}' for r in self.reward_fns)}"
-             f"{f', reward model {cfg.reward_model}:{cfg.reward_model_weight:g}' if self.rm else ''}, "
-             f"reference model {'on (beta ' + str(cfg.beta) + ')' if self.reference else 'off (beta 0)'}"
-             f"{f', teacher {cfg.teacher} (distill coef {cfg.distill_coef:g})' if self.teacher else ''}"
-             f"{f', tools {cfg.tools or cfg.env} (up to {cfg.max_turns} turns)' if self.agent else ''}")
+        announce(self, dist.world_size, n_local)
 
     def load_policy(self, source):
         cfg = self.cfg
@@ -319,6 +343,7 @@ class GRPO:
         for _, parts in results:
             for k, v in parts.items():
                 r.parts.setdefault(k, []).append(v)
+        r.watched = watched(self.reward_fns, [parts for _, parts in results], self.rm is not None)
 
     # ---- 3. advantages
 
@@ -428,6 +453,8 @@ class GRPO:
         stats.sum("tokens", lengths.sum())  # sampled and trained on: the run logs tokens_per_s of the whole step
         for k, v in r.parts.items():  # NaN: a function that applied to no sample of the step (TRL's nanmean)
             stats.mean(f"rewards/{k}", sum(v), len(v), math.nan)
+        for k, v in r.watched.items():  # proxy_reward, gold_reward: a learned scorer's and a verifier's
+            stats.mean(k, sum(v), len(v), math.nan)
         for k, v in times.items():
             stats.value(k, v)
 
@@ -457,8 +484,9 @@ class GRPO:
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
                                   sampling=replace(self.sampling, seed=self.cfg.seed, precision=""), gather=self.cfg.gather,
                                   verifier=self.verifier, agent=self.agent)
+        recs, judged = judged_eval(self.reward_fns, recs, self.run.monitor.history, step)
         save_eval_samples(self.run.out, step, recs, self.run.dist)
-        return {f"eval/{k}": v for k, v in m.items()}
+        return {**{f"eval/{k}": v for k, v in m.items()}, **judged}
 
     def final_metrics(self, last: dict, start: dict) -> dict:
         final = {**{f"start/{k[5:]}": v for k, v in start.items()},

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from align import objectives
 from align.config import (ByModel, RLConfig, defaults, env_opt, max_tool_tokens_opt, max_turns_opt, opt,
-                          positive_ints, tool_timeout_opt, tools_opt)
+                          positive_ints, read_rubric, tool_timeout_opt, tools_opt)
 from align.errors import UserError
 from align.objectives.catalog import LOSS_AGGREGATIONS
 from align.rewards import parse_rewards
@@ -115,20 +114,14 @@ class GRPOConfig(RLConfig):
                 raise UserError("--tools with --no-gather: episodes end after different numbers of turns, so the "
                                 "processes cannot share each sharded forward; drop --no-gather.")
         parse_rewards(self.reward, judge_rubric=self.rubric())  # an unknown reward or a bad weight fails here
+        if self.judge_rubric and not any(spec.split(":")[0] == "judge" for spec in self.reward):
+            raise UserError("--judge-rubric goes with --reward judge:MODEL: add one, or drop --judge-rubric.",
+                            option="judge_rubric")
 
     def rubric(self) -> str:
         """--judge-rubric's text ("" when not given): it must place the completion."""
-        if not self.judge_rubric:
-            return ""
-        try:
-            text = Path(self.judge_rubric).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--judge-rubric {self.judge_rubric}: cannot read it ({type(e).__name__}); pass a text "
-                            "file.", option="judge_rubric") from None
-        if "{completion}" not in text:
-            raise UserError(f"--judge-rubric {self.judge_rubric}: it has no {{completion}}: write {{prompt}} and "
-                            "{completion} where the judge reads them.", option="judge_rubric")
-        return text
+        return read_rubric(self.judge_rubric, ("{completion}",), "write {prompt} and {completion} where the judge "
+                                                                   "reads them")
 
     def launched_world(self) -> int:
         """Every process of the run, trainers and decoders: the launcher's count (kept in ALIGN_GLOBAL_WORLD once

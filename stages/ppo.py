@@ -2,11 +2,15 @@
 
 Four engines: the policy π_θ (trained, from the SFT model), the frozen reference π_ref (the same SFT model or
 --ref-model), the frozen reward model r (an `align rm train` artifact; normalised scores) and the value network
-V_φ: its own transformer with a scalar head, initialised from the reward model, with its own AdamW and --vf-lr.
+V_φ: its own transformer with a scalar head, initialised from the reward model (without one, from the policy's
+body with a new head; or --value-model), with its own AdamW and --vf-lr. With --judge, an LLM judge J (RLAIF; a
+frozen causal LM, loaded whole on each process, outside DeepSpeed) scores each episode as well, or instead of r
+(--reward-model '').
 
 Per step:
   1. rollout: one response per prompt for --prompts-per-step prompts (stop at EOS);
-  2. score s = r(prompt + response up to EOS), normalised; + c·(gold − the batch's other episodes' mean gold),
+  2. score s = r(prompt + response up to EOS), normalised, + c_J·J(prompt, response) with --judge (its expected
+     score in [0, 1] through --judge-rubric, times --judge-coef c_J); + c·(gold − the batch's other episodes' mean gold),
      gold the verifier's reward on prompts with an `answer` (--gold-reward-coef c, default 0: gold is then only
      logged beside the RM's score); − --missing-eos-penalty without EOS; clipped to ±--reward-clip
      (episode_score);
@@ -37,12 +41,14 @@ from align.artifacts import describe_inputs
 from align.console import info, warn
 from align.engine.build import Optim
 from align.engine.plan import (Data, Device, Family, Model, Plan, RLPlan, Setup, activation_bytes, chunked_logit_bytes,
-                               frozen_weights, full_logit_bytes, memory_changes, micro_changes, model_state,
-                               nproc_changes, reference_model, rollout_changes, rollout_terms, score_terms,
-                               trained_model, zero3_blocks)
+                               frozen_weights, full_logit_bytes, judge_terms, judge_tokens, memory_changes,
+                               micro_changes, model_state, nproc_changes, reference_model, rollout_changes,
+                               rollout_terms, score_terms, trained_model, zero3_blocks)
 from align.engine.run import Output, train
 from align.engine.stats import Stats
 from align.errors import UserError
+from align.judge import RUBRIC, as_text
+from align.judge import load as load_judge
 from align.logprobs import batched_logprobs, logprobs
 from align.objectives.kl import AdaptiveKLController, FixedKLController
 from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
@@ -78,7 +84,8 @@ class PPOPlan(RLPlan):
         cfg = self.cfg
         return {"policy": cfg.model, **({"reference": cfg.ref_model} if cfg.ref_model else {}),
                 **({"reward model": cfg.reward_model} if cfg.reward_model else {}),
-                "value": cfg.value_model or cfg.reward_model}
+                "value": cfg.value_model or cfg.reward_model or cfg.model,  # (no reward model: the policy's body)
+                **({"judge": cfg.judge} if cfg.judge else {})}
 
     def phases(self) -> tuple[str, ...]:
         return ("rollout", "score", "update")
@@ -108,6 +115,8 @@ class PPOPlan(RLPlan):
         rollout_terms(plan, policy, cfg.prompts_per_step // s.world, prompt, cfg.episode_tokens, s)
         score_terms(plan, [policy, value, *others], micro, prompt + cfg.episode_tokens, s)
         zero3_blocks(plan, [policy, value, *others], s)
+        judge_terms(plan, models, cfg.prompts_per_step // s.world, judge_tokens(cfg.rubric() or RUBRIC, prompt,
+                                                                                 cfg.episode_tokens), s, "score")
         self.update_pass(plan, policy, value, micro, prompt + cfg.episode_tokens, s)
 
     def update_pass(self, plan: Plan, policy: Model, value: Model, micro: int, longest: int, s: Setup) -> None:
@@ -162,7 +171,7 @@ def check_shared_tokenizers(cfg: PPOConfig, sources: dict, tok) -> None:
     --chat-template's template, as the policy's `tok`) encode alike."""
     for spec, other, role, fix in (
             (cfg.ref_model, sources["reference"], "reference", "pass a --ref-model trained with the policy's tokenizer"),
-            (cfg.value_model or cfg.reward_model, sources["value"], "value network",
+            (cfg.value_model or cfg.reward_model or cfg.model, sources["value"], "value network",
              f"pass --value-model with the policy's tokenizer (e.g. --value-model {cfg.model}: its body, new head)")):
         diff = (tokenizer_difference(tok, load_tokenizer(other, cfg.trust_remote_code, cfg.chat_template))
                 if other is not sources["policy"] else "")
@@ -215,6 +224,50 @@ def batched_values(v_eng, batch: dict, micro: int):
     return torch.cat([token_values(v_eng, select(batch, slice(i, i + micro))) for i in range(0, n, micro)])
 
 
+def judge_scores(judge, r: Rollout) -> list[float]:
+    """--judge: its pointwise score in [0, 1] of each episode (align.judge.Judge.scores), the prompt as the judge
+    reads it (chat messages as `role: content` lines) and the whole response text (an episode's transcript)."""
+    return judge.scores([as_text(p) for p in r.prompts], [c.text for c in r.completions])
+
+
+def heldout_proxy(algo, records: list[dict]) -> tuple[list[dict], float]:
+    """Each held-out greedy answer's learned scores in its record — the reward model's ("rm_score") and the
+    judge's ("judge") — and their mean proxy score, RM + --judge-coef · judge as in training: eval/reward, which
+    RLMonitor's reward_hacking_heldout sets beside the verified pass rate."""
+    prompts, answers = [x["prompt"] for x in records], [x["greedy"] for x in records]
+    proxy = torch.zeros(len(records))
+    if algo.rm is not None:
+        rm = score(algo.rm, algo.rm_tok, prompts, answers, 64).float().cpu()
+        records, proxy = [{**x, "rm_score": v} for x, v in zip(records, rm.tolist())], rm
+    if algo.judge is not None:
+        judged = torch.tensor(algo.judge.scores([as_text(p) for p in prompts], answers))
+        records = [{**x, "judge": v} for x, v in zip(records, judged.tolist())]
+        proxy = proxy + algo.cfg.judge_coef * judged
+    return records, proxy.mean().item()
+
+
+def announce(algo) -> None:
+    """The run's first line: the policy, the batch, the KL, ptx, gold reward, the score's parts and the value init."""
+    cfg = algo.cfg
+    gold = algo.gold_fn.name if algo.gold_fn else "off (no answer column)" if cfg.gold_reward else "off"
+    if algo.gold_fn is not None:
+        gold += f", trained on x{cfg.gold_reward_coef:g}" if cfg.gold_reward_coef else ", logged only"
+    score = " + ".join([f"reward model {cfg.reward_model}"] * bool(cfg.reward_model) +
+                       [f"{cfg.judge_coef:g} x judge {cfg.judge}"] * bool(cfg.judge))
+    value = cfg.value_model or cfg.reward_model or f"{cfg.model} (the policy)"
+    info(f"ppo: {count_parameters(algo.policy.module) / 1e6:.2f}M-parameter policy, {len(algo.rows)} prompts"
+         f"{f' ({algo.dropped} longer than --max-prompt-length dropped)' if algo.dropped else ''}, "
+         f"{cfg.prompts_per_step} episodes/step in minibatches of {cfg.minibatch_size} x {cfg.ppo_epochs} epochs, "
+         f"{algo.run.dist.world_size} process(es), ZeRO-{algo.run.layout.zero_stage}; β {cfg.init_kl_coef} "
+         f"({'fixed' if cfg.fixed_kl else f'adaptive, target {cfg.target_kl}'}), ptx γ {cfg.ptx_coef}"
+         f"{f' on {len(algo.ptx)} texts' if algo.ptx else ''}, gold reward {gold}; score: {score}; value network "
+         f"from {value}{'' if cfg.value_model or cfg.reward_model else ' with a new scalar head'}")
+    if algo.rm is not None and not algo.rm_same_tok:
+        warn(f"{cfg.reward_model}: tokenizer differs from the policy's "
+             f"({tokenizer_difference(algo.tok, algo.rm_tok)}); responses are re-tokenised from text with the "
+             "reward model's tokenizer and chat template.")
+
+
 # ---------------------------------------------------------------------------------------------- the stage
 
 
@@ -248,22 +301,26 @@ class PPO:
         offload = cfg.offload_frozen and run.layout.zero_stage == 3
         self.reference = run.reference(self.policy, self.load(load_causal_lm, sources["reference"], self.tok), offload,
                                        cfg.ref_model)
-        self.rm = run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
+        self.rm = (run.frozen(self.load(load_reward_model, sources["reward_model"], self.rm_tok), offload)
+                   if sources["reward_model"] else None)
+        self.judge = load_judge(cfg.judge, cfg.rubric() or RUBRIC, where=f"--judge {cfg.judge}") if cfg.judge else None
         self.kl_ctl = (FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
                        else AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
         self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision=cfg.decode_precision())
-        self.announce()
+        announce(self)
 
     def read_inputs(self) -> dict:
         """Models, tokenizers, prompts, gold verifier, tools, held-out and ptx data, checked before --out is touched."""
         cfg = self.cfg
         policy = resolve_default(cfg.model, "policy", "--model SFT_ARTIFACT")
-        rm = require_trained(resolve_default(cfg.reward_model, "reward", "--reward-model RM_ARTIFACT"), cfg.reward_model)
+        rm = cfg.reward_model and require_trained(resolve_default(cfg.reward_model, "reward",
+                                                                  "--reward-model RM_ARTIFACT"), cfg.reward_model)
         sources = {"policy": policy, "reference": resolve(cfg.ref_model, expect="policy") if cfg.ref_model else policy,
-                   "reward_model": rm, "value": resolve(cfg.value_model, expect=None) if cfg.value_model else rm}
+                   "reward_model": rm, "value": resolve(cfg.value_model, expect=None) if cfg.value_model else rm or policy,
+                   "judge": cfg.judge and resolve(cfg.judge, expect=None)}  # (no reward model: the policy's body)
         self.tok = load_tokenizer(policy, cfg.trust_remote_code, cfg.chat_template)
-        self.rm_tok = load_tokenizer(rm, cfg.trust_remote_code)
-        self.rm_same_tok = not tokenizer_difference(self.tok, self.rm_tok)
+        self.rm_tok = rm and load_tokenizer(rm, cfg.trust_remote_code)
+        self.rm_same_tok = bool(rm) and not tokenizer_difference(self.tok, self.rm_tok)
         check_shared_tokenizers(cfg, sources, self.tok)
         rows = D.load_rows(cfg.data, "prompts", cfg.columns)
         self.gold_fn = parse_rewards([cfg.gold_reward], "--gold-reward")[0] if cfg.gold_reward and "answer" in rows[0] else None
@@ -294,28 +351,14 @@ class PPO:
         cfg = self.cfg
         inputs = describe_inputs(sources["policy"], cfg.data, cfg.eval_data if self.eval_rows else "",
                                  cfg.ptx_data if self.ptx else "")
-        for key, role in (("ref_model", "reference"), ("reward_model", "reward_model"), ("value_model", "value")):
-            inputs[key] = describe_inputs(sources[role])["model"]
+        for key, role in (("ref_model", "reference"), ("reward_model", "reward_model"), ("value_model", "value"),
+                          ("judge", "judge")):
+            if sources[role]:
+                inputs[key] = describe_inputs(sources[role])["model"]
         return inputs
 
     def load(self, loader, source, tok):
         return lambda dtype: disable_dropout(loader(source, tok, dtype, self.cfg.seed, self.cfg.trust_remote_code))
-
-    def announce(self) -> None:
-        cfg = self.cfg
-        gold = self.gold_fn.name if self.gold_fn else "off (no answer column)" if cfg.gold_reward else "off"
-        if self.gold_fn is not None:
-            gold += f", trained on x{cfg.gold_reward_coef:g}" if cfg.gold_reward_coef else ", logged only"
-        info(f"ppo: {count_parameters(self.policy.module) / 1e6:.2f}M-parameter policy, {len(self.rows)} prompts"
-             f"{f' ({self.dropped} longer than --max-prompt-length dropped)' if self.dropped else ''}, "
-             f"{cfg.prompts_per_step} episodes/step in minibatches of {cfg.minibatch_size} x {cfg.ppo_epochs} epochs, "
-             f"{self.run.dist.world_size} process(es), ZeRO-{self.run.layout.zero_stage}; β {cfg.init_kl_coef} "
-             f"({'fixed' if cfg.fixed_kl else f'adaptive, target {cfg.target_kl}'}), ptx γ {cfg.ptx_coef}"
-             f"{f' on {len(self.ptx)} texts' if self.ptx else ''}, gold reward {gold}")
-        if not self.rm_same_tok:
-            warn(f"{cfg.reward_model}: tokenizer differs from the policy's "
-                 f"({tokenizer_difference(self.tok, self.rm_tok)}); responses are re-tokenised from text with the "
-                 "reward model's tokenizer and chat template.")
 
     # ---- 2. scores
 
@@ -327,9 +370,13 @@ class PPO:
         return score(self.rm, self.rm_tok, r.prompts, [c.text for c in r.completions], self.micro)
 
     def scores(self, r: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(proxy: the RM's normalised score, s: the score trained on, gold: the verifier's), each [N]."""
+        """(proxy: the RM's normalised score + --judge-coef · the judge's, s: the score trained on, gold: the
+        verifier's), each [N]; the judge's scores in r.parts["judge"]."""
         cfg, device = self.cfg, self.run.dist.device
-        proxy = self.rm_scores(r).to(device)
+        proxy = self.rm_scores(r).to(device) if self.rm is not None else torch.zeros(len(r.completions), device=device)
+        if self.judge is not None:  # RLAIF: + c · the judge's expected score
+            r.parts["judge"] = judge_scores(self.judge, r)
+            proxy = proxy + cfg.judge_coef * torch.tensor(r.parts["judge"], device=device)
         gold = torch.zeros_like(proxy)
         if self.gold_fn is not None:
             try:
@@ -454,6 +501,8 @@ class PPO:
         mask, n = batch["response_mask"], len(proxy)
         record_mismatch(stats, batch, ro["old_logp"])
         stats.mean("reward", proxy.sum(), n)
+        for k, v in r.parts.items():  # rewards/judge: the judge's part of the reward
+            stats.mean(f"rewards/{k}", sum(v), len(v))
         if self.gold_fn is not None:
             stats.mean("gold_reward", gold.sum(), n)
         stats.mean("kl", ro["kl"].sum(), mask.sum())
@@ -470,13 +519,13 @@ class PPO:
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist,
                                   sampling=Sampling(self.cfg.max_new_tokens, 0.0), gather=self.cfg.gather,
                                   verifier=self.verifier, agent=self.agent)
-        r = score(self.rm, self.rm_tok, [x["prompt"] for x in recs], [x["greedy"] for x in recs], 64)
-        save_eval_samples(self.run.out, step, [{**x, "rm_score": v} for x, v in zip(recs, r.tolist())], self.run.dist)
+        recs, proxy = heldout_proxy(self, recs)
+        save_eval_samples(self.run.out, step, recs, self.run.dist)
         # held-out gold (verified greedy answers) and proxy (the RM's score of the same answers), watched by
         # RLMonitor's reward_hacking_heldout with the KL per episode of the latest batch (0 before training)
         kl = self.run.monitor.history.get("objective/kl", [0.0])[-1] if step else 0.0
         return {"eval/pass@1/greedy": m["pass@1/greedy"], "eval/pass@1/greedy_stderr": m["pass@1/greedy_stderr"],
-                "eval/reward": r.mean().item(),
+                "eval/reward": proxy,
                 "eval/problems": float(len(recs)), "eval/kl": kl}
 
     def raise_kl(self, factor: float) -> str:

@@ -7,8 +7,8 @@ import os
 from dataclasses import dataclass
 
 from align import objectives
-from align.config import (ByModel, RLConfig, defaults, max_tool_tokens_opt, max_turns_opt, opt, tool_timeout_opt,
-                          tools_opt)
+from align.config import (ByModel, RLConfig, check_judge, defaults, max_tool_tokens_opt, max_turns_opt, opt,
+                          read_rubric, tool_timeout_opt, tools_opt)
 from align.errors import UserError
 from align.paths import DATA_DIR
 from align.rewards import parse_rewards
@@ -23,9 +23,18 @@ DEFAULT_SFT, DEFAULT_RM = "runs/arithmetic/sft", "runs/arithmetic/rm"  # pipelin
 class PPOConfig(RLConfig):
     model: str = opt(DEFAULT_SFT, "Policy to train (an sft artifact); also the reference unless --ref-model.", path=True)
     ref_model: str = opt("", "Frozen reference policy for the KL penalty (default: --model).", path=True)
-    reward_model: str = opt(DEFAULT_RM, "Reward model: an `align rm train` artifact (normalised scores).", path=True)
-    value_model: str = opt("", "Value network init (default: the reward model; a policy gets a new scalar head).",
-                           path=True)
+    reward_model: str = opt(DEFAULT_RM, "Reward model: an `align rm train` artifact (normalised scores); '' : none "
+                                        "(then --judge gives the score).", path=True)
+    judge: str = opt("", "An LLM judge (a causal LM: an artifact, a model directory, a preset) scoring each episode "
+                         "through --judge-rubric: its expected score in [0, 1], times --judge-coef, is added to the "
+                         "reward model's score, or is the whole score with --reward-model '' ('' : none).",
+                     path=True)
+    judge_coef: float = opt(1.0, "Weight of the --judge score in the score PPO trains on.", gt=0)
+    judge_rubric: str = opt("", "With --judge: its rubric, a text file with {prompt} and {completion} where they go, "
+                                "ending where the judge writes its score digit 0-9 (default: correctness, helpfulness "
+                                "and concision).", path=True, user_file=True)
+    value_model: str = opt("", "Value network init (default: the reward model; without one, the policy; a policy "
+                               "gets a new scalar head).", path=True)
     gold_reward: str = opt("math", "Verifier for the gold reward when the prompts carry an `answer` (a grpo "
                                    "--reward spec, per sample or batched; '' : off).", code=True)
     gold_reward_coef: float = opt(0.0, "Weight of the gold reward in the score PPO trains on: s = RM score + "
@@ -80,8 +89,18 @@ class PPOConfig(RLConfig):
             if not self.gather and int(os.environ.get("WORLD_SIZE") or self.nproc * self.nnodes) > 1:
                 raise UserError("--tools with --no-gather: episodes end after different numbers of turns, so the "
                                 "processes cannot share each sharded forward; drop --no-gather.")
+        if not self.reward_model and not self.judge:
+            raise UserError("--reward-model '' leaves PPO nothing to train on: name a reward model, or an LLM judge "
+                            "with --judge MODEL.", option="reward_model")
+        check_judge(self.judge, self.judge_rubric, self.judge_coef != 1.0)
+        self.rubric()
         if self.gold_reward:
             parse_rewards([self.gold_reward], "--gold-reward")
         elif self.gold_reward_coef:
             raise UserError(f"--gold-reward-coef {self.gold_reward_coef} trains on the gold reward, but --gold-reward "
                             "is off; name a verifier (e.g. --gold-reward math) or set --gold-reward-coef 0.")
+
+    def rubric(self) -> str:
+        """--judge-rubric's text ("" when not given): it must place the completion."""
+        return read_rubric(self.judge_rubric, ("{completion}",), "write {prompt} and {completion} where the judge "
+                                                                   "reads them")

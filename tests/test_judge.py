@@ -1,6 +1,7 @@
 """LLM judges (align.judge): the pointwise score is the expectation of the score labels under the judge's
 next-token distribution, computed here by hand from the model's own logits; pairwise preferences average both
-orders, so a position-biased judge scores identical answers 0.5; a rubric whose end merges with a label is refused."""
+orders, so a position-biased judge scores identical answers 0.5; a rubric whose end merges with a label is refused.
+What the stages take from it: the samples' ranks, the proxy and gold RLMonitor watches, the --reward spec's model."""
 
 from __future__ import annotations
 
@@ -91,3 +92,48 @@ def test_reward_judge_model_scores_as_the_judge_and_its_rubric_is_checked(tiny_m
     rubric.write_text("Is this answer short? {answer}\n")
     with pytest.raises(UserError, match="no {completion}"):
         GRPOConfig(model=str(tiny_model_dir), reward=[f"judge:{tiny_model_dir}"], judge_rubric=str(rubric)).validate()
+
+
+def test_a_judge_that_always_answers_a_prefers_neither_answer(tiny_model_dir):
+    """A toy judge with a strong position bias (the tiny model, its output row of "A" pushed along its hidden state
+    at the verdict: it answers A, the first position, whatever it reads) scores identical answers 0.5 exactly,
+    and any two answers 0.5 too: asked in both orders, always-A is no preference."""
+    model, tok = load(tiny_model_dir)
+    judge = Judge(model, tok)
+    prompts, a, b = ["Sort 3 1 2:", "hi", "What is 7 + 5?"], ["1 2 3", "hello", "12"], ["3 2 1", "bye", "13"]
+    texts = [judge.text(fill(PAIR_RUBRIC, prompt=p, a=x, b=y)) for p, x, y in zip(prompts, a, b)]
+    with torch.no_grad():
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        h = torch.stack([model(input_ids=torch.tensor([i]), output_hidden_states=True).hidden_states[-1][0, -1]
+                         for i in ids]).mean(0)
+        model.get_output_embeddings().weight[judge.pair_ids[0]] += 40 * h / h.norm() ** 2
+    raw = first_preferred(judge.next_token_logits(texts + [judge.text(fill(PAIR_RUBRIC, prompt=p, a=y, b=x))
+                                                           for p, x, y in zip(prompts, a, b)]), *judge.pair_ids)
+    assert raw.min() > 0.99  # "A" in either order
+    assert judge.preferences(prompts, a, a) == pytest.approx([0.5] * 3, abs=1e-6)
+    assert judge.preferences(prompts, a, b) == pytest.approx([0.5] * 3, abs=0.01)
+
+
+def test_what_the_stages_take_from_the_judge(tiny_model_dir):
+    """rank_samples: two samples pairwise, a pair's scores P(a > b) and 1 - P(a > b); more samples pointwise, the
+    expected scores. watched: the judge's (and a reward model's) values are the proxy, every other function's the
+    gold, each the mean over the functions that scored a sample; nothing without both. judge_model: the MODEL of
+    --reward judge:MODEL[:WEIGHT]."""
+    from align.judge import judge_model, rank_samples, watched
+    from align.rewards import RewardFn
+
+    model, tok = load(tiny_model_dir)
+    judge = Judge(model, tok)
+    prompts, texts = ["Sort 3 1 2:"] * 2 + ["hi"] * 2, ["1 2 3", "3 2 1", "hello", "bye"]
+    p = judge.preferences(prompts[::2], texts[::2], texts[1::2])
+    assert rank_samples(judge, prompts, texts, 2).tolist() == pytest.approx([p[0], 1 - p[0], p[1], 1 - p[1]])
+    assert rank_samples(judge, prompts[:3], texts[:3], 3).tolist() == pytest.approx(judge.scores(prompts[:3], texts[:3]))
+    fns = [RewardFn("judge", 0.5, print, True), RewardFn("math", 1.0, print), RewardFn("f.g", 0.0, print, True),
+           RewardFn("length", 1.0, None)]
+    parts = [{"errors": 0.0, "judge": 0.8, "math": 1.0, "f.g": 0.0}, {"errors": 1.0},
+             {"errors": 0.0, "judge": 0.2, "math": 0.0}, {"errors": 0.0, "judge": 0.4, "reward_model": -1.0}]
+    assert watched(fns, parts) == {"proxy_reward": [0.8, 0.2, 0.4], "gold_reward": [0.5, 0.0]}
+    assert watched(fns, parts, reward_model=True)["proxy_reward"] == pytest.approx([0.8, 0.2, -0.3])
+    assert watched(fns[:1], parts) == {} and watched(fns[1:], parts) == {}
+    assert watched(fns[1:], parts, reward_model=True) == {"proxy_reward": [-1.0], "gold_reward": [0.5, 0.0]}
+    assert judge_model(["math", "judge:runs/j:0.5", "judge:other"]) == "runs/j" and judge_model(["math"]) == ""

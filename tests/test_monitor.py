@@ -458,6 +458,23 @@ def test_reward_hacking_pairs_only_steps_logging_both():
 
 
 
+def test_reward_hacking_reads_the_proxy_reward_where_a_run_logs_one():
+    """A GRPO step whose reward holds a judge's score and a verifier's logs proxy_reward (the judge's part) and
+    gold_reward: the rule reads proxy_reward in place of reward. Here the proxy climbs and the gold turns down at
+    step 30 (test_reward_hacking's stream) while the total reward stays flat (the judge's rise paid for by the
+    verifier's fall): the gaming shows against the proxy, not against the total; a run without proxy_reward is
+    read on its reward as before."""
+    def step(s):
+        return {"reward": 0.5, "proxy_reward": 0.01 * s, "gold_reward": 0.01 * s if s < 30 else 0.3 - 0.01 * (s - 30)}
+
+    m = feed([step(s) for s in range(80)])
+    assert fired(m, "reward_hacking") == [(42, "warn")] and m.events[0].metric == "proxy_reward"
+    total = [{k: v for k, v in step(s).items() if k != "proxy_reward"} for s in range(80)]
+    assert fired(feed(total), "reward_hacking") == []  # the total alone: nothing rises
+    m = feed([{"reward": r["proxy_reward"], "gold_reward": r["gold_reward"]} for r in map(step, range(80))])
+    assert fired(m, "reward_hacking") == [(42, "warn")] and m.events[0].metric == "reward"
+
+
 def test_heldout_hacking_by_hand():
     """gold 0.42 -> 0.33 on 200 problems: SE = sqrt((0.42·0.58 + 0.33·0.67) / 200) = 0.04808, a drop of 1.87 SE
     (quiet at min_z 2); 0.42 -> 0.31: SE 0.04782, 2.30 SE (fires) — only while the proxy rose > 0.05."""

@@ -199,6 +199,53 @@ def test_dpo_reference_live_precomputed_none():
     assert any("x 40 tokens" in n for n, _ in short.rows)  # padded to the data's longest pair, not --max-length
 
 
+CPU = P.Device("cpu", 1e12, 1, False, False, "test")
+
+
+def judge_forward(rows: int, tokens: int, b: int) -> float:
+    """One batch of the judge by hand (TINY: intermediate 16, hidden 8, vocabulary 32): a layer's widest tensors
+    rows x tokens x b x (3·16 + 2·8), and the last position's logits in the judge's dtype and in fp32."""
+    return rows * tokens * b * (3 * 16 + 2 * 8) + rows * 32 * (b + 4)
+
+
+def test_a_judge_adds_its_whole_weights_and_one_batch_of_its_forward():
+    """An LLM judge (grpo --reward judge:MODEL, ppo --judge, dpo --online --judge) is loaded whole on every process
+    outside DeepSpeed, fp32 on a CPU and bf16 on a GPU: every phase of the plan grows by its weights (not sharded
+    by ZeRO-3 over 2 processes, as the policy is), and the phase where it judges by one batch of its forward: at
+    most 16 texts of the rubric's characters + the prompt + the answers (two for a pairwise judge)."""
+    from align.judge import PAIR_RUBRIC, RUBRIC
+
+    judge = {"judge": P.Model("judge", A)}
+    flags = {"model": "x", "prompts_per_step": 4, "num_generations": 2, "max_new_tokens": 50}
+    grpo = build(GRPOConfig, None, {**flags, "reward": ["math", "judge:J:0.5"]})
+    assert GRPOPlan(grpo).models() == {"policy": "x", "judge": "J"}
+    for device, b in ((CPU, 4), (GPU, 2), (replace(GPU, world=2), 2)):
+        with_judge = P.estimate(GRPOPlan(grpo), {"policy": P.Model("policy", A), **judge}, device, P.Data(20))
+        without = P.estimate(GRPOPlan(build(GRPOConfig, None, flags)), {"policy": P.Model("policy", A)}, device,
+                             P.Data(20))
+        rows_ = 4 // device.world * 2  # this process's samples: fewer than a batch of 16
+        grown = {p: with_judge.total(p) - without.total(p) for p in with_judge.phases}
+        assert grown == pytest.approx({"rollout": N * b, "score": N * b + judge_forward(rows_, len(RUBRIC) + 70, b),
+                                       "update": N * b}), device
+    ppo = build(PPOConfig, None, {"model": "x", "reward_model": "", "judge": "J", "prompts_per_step": 64,
+                                  "minibatch_size": 32})
+    assert PPOPlan(ppo).models() == {"policy": "x", "value": "x", "judge": "J"}  # the value network: the policy's
+    models = {"policy": P.Model("policy", A), "value": P.Model("value", A, "score")}
+    r = rows(P.estimate(PPOPlan(ppo), {**models, **judge}, CPU, P.Data(10)))
+    assert r["judge: weights (whole on every process)"] == {"rollout": N * 4, "score": N * 4, "update": N * 4}
+    assert r[f"judge: forward (16 texts x {len(RUBRIC) + 10 + 48} tokens)"] == {
+        "score": judge_forward(16, len(RUBRIC) + 10 + 48, 4)}  # 64 episodes a step: batches of 16
+    assert "judge: forward" not in " ".join(rows(P.estimate(PPOPlan(build(PPOConfig, None, {"model": "x"})),
+                                                            {**models, "reward model": P.Model("rm", A, "score")},
+                                                            CPU, P.Data(10))))
+    dpo = build(DPOConfig, None, {"model": "x", "online": True, "judge": "J", "online_samples": 2, "batch_size": 4,
+                                  "max_new_tokens": 16})
+    assert DPOPlan(dpo).models() == {"policy": "x", "judge": "J"}
+    r = rows(P.estimate(DPOPlan(dpo), {"policy": P.Model("policy", A), **judge}, CPU, P.Data(10)))
+    tokens = len(PAIR_RUBRIC) + 10 + 2 * 16  # pairwise: both answers in one text
+    assert r[f"judge: forward (8 texts x {tokens} tokens)"] == {"rollout": judge_forward(8, tokens, 4)}
+
+
 def test_smallest_change_in_order():
     cfg = build(SFTConfig, None, {"model": "x", "micro_batch_size": 8, "eval_data": ""})
     policy = {"policy": P.Model("policy", A)}

@@ -43,6 +43,10 @@ fp32):
   rows a forward: its own phase).
 * where a step's no-gradient passes (π_old, π_ref, values, reward scores) run, the score phase holds the largest
   one: a layer's widest tensors for its rows (`inference_bytes`) and its logits.
+* an LLM judge (grpo --reward judge:MODEL, ppo --judge, dpo --online --judge): loaded whole on every process,
+  outside DeepSpeed (bf16 on a GPU, fp32 on a CPU), in every phase; its forward of one batch (align.judge.BATCH
+  texts of the rubric, the prompt and the answers) where the stage judges: the score phase (online DPO: the
+  rollout's) (`judge_terms`).
 """
 
 from __future__ import annotations
@@ -558,6 +562,29 @@ def frozen_weights(plan: Plan, models: dict, roles: tuple[str, ...], s: Setup) -
     for m in found:
         plan.add(f"{m.role}: weights", model_state(m, s)["weights"])
     return found
+
+
+def judge_tokens(rubric: str, prompt: int, answers: int) -> int:
+    """The tokens of one text an LLM judge reads: its rubric's characters (a bound: a token holds at least one, and
+    they leave room for the chat template's own tokens), the prompt's tokens and the answers' (`answers`: the
+    tokens of the one or two answers the judge reads at once)."""
+    return len(rubric) + prompt + answers
+
+
+def judge_terms(plan: Plan, models: dict, texts: int, tokens: int, s: Setup, phase: str) -> None:
+    """An LLM judge (align.judge.load; the stage's "judge" model, if any): its whole weights on every process, bf16
+    on a GPU and fp32 on a CPU (never partitioned by ZeRO-3 nor offloaded), in every phase of a trainer; and in
+    `phase`, its forward of one batch of min(`texts`, align.judge.BATCH) texts of `tokens` tokens without
+    gradients: a layer's widest tensors and the last position's logits (its own dtype, then fp32)."""
+    from align.judge import BATCH
+
+    judge = models.get("judge")
+    if judge is None:
+        return
+    b, a, rows = 2 if s.device == "cuda" else 4, judge.arch, min(texts, BATCH)
+    plan.add("judge: weights (whole on every process)", judge.params * b)
+    plan.add(f"judge: forward ({rows} texts x {tokens} tokens)",
+             rows * tokens * b * (3 * a.intermediate + 2 * a.hidden) + rows * a.vocab * (b + 4), phase)
 
 
 def score_terms(plan: Plan, models: list[Model], rows: int, length: int, s: Setup) -> None:

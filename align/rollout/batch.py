@@ -32,6 +32,7 @@ class Rollout:
     rewards: torch.Tensor | None = None  # [P, G]
     valid: torch.Tensor | None = None  # [P, G]: 1 where every reward function returned a number
     parts: dict[str, list[float]] = field(default_factory=dict)  # per reward function: the values it returned
+    watched: dict[str, list[float]] = field(default_factory=dict)  # proxy_reward / gold_reward (judge.watched)
 
     @property
     def sample_rows(self) -> list[dict]:

@@ -12,6 +12,10 @@ from benchmarks.mutants import Mutation
 
 M = Mutation
 W = "tests/test_grpo_wiring.py::"
+LEARNS = "tests/test_judge_learning.py::test_a_judge_reward_trains_the_policy_toward_what_its_rubric_asks"
+HELD_OUT = "tests/test_judge_learning.py::test_held_out_answers_carry_the_judge_score"
+WATCHED = "tests/test_judge.py::test_what_the_stages_take_from_the_judge"
+RUBRIC_READ = "tests/test_judge_stages.py::test_grpo_judge_reward_reads_its_rubric_and_is_the_proxy_beside_a_verifier"
 REF = W + "test_the_reference_is_the_frozen_start_and_the_kl_term_is_beta_times_k3"
 KL_GRAD = W + "test_the_kl_term_alone_pulls_the_policy_back_to_the_reference"
 CLIP = W + "test_old_logprobs_are_the_pre_update_policy_and_the_ratio_is_clipped_on_both_sides"
@@ -295,6 +299,19 @@ MUTATIONS: list[Mutation] = [
     M("grpo wiring: tokens_per_s over the update's time", G,
       'stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/generate"], 1e-9))',
       'stats.sum("completions/tokens_per_s", lengths.sum() / max(times["time/update"], 1e-9))', (WHOLE,)),
+    # an LLM judge (--reward judge:MODEL): its rubric, the proxy and gold RLMonitor watches, the held-out answers
+    M("grpo judge: --judge-rubric ignored (the default rubric read)", G,
+      "self.reward_fns = parse_rewards(cfg.reward, judge_rubric=cfg.rubric())", "self.reward_fns = parse_rewards(cfg.reward)",
+      (RUBRIC_READ,)),
+    M("grpo judge: the gold reward watched without the verifiers weighted 0", "align/judge.py",
+      "gold = [f.name for f in fns if f.fn is not None and f.name not in LEARNED]",
+      "gold = [f.name for f in fns if f.fn is not None and f.name not in LEARNED and f.weight]", (RUBRIC_READ, WATCHED)),
+    M("grpo judge: the proxy and the gold reward swapped", "align/judge.py",
+      'for key, names in (("proxy_reward", proxy), ("gold_reward", gold)):',
+      'for key, names in (("proxy_reward", gold), ("gold_reward", proxy)):', (WATCHED, LEARNS)),
+    M("grpo judge: the held-out greedy answers not judged", G,
+      "recs, judged = judged_eval(self.reward_fns, recs, self.run.monitor.history, step)", "judged = {}",
+      (HELD_OUT,)),
 ]
 
 AUDIT: list[Mutation] = [

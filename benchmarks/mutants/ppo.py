@@ -24,6 +24,9 @@ LR = T + "test_the_lr_schedule_runs_over_the_optimiser_steps_with_warmup_and_the
 EVAL = T + "test_evaluate_scores_the_greedy_held_out_answers_with_the_reward_model"
 PTXSFT = T + "test_ptx_from_sft_data_is_the_lm_loss_of_the_completions_only"
 PPO = "stages/ppo.py"
+JS = "tests/test_judge_stages.py::"
+JUDGE_COEF = JS + "test_ppo_judge_score_times_its_coef_is_added_to_the_reward_models"
+JUDGE_ALONE = JS + "test_ppo_on_the_judge_alone_starts_its_value_network_from_the_policy"
 
 MUTATIONS: list[Mutation] = [
     M("ppo wiring: eval/kl read from the per-token kl, not the per-episode objective/kl", PPO,
@@ -159,7 +162,8 @@ MUTATIONS: list[Mutation] = [
       "derive(self.cfg.seed, step, epoch, first + j)", "derive(0, step, epoch, first + j)", (ORDER,)),
     # the models and optimisers behind the losses
     M("ppo wiring: --value-model ignored (V starts from the RM)", PPO,
-      '"value": resolve(cfg.value_model, expect=None) if cfg.value_model else rm}', '"value": rm}', (ADV,)),
+      '"value": resolve(cfg.value_model, expect=None) if cfg.value_model else rm or policy,', '"value": rm or policy,',
+      (ADV,)),
     M("ppo wiring: V_old read from the reward model, not the value network", PPO,
       "old_values = batched_values(self.value, batch, self.micro) * mask",
       "old_values = batched_values(self.rm, batch, self.micro) * mask", (ADV,)),
@@ -227,7 +231,7 @@ MUTATIONS: list[Mutation] = [
     M("ppo wiring: the gold_reward metric logs the RM's score", PPO,
       'stats.mean("gold_reward", gold.sum(), n)', 'stats.mean("gold_reward", proxy.sum(), n)', (GOLD,)),
     M("ppo wiring: eval/reward from the value network's head", PPO,
-      'r = score(self.rm, self.rm_tok, [x["prompt"] for x in recs]', 'r = score(self.value, self.rm_tok, [x["prompt"] for x in recs]',
+      "rm = score(algo.rm, algo.rm_tok, prompts, answers, 64)", "rm = score(algo.value, algo.rm_tok, prompts, answers, 64)",
       (EVAL,)),
     M("ppo wiring: the sampler ignores --top-p", PPO,
       "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p)",
@@ -304,4 +308,14 @@ MUTATIONS: list[Mutation] = [
     M("ppo wiring: final_metrics' first and last windows swapped", PPO,
       'part = series[:w] if name == "first" else series[-w:]', 'part = series[-w:] if name == "first" else series[:w]',
       (LR,)),
+    # an LLM judge (--judge): its weight, the value network without a reward model, the held-out answers' scores
+    M("ppo judge: --judge-coef ignored", PPO,
+      'proxy = proxy + cfg.judge_coef * torch.tensor(r.parts["judge"], device=device)',
+      'proxy = proxy + torch.tensor(r.parts["judge"], device=device)', (JUDGE_COEF,)),
+    M("ppo judge: without a reward model the value network from the judge, not the policy", PPO,
+      '"value": resolve(cfg.value_model, expect=None) if cfg.value_model else rm or policy,',
+      '"value": resolve(cfg.value_model, expect=None) if cfg.value_model else rm or resolve(cfg.judge, expect=None),',
+      (JUDGE_ALONE,)),
+    M("ppo judge: the held-out greedy answers scored without --judge-coef", PPO,
+      'proxy + algo.cfg.judge_coef * judged', "proxy + judged", (JUDGE_ALONE,)),
 ]

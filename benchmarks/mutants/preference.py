@@ -21,6 +21,8 @@ RMJ = T + "test_online_pairs_ranked_by_the_reward_model_option"
 PASS = T + "test_pass_at_1_on_the_first_eval_samples_greedy_with_the_verifier"
 OPTIM = T + "test_optimiser_options_and_columns_reach_the_step"
 JP = "align/judge_pairs.py"
+JUDGE_TWO = "tests/test_judge_stages.py::test_online_dpo_two_samples_are_ranked_by_the_judge_in_both_orders"
+JUDGE_MORE = "tests/test_judge_stages.py::test_online_dpo_more_samples_are_ranked_by_the_judges_expected_score"
 JT = "tests/test_judge_prefs.py::"
 JUDGED = JT + "test_pairwise_chosen_is_the_side_the_judge_prefers_in_both_orders"
 BY_HAND = JT + "test_ranking_and_margins_by_hand"
@@ -98,8 +100,8 @@ MUTATIONS: list[Mutation] = [
     M("dpo wiring: online chosen = the worst sample, rejected = the best", F,
       "best, worst = scores.argmax(1), scores.argmin(1)", "best, worst = scores.argmin(1), scores.argmax(1)",
       (ONLINE,)),
-    M("dpo wiring: online ties keep a weight", F, "(scores[rows, best] > scores[rows, worst]).float()",
-      "(scores[rows, best] >= scores[rows, worst]).float()", (ONLINE,)),
+    M("dpo wiring: online ties keep a weight", F, "(scores[rows, best] - scores[rows, worst] > tie).float()",
+      "(scores[rows, best] - scores[rows, worst] >= tie).float()", (ONLINE,)),
     M("dpo wiring: online samples drawn from the reference", F, "done = generate_on_rank(self.policy.eng,",
       "done = generate_on_rank(self.reference,", (ONLINE,)),
     M("dpo wiring: --online-every ignored (new samples every step)", F, "if step not in self.buffer:", "if True:",
@@ -206,4 +208,12 @@ MUTATIONS: list[Mutation] = [
     M("judge pairs: --judge-margin ignored (every pair the judge does not tie kept)", JP,
       'return pair["judge_margin"] > TIE and pair["judge_margin"] >= min_margin',
       'return pair["judge_margin"] > TIE', (MARGIN,)),
+    # online DPO ranked by an LLM judge (--online --judge)
+    M("dpo judge: the pairwise verdict given to the other sample", "align/judge.py",
+      "return torch.stack([p, 1.0 - p], 1).flatten()", "return torch.stack([1.0 - p, p], 1).flatten()", (JUDGE_TWO,)),
+    M("dpo judge: an even verdict of identical samples kept as a pair", F,
+      "best, worst, weights = best_worst(scores, TIE if self.lm_judge is not None else 0.0)",
+      "best, worst, weights = best_worst(scores)", (JUDGE_TWO,)),
+    M("dpo judge: --judge-rubric ignored with more than 2 samples", F,
+      "else (rubric or RUBRIC, PAIR_RUBRIC)", "else (RUBRIC, PAIR_RUBRIC)", (JUDGE_MORE,)),
 ]
