@@ -55,8 +55,10 @@ def relaunch(cfg, stage: str) -> None:
               f"--master_port={cfg.master_port}"] if nnodes > 1 else [f"--master_port={free_port()}"])
     launch = [f"--nproc_per_node={nproc}", *nodes]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "align", *argv]
+    from align.reward_http import redact_arg  # a reward URL's credentials not shown
+
     console.print(f"[dim]launching {nproc} process(es){f' on node {cfg.node_rank} of {nnodes}' if nnodes > 1 else ''}: "
-                  f"torchrun {' '.join(launch)} -m align {' '.join(argv)}[/]")
+                  f"torchrun {' '.join(launch)} -m align {' '.join(map(redact_arg, argv))}[/]")
     import time
 
     started = time.time()

@@ -54,12 +54,14 @@ COMMANDS = (
             "trains on them: the tokens of each, which carry loss, and their counts.", positional=("data",)),
     Command(("report",), "align.report", "ReportConfig", "Dashboard PNG of a run's metrics (several runs: overlaid).",
             entry="run_report", positional=("runs",)),
+    Command(("reward", "serve"), "align.reward_serve", "ServeConfig", "Serve a reward function or reward model over "
+            "HTTP, for --reward http://HOST:PORT/NAME.", positional=("reward",)),
     Command(("export",), "align.export", "ExportConfig", "Export a run's model as a plain transformers model (LoRA "
             "merged) with its tokenizer, chat template and a model card of its lineage.", entry="run",
             positional=("run",)),
 )
 
 GROUPS = {"rm": "Bradley-Terry reward model: train, eval, score.", "model": "Create models.",
-          "data": "Generate and inspect datasets.", "pipeline": "Run a chain of stages from a TOML file."}
+          "data": "Generate and inspect datasets.", "reward": "Serve rewards over HTTP.", "pipeline": "Run a chain of stages from a TOML file."}
 
 KINDS: dict[str, Command] = {c.kind: c for c in COMMANDS if c.kind}

@@ -274,8 +274,8 @@ GROUP_REWARDS = ("length", "env")  # no function of a completion: the stage comp
 @dataclass
 class RewardFn:
     """A reward function of --reward (or a verifier): `fn` None for a group reward (length); `batched`: its form
-    (`is_batched`); `path`: the user's file it was loaded from (None for a registered one); `spec`: how the user
-    named it (file.py:FUNCTION)."""
+    (`is_batched`); `path`: the user's file it was loaded from, or the URL it is served at (None for a registered
+    one); `spec`: how the user named it (file.py:FUNCTION; a URL with its credentials hidden)."""
 
     name: str
     weight: float
@@ -437,12 +437,32 @@ def spec_file(spec: str) -> str | None:
     return parts[0] if len(parts) == 2 and parts[0].endswith(".py") else None
 
 
+def _is_url(spec) -> bool:
+    from align.reward_http import is_url
+
+    return is_url(spec)
+
+
+def _url_reward(spec: str, flag: str) -> RewardFn:
+    """The reward a URL serves (align.reward_http): batched, named by the URL's last path segment, its spec and
+    path the URL with its credentials hidden."""
+    from align.reward_http import HttpReward, split_spec
+
+    url, weight = split_spec(spec)
+    client = HttpReward(url, flag)
+    return RewardFn(client.name, weight, client, True, client.shown, client.shown)
+
+
 def parse_rewards(specs: list[str], flag: str = "--reward", judge_rubric: str = "") -> list[RewardFn]:
     """The reward functions of --reward specs NAME[:WEIGHT], rg:TASK[:WEIGHT], file.py:FUNCTION[:WEIGHT],
-    judge:MODEL[:WEIGHT] (`flag` names the option in messages; `judge_rubric`: the judge's rubric text, default
-    align.judge.RUBRIC); a user function is checked against its form (`check_form`)."""
+    judge:MODEL[:WEIGHT], http(s)://HOST:PORT/PATH[:WEIGHT] (`flag` names the option in messages; `judge_rubric`:
+    the judge's rubric text, default align.judge.RUBRIC); a user function is checked against its form
+    (`check_form`)."""
     out = []
     for spec in specs:
+        if _is_url(spec):  # http(s)://HOST:PORT/PATH[:WEIGHT]: a reward served over HTTP (align.reward_http)
+            out.append(_url_reward(spec, flag))
+            continue
         parts, weight = _split(spec)
         if len(parts) == 2 and (parts[0] in REWARDS or parts[0] in GROUP_REWARDS):
             raise UserError(f"{flag} {spec}: the weight {parts[1]!r} is not a number (NAME:WEIGHT, e.g. "
@@ -474,7 +494,8 @@ def parse_rewards(specs: list[str], flag: str = "--reward", judge_rubric: str = 
         else:
             known = ", ".join([*REWARDS, *GROUP_REWARDS])
             raise UserError(f"{flag} {spec}: unknown reward; built-ins: {known}, rg:TASK (reasoning-gym), "
-                            "judge:MODEL (an LLM judge), or path/to/file.py:FUNCTION.")
+                            "judge:MODEL (an LLM judge), path/to/file.py:FUNCTION, or http://HOST:PORT/PATH (a "
+                            "reward server).")
     if not out:
         raise UserError("give at least one --reward (e.g. --reward math).")
     if any(r.name == "length" for r in out) and not any(r.name == "math" for r in out):
@@ -484,8 +505,9 @@ def parse_rewards(specs: list[str], flag: str = "--reward", judge_rubric: str = 
 
 class RewardError(Exception):
     """A reward that failed on a completion: `kind` raised, input (raised UserError: a registered reward refused the
-    data, e.g. math an answer that is no number), timeout, value (NaN, inf) or type (not a number: a bug in the
-    function, which the probe refuses whatever --on-reward-error says)."""
+    data, e.g. math an answer that is no number; a URL: the server refused the request, HTTP 4xx, or could not be
+    reached), timeout, value (NaN, inf) or type (not a number: a bug in the function, which the probe refuses
+    whatever --on-reward-error says)."""
 
     def __init__(self, message: str, kind: str = "raised"):
         super().__init__(message)
@@ -607,9 +629,13 @@ def _call_batched(r: RewardFn, rows: list[dict], completions: list[str], ids, ti
     """call_rewards of a batched function: one call, then each value checked."""
     n = len(completions)
     where = f"a batch of {n} completions, the first {completions[0]!r}" if n else "no completions"
+    timed = getattr(r.fn, "timed", None)  # a URL's client: limits each request itself, reports its own failures
     try:
-        with _time_limit(timeout * n):
-            out = r.fn(**batch_kwargs(rows, completions, ids))
+        if timed is not None:
+            out = timed(timeout, **batch_kwargs(rows, completions, ids))
+        else:
+            with _time_limit(timeout * n):
+                out = r.fn(**batch_kwargs(rows, completions, ids))
     except _TimeUp:
         return [RewardError(f"reward {r.name!r} took longer than {timeout * n:g} s (--reward-timeout {timeout:g} s "
                             f"a completion) on {where}", "timeout")] * n
@@ -623,7 +649,7 @@ def _call_batched(r: RewardFn, rows: list[dict], completions: list[str], ids, ti
     values = []
     for v, c in zip(out, completions):
         try:
-            values.append(None if v is None else _checked(r, v, c))
+            values.append(v if v is None or isinstance(v, RewardError) else _checked(r, v, c))
         except RewardError as e:
             values.append(e)
     return values
@@ -711,8 +737,10 @@ def _probe_one(r: RewardFn, rows: list[dict], flag: str, timeout: float, tokeniz
         ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts] if tokenizer is not None else None
         values = _probe_values(r, rows, texts, ids, timeout)
         if wrong := next((v for v in values if isinstance(v, RewardError) and v.kind == "type"), None):
+            fix = (wrong.fix() if type(wrong) is not RewardError else  # a URL's: the protocol, not the two forms
+                   f"{RETURNS} The two forms:\n{forms(getattr(r.fn, '__name__', r.name))}")
             raise UserError(f"{flag} {spec}: {wrong} (one of the first rows of {where}, before any model is built). "
-                            f"{RETURNS} The two forms:\n{forms(getattr(r.fn, '__name__', r.name))}", option=option)
+                            f"{fix}", option=option)
         if any(not isinstance(v, RewardError) for v in values):
             return
         failures.append(values[0])
@@ -735,10 +763,10 @@ def verifier_fn(name: str) -> RewardFn:
     fn = lookup(name)
     if fn is not None:
         return RewardFn(name, 1.0, fn)
-    if ".py:" in name or name.startswith("python:"):
+    if ".py:" in name or name.startswith("python:") or _is_url(name):
         return parse_rewards([name], "--verifier")[0]
-    raise UserError(f"--verifier must be auto, one of {', '.join(REWARDS)}, rg:TASK or file.py:FUNCTION, "
-                    f"not {name!r}.")
+    raise UserError(f"--verifier must be auto, one of {', '.join(REWARDS)}, rg:TASK, file.py:FUNCTION or "
+                    f"http://HOST:PORT/PATH, not {name!r}.")
 
 
 def verify(fn: Callable, row: dict, completion: str, ids: list[int] | None = None) -> bool:
@@ -798,7 +826,8 @@ def choose_verifier(setting: str, rows: list[dict], tokenizer=None, where: str =
     """The verifier of `setting` (--verifier: a name, or auto) for `rows`, tried on their first rows (`probe`)
     before any model is built."""
     name, why = auto_verifier(rows) if setting == "auto" else (setting, "")
-    v = Verifier(name, why, verifier_fn(name))
+    fn = verifier_fn(name)
+    v = Verifier(fn.spec if _is_url(name) else name, why, fn)  # a URL as shown: its credentials hidden
     probe([v.fn], rows, "--verifier", tokenizer=tokenizer, where=where)
     return v
 

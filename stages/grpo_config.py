@@ -19,8 +19,9 @@ from align.rewards import parse_rewards
 @defaults(out="runs/grpo", max_steps=150, lr=ByModel(5e-5, pretrained=1e-6), schedule="constant", warmup_steps=5,
           micro_batch_size=0, eval_every=0)
 class GRPOConfig(RLConfig):
-    reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT], file.py:FUNCTION[:WEIGHT] or judge:MODEL[:WEIGHT] (an "
-                                      "LLM judge's score in [0, 1]); repeat for several. A function is per sample, "
+    reward: list[str] = opt(["math"], "Reward NAME[:WEIGHT], file.py:FUNCTION[:WEIGHT], judge:MODEL[:WEIGHT] (an "
+                                      "LLM judge's score in [0, 1]) or http://HOST:PORT/PATH[:WEIGHT] (a reward "
+                                      "server: `align reward serve`); repeat for several. A function is per sample, "
                                       "fn(prompt, completion, **row) -> float, or batched as TRL's, fn(prompts, "
                                       "completions, **kwargs) -> list[float] (docs/rewards.md).",
                             code=True)
@@ -33,7 +34,8 @@ class GRPOConfig(RLConfig):
                                        "whose reward failed. A wrong signature or return type fails before the "
                                        "model loads, whatever this says.", choices=("fail", "skip", "zero"))
     reward_timeout: float = opt(30.0, "Seconds a reward function may take on one completion (a batched function: "
-                                      "this times its batch's completions; 0: no limit).", ge=0)
+                                      "this times its batch's completions; 0: no limit). A URL: each request's "
+                                      "limit (0: 30).", ge=0)
     judge_rubric: str = opt("", "With --reward judge:MODEL: the judge's rubric, a text file with {prompt} and "
                                 "{completion} where they go, ending where the judge writes its score digit 0-9 "
                                 "(default: correctness, helpfulness and concision).", path=True, user_file=True)

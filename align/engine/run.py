@@ -53,6 +53,7 @@ from align.errors import Terminated, UserError
 from align.lora import AdaptersOff, check_targets, is_peft, with_lora
 from align.models import skeleton
 from align.optim import AdamWSR
+from align.reward_http import redacted
 
 __all__ = ["RATES", "Output", "StageRun", "chunks", "seed_all", "step_indices", "train"]
 
@@ -124,7 +125,7 @@ class StageRun(StepLoop, Saves):
         self.cfg, self.stage, self.out = cfg, stage, Path(cfg.out)
         self.training: TrainConfig | None = cfg if isinstance(cfg, TrainConfig) else None
         outdir.check(cfg, stage)  # at once: a refused --out is said before the inputs are read
-        self.settings = as_dict(cfg)
+        self.settings = redacted(as_dict(cfg))  # a reward URL's credentials hidden (align.reward_http)
         self.layout: Layout | None = None  # set by open (distributed)
         self.dist: runtime.Dist | None = None
         self.writer: ArtifactWriter | None = None

@@ -1,7 +1,7 @@
 """Wiring mutations of stages/grpo.py, the rollout queue (align/rollout/queue.py) and the rollout
 (align/rollout/batch.py, the samplers' log-probs in align/rollout/generation.py and align/rollout/fast/decoder.py),
 caught by tests/test_grpo_wiring.py; and of how reward functions are called (align/rewards.py), caught by
-tests/test_reward_forms.py.
+tests/test_reward_forms.py, and rewards served over HTTP (align/reward_http.py), by tests/test_reward_http.py.
 
 MUTATIONS: the benchmark's. AUDIT: more mutations of the same kinds, each checked to be caught by the tests it
 names too, left out of the default run to keep CI short (`python -m benchmarks.mutations --mutants FILE` runs a
@@ -39,6 +39,8 @@ FORMS = "tests/test_reward_forms.py::"
 NONE = FORMS + "test_none_is_does_not_apply_and_left_out_of_the_sum_as_trl_does"
 CHAT = FORMS + "test_conversational_prompts_give_a_batched_function_message_lists_and_a_per_sample_one_text"
 SAME = FORMS + "test_a_batched_and_a_per_sample_reward_of_the_same_thing_give_the_same_rewards"
+HTTP, H = "tests/test_reward_http.py::", "align/reward_http.py"
+RETRY = HTTP + "test_a_5xx_and_a_hang_are_tried_again_a_4xx_and_a_wrong_count_are_not"
 
 EOS_HF = W + "test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token[False]"
 EOS_FAST = W + "test_rollouts_end_at_their_first_eos_kept_with_one_sampler_logprob_per_kept_token[True]"
@@ -183,6 +185,27 @@ MUTATIONS: list[Mutation] = [
     M("rewards: a batched function gets the first row's columns for every row", "align/rewards.py",
       "kwargs.update({k: [row.get(k) for row in rows] for k in columns})",
       "kwargs.update({k: [rows[0].get(k) for row in rows] for k in columns})", (SAME,)),
+    # ---- rewards served over HTTP (align/reward_http.py): retries, the count, the time limit, chunks, credentials
+    M("rewards over HTTP: a 5xx not tried again", H, "                if e.code < 500:",
+      "                if e.code < 600:", (RETRY,)),
+    M("rewards over HTTP: a 4xx tried again", H, "                if e.code < 500:",
+      "                if e.code < 400:", (RETRY,)),
+    M("rewards over HTTP: an answer with too few rewards read as far as it goes", H, "        if len(rewards) != n:",
+      "        if len(rewards) > n:", (RETRY,)),
+    M("rewards over HTTP: --reward-timeout not given to the client", "align/rewards.py",
+      "out = timed(timeout, **batch_kwargs(rows, completions, ids))",
+      "out = timed(0.0, **batch_kwargs(rows, completions, ids))", (RETRY,)),
+    M("rewards over HTTP: chunks reassembled out of order", H, "chunks = list(pool.map(one, spans))",
+      "chunks = list(pool.map(one, spans))[::-1]", (HTTP + "test_the_batch_goes_out_in_chunks_on_threads_and_comes_back_in_order",)),
+    M("rewards over HTTP: a server's per-completion errors read as values", "align/rewards.py",
+      "values.append(v if v is None or isinstance(v, RewardError) else _checked(r, v, c))",
+      "values.append(None if v is None else _checked(r, v, c))",
+      (HTTP + "test_the_answers_values_null_errors_non_numbers_and_nan_are_read_per_completion",)),
+    M("rewards over HTTP: a URL's password shown", H, '("***@" + parts.netloc.rsplit("@", 1)[1])',
+      "(parts.netloc)", (HTTP + "test_credentials_are_hidden_wherever_a_url_is_shown_or_recorded",)),
+    M("rewards over HTTP: artifact.json records the URL's credentials", "align/engine/run.py",
+      "self.settings = redacted(as_dict(cfg))", "self.settings = as_dict(cfg)",
+      (HTTP + "test_grpo_scores_through_a_server_as_it_does_in_process",)),
     # ---- rewards, the reward model, --on-reward-error zero, --reward-timeout, --advantage, --loss
     M("grpo wiring: --reward-model-weight scales every reward", G,
       "r.rewards += self.cfg.reward_model_weight * r.grouped(rm)",
