@@ -167,6 +167,9 @@ class HttpReward:
                                              parts.query, ""))
         self._headers = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": "align"}
         if token := os.environ.get(TOKEN_ENV, "").strip():
+            if not re.fullmatch(r"[\x21-\x7e]+", token):  # said without the token: an error would quote the header
+                raise UserError(f"{TOKEN_ENV}: holds white space or characters other than printable ASCII, which an "
+                                "HTTP header cannot carry; set it to the token alone.")
             self._headers["Authorization"] = f"Bearer {token}"
         elif parts.username is not None:
             pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
@@ -241,6 +244,8 @@ class HttpReward:
                     what, kind, detail = _reason(e.reason), "input", ""
             except (http.client.HTTPException, OSError) as e:  # the connection broke mid-request
                 what, kind, detail = f"the connection failed ({_reason(e)})", "raised", ""
+            except ValueError as e:  # a request http.client refuses to make; its words may quote the URL or a header
+                return None, self._error(f"the request could not be made ({type(e).__name__})", "input")
             if attempt + 1 < tries:
                 time.sleep(self.backoff * 2 ** attempt)
         times = f" ({tries} tries)" if tries > 1 else ""

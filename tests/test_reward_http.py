@@ -169,6 +169,9 @@ def test_a_url_spec_is_a_batched_reward_with_its_weight_after_the_path():
             parse_rewards([bad])
     with pytest.raises(UserError, match="ALIGN_REWARD_RETRIES"):
         client("http://h/x", ALIGN_REWARD_RETRIES="-1")
+    with pytest.raises(UserError, match="ALIGN_REWARD_TOKEN: holds white space") as e:
+        client("http://h/x", ALIGN_REWARD_TOKEN="s3cr3t\nX-Evil: 1")
+    assert "s3cr3t" not in str(e.value)
 
 
 def test_credentials_are_hidden_wherever_a_url_is_shown_or_recorded():
