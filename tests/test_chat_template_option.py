@@ -46,7 +46,7 @@ def test_every_command_that_loads_a_models_tokenizer_takes_the_option():
 
     takes = {" ".join(c.words) for c in registry.COMMANDS
              if "chat_template" in {f.name for f in dataclasses.fields(c.config_class())}}
-    assert takes == {"sft", "rm train", "rm eval", "rm score", "ppo", "dpo", "grpo", "eval", "data show"}
+    assert takes == {"sft", "rm train", "rm eval", "rm score", "ppo", "dpo", "grpo", "eval", "data show", "data make"}
 
 
 BAD = {  # file text (None: no such file) -> what the message says
