@@ -235,10 +235,17 @@ def judged_records(judge: Judge, records: list[dict]) -> tuple[list[dict], float
 
 
 def judge_model(specs: list[str]) -> str:
-    """The model of the first judge:MODEL[:WEIGHT] among --reward specs ('' : none), as parse_rewards reads it."""
-    from align.rewards import _split
+    """The model of the first judge:MODEL[:WEIGHT] among --reward specs ('' : none), as parse_rewards reads it
+    (align.rewards imports this module: the spec is split here)."""
+    import re
 
-    return next((parts[1] for parts, _ in map(_split, specs) if parts[0] == "judge" and len(parts) == 2), "")
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) > 1 and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", parts[-1]):
+            parts.pop()
+        if parts[0] == "judge" and len(parts) == 2:
+            return parts[1]
+    return ""
 
 
 def the_judge(fns: list) -> Judge | None:

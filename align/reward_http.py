@@ -39,7 +39,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 from align.errors import UserError
-from align.rewards import RewardError, as_number
+from align.reward_errors import RewardError, as_number
 
 SCHEMES = ("http://", "https://")
 TIMEOUT_S = 30.0  # a request's limit where the stage gives none (--reward-timeout 0, ppo, --verifier)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 from align.errors import UserError
+from align.reward_errors import RETURNS, RewardError, as_number  # noqa: F401  (re-exported)
 
 # A number: optional sign (only where it cannot be a binary minus), an integer with optional
 # thousands groups or a decimal, then an optional exponent ("4.9558e+02") or "/denominator".
@@ -297,9 +298,6 @@ class RewardFn:
 BATCH_PARAMS = ("prompts", "completions")
 BATCH_KEYWORDS = (*BATCH_PARAMS, "completion_ids")  # what a batched function is always given, beside the columns
 PROBE_ROWS = 4  # the data rows a function is tried on before any model is built
-RETURNS = ("A reward is a number (float, int, bool or a NumPy scalar); a batched function returns a list of them, "
-           "one per completion, None where the reward does not apply.")
-
 
 def is_batched(fn: Callable) -> bool:
     """The form of a reward function: its `batched` attribute where it sets one (True or False: the explicit
@@ -503,25 +501,6 @@ def parse_rewards(specs: list[str], flag: str = "--reward", judge_rubric: str = 
     return out
 
 
-class RewardError(Exception):
-    """A reward that failed on a completion: `kind` raised, input (raised UserError: a registered reward refused the
-    data, e.g. math an answer that is no number; a URL: the server refused the request, HTTP 4xx, or could not be
-    reached), timeout, value (NaN, inf) or type (not a number: a bug in the function, which the probe refuses
-    whatever --on-reward-error says)."""
-
-    def __init__(self, message: str, kind: str = "raised"):
-        super().__init__(message)
-        self.kind = kind
-
-    def fix(self) -> str:
-        """What to do, for a run that stops on it."""
-        if self.kind == "type":
-            return RETURNS
-        if self.kind == "input":
-            return "Fix the data, or pass --on-reward-error skip|zero."
-        return "Fix the function, or pass --on-reward-error skip|zero."
-
-
 class _TimeUp(BaseException):  # not an Exception: a user function's `except Exception` must not swallow it
     pass
 
@@ -567,17 +546,6 @@ def batch_kwargs(rows: list[dict], completions: list[str], ids: list | None = No
     columns = dict.fromkeys(k for row in rows for k in row_fields(row) if k not in BATCH_KEYWORDS)
     kwargs.update({k: [row.get(k) for row in rows] for k in columns})
     return kwargs
-
-
-def as_number(value) -> float | None:
-    """A reward value as a float: anything float() takes but text and arrays (a bool, an int, a NumPy scalar, a
-    0-d tensor); None when it is not one."""
-    if isinstance(value, (str, bytes)) or getattr(value, "ndim", 0) or not hasattr(value, "__float__"):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _checked(r: RewardFn, value, completion) -> float:

@@ -370,8 +370,10 @@ def test_a_reward_model_is_served_with_its_normalised_score(tiny_reward_model_di
 
 
 def test_align_reward_serve_prints_its_url_serves_and_stops_on_ctrl_c(served):
+    # as a terminal starts it: SIGINT at its default (a test worker may ignore it, and a child inherits that)
     proc = subprocess.Popen([sys.executable, "-m", "align", "reward", "serve", f"{served}:parity", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=align_env(), cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=align_env(), cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         url = line.split(" at ", 1)[1].split()[0]
