@@ -15,7 +15,9 @@ and the CPU path of the tests).
 
 from __future__ import annotations
 
+import functools
 import inspect
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -29,18 +31,14 @@ _SDPA = None  # transformers' SDPA attention function
 
 def cu_seqlens(lengths: list[int], device=None) -> torch.Tensor:
     """Cumulative sequence lengths [0, l₀, l₀+l₁, …] (int32, as flash-attention takes them)."""
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=device)
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 def _segments(q_TH, k_TH, v_TH, cu: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of each segment [cu_i, cu_{i+1}) of the flat [T, H, D] tensors on its own (SDPA per
     segment, grouped-query heads expanded): the definition varlen attention computes."""
     out = torch.empty_like(q_TH)
-    b = cu.tolist()
-    for s, e in zip(b[:-1], b[1:]):
+    for s, e in itertools.pairwise(cu.tolist()):
         if e == s:
             continue
         q, k, v = (x[s:e].transpose(0, 1)[None] for x in (q_TH, k_TH, v_TH))  # [1, H, n, D]
@@ -49,6 +47,7 @@ def _segments(q_TH, k_TH, v_TH, cu: torch.Tensor, scale: float) -> torch.Tensor:
     return out
 
 
+@functools.cache
 def _kernel():
     """PyTorch's varlen_attn (None where this torch has none) and the names of its parameters: its signature
     grew over releases (is_causal, then scale, window_size, enable_gqa)."""
@@ -84,8 +83,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     them), else transformers' SDPA attention."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        return _SDPA(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return _SDPA(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if dropout or kwargs.get("sliding_window"):
         raise NotImplementedError("packed forwards take no attention dropout nor sliding window")
     B, Hq, T, D = query.shape
@@ -95,23 +93,16 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return out.view(B, T, Hq, D), None
 
 
-def _mask(*args, **kwargs):
-    """The mask of a forward under `attention`: transformers' SDPA mask (a packed forward's goes unused)."""
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
-
-
 def register() -> None:
     global _KERNEL, _TAKES, _SDPA
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     _KERNEL, _TAKES = _kernel()
     _SDPA = sdpa_attention_forward
     AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, _mask)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # its usual mask; a packed forward's goes unused
 
 
 def available(module) -> bool:

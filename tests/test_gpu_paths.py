@@ -8,6 +8,15 @@ from align import runtime
 from align.engine import build
 
 
+def tiny_qwen2_cuda():
+    """A 2-layer Qwen2 (grouped K/V heads, q/k/v biases) in bf16 on the GPU, seeded: the GPU kernels' test model."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                                        num_key_value_heads=2, intermediate_size=512, vocab_size=1000)).cuda().bfloat16()
+
+
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -261,11 +270,7 @@ def test_split_kv_decode_attention_equals_sdpa_in_bf16_and_in_the_compiled_decod
         want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                                 attn_mask=bias[:, None, None], scale=128**-0.5)
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-                                     num_key_value_heads=2, intermediate_size=512, vocab_size=1000)).cuda().bfloat16()
+    m = tiny_qwen2_cuda()
     prompts = [[5 + i, 7, 9 + 2 * i][: 1 + i % 3] for i in range(8)]
     outs = {}
     for impl in ("split", "sdpa"):
@@ -290,16 +295,9 @@ def test_varlen_packed_forward_equals_the_padded_one_in_bf16_eager_and_compiled(
     recompile after the second."""
     import torch._dynamo
     from torch._dynamo.utils import counters
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from align import varlen as V
     from align.logprobs import logprobs
-
-    def model():
-        torch.manual_seed(0)
-        m = Qwen2ForCausalLM(Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-                                         num_key_value_heads=2, intermediate_size=512, vocab_size=1000))
-        return m.cuda().bfloat16()
 
     def batch(lengths, seed):
         g = torch.Generator().manual_seed(seed)
@@ -320,7 +318,7 @@ def test_varlen_packed_forward_equals_the_padded_one_in_bf16_eager_and_compiled(
         (lp * torch.linspace(-1, 1, lp.shape[1], device="cuda")).sum().backward()
         return lp.detach(), [p.grad.float().clone() for p in m.parameters()]
 
-    ref, m = model(), model()
+    ref, m = tiny_qwen2_cuda(), tiny_qwen2_cuda()
     assert V.enable(m) and m.config._attn_implementation == V.NAME  # the kernel is there: not the per-segment path
     b = batch([300, 41, 170, 90, 260, 33, 120, 64], 0)
     (want, gw), (got, gg) = grads(ref, b, False), grads(m, b, True)
@@ -348,8 +346,6 @@ def test_fp8_rollouts_compile_and_replay_near_the_bf16_decoder():
     """--rollout-precision fp8 on the GPU: torch._scaled_mm with row scales inside the compiled, graph-captured
     decode step. The sampled tokens' log-probs are the FP8 model's: a small distance from what the bf16 trainer
     scores on the same tokens, where the bf16 decoder's are within bf16 rounding of it."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from align.logprobs import logprobs
     from align.rollout.batch import rollout_batch
     from align.rollout.generation import Sampling, generate_local
@@ -360,9 +356,7 @@ def test_fp8_rollouts_compile_and_replay_near_the_bf16_decoder():
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(map(str, ids))
 
-    torch.manual_seed(0)
-    m = Qwen2ForCausalLM(Qwen2Config(hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
-                                     num_key_value_heads=2, intermediate_size=512, vocab_size=1000)).cuda().bfloat16()
+    m = tiny_qwen2_cuda()
     prompts = [[5 + i, 7, 9 + 2 * i][: 1 + i % 3] for i in range(8)]
     gaps = {}
     for precision in ("", "fp8"):

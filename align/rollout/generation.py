@@ -98,14 +98,15 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
     from align.rollout.fast import support
 
     module = support.bare(module)
-    why = ("sharded weights (--no-gather)" if synced_gpus else "off (ALIGN_FAST_GENERATION)" if fast is False
-           or not support.enabled_by_env() else support.unsupported_reason(module, length))
+    off = ("sharded weights (--no-gather)" if synced_gpus else "off (ALIGN_FAST_GENERATION)" if fast is False
+           or not support.enabled_by_env() else None)
+    why = off or support.unsupported_reason(module, length)
     if precision == "fp8" and why:
         from align.console import warn
 
         warn(f"FP8 rollouts decode in the fast decoder, which this rollout cannot use ({why}): it decodes in the "
              "model's own dtype.", once=True)
-    if synced_gpus or fast is False or not support.enabled_by_env():
+    if off:
         return False
     wanted = bool(fast) or torch.device(device).type == "cuda" or precision == "fp8"
     if wanted:

@@ -313,7 +313,7 @@ MUTATIONS = [
       "        L[f\"{key}_s\"][rows].copy_(s)", "        L[f\"{key}_s\"][rows].copy_(s) if not L[f\"{key}_s\"].any() else None",
       ("tests/test_fp8_rollout.py::test_the_fp8_decoder_keeps_e4m3_matrices_and_decodes_near_the_exact_model",)),
     M("varlen: a packed row's sequences attend to each other", "align/varlen.py",
-      "for s, e in zip(b[:-1], b[1:]):", "for s, e in [(b[0], b[-1])]:",
+      "for s, e in itertools.pairwise(cu.tolist()):", "for s, e in [(cu[0].item(), cu[-1].item())]:",
       ("tests/test_logprobs.py::test_a_packed_forward_gives_the_padded_log_probs_entropies_and_gradients",
        "tests/test_logprobs.py::test_varlen_attention_keeps_the_boundaries_when_gradient_checkpointing_recomputes_a_layer")),
 ]

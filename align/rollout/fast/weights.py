@@ -115,16 +115,12 @@ class DecoderWeights:
         hand the whole inference copy back to the allocator between rollouts and `load_weights` take it again in
         one piece."""
         align = lambda n: -(-n // 256) * 256  # noqa: E731
-        offsets, total = {}, 0
+        spans, total = {}, 0  # key -> (byte offset, bytes)
         for k, (shp, dt) in layout.items():
-            offsets[k] = total
-            total += align(math.prod(shp) * torch.finfo(dt).bits // 8)
+            spans[k] = (total, math.prod(shp) * dt.itemsize)
+            total += align(spans[k][1])
         self._wbuf = torch.empty(total, device=self.device, dtype=torch.uint8)
-        view = {}
-        for k, o in offsets.items():
-            shp, dt = layout[k]
-            n = math.prod(shp) * torch.finfo(dt).bits // 8
-            view[k] = self._wbuf[o : o + n].view(dt).view(shp)
+        view = {k: self._wbuf[o : o + n].view(layout[k][1]).view(layout[k][0]) for k, (o, n) in spans.items()}
         self.embed, self.norm = view["embed"], view["norm"]
         self.head = self.embed if self.tied else view["head"]
         for k, t in view.items():
