@@ -1,6 +1,6 @@
 """benchmarks/RESULTS.md is generated (benchmarks/results.py) from benchmarks/baselines/*.json: the file on disk is
 what the generator writes, every baseline is well-formed (a benchmark's schema or the GPU speed guard's) and names
-a section of the dated journal (docs/results-history.md), and benchmarks/ stays small (RESULTS.md at most 400 lines,
+a section of the dated journal (docs/results-history.md), and benchmarks/ stays small (RESULTS.md at most 440 lines,
 no file over 200 KB)."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_a_malformed_baseline_is_refused(tmp_path):
 
 
 def test_benchmarks_stays_small():
-    """RESULTS.md is at most 400 lines, and no file under benchmarks/ is over 200 KB."""
-    assert results.RESULTS.read_text().count("\n") <= results.MAX_LINES == 400
+    """RESULTS.md is at most 440 lines, and no file under benchmarks/ is over 200 KB."""
+    assert results.RESULTS.read_text().count("\n") <= results.MAX_LINES == 440
     big = [str(p.relative_to(ROOT)) for p in BENCH.rglob("*") if p.is_file() and p.stat().st_size > 200_000]
     assert not big, f"over 200 KB under benchmarks/: {big}"
