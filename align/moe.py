@@ -177,3 +177,17 @@ def router_aux(model: torch.nn.Module, override: float = -1.0) -> RouterAux | No
     if coef <= 0 or not returns_router_logits(model):
         return None
     return RouterAux(coef, top_k(model.config))
+
+
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")  # transformers' MoE causal LMs this module knows
+
+
+def class_defaults(model_type: str) -> dict:
+    """transformers' default config values of `model_type` ({} when it does not know it): what a config.json
+    that leaves a value out means."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(model_type).to_dict()
+    except (ValueError, KeyError):
+        return {}
