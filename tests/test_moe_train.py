@@ -190,11 +190,21 @@ def test_plan_says_total_and_active_parameters(moe_model_dirs, tmp_path):
 
 
 def test_lora_on_the_experts_is_refused_before_anything_is_written(moe_model_dirs, tmp_path):
-    for targets in ("down_proj", "q_proj,experts", "gate"):
-        proc = run_align("sft", "--model", moe_model_dirs["mixtral"], "--lora-r", "4", "--lora-targets", targets,
-                         *small_sft(), "--max-steps", "1", "--out", tmp_path / "o")
-        assert_user_error(proc, f"--lora-targets {targets}", "mixture of experts", "q_proj,k_proj,v_proj,o_proj")
-        assert not (tmp_path / "o").exists()
+    from align.errors import UserError
+    from align.lora import check_targets
+
+    proc = run_align("sft", "--model", moe_model_dirs["mixtral"], "--lora-r", "4", "--lora-targets", "down_proj",
+                     *small_sft(), "--max-steps", "1", "--out", tmp_path / "o")
+    assert_user_error(proc, "--lora-targets down_proj", "mixture of experts", "q_proj,k_proj,v_proj,o_proj")
+    assert not (tmp_path / "o").exists()
+    for family in ("qwen2_moe", "olmoe"):  # names peft would put on the experts or the router (gate)
+        with torch.device("meta"):
+            model = tiny_moe(family)
+        for targets in ("q_proj,experts", "gate", "mlp.gate_proj", "gate_up_proj"):
+            cfg = type("C", (), dict(lora_targets=targets))
+            with pytest.raises(UserError, match="mixture of experts"):
+                check_targets(cfg, model, "the policy")
+        check_targets(type("C", (), dict(lora_targets="q_proj,o_proj")), model, "the policy")
 
 
 # ---------------------------------------------------------------------------------------------- the stages
@@ -220,23 +230,28 @@ SFT = ["--max-steps", "2", "--batch-size", "8", "--eval-every", "0", "--eval-sam
        "--lr", "1e-3", "--warmup-steps", "0"]
 
 
-@pytest.mark.parametrize("family,zero", [("qwen3_moe", "3"), ("olmoe", "3"), ("mixtral", "0"), ("qwen2_moe", "3")])
+@pytest.mark.parametrize("family,zero", [("qwen3_moe", "3"), ("olmoe", "3"), ("mixtral", "0")])
 def test_sft_trains_each_moe_family(moe_model_dirs, tmp_path, family, zero):
+    """(Qwen2-MoE: the 2-process run below.)"""
     out = tmp_path / "sft"
-    ok(run_align("sft", "--model", moe_model_dirs[family], *small_sft(), *SFT, "--zero-stage", zero, "--out", out))
+    ok(run_align("sft", "--model", moe_model_dirs[family], "--data", small_data()["arith"], "--eval-data", "", *SFT,
+                 "--zero-stage", zero, "--out", out))
     steps = trained_rows(out)
     assert steps[-1]["loss"] < steps[0]["loss"]
     art = json.loads((out / "artifact.json").read_text())
     assert art["status"] == "complete" and json.loads((out / "model/config.json").read_text())["model_type"] == family
 
 
-def test_router_aux_coef_zero_turns_it_off_and_dense_models_log_none(moe_model_dirs, tiny_model_dir, tmp_path):
-    ok(run_align("sft", "--model", moe_model_dirs["qwen3_moe"], *small_sft(), *SFT, "--max-steps", "1",
-                 "--router-aux-coef", "0", "--out", tmp_path / "off"))
-    ok(run_align("sft", "--model", tiny_model_dir, *small_sft(), *SFT, "--max-steps", "1", "--out", tmp_path / "dense"))
-    for name in ("off", "dense"):
-        assert not any("router/aux_loss" in r for r in rows(tmp_path / name)), name
-    assert_user_error(run_align("sft", "--router-aux-coef", "-0.5", "--out", tmp_path / "x"), "--router-aux-coef")
+def test_a_dense_model_logs_no_router_loss_and_the_flag_is_checked(tiny_model_dir, tmp_path):
+    from align.errors import UserError
+    from stages.sft import SFTConfig
+
+    ok(run_align("sft", "--model", tiny_model_dir, *SFT, "--max-steps", "1", "--data", small_data()["arith"],
+                 "--eval-data", "", "--out", tmp_path / "dense"))
+    assert rows(tmp_path / "dense") and not any("router/aux_loss" in r for r in rows(tmp_path / "dense"))
+    with pytest.raises(UserError, match="--router-aux-coef must be -1"):
+        SFTConfig(router_aux_coef=-0.5)
+    assert SFTConfig(router_aux_coef=0.0).router_aux_coef == 0.0  # 0: off (moe.router_aux gives None)
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +312,8 @@ def test_two_process_zero3_sft_on_a_moe_model(moe_model_dirs, tmp_path):
     neither waits on a gather the other never makes."""
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           "-m", "align", "sft", "--model", str(moe_model_dirs["olmoe"]), *map(str, small_sft()), *SFT,
+           "-m", "align", "sft", "--model", str(moe_model_dirs["qwen2_moe"]), "--data", str(small_data()["arith"]),
+           "--eval-data", "", *SFT,
            "--out", str(out)]
     ok(run_command(cmd, {**os.environ, "ALIGN_DIST_TIMEOUT": "120", "COLUMNS": "200"}, timeout=300))
     assert json.loads((out / "artifact.json").read_text())["world_size"] == 2

@@ -264,4 +264,18 @@ MUTATIONS: list[Mutation] = [
       (F + "test_an_empty_sft_completion_is_refused_naming_the_row",)),
     M("data formats: a DatasetDict's named split ignored (always train)", "align/data.py",
       'name = split or "train"', 'name = "train"', (F + "test_a_dataset_dict_split_is_named_after_a_colon",)),
+    # ---- mixture of experts: the router loss in a trained engine (align/engine/build.py, loop.py, lora.py)
+    M("moe: the router loss not scaled to the micro-batch's share", "align/engine/build.py",
+      "loss = loss + self.router.pending(self.world * self.accum)", "loss = loss + self.router.pending(1)",
+      ("tests/test_moe_train.py::test_trained_engine_adds_the_router_loss_as_a_share_of_its_mean",)),
+    M("moe: the router loss asked for without gradients too", "align/moe.py",
+      "        if not torch.is_grad_enabled():\n            return call(*args, **kwargs)",
+      "        if False:\n            return call(*args, **kwargs)",
+      ("tests/test_moe_train.py::test_trained_engine_adds_the_router_loss_as_a_share_of_its_mean",)),
+    M("moe: router/aux_loss not recorded into the step's stats", "align/engine/loop.py",
+      "            eng.record(stats)  # an MoE model's router/aux_loss", "            pass",
+      ("tests/test_moe_train.py::test_sft_trains_each_moe_family[qwen3_moe-3]",)),
+    M("moe: all-linear LoRA on an MoE model left to peft (experts and router adapted)", "align/lora.py",
+      "return list(MOE_ATTENTION) if model is not None and is_moe(model.config) else targets", "return targets",
+      ("tests/test_moe_train.py::test_plan_counts_every_expert_of_the_tiny_configs[qwen3_moe]",)),
 ]
