@@ -14,6 +14,9 @@ the engine share it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 EXPERT_KEYS = ("num_experts", "num_local_experts")  # the config key of the number of routed experts, by family
@@ -123,6 +126,21 @@ def router_aux_loss(outputs, k: int, attention_mask: torch.Tensor | None = None)
     return load_balancing_loss(tuple(logits), k, mask)
 
 
+_TOKENS: contextvars.ContextVar = contextvars.ContextVar("align_moe_tokens", default=None)
+
+
+@contextlib.contextmanager
+def routed_tokens(mask: torch.Tensor | None):
+    """The real tokens of the forwards run inside: `mask` [B, T], 1 for a token and 0 for padding, for a batch the
+    model is given no attention mask for (right-padded rows, packed rows: align.logprobs); the router loss counts
+    only those (None: every position)."""
+    token = _TOKENS.set(mask)
+    try:
+        yield
+    finally:
+        _TOKENS.reset(token)
+
+
 class RouterAux:
     """The router's load-balancing loss of a trained MoE engine (align.engine.build.Trained holds one): each
     training forward (gradients on) asks for the router logits and keeps its loss until the next backward, which
@@ -136,11 +154,13 @@ class RouterAux:
 
     def forward(self, call, *args, **kwargs):
         """`call(*args, **kwargs)` with the router logits asked for when gradients are on (a training forward;
-        π_old, the reference and generation run without); the loss is kept."""
+        π_old, the reference and generation run without); the loss, over the tokens of its attention mask (else
+        of `routed_tokens`, else every position), is kept."""
         if not torch.is_grad_enabled():
             return call(*args, **kwargs)
         out = call(*args, **{**kwargs, "output_router_logits": True})
-        aux = router_aux_loss(out, self.k, kwargs.get("attention_mask"))
+        mask = kwargs.get("attention_mask")
+        aux = router_aux_loss(out, self.k, mask if mask is not None else _TOKENS.get())
         if aux is not None:
             self.kept.append(aux)
             self.total, self.count = self.total + aux.detach(), self.count + 1

@@ -105,6 +105,36 @@ def test_trained_engine_adds_the_router_loss_as_a_share_of_its_mean():
     assert stats.reduce("cpu")["router/aux_loss"] == pytest.approx(aux.item(), rel=1e-6)
 
 
+def test_router_loss_of_a_right_padded_or_packed_batch_counts_its_tokens_not_its_padding():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from align.engine.build import Trained
+    from align.logprobs import logprobs, packing
+
+    model = tiny_moe("qwen3_moe").eval()  # dropout off; gradients stay on
+    router = moe.router_aux(model)
+    trained = Trained(Recorder(model), accum=1, world=1, lr=1.0, router=router)
+    lengths = [8, 4, 3, 5]
+    ids = torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    resp = torch.zeros(4, 7)
+    for i, n in enumerate(lengths):
+        ids[i, n:] = 0  # padding
+        resp[i, 1 : n - 1] = 1  # position p predicts token p + 1: tokens 2 .. n - 1 are the response
+    real = torch.arange(8)[None] < torch.tensor(lengths)[:, None]
+    with torch.no_grad():
+        logits = model(input_ids=ids, output_router_logits=True).router_logits
+    want = load_balancing_loss_func(logits, 4, 2, real.long()).item()
+    assert want != pytest.approx(load_balancing_loss_func(logits, 4, 2).item())  # the padding would count
+    batch = {"input_ids": ids, "response_mask": resp}
+    assert packing(batch, min_saving=0.1) is not None  # 3 rows of 8 for 4: packed below
+    for pack in (False, True):
+        logprobs(trained, batch, pack=pack)
+        assert router.kept[-1].item() == pytest.approx(want, rel=1e-5), pack
+    with torch.no_grad():  # a reference's pass: nothing kept
+        logprobs(trained, batch)
+    assert len(router.kept) == 2
+
+
 def test_dense_models_and_heads_without_router_logits_get_no_router_loss(shipped_tokenizer):
     from transformers import AutoModelForSequenceClassification
 

@@ -278,4 +278,10 @@ MUTATIONS: list[Mutation] = [
     M("moe: all-linear LoRA on an MoE model left to peft (experts and router adapted)", "align/lora.py",
       "return list(MOE_ATTENTION) if model is not None and is_moe(model.config) else targets", "return targets",
       ("tests/test_moe_train.py::test_plan_counts_every_expert_of_the_tiny_configs[qwen3_moe]",)),
+    M("moe: a right-padded batch's padding counts in the router loss", "align/logprobs.py",
+      'with routed_tokens(real_tokens(batch) if is_moe(getattr(module, "config", None)) else None):',
+      "with routed_tokens(None):", ("tests/test_moe_train.py::test_router_loss_of_a_right_padded_or_packed_batch_counts_its_tokens_not_its_padding",)),
+    M("moe: a packed batch's row padding counts in the router loss", "align/logprobs.py",
+      '"token_mask": torch.arange(W, device=dev)[None] < used[:, None]}',
+      '"token_mask": torch.ones(R, W, dtype=torch.bool, device=dev)}', ("tests/test_moe_train.py::test_router_loss_of_a_right_padded_or_packed_batch_counts_its_tokens_not_its_padding",)),
 ]
