@@ -176,9 +176,10 @@ class RouterAux:
         return term
 
     def record(self, stats, name: str = "router/aux_loss") -> None:
-        """The step's mean aux loss per training forward into `stats` (a mean over every rank), then reset."""
+        """The step's mean aux loss per training forward into `stats` (a mean over every rank), then reset (a loss
+        kept from a forward no backward followed is dropped: it must not reach the next step's)."""
         stats.mean(name, self.total, self.count)
-        self.total, self.count = 0.0, 0
+        self.total, self.count, self.kept = 0.0, 0, []
 
 
 def returns_router_logits(model: torch.nn.Module) -> bool:
