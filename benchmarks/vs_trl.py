@@ -60,9 +60,10 @@ MODELS = {
                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # mixtures of experts (their config.json values; published total / active parameters in the comments)
     # allenai/OLMoE-1B-7B-0924: 6.9B total, 1.3B active (64 experts, top-8)
-    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
-                                  intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
-                                  vocab_size=50304, tie_word_embeddings=False, max_position_embeddings=4096,
+    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                                  num_key_value_heads=16, intermediate_size=1024, num_experts=64,
+                                  num_experts_per_tok=8, norm_topk_prob=False, vocab_size=50304,
+                                  tie_word_embeddings=False, max_position_embeddings=4096,
                                   rms_norm_eps=1e-5, router_aux_loss_coef=0.01, clip_qkv=None,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     # Qwen/Qwen1.5-MoE-A2.7B: 14.3B total, 2.7B active (60 experts, top-4, a shared expert)

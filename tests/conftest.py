@@ -522,7 +522,7 @@ def shipped_tokenizer():
 # in collection order, so these start first and the short files fill the end (longest-processing-time-first; xdist's
 # default order, by number of tests, could start a 3-minute file last and leave the other worker idle).
 LONGEST_FIRST = ["test_exact_resume.py", "test_disagg.py", "test_api.py", "test_lora.py", "test_distributed.py",
-                 "test_reliability.py", "test_grpo.py", "test_golden.py", "test_pipeline.py", "test_dpo.py", "test_rm.py",
+                 "test_moe_train.py", "test_reliability.py", "test_grpo.py", "test_golden.py", "test_pipeline.py", "test_dpo.py", "test_rm.py",
                  "test_ppo.py", "test_resume.py", "test_sandbox.py", "test_trl_formats_train.py", "test_disk.py",
                  "test_dpo_online.py", "test_gpu_paths.py", "test_task_sources.py", "test_trackers.py"]
 

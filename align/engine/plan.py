@@ -37,7 +37,8 @@ fp32):
   their fp32 input and normalised output) + e · (3·nq + 2·nk + 4·i) (q, k, v and the attention output kept by
   SDPA and o_proj; gate, up, silu(gate) and their product kept by the MLP); with gradient checkpointing each
   layer keeps only its input (r·h per token) and one layer is recomputed at a time. A mixture-of-experts layer's
-  i is what a token runs through: its top-k experts' widths (+ Qwen2-MoE's shared expert), the active width. Compiled blocks save less
+  i is what a token runs through: its top-k experts' widths (+ Qwen2-MoE's shared expert), the active width.
+  Compiled blocks save less
   (inductor's partitioner recomputes the pointwise ops: norms, RoPE, silu and the gate product): without
   checkpointing the per-layer term is scaled by COMPILED_SAVED, measured on one H200 (Llama-3.1-8B, 4 × 4,096
   tokens: 69.8 GiB against 102.8 estimated eagerly, 0.68; docs/results-history.md), with a margin.
@@ -190,7 +191,8 @@ def layer_params(a: Arch, sparse: bool | None = None, active: bool = False) -> i
     sparse = a.moe if sparse is None else sparse
     nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
     n = sum(i * o for _, i, o in layer_linears(a, sparse)) + 2 * a.hidden
-    n += (nq + 2 * nk) * a.qkv_bias + a.hidden * a.o_bias + (0 if sparse else (2 * a.intermediate + a.hidden) * a.mlp_bias)
+    n += (nq + 2 * nk) * a.qkv_bias + a.hidden * a.o_bias
+    n += 0 if sparse else (2 * a.intermediate + a.hidden) * a.mlp_bias
     n += moe_params(a, active) if sparse else 0
     return n + 2 * a.head_dim * a.qk_norm + (nq + nk) * a.qk_norm_full
 
@@ -210,7 +212,8 @@ def n_params(a: Arch, head: str = "lm", active: bool = False) -> int:
 def lora_params(a: Arch, r: int, targets: str = "all-linear") -> int:
     """Adapter parameters: r · (in + out) for every targeted Linear of every layer (all-linear: all but the head; a
     mixture of experts: attention's, align.lora.MOE_ATTENTION)."""
-    names = (list(MOE_ATTENTION) if a.moe else None) if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    names = [t.strip() for t in targets.split(",")] if targets != "all-linear" else None
+    names = list(MOE_ATTENTION) if names is None and a.moe else names
     per_layer = lambda sparse: sum(r * (i + o) for n, i, o in layer_linears(a, sparse)  # noqa: E731
                                    if names is None or n in names)
     return sum(per_layer(sp) for sp in a.sparse) if a.moe else a.layers * per_layer(False)

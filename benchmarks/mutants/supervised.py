@@ -20,6 +20,9 @@ F = "tests/test_trl_formats.py::"
 STAGE_TURNS = (F + "test_the_sft_stage_trains_every_assistant_turn_and_holds_out_its_split",)
 MASK = (F + "test_assistant_only_loss_trains_every_assistant_turn_and_nothing_else",)
 
+MOE_PADDING = ("tests/test_moe_train.py::"
+               "test_router_loss_of_a_right_padded_or_packed_batch_counts_its_tokens_not_its_padding",)
+
 M = Mutation
 MUTATIONS: list[Mutation] = [
     # ---- the data order (align/engine/run.py: step_indices, StageRun.indices; runtime.shard)
@@ -280,8 +283,8 @@ MUTATIONS: list[Mutation] = [
       ("tests/test_moe_train.py::test_plan_counts_every_expert_of_the_tiny_configs[qwen3_moe]",)),
     M("moe: a right-padded batch's padding counts in the router loss", "align/logprobs.py",
       'with routed_tokens(real_tokens(batch) if is_moe(getattr(module, "config", None)) else None):',
-      "with routed_tokens(None):", ("tests/test_moe_train.py::test_router_loss_of_a_right_padded_or_packed_batch_counts_its_tokens_not_its_padding",)),
+      "with routed_tokens(None):", MOE_PADDING),
     M("moe: a packed batch's row padding counts in the router loss", "align/logprobs.py",
       '"token_mask": torch.arange(W, device=dev)[None] < used[:, None]}',
-      '"token_mask": torch.ones(R, W, dtype=torch.bool, device=dev)}', ("tests/test_moe_train.py::test_router_loss_of_a_right_padded_or_packed_batch_counts_its_tokens_not_its_padding",)),
+      '"token_mask": torch.ones(R, W, dtype=torch.bool, device=dev)}', MOE_PADDING),
 ]
