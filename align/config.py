@@ -389,6 +389,9 @@ class TrainConfig(StageConfig):
     warmup_steps: int = opt(AUTO_WARMUP, "Linear warmup steps.", ge=-1, auto=20,
                             auto_note="at most half of --max-steps", group="optimisation")
     weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).", ge=0, group="optimisation")
+    router_aux_coef: float = opt(-1.0, "Mixture-of-experts models: weight of the router's load-balancing loss added to "
+                                       "the training loss (-1: the model config's router_aux_loss_coef; 0: off). "
+                                       "Dense models: ignored.", ge=-1, group="optimisation")
     grad_clip: float = opt(1.0, "Gradient clipping: the global gradient norm is scaled down to at most this (0: off).",
                            ge=0, group="optimisation")
     eval_every: int = opt(100, "Evaluate on the held-out data every N steps (and always at the end; 0: only then).",
@@ -439,6 +442,8 @@ class TrainConfig(StageConfig):
                             "--precision bf16-pure).")
         if not self.merge and not self.lora_r:
             raise UserError("--no-merge keeps a LoRA adapter without its merged model: it needs --lora-r.")
+        if -1 < self.router_aux_coef < 0:
+            raise UserError(f"--router-aux-coef must be -1 (the model's own) or >= 0, got {self.router_aux_coef:g}.")
         if not self.merge and getattr(self, "model", None) in PRESETS and not Path(self.model).exists():
             raise UserError(f"--no-merge: the adapter's base would be the preset {self.model!r}, a random init that "
                             "exists only in this run; train the adapter on a saved model (a directory or an "

@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from align.moe import is_moe, routed_tokens
 from align.objectives.tokens import entropy_from_logits, token_logprobs
 from align.varlen import cu_seqlens, enable as enable_varlen
 
@@ -181,7 +182,8 @@ class Packing:
         return len(self.rows) * self.width
 
     def pack(self, batch: dict) -> dict:
-        """input_ids, position_ids [rows, width] and response_mask [rows, width − 1] of the packed batch."""
+        """input_ids, position_ids, token_mask (the sequences' tokens, not the rows' padding) [rows, width] and
+        response_mask [rows, width − 1] of the packed batch."""
         ids, resp = batch["input_ids"], batch["response_mask"]
         R, W, dev = len(self.rows), self.width, ids.device
         out_ids = torch.zeros(R, W, dtype=ids.dtype, device=dev)
@@ -194,7 +196,9 @@ class Packing:
             pos[r, self.used[r]:] = torch.arange(W - self.used[r])  # the row's padding: a segment of its own
         mask = torch.zeros(R * (W - 1), dtype=resp.dtype, device=dev)
         mask[self.src.to(dev)] = resp.reshape(-1)[self.dst.to(dev)]
-        out = {"input_ids": out_ids, "position_ids": pos.to(dev), "response_mask": mask.view(R, W - 1)}
+        used = torch.tensor(self.used, device=dev)
+        out = {"input_ids": out_ids, "position_ids": pos.to(dev), "response_mask": mask.view(R, W - 1),
+               "token_mask": torch.arange(W, device=dev)[None] < used[:, None]}
         if self.varlen:
             seg = self.segments()
             cu = cu_seqlens(seg, dev)
@@ -250,13 +254,30 @@ def logprobs(model, batch: dict, *, temperature: float = 1.0, with_entropy: bool
         logp, ent = logprobs(model, p.pack(batch), temperature=temperature, with_entropy=with_entropy,
                              entropy_grad=entropy_grad, fused=fused, chunk=chunk)
         return p.unpack(logp), p.unpack(ent)
+    module = getattr(model, "module", model)
     if fused is None:
-        fused = supports_fused(getattr(model, "module", model)) and not entropy_grad
-    if fused:
-        logp, ent = _fused(model, batch, temperature, chunk)
-    else:
-        logp, ent = _plain(model, batch, temperature, entropy_grad)
+        fused = supports_fused(module) and not entropy_grad
+    with routed_tokens(real_tokens(batch) if is_moe(getattr(module, "config", None)) else None):
+        if fused:
+            logp, ent = _fused(model, batch, temperature, chunk)
+        else:
+            logp, ent = _plain(model, batch, temperature, entropy_grad)
     return logp, (ent if with_entropy else None)
+
+
+def real_tokens(batch: dict) -> torch.Tensor | None:
+    """[N, L] bool: the tokens of a batch given without an attention mask — a packed batch's `token_mask`, else a
+    right-padded row's tokens up to the last one a response position predicts (what follows is padding); None
+    when the batch has an attention mask (it says). A mixture-of-experts router's loss counts only these
+    (align.moe.routed_tokens)."""
+    if batch.get("attention_mask") is not None:
+        return None
+    if batch.get("token_mask") is not None:
+        return batch["token_mask"]
+    resp = batch["response_mask"]
+    N, L = batch["input_ids"].shape
+    last = ((resp != 0) * torch.arange(1, L, device=resp.device).expand(N, L - 1)).amax(1)
+    return torch.arange(L, device=resp.device)[None] <= last[:, None]
 
 
 @torch.no_grad()

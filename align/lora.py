@@ -23,17 +23,31 @@ ADAPTER_DIR = "adapter"
 _PREFIX = "base_model.model."
 
 
-def lora_config(cfg, head: str | None = None):
-    """The peft LoraConfig of a stage's flags (`head`: a new scalar head, trained in full beside the adapters)."""
+def lora_config(cfg, head: str | None = None, model=None):
+    """The peft LoraConfig of a stage's flags (`head`: a new scalar head, trained in full beside the adapters;
+    `model`: the model it goes on, whose kind decides what all-linear means)."""
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, bias="none",
-                      target_modules=target_names(cfg), modules_to_save=[head] if head else None)
+                      target_modules=target_names(cfg, model), modules_to_save=[head] if head else None)
 
 
-def target_names(cfg) -> list[str] | str:
+# A mixture-of-experts model's LoRA targets: attention's projections. peft (0.17+) would turn all-linear, and the
+# MLP names gate / gate_proj / up_proj / down_proj / w1 / w2 / w3, into adapters on the fused 3-D expert parameters
+# and the router (target_parameters): adapters this module neither merges nor saves merged, so they are refused.
+MOE_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MOE_EXPERT_NAMES = ("experts", "gate_up_proj", "gate", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def target_names(cfg, model=None) -> list[str] | str:
+    """--lora-targets as peft takes it: all-linear (every Linear but the head; on a mixture-of-experts `model`,
+    attention's projections: MOE_ATTENTION) or the list of names."""
+    from align.moe import is_moe
+
     targets = cfg.lora_targets
-    return targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    if targets == "all-linear":
+        return list(MOE_ATTENTION) if model is not None and is_moe(model.config) else targets
+    return [t.strip() for t in targets.split(",") if t.strip()]
 
 
 def check_targets(cfg, model, name: str) -> None:
@@ -44,6 +58,15 @@ def check_targets(cfg, model, name: str) -> None:
         return
     if not targets:
         raise UserError("--lora-targets names no module: give all-linear or module names (q_proj,v_proj).")
+    from align.moe import is_moe
+
+    experts = [t for t in targets if t.rsplit(".", 1)[-1] in MOE_EXPERT_NAMES]
+    if is_moe(model.config) and experts:
+        raise UserError(f"--lora-targets {cfg.lora_targets}: {', '.join(map(repr, experts))}: {name} is a mixture of "
+                        "experts whose experts are fused 3-D parameters (experts.gate_up_proj, experts.down_proj) "
+                        "and whose router is not a Linear layer; LoRA does not go on them here (they stay frozen). "
+                        f"Use all-linear or names among {','.join(MOE_ATTENTION)} (attention), or train every "
+                        "weight without --lora-r.")
     from transformers.pytorch_utils import Conv1D
 
     modules = dict(model.named_modules())
@@ -80,7 +103,7 @@ def with_lora(load, cfg):
 
         model = load(dtype)
         head = "score" if isinstance(getattr(model, "score", None), torch.nn.Linear) else None
-        model = get_peft_model(model, lora_config(cfg, head))
+        model = get_peft_model(model, lora_config(cfg, head, model))
         apply_in_activation_dtype(model)
         fuse_lora_forward(model)
         other = sorted({n for n, m in model.named_modules() if hasattr(m, "lora_A") and not len(m.lora_A)

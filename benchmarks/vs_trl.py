@@ -58,7 +58,42 @@ MODELS = {
                                      tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-5,
                                      sliding_window=4096,
                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # mixtures of experts (their config.json values; published total / active parameters in the comments)
+    # allenai/OLMoE-1B-7B-0924: 6.9B total, 1.3B active (64 experts, top-8)
+    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                                  num_key_value_heads=16, intermediate_size=1024, num_experts=64,
+                                  num_experts_per_tok=8, norm_topk_prob=False, vocab_size=50304,
+                                  tie_word_embeddings=False, max_position_embeddings=4096,
+                                  rms_norm_eps=1e-5, router_aux_loss_coef=0.01, clip_qkv=None,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Qwen/Qwen1.5-MoE-A2.7B: 14.3B total, 2.7B active (60 experts, top-4, a shared expert)
+    "qwen1.5-moe-a2.7b": ("qwen2_moe", dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
+                                            num_key_value_heads=16, intermediate_size=5632, moe_intermediate_size=1408,
+                                            shared_expert_intermediate_size=5632, num_experts=60,
+                                            num_experts_per_tok=4, decoder_sparse_step=1, norm_topk_prob=False,
+                                            vocab_size=151936, tie_word_embeddings=False,
+                                            max_position_embeddings=8192, rms_norm_eps=1e-6,
+                                            router_aux_loss_coef=0.001,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # mistralai/Mixtral-8x7B-v0.1: 46.7B total, 12.9B active (8 experts, top-2)
+    "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                     num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False,
+                                     max_position_embeddings=32768, rms_norm_eps=1e-5, router_aux_loss_coef=0.02,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # Qwen/Qwen3-30B-A3B: 30.5B total, 3.3B active (128 experts, top-8)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                        vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+                                        rms_norm_eps=1e-6, router_aux_loss_coef=0.001,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
+
+# published (total, active) parameters of the mixture-of-experts configs above
+MOE_PUBLISHED = {"olmoe-1b-7b": (6.9e9, 1.3e9), "qwen1.5-moe-a2.7b": (14.3e9, 2.7e9), "mixtral-8x7b": (46.7e9, 12.9e9),
+                 "qwen3-30b-a3b": (30.5e9, 3.3e9)}
 
 
 def config(name: str, **ids):

@@ -359,6 +359,44 @@ def save_tiny_model(out: Path, seed: int, silent_head: bool = False) -> Path:
     return out
 
 
+# Tiny random mixture-of-experts models of transformers' MoE families (hidden 32, 2 layers, 4 experts, top-2), with
+# the shipped tokenizer: each family's own config keys for its experts.
+MOE_SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=512, num_experts_per_tok=2, tie_word_embeddings=True)
+MOE_FAMILIES = {
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, intermediate_size=64, head_dim=8),
+    "olmoe": dict(num_experts=4, intermediate_size=32),
+    "mixtral": dict(num_local_experts=4, intermediate_size=32, head_dim=8),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                      intermediate_size=64),
+}
+
+
+def moe_config(family: str, tokenizer):
+    """The tiny config of MoE `family` (a key of MOE_FAMILIES) for `tokenizer`'s vocabulary and special tokens."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                **MOE_SHAPE, **MOE_FAMILIES[family])
+
+
+def save_tiny_moe(out: Path, family: str, seed: int = 0) -> Path:
+    """A random-init tiny MoE causal LM of `family` (seed `seed`) saved with save_pretrained + the shipped
+    tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from align.models import load_tokenizer, resolve
+
+    tok = load_tokenizer(resolve("tiny"))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(family, tok), dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def greedy_ids(model, prompt_ids: list, max_new: int, eos: int) -> list:
     """`model`'s greedy continuation of ONE prompt, token by token by argmax over its full forward (unpadded, no
     cache): at most `max_new` tokens, EOS included when it comes."""
@@ -468,6 +506,12 @@ def tiny_reward_model_dir(tmp_path_factory, shipped_tokenizer) -> Path:
 
 
 @pytest.fixture(scope="session")
+def moe_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Each MoE family of MOE_FAMILIES as a saved tiny model (seed 0): {family: directory}."""
+    return {f: save_tiny_moe(tmp_path_factory.mktemp(f"tiny_{f}"), f) for f in MOE_FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def shipped_tokenizer():
     from align.models import load_tokenizer, resolve
 
@@ -478,7 +522,7 @@ def shipped_tokenizer():
 # in collection order, so these start first and the short files fill the end (longest-processing-time-first; xdist's
 # default order, by number of tests, could start a 3-minute file last and leave the other worker idle).
 LONGEST_FIRST = ["test_exact_resume.py", "test_disagg.py", "test_api.py", "test_lora.py", "test_distributed.py",
-                 "test_reliability.py", "test_grpo.py", "test_golden.py", "test_pipeline.py", "test_dpo.py", "test_rm.py",
+                 "test_moe_train.py", "test_reliability.py", "test_grpo.py", "test_golden.py", "test_pipeline.py", "test_dpo.py", "test_rm.py",
                  "test_ppo.py", "test_resume.py", "test_sandbox.py", "test_trl_formats_train.py", "test_disk.py",
                  "test_dpo_online.py", "test_gpu_paths.py", "test_task_sources.py", "test_trackers.py"]
 

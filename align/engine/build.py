@@ -19,6 +19,7 @@ from align.config import PRECISIONS
 from align.errors import UserError
 from align.lora import is_peft
 from align.models import mark_autocast
+from align.moe import RouterAux
 
 
 def resolve_precision(device: torch.device, precision: str = "auto", offload: bool = False) -> str:
@@ -370,10 +371,13 @@ def batch_layout(global_batch: int, micro_batch: int, world: int) -> tuple[int, 
 class Trained:
     """A trained engine: forward like the model, `backward(loss)` once per micro-batch (the optimiser steps
     after the `accum`-th), `metrics()` its last gradient norm and learning rate. `clip`: the global-norm clip this
-    class applies itself (None: DeepSpeed's optimizer clips and reports the norm; see `own_clipping`)."""
+    class applies itself (None: DeepSpeed's optimizer clips and reports the norm; see `own_clipping`). `router`:
+    an MoE model's load-balancing loss (align.moe.RouterAux), added to each backward and reported by `record`."""
 
-    def __init__(self, eng, accum: int, world: int, lr: float, prefix: str = "", clip: float | None = None):
+    def __init__(self, eng, accum: int, world: int, lr: float, prefix: str = "", clip: float | None = None,
+                 router: RouterAux | None = None):
         self.eng, self.accum, self.world, self.lr, self.prefix, self.clip = eng, accum, world, lr, prefix, clip
+        self.router = router
         self.params = [p for p in eng.module.parameters() if p.requires_grad] if clip is not None else []
         self.norm: torch.Tensor | None = None
         if world == 1 and clip is not None:
@@ -386,12 +390,17 @@ class Trained:
         return self.eng.module
 
     def __call__(self, *args, **kwargs):
+        if self.router is not None:
+            return self.router.forward(self.eng, *args, **kwargs)
         return self.eng(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss` is this micro-batch's share of the global objective (summed terms / global count). DeepSpeed
         divides by its accumulation steps and averages gradients over ranks; multiplying by both first leaves
-        the gradient of the global objective itself, whatever the number of processes and micro-batches."""
+        the gradient of the global objective itself, whatever the number of processes and micro-batches. An MoE
+        model's router loss of the forwards since the last backward is added as the same share of its mean."""
+        if self.router is not None:
+            loss = loss + self.router.pending(self.world * self.accum)
         self.eng.backward(loss * self.world * self.accum)
         if self.clip is not None and self.eng.is_gradient_accumulation_boundary():  # gradients are reduced by now
             self.norm = (torch.nn.utils.clip_grad_norm_(self.params, self.clip) if self.clip > 0
@@ -405,6 +414,11 @@ class Trained:
         for group, base, f in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * f(sched.last_epoch)
         sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
+
+    def record(self, stats) -> None:
+        """The step's router loss into the step's `stats` (reduced with them over the ranks), if the model is MoE."""
+        if self.router is not None:
+            self.router.record(stats, f"{self.prefix}router/aux_loss")
 
     def metrics(self) -> dict[str, float]:
         norm = self.norm if self.clip is not None else self.eng.get_global_grad_norm()

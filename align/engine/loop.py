@@ -74,6 +74,8 @@ class StepLoop:
         seed_all(self.cfg.seed * 1_000_003 + step * 101 + self.dist.rank)
         stats = algo.step(step)
         stats.sum("_stop", float(self.signals.requested is not None))  # in the one all-reduce: every rank learns of it
+        for eng in self.engines.values():
+            eng.record(stats)  # an MoE model's router/aux_loss
         metrics = stats.reduce(self.dist.device)
         for eng in self.engines.values():
             metrics.update(eng.metrics())

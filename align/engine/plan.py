@@ -14,6 +14,9 @@ fp32):
   Gradients exist from the first backward to the optimiser step only (DeepSpeed sets them to None after it), so
   they count in the update phase, the optimizer state in every phase. --offload-optimizer moves the optimizer
   state and the gradients to the CPU (a `BUCKET`-element gradient bucket stays on the device).
+* a mixture-of-experts model (align.moe) counts every expert in its weights, gradients, optimizer state, the
+  decoder's copy and ZeRO-3's gathered block (all of them are stored and trained), and the top-k a token runs
+  through in its activations and no-gradient passes; the plan's notes give both counts (total and active).
 * a frozen model (reference, reward model, teacher): its weights in the module's dtype (r bytes), sharded by w
   under ZeRO-3; on the CPU with PPO's --offload-frozen under ZeRO-3.
 * LoRA (--lora-r): the base weights frozen (r bytes), the adapters A [r, in] and B [out, r] on each targeted
@@ -33,7 +36,9 @@ fp32):
 * activations of a training forward (`activation_bytes`): per token and layer 2 · (4h + 2rh) (two RMSNorms:
   their fp32 input and normalised output) + e · (3·nq + 2·nk + 4·i) (q, k, v and the attention output kept by
   SDPA and o_proj; gate, up, silu(gate) and their product kept by the MLP); with gradient checkpointing each
-  layer keeps only its input (r·h per token) and one layer is recomputed at a time. Compiled blocks save less
+  layer keeps only its input (r·h per token) and one layer is recomputed at a time. A mixture-of-experts layer's
+  i is what a token runs through: its top-k experts' widths (+ Qwen2-MoE's shared expert), the active width.
+  Compiled blocks save less
   (inductor's partitioner recomputes the pointwise ops: norms, RoPE, silu and the gate product): without
   checkpointing the per-layer term is scaled by COMPILED_SAVED, measured on one H200 (Llama-3.1-8B, 4 × 4,096
   tokens: 69.8 GiB against 102.8 estimated eagerly, 0.68; docs/results-history.md), with a margin.
@@ -59,10 +64,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
 
+from align import moe
 from align.config import RLConfig, SupervisedConfig, TrainConfig
 from align.engine.build import batch_layout
 from align.engine.layout import engines
 from align.errors import UserError
+from align.lora import MOE_ATTENTION
 
 GiB = 1 << 30
 COMPILED_SAVED = 0.72  # compiled blocks' saved activations / the eager count (measured 0.68 at 8B, 4K tokens)
@@ -70,7 +77,6 @@ BUCKET = 50_000_000  # elements: ds_config's reduce_bucket_size, the gradient bu
 ENV_BUDGET = "ALIGN_DEVICE_MEMORY_BYTES"  # a fake device budget (tests, "what if"): the ONE place it is read
 ENV_CHECK = "ALIGN_PLAN_CHECK"  # 0: report only, never stop (as --no-plan-check)
 DECODER = "decoder rank"  # GRPO --rollout-gpus: the plan's column of what a decoder process holds
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # ---------------------------------------------------------------------------------------------- a model's shape
@@ -93,6 +99,24 @@ class Arch:
     mlp_bias: bool = False
     qk_norm: bool = False
     model_type: str = "llama"
+    qk_norm_full: bool = False  # OLMoE: q / k RMSNorms over the whole projection (nq, nk), not per head
+    experts: int = 0  # mixture of experts: routed experts per sparse layer (0: dense)
+    experts_per_tok: int = 0  # top-k
+    expert_intermediate: int = 0  # one expert's MLP width
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert's MLP width (0: none), with its h -> 1 gate
+    sparse: tuple[bool, ...] = ()  # per layer: its MLP is the MoE block (else a dense MLP of `intermediate`)
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0 and any(self.sparse)
+
+    @property
+    def token_intermediate(self) -> float:
+        """The MLP width a token runs through, averaged over the layers: `intermediate` in a dense layer, top-k
+        experts (+ the shared expert) in a sparse one (the activation and inference terms' width)."""
+        widths = [self.experts_per_tok * self.expert_intermediate + self.shared_intermediate if sp
+                  else self.intermediate for sp in self.sparse]
+        return sum(widths) / len(widths) if widths else self.intermediate
     config: dict | None = field(default=None, compare=False, repr=False)  # for align.rollout.fast.support's rules
 
 
@@ -118,12 +142,20 @@ def arch(config: dict) -> Arch:
         raise UserError("config.json has no hidden_size / num_hidden_layers / num_attention_heads / vocab_size: "
                         "the memory plan cannot size this model.")
     kind = get("model_type") or ""
+    if kind in moe.MOE_TYPES:  # a config.json may leave out a value at its class default
+        config = {**moe.class_defaults(kind), **config}
+        get = config.get
+    sparse = tuple(moe.sparse_layers(config)) if moe.is_moe(config) else ()
     return Arch(hidden=hidden, layers=layers, heads=heads, kv_heads=get("num_key_value_heads") or heads,
                 head_dim=get("head_dim") or hidden // heads,
                 intermediate=get("intermediate_size") or get("n_inner") or 4 * hidden, vocab=get("vocab_size"),
-                tied=bool(get("tie_word_embeddings", False)), qkv_bias=bool(get("attention_bias") or kind == "qwen2"),
+                tied=bool(get("tie_word_embeddings", False)),
+                qkv_bias=bool(get("attention_bias") or kind == "qwen2" or (kind == "qwen2_moe" and get("qkv_bias"))),
                 o_bias=bool(get("attention_bias")), mlp_bias=bool(get("mlp_bias")), qk_norm=kind.startswith("qwen3"),
-                model_type=kind, config=config)
+                model_type=kind, config=config, qk_norm_full=kind == "olmoe",
+                experts=moe.num_experts(config) if sparse else 0, experts_per_tok=moe.top_k(config) if sparse else 0,
+                expert_intermediate=moe.expert_intermediate(config) if sparse else 0,
+                shared_intermediate=moe.shared_intermediate(config) if sparse else 0, sparse=sparse)
 
 
 def linear_shapes(a: Arch) -> dict[str, tuple[int, int]]:
@@ -134,27 +166,57 @@ def linear_shapes(a: Arch) -> dict[str, tuple[int, int]]:
             "down_proj": (a.intermediate, a.hidden)}
 
 
-def layer_params(a: Arch) -> int:
-    """One block: its Linears (+ biases), two RMSNorm gains, Qwen3's q/k norms."""
+def layer_linears(a: Arch, sparse: bool = False) -> list[tuple[str, int, int]]:
+    """(module name, in, out) of each Linear of one layer, as peft matches names (a dotted suffix): attention's,
+    then a dense layer's MLP, or a sparse layer's shared expert and its gate (Qwen2-MoE). The routed experts are
+    fused 3-D parameters and the router a bare weight: no Linear (`moe_params`)."""
+    shapes = linear_shapes(a)
+    attention = [(n, *shapes[n]) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not sparse:
+        return attention + [(n, *shapes[n]) for n in ("gate_proj", "up_proj", "down_proj")]
+    si, h = a.shared_intermediate, a.hidden
+    shared = [("gate_proj", h, si), ("up_proj", h, si), ("down_proj", si, h), ("shared_expert_gate", h, 1)]
+    return attention + (shared if si else [])
+
+
+def moe_params(a: Arch, active: bool = False) -> int:
+    """A sparse layer's router (E·h) and routed experts, 3·h·i' each (gate, up, down): all E of them, or the
+    top-k a token runs through (`active`)."""
+    return a.experts * a.hidden + (a.experts_per_tok if active else a.experts) * 3 * a.hidden * a.expert_intermediate
+
+
+def layer_params(a: Arch, sparse: bool | None = None, active: bool = False) -> int:
+    """One block: its Linears (+ biases), two RMSNorm gains, Qwen3's q/k norms (OLMoE's over nq and nk); a sparse
+    layer (`sparse`; None: sparse where the model has any) adds its router and experts (all, or `active`: top-k)."""
+    sparse = a.moe if sparse is None else sparse
     nq, nk = a.heads * a.head_dim, a.kv_heads * a.head_dim
-    n = sum(i * o for i, o in linear_shapes(a).values()) + 2 * a.hidden
-    n += (nq + 2 * nk) * a.qkv_bias + a.hidden * a.o_bias + (2 * a.intermediate + a.hidden) * a.mlp_bias
-    return n + 2 * a.head_dim * a.qk_norm
+    n = sum(i * o for _, i, o in layer_linears(a, sparse)) + 2 * a.hidden
+    n += (nq + 2 * nk) * a.qkv_bias + a.hidden * a.o_bias
+    n += 0 if sparse else (2 * a.intermediate + a.hidden) * a.mlp_bias
+    n += moe_params(a, active) if sparse else 0
+    return n + 2 * a.head_dim * a.qk_norm + (nq + nk) * a.qk_norm_full
 
 
-def n_params(a: Arch, head: str = "lm") -> int:
+def n_params(a: Arch, head: str = "lm", active: bool = False) -> int:
     """Every parameter: embedding V·h, the blocks, the final norm h, and the head: `lm` (V·h unless tied to
-    the embedding) or `score` (a sequence classifier's h × 1)."""
-    n = a.vocab * a.hidden + a.layers * layer_params(a) + a.hidden
+    the embedding) or `score` (a sequence classifier's h × 1). A mixture of experts: all experts (what is
+    stored, trained and sharded), or `active`: the top-k a token runs through (embedding and head counted, as
+    the models' published "active" numbers do)."""
+    blocks = (sum(layer_params(a, sp, active) for sp in a.sparse) if a.moe else a.layers * layer_params(a))
+    n = a.vocab * a.hidden + blocks + a.hidden
     if head == "lm":
         return n + (0 if a.tied else a.vocab * a.hidden)
     return n + a.hidden
 
 
 def lora_params(a: Arch, r: int, targets: str = "all-linear") -> int:
-    """Adapter parameters: r · (in + out) for every targeted Linear of every layer (all-linear: all but the head)."""
-    names = LORA_MODULES if targets == "all-linear" else [t.strip() for t in targets.split(",")]
-    return a.layers * sum(r * (i + o) for n, (i, o) in linear_shapes(a).items() if n in names)
+    """Adapter parameters: r · (in + out) for every targeted Linear of every layer (all-linear: all but the head; a
+    mixture of experts: attention's, align.lora.MOE_ATTENTION)."""
+    names = [t.strip() for t in targets.split(",")] if targets != "all-linear" else None
+    names = list(MOE_ATTENTION) if names is None and a.moe else names
+    per_layer = lambda sparse: sum(r * (i + o) for n, i, o in layer_linears(a, sparse)  # noqa: E731
+                                   if names is None or n in names)
+    return sum(per_layer(sp) for sp in a.sparse) if a.moe else a.layers * per_layer(False)
 
 
 # ---------------------------------------------------------------------------------------------- bytes per term
@@ -248,7 +310,7 @@ def activation_bytes(a: Arch, rows: int, length: int, s: Setup) -> float:
     """Saved activations of one training forward of `rows` × `length` tokens (see the module docstring)."""
     h, nq, nk = a.hidden, a.heads * a.head_dim, a.kv_heads * a.head_dim
     norm = 4 * h + 2 * s.r * h
-    per_layer = 2 * norm + s.e * (3 * nq + 2 * nk + 4 * a.intermediate)
+    per_layer = 2 * norm + s.e * (3 * nq + 2 * nk + 4 * a.token_intermediate)
     tokens = rows * length
     kept = a.layers * s.r * h + per_layer if s.checkpointing else a.layers * per_layer * (COMPILED_SAVED if s.compiled else 1)
     return tokens * (kept + norm + 2 * s.e * h)  # + the final norm and the hidden states the head reads
@@ -257,7 +319,7 @@ def activation_bytes(a: Arch, rows: int, length: int, s: Setup) -> float:
 def inference_bytes(a: Arch, rows: int, length: int, s: Setup) -> float:
     """The transient of a forward without gradients (log-probs of π_old / π_ref, values, reward scores): the
     widest tensors of one layer at a time, gate, up and their product plus the residual stream."""
-    return rows * length * (s.e * 3 * a.intermediate + 2 * s.r * a.hidden)
+    return rows * length * (s.e * 3 * a.token_intermediate + 2 * s.r * a.hidden)
 
 
 def full_logit_bytes(rows: int, length: int, vocab: int, s: Setup, grad: bool = True) -> float:
@@ -598,6 +660,20 @@ def score_terms(plan: Plan, models: list[Model], rows: int, length: int, s: Setu
     plan.add(f"score: largest forward ({role}, {rows} rows)", passes[role], "score")
 
 
+def moe_notes(models: dict[str, Model]) -> list[str]:
+    """A line per mixture-of-experts model of the stage: its total parameters (every expert: weights, gradients,
+    optimizer state) and active ones (top-k per token: activations)."""
+    out = []
+    for m in models.values():
+        a = m.arch
+        if a.moe:
+            out.append(f"{m.role}: mixture of experts, {n_params(a, m.head) / 1e9:.3g}B parameters in all "
+                       f"({a.experts} experts per sparse layer: weights, gradients, optimizer state), "
+                       f"{n_params(a, m.head, active=True) / 1e9:.3g}B active per token (top-{a.experts_per_tok}: "
+                       "activations)")
+    return out
+
+
 def estimate(stage: StagePlan, models: dict[str, Model], device: Device, data: Data = Data()) -> Plan:
     """The plan of `stage` (its config and terms) on `device`: `models` maps a role (policy, reference, reward
     model, value, teacher) to its Model (frozen; the stage decides what it trains); `data`, the lengths of the
@@ -608,6 +684,7 @@ def estimate(stage: StagePlan, models: dict[str, Model], device: Device, data: D
                 f"{', LoRA r ' + str(lora) if lora else ''}", stage.phases(), free=device.free,
                 enforced=device.enforced)
     stage.terms(plan, models, s, data)
+    plan.notes += moe_notes(models)
     if s.precision == "bf16-pure" and s.zero_stage == 0:
         from align.optim import CHUNK
 

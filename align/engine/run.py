@@ -52,6 +52,7 @@ from align.engine.signals import Signals
 from align.errors import Terminated, UserError
 from align.lora import AdaptersOff, check_targets, is_peft, with_lora
 from align.models import skeleton
+from align.moe import router_aux
 from align.optim import AdamWSR
 from align.reward_http import redacted
 
@@ -285,7 +286,8 @@ class StageRun(StepLoop, Saves):
             n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
             info(f"{name}: LoRA r {cfg.lora_r}, α {cfg.lora_alpha:g} on {cfg.lora_targets}: {n / 1e6:.3f}M trained "
                  "parameters, the base frozen")
-        self.engines[name] = Trained(eng, accum, self.dist.world_size, optim.lr, prefix, clip)
+        self.engines[name] = Trained(eng, accum, self.dist.world_size, optim.lr, prefix, clip,
+                                     router_aux(eng.module, cfg.router_aux_coef))
         return self.engines[name]
 
     def reference(self, policy: Trained, load, offload_params: bool = False, ref_model: str = ""):

@@ -316,4 +316,17 @@ MUTATIONS = [
       "for s, e in itertools.pairwise(cu.tolist()):", "for s, e in [(cu[0].item(), cu[-1].item())]:",
       ("tests/test_logprobs.py::test_a_packed_forward_gives_the_padded_log_probs_entropies_and_gradients",
        "tests/test_logprobs.py::test_varlen_attention_keeps_the_boundaries_when_gradient_checkpointing_recomputes_a_layer")),
+    # ---- mixture of experts: the router's load-balancing loss and the plan's expert counts (align/moe.py, plan.py)
+    M("moe aux: f and P not each a mean over the rows", "align/moe.py",
+      "return E * (counts_E / rows * probs_E / rows).sum()", "return E * (counts_E * probs_E / rows).sum()",
+      ("tests/test_moe_train.py::test_aux_loss_by_hand",)),
+    M("moe aux: the attention mask ignored", "align/moe.py",
+      "hits_NE, p_NE = hits_NE * w[:, None], p_NE * w[:, None]", "hits_NE, p_NE = hits_NE, p_NE",
+      ("tests/test_moe_train.py::test_aux_loss_by_hand",)),
+    M("memory plan: active parameters count every expert", "align/engine/plan.py",
+      "(a.experts_per_tok if active else a.experts)", "a.experts",
+      ("tests/test_moe_train.py::test_plan_counts_every_expert_of_the_tiny_configs[qwen3_moe]",)),
+    M("memory plan: an MoE model's activations run every expert", "align/engine/plan.py",
+      "widths = [self.experts_per_tok * self.expert_intermediate", "widths = [self.experts * self.expert_intermediate",
+      ("tests/test_moe_train.py::test_plan_of_real_moe_configs_against_their_published_sizes",)),
 ]

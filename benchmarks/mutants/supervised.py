@@ -20,6 +20,9 @@ F = "tests/test_trl_formats.py::"
 STAGE_TURNS = (F + "test_the_sft_stage_trains_every_assistant_turn_and_holds_out_its_split",)
 MASK = (F + "test_assistant_only_loss_trains_every_assistant_turn_and_nothing_else",)
 
+MOE_PADDING = ("tests/test_moe_train.py::"
+               "test_router_loss_of_a_right_padded_or_packed_batch_counts_its_tokens_not_its_padding",)
+
 M = Mutation
 MUTATIONS: list[Mutation] = [
     # ---- the data order (align/engine/run.py: step_indices, StageRun.indices; runtime.shard)
@@ -264,4 +267,24 @@ MUTATIONS: list[Mutation] = [
       (F + "test_an_empty_sft_completion_is_refused_naming_the_row",)),
     M("data formats: a DatasetDict's named split ignored (always train)", "align/data.py",
       'name = split or "train"', 'name = "train"', (F + "test_a_dataset_dict_split_is_named_after_a_colon",)),
+    # ---- mixture of experts: the router loss in a trained engine (align/engine/build.py, loop.py, lora.py)
+    M("moe: the router loss not scaled to the micro-batch's share", "align/engine/build.py",
+      "loss = loss + self.router.pending(self.world * self.accum)", "loss = loss + self.router.pending(1)",
+      ("tests/test_moe_train.py::test_trained_engine_adds_the_router_loss_as_a_share_of_its_mean",)),
+    M("moe: the router loss asked for without gradients too", "align/moe.py",
+      "        if not torch.is_grad_enabled():\n            return call(*args, **kwargs)",
+      "        if False:\n            return call(*args, **kwargs)",
+      ("tests/test_moe_train.py::test_trained_engine_adds_the_router_loss_as_a_share_of_its_mean",)),
+    M("moe: router/aux_loss not recorded into the step's stats", "align/engine/loop.py",
+      "            eng.record(stats)  # an MoE model's router/aux_loss", "            pass",
+      ("tests/test_moe_train.py::test_sft_trains_each_moe_family[qwen3_moe-3]",)),
+    M("moe: all-linear LoRA on an MoE model left to peft (experts and router adapted)", "align/lora.py",
+      "return list(MOE_ATTENTION) if model is not None and is_moe(model.config) else targets", "return targets",
+      ("tests/test_moe_train.py::test_plan_counts_every_expert_of_the_tiny_configs[qwen3_moe]",)),
+    M("moe: a right-padded batch's padding counts in the router loss", "align/logprobs.py",
+      'with routed_tokens(real_tokens(batch) if is_moe(getattr(module, "config", None)) else None):',
+      "with routed_tokens(None):", MOE_PADDING),
+    M("moe: a packed batch's row padding counts in the router loss", "align/logprobs.py",
+      '"token_mask": torch.arange(W, device=dev)[None] < used[:, None]}',
+      '"token_mask": torch.ones(R, W, dtype=torch.bool, device=dev)}', MOE_PADDING),
 ]
