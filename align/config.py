@@ -137,6 +137,10 @@ class Options:
         subclass adds its own to super()'s."""
         return {}
 
+    def decode_precision(self) -> str:
+        """The rollouts' Sampling.precision: "fp8", or "" (the compute dtype; a stage without rollouts)."""
+        return ""
+
     def resolved(self):
         """This config with its automatic values made concrete (`automatic`; a new config, or itself when there are
         none): StageRun resolves the config it runs once, and says and records the choices."""

@@ -222,7 +222,7 @@ class StageRun(StepLoop, Saves):
         self.dtype = compute_dtype(self.dist.device, self.layout.precision)
         if self.monitor is not None:
             self.monitor.set_precision(self.layout.precision,  # rollout_mismatch's tolerance
-                                       getattr(self.cfg, "rollout_precision", "auto"))
+                                       self.cfg.decode_precision() or "auto")
         self._layout_choices(offloaded)
         if self.choices:
             info(escape("choices: " + ", ".join(f"--{k.replace('_', '-')} {fmt_choice(c['value'])} ({c['why']})"
