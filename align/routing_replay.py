@@ -48,6 +48,15 @@ def replayed_gate_weights(logits_NE: torch.Tensor, idx_NK: torch.Tensor, renorm:
     return gate_weights(p_NK, renorm, logits_NE.dtype, fp32_weights)
 
 
+def route_flips(own_NK: torch.Tensor, replayed_NK: torch.Tensor) -> torch.Tensor:
+    """[routes that differ, routes compared] over the tokens with a replayed route (>= 0): a route differs where the
+    set of experts the trainer's own top-k picks is not the replayed set (the order within a top-k does not
+    matter: the sum over the k experts is the same). Their ratio is `rollout/route_flip_frac`."""
+    have = (replayed_NK >= 0).all(-1)
+    differ = (own_NK.sort(-1).values != replayed_NK.sort(-1).values).any(-1) & have
+    return torch.stack([differ.sum(), have.sum()]).to(torch.float64)
+
+
 def moe_blocks(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
     """(decoder layer, MoE block) of every layer whose MLP routes to experts, in order (column j of the routes is
     the j-th)."""
@@ -96,7 +105,8 @@ def _replayed_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     h = hidden_states.reshape(-1, H)
     logits, _, own = block.gate(h)
     idx = torch.where(routes >= 0, routes, own)
-    renorm, fp32 = block._align_replay
+    renorm, fp32, counts = block._align_replay
+    counts += route_flips(own.detach(), routes)
     return block.experts(h, idx, replayed_gate_weights(logits, idx, renorm, fp32)).reshape(B, T, H)
 
 
@@ -114,9 +124,12 @@ def _hand_routes(block, j: int):
 
 
 @contextlib.contextmanager
-def routing_replay(model, on: bool = True):
+def routing_replay(model, on: bool = True, stats=None):
     """Within: forwards of `model` (a module, engine or peft model) given `routed_experts` replay them. Re-entrant
-    (an inner use of the same model does nothing); off (`on` False) or a dense model: nothing."""
+    (an inner use of the same model does nothing); off (`on` False) or a dense model: nothing. `stats`
+    (align.engine.stats.Stats): on exit, `rollout/route_flip_frac`: the share of the replayed (token, MoE layer)
+    routes the trainer's own router would have chosen otherwise (`route_flips`; every replayed forward counts,
+    a checkpointed recompute too: the same routes again, so the share is the same)."""
     blocks = moe_blocks(model) if on else []
     if not blocks or installed(model):
         yield
@@ -124,13 +137,16 @@ def routing_replay(model, on: bool = True):
     from align.rollout.fast.support import bare
 
     mixtral = getattr(bare(model).config, "model_type", None) == "mixtral"
+    counts = torch.zeros(2, dtype=torch.float64, device=blocks[0][1].gate.weight.device)
     handles = []
     for j, (layer, block) in enumerate(blocks):
-        block._align_replay = (mixtral or bool(getattr(block.gate, "norm_topk_prob", False)), mixtral)
+        block._align_replay = (mixtral or bool(getattr(block.gate, "norm_topk_prob", False)), mixtral, counts)
         block.forward = types.MethodType(_replayed_forward, block)
         handles.append(layer.self_attn.register_forward_pre_hook(_hand_routes(block, j), with_kwargs=True))
     try:
         yield
+        if stats is not None and counts[1] > 0:
+            stats.mean("rollout/route_flip_frac", counts[0], counts[1])
     finally:
         for h in handles:
             h.remove()

@@ -405,7 +405,7 @@ class GRPO:
         idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
         r = Rollout([self.rows[i] for i in idx], pending.completions, cfg.num_generations)
         self.stale = pending.version != step
-        with routing_replay(self.policy.eng, cfg.routing_replay):  # through the backward: checkpointed recomputes
+        with routing_replay(self.policy.eng, cfg.routing_replay, stats):  # through the backward: recomputes too
             zero_std = self.learn(r, stats, times)
         self.rollouts.after_update(times)
         if not self.rollouts.synchronous:

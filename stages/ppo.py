@@ -483,10 +483,10 @@ class PPO:
                        replace(self.sampling, seed=derive(cfg.seed, step)), dist, cfg.gather, self.agent)
         with timed(times, "time/reward"):
             proxy, s, gold = self.scores(r)
-        with timed(times, "time/score"), routing_replay(self.policy.eng, cfg.routing_replay):
+        with timed(times, "time/score"), routing_replay(self.policy.eng, cfg.routing_replay, stats):
             batch = r.batch(self.tok.pad_token_id, dist.device)
             ro = self.advantages(batch, s, beta)
-        with timed(times, "time/update"), routing_replay(self.policy.eng, cfg.routing_replay):
+        with timed(times, "time/update"), routing_replay(self.policy.eng, cfg.routing_replay, stats):
             epochs = self.update(step, {**batch, **ro}, stats)
         # 6. the KL controller, on the batch's mean per-episode KL (of the sampling policy)
         kl_sum, scores_sum, n = runtime.all_reduce_sum(torch.stack([ro["kl"].sum(), s.sum(), proxy.new_tensor(

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from align.engine.stats import Stats
 from align.errors import UserError
 from align.logprobs import logprobs
 from align.rollout.batch import rollout_batch
@@ -193,10 +194,16 @@ def test_replay_closes_the_gap_of_flipped_routes(kind):
     mask = batch["response_mask"].bool()
     hit, rest = mask & after_flip, mask & ~after_flip
     assert hit.sum() >= 5 and rest.sum() >= 5  # flips happened, and not everywhere
+    stats = Stats()
     with torch.no_grad():
         plain, _ = logprobs(m, batch, temperature=1.0)
-        with routing_replay(m):
+        with routing_replay(m, stats=stats):
             replayed, _ = logprobs(m, batch, temperature=1.0)
+    # rollout/route_flip_frac: the replayed (token, layer) routes the trainer's router would have chosen otherwise
+    have = (rec >= 0).all(-1)
+    differ = (rec.sort(-1).values != own.sort(-1).values).any(-1) & have
+    assert stats.reduce("cpu")["rollout/route_flip_frac"] == pytest.approx(differ.sum().item() / have.sum().item())
+    assert 0 < differ.sum() < have.sum()
     gap, gap_r = (plain - batch["sampler_logp"]).abs(), (replayed - batch["sampler_logp"]).abs()
     assert gap[hit].max() > 10 * gap_r[hit].max()
     assert gap_r[hit].max() < 2 * gap[rest].max()  # replayed: no worse than the tokens whose routes never flipped
@@ -271,7 +278,8 @@ def test_replay_context_and_routes_round_trip():
 
 def test_grpo_with_routing_replay_logs_the_mismatch(tmp_path):
     """A GRPO run on a tiny Qwen3-MoE policy with --routing-replay (the fast decoder records routes, the update
-    replays them, gradient checkpointing on): the decoder's and the trainer's log-probs agree to fp32 rounding."""
+    replays them, gradient checkpointing on): the decoder's and the trainer's log-probs agree to fp32 rounding,
+    and the update replayed the routes (rollout/route_flip_frac logged: none flipped, the same weights in fp32)."""
     from align.models import load_tokenizer, resolve
     from tests.conftest import parity_reward, run_command, small_data
 
@@ -298,3 +306,4 @@ def test_grpo_with_routing_replay_logs_the_mismatch(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     diffs = [r["rollout/logp_abs_diff"] for r in rows if "rollout/logp_abs_diff" in r]
     assert len(diffs) == 2 and max(diffs) < 1e-5
+    assert [r["rollout/route_flip_frac"] for r in rows if "rollout/route_flip_frac" in r] == [0.0, 0.0]

@@ -337,6 +337,11 @@ def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[di
     """Episodes of `agent` after each prompt (rows[i] its data row), `batch_size` at a time, on the fast decoder
     where it applies (use_fast_path: CUDA, a supported model), else HF `generate`; returned as rollout
     Completions (Episode.completion)."""
+    if s.routes:
+        from align.console import warn
+
+        warn("--routing-replay: multi-turn episodes record no routes: the trainer routes their tokens itself.",
+             once=True)
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     lim = agent.limits
