@@ -33,9 +33,17 @@ import types
 import torch
 
 from align.errors import UserError
-from align.rollout.fast.moe import gate_weights
+from align.lora import is_peft
 
 KWARG = "routed_experts"  # the forward argument, and the rollout batch's key
+
+
+def gate_weights(p_NK: torch.Tensor, renorm: bool, dtype: torch.dtype, fp32_weights: bool) -> torch.Tensor:
+    """The gate weights of chosen experts from their softmax probabilities p_NK (fp32, over all experts): p / Σ_k p
+    where the family renormalises, then in `dtype` unless the family keeps fp32."""
+    if renorm:
+        p_NK = p_NK / p_NK.sum(-1, keepdim=True)
+    return p_NK if fp32_weights else p_NK.to(dtype)
 
 
 def replayed_gate_weights(logits_NE: torch.Tensor, idx_NK: torch.Tensor, renorm: bool,
@@ -60,12 +68,17 @@ def route_flips(own_NK: torch.Tensor, replayed_NK: torch.Tensor) -> torch.Tensor
 def moe_blocks(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
     """(decoder layer, MoE block) of every layer whose MLP routes to experts, in order (column j of the routes is
     the j-th)."""
-    from align.rollout.fast.support import bare
-
-    module = bare(model)
+    module = _bare(model)
     layers = getattr(getattr(module, "model", None), "layers", None) or []
     return [(layer, layer.mlp) for layer in layers
             if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp, "gate")]
+
+
+def _bare(model):
+    """The HF model inside a DeepSpeed engine or a peft model (as align.rollout.fast.support.bare)."""
+    inner = getattr(model, "module", None)
+    model = inner if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") else model
+    return model.get_base_model() if is_peft(model) else model
 
 
 def check(model, on: bool) -> bool:
@@ -75,15 +88,6 @@ def check(model, on: bool) -> bool:
         raise UserError(f"--routing-replay: the policy ({getattr(cfg, 'model_type', '?')}) has no mixture-of-experts "
                         "layers, so there are no routes to replay; drop the flag.")
     return on
-
-
-def rollout_sampling(cfg, policy):
-    """An RL stage's rollout Sampling (align.rollout.generation): its --max-new-tokens, temperature, top-k / top-p,
-    --rollout-precision, and the routes recorded under --routing-replay (`check`ed against the policy)."""
-    from align.rollout.generation import Sampling
-
-    return Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision=cfg.decode_precision(),
-                    routes=check(policy, cfg.routing_replay))
 
 
 def installed(model) -> bool:
@@ -118,7 +122,6 @@ def _hand_routes(block, j: int):
         routes = kwargs.get(KWARG)
         if routes is not None:
             block._align_routes = routes[:, :, j].reshape(-1, routes.shape[-1]).long()
-        return None
 
     return hook
 
@@ -134,9 +137,7 @@ def routing_replay(model, on: bool = True, stats=None):
     if not blocks or installed(model):
         yield
         return
-    from align.rollout.fast.support import bare
-
-    mixtral = getattr(bare(model).config, "model_type", None) == "mixtral"
+    mixtral = getattr(_bare(model).config, "model_type", None) == "mixtral"
     counts = torch.zeros(2, dtype=torch.float64, device=blocks[0][1].gate.weight.device)
     handles = []
     for j, (layer, block) in enumerate(blocks):

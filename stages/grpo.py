@@ -40,14 +40,15 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.judge import RUBRIC, judge_model, judged_records, the_judge, watched
 from align.logprobs import batched_logprobs, logprobs
-from align.routing_replay import rollout_sampling, routing_replay
+from align.routing_replay import routing_replay
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.advantages import zero_spread
 from align.objectives.grpo import GRPOBatch, GRPOCoefs, grpo_loss
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_rewards, parse_rewards, probe
 from align.rollout import disagg
-from align.rollout.batch import Rollout, record_completions, record_episodes, record_mismatch, sample, select, timed
+from align.rollout.batch import (Rollout, record_completions, record_episodes, record_mismatch, rollout_sampling, sample,
+                                 select, timed)
 from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
                                       verifier_note)
 from align.rollout.generation import Sampling

@@ -50,7 +50,7 @@ from align.errors import UserError
 from align.judge import RUBRIC, as_text
 from align.judge import load as load_judge
 from align.logprobs import batched_logprobs, logprobs
-from align.routing_replay import rollout_sampling, routing_replay
+from align.routing_replay import routing_replay
 from align.objectives.kl import AdaptiveKLController, FixedKLController
 from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
                                       verifier_note)
@@ -63,7 +63,8 @@ from align.objectives.tokens import completion_nll
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
                                 score_ids)
 from align.rewards import RewardError, call_rewards, every_number, parse_rewards, probe
-from align.rollout.batch import Rollout, record_completions, record_episodes, record_mismatch, sample, select, timed
+from align.rollout.batch import (Rollout, record_completions, record_episodes, record_mismatch, rollout_sampling, sample,
+                                 select, timed)
 from stages.ppo_config import DEFAULT_RM, DEFAULT_SFT, PPOConfig  # the options (light: no torch), re-exported
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from align.data import pad
 from align.objectives.offpolicy import rollout_mismatch
 from align.rollout.generation import Completion, Sampling, generate_on_rank
 from align.routing_replay import KWARG as ROUTES
-from align.routing_replay import routes_batch
+from align.routing_replay import check, routes_batch
 
 
 @dataclass
@@ -62,6 +62,13 @@ class Rollout:
 
     def batch(self, pad_id: int, device) -> dict:
         return rollout_batch(self.completions, pad_id, device)
+
+
+def rollout_sampling(cfg, policy) -> Sampling:
+    """An RL stage's rollout Sampling: its --max-new-tokens, temperature, top-k / top-p, --rollout-precision, and
+    the routes recorded under --routing-replay (align.routing_replay; `check`ed against the policy)."""
+    return Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision=cfg.decode_precision(),
+                    routes=check(policy, cfg.routing_replay))
 
 
 def sample(policy, tokenizer, rows: list[dict], prompt_ids: list[list[int]], group_size: int, s: Sampling,

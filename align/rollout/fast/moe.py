@@ -19,6 +19,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from align.routing_replay import gate_weights
+
 GATHER_BYTES = 256 << 20  # the gathered expert weights of one chunk of tokens (experts_gathered)
 
 
@@ -31,14 +33,6 @@ def route(logits_NE: torch.Tensor, k: int, renorm: bool, fp32_weights: bool):
     p = logits_NE.float().softmax(-1)
     w_NK, idx_NK = p.topk(k, dim=-1)
     return idx_NK, gate_weights(w_NK, renorm, logits_NE.dtype, fp32_weights)
-
-
-def gate_weights(p_NK: torch.Tensor, renorm: bool, dtype: torch.dtype, fp32_weights: bool) -> torch.Tensor:
-    """The gate weights of chosen experts from their softmax probabilities p_NK (fp32, over all experts): p / Σ_k p
-    where the family renormalises, then in `dtype` unless the family keeps fp32."""
-    if renorm:
-        p_NK = p_NK / p_NK.sum(-1, keepdim=True)
-    return p_NK if fp32_weights else p_NK.to(dtype)
 
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
