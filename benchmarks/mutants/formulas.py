@@ -313,7 +313,7 @@ MUTATIONS = [
       "        L[f\"{key}_s\"][rows].copy_(s)", "        L[f\"{key}_s\"][rows].copy_(s) if not L[f\"{key}_s\"].any() else None",
       ("tests/test_fp8_rollout.py::test_the_fp8_decoder_keeps_e4m3_matrices_and_decodes_near_the_exact_model",)),
     # ---- mixture-of-experts decoding (align/rollout/fast/moe.py) and routing replay (align/routing_replay.py)
-    M("moe decoder: gate weights never renormalised (Mixtral, norm_topk_prob)", "align/rollout/fast/moe.py",
+    M("moe decoder: gate weights never renormalised (Mixtral, norm_topk_prob)", "align/routing_replay.py",
       "    if renorm:\n        p_NK = p_NK / p_NK.sum(-1, keepdim=True)", "    if False:\n        p_NK = p_NK",
       ("tests/test_moe_decode.py::test_router_and_experts_by_hand", "tests/test_moe_decode.py::test_greedy_matches_hf_generate")),
     M("moe decoder: grouped experts' rows not put back in token order", "align/rollout/fast/moe.py",
