@@ -564,6 +564,10 @@ class RLConfig(SamplingConfig, TrainConfig):
     tis_cap: float = opt(0.0, "Truncated importance sampling: weight each token's policy-gradient loss by "
                               "min(π_train / π_sampler, C), correcting for a decoder whose log-probs differ from the "
                               "trainer's (0: off).", ge=0, group="sampling")
+    routing_replay: bool = opt(False, "Mixture-of-experts policies: the update's forwards send each token to the "
+                                      "experts the rollout's decoder chose for it (the fast decoder records them), "
+                                      "the gate weights from the trainer's router: no log-prob gap from routes that "
+                                      "flip between decoder and trainer.", group="sampling")
     packing: bool = opt(False, "Padding-free forwards: each micro-batch's ragged sequences packed (a GPU: one row, "
                                "varlen flash attention; else fewer rows, block-diagonal attention); the same "
                                "log-probs.",

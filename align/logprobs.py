@@ -18,6 +18,7 @@ import contextlib
 
 import torch
 
+from align import routing_replay
 from align.moe import is_moe, routed_tokens
 from align.objectives.tokens import entropy_from_logits, token_logprobs
 from align.varlen import cu_seqlens, enable as enable_varlen
@@ -119,11 +120,11 @@ def _fused(model, batch: dict, temperature: float, chunk: int):
     module = getattr(model, "module", model)
     ids = batch["input_ids"]
     with _head_as_logprobs(module, ids[:, 1:], batch["response_mask"], temperature, chunk):
-        return model(input_ids=ids, **_context(batch)).logits
+        return model(input_ids=ids, **_forward_kwargs(model, batch)).logits
 
 
 def _plain(model, batch: dict, temperature: float, entropy_grad: bool):
-    logits = model(input_ids=batch["input_ids"], **_context(batch)).logits[:, :-1]
+    logits = model(input_ids=batch["input_ids"], **_forward_kwargs(model, batch)).logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
     mask = batch["response_mask"].to(torch.float32)
@@ -140,6 +141,11 @@ def _context(batch: dict) -> dict:
     has them; never a KV cache."""
     kw = {k: batch[k] for k in ("attention_mask", "position_ids", *VARLEN_KEYS) if batch.get(k) is not None}
     return {**kw, "use_cache": False}
+
+
+def _forward_kwargs(model, batch: dict) -> dict:
+    """_context, and the rollout's routes where the model replays them (align.routing_replay)."""
+    return {**_context(batch), **routing_replay.forward_kwargs(model, batch)}
 
 
 # ---- padding-free forwards
@@ -199,6 +205,13 @@ class Packing:
         used = torch.tensor(self.used, device=dev)
         out = {"input_ids": out_ids, "position_ids": pos.to(dev), "response_mask": mask.view(R, W - 1),
                "token_mask": torch.arange(W, device=dev)[None] < used[:, None]}
+        routes = batch.get(routing_replay.KWARG)
+        if routes is not None:  # each sequence's routes where its tokens went; -1 (own routing) on the padding
+            packed = routes.new_full((R, W, *routes.shape[2:]), -1)
+            for r, seqs in enumerate(self.rows):
+                for i, o in seqs:
+                    packed[r, o : o + self.lengths[i]] = routes[i, : self.lengths[i]]
+            out[routing_replay.KWARG] = packed
         if self.varlen:
             seg = self.segments()
             cu = cu_seqlens(seg, dev)

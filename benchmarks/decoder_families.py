@@ -1,8 +1,11 @@
 """The fast decoder against the HF forward on real configs of each family it takes, on a GPU, in bf16.
 
     python -m benchmarks.decoder_families [--models qwen2.5-1.5b,qwen3-1.7b,llama3.2-1b,mistral-1.5b]
+    python -m benchmarks.decoder_families --models olmoe-1b-7b,qwen3-30b-a3b-8l,mixtral-8x7b-4l   # MoE
+    python -m benchmarks.decoder_families --smoke     # CPU, fp32, tiny MoE configs: the harness itself
 
-For each random-weight model (built on the GPU from the real config in `benchmarks.vs_trl.MODELS`): 16
+For each random-weight model (built on the GPU from the real config in `benchmarks.vs_trl.MODELS`, or the
+mixture-of-experts ones of `MOE_MODELS`: OLMoE-1B-7B whole, Qwen3-30B-A3B and Mixtral-8x7B with fewer layers): 16
 left-padded prompts of 40-200 tokens; the last position's logits of (a) the HF forward in fp32 (the reference),
 (b) the HF forward in bf16, (c) our decoder's prefill in bf16. Relative error ||x - ref|| / ||ref|| of (b) and (c):
 ours passes when it is within 1.5x HF's own bf16 error (random weights give near-flat logits, so both errors are
@@ -10,7 +13,8 @@ several percent). Then 64 greedy tokens from each path
 (bf16): the share of rows whose first 16 tokens agree, and ms per generated token of our CUDA-graph decoder
 against HF `generate` (64 rows); and, teacher-forced through the HF forward, how far below its best logit each
 token our CUDA-graph decoder chose lies (in logit standard deviations: near 0 for bf16 near-ties; a wrong mask or
-cache shows as large gaps). Passes also need the largest gap under 0.5.
+cache shows as large gaps). Passes also need the largest gap under 0.5. For MoE models also the decode time with
+the routes recorded (routing replay, `routes_ms_per_token`).
 """
 
 from __future__ import annotations
@@ -18,95 +22,157 @@ from __future__ import annotations
 import argparse
 import time
 
+MOE_MODELS = {  # their config.json values (random weights); the two large ones with fewer layers, to fit one GPU
+    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                                  intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                                  vocab_size=50304, tie_word_embeddings=False, max_position_embeddings=4096,
+                                  rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "qwen3-30b-a3b-8l": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32,
+                                           num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                           norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
+                                           max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "mixtral-8x7b-4l": ("mixtral", dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32,
+                                        num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                                        num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False,
+                                        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+SMOKE = {  # --smoke: tiny configs of each MoE family, on the CPU
+    f"tiny-{t}": (t, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=64, vocab_size=512, max_position_embeddings=512, num_experts_per_tok=2,
+                          **extra))
+    for t, extra in (("qwen3_moe", dict(num_experts=8, moe_intermediate_size=32)), ("olmoe", dict(num_experts=8)),
+                     ("mixtral", dict(num_local_experts=4)))}
 
-def check(name: str) -> dict:
+
+def config(name: str, **ids):
+    from transformers import AutoConfig
+
+    from benchmarks import vs_trl as V
+
+    if name in V.MODELS:
+        return V.config(name, **ids)
+    arch, kw = {**MOE_MODELS, **SMOKE}[name]
+    return AutoConfig.for_model(arch, **kw, **ids)
+
+
+def check(name: str, dev: str = "cuda") -> dict:
+    """The comparison on a GPU in bf16; `dev` "cpu" (--smoke): fp32, eager, 8 rows of 8 tokens (timings meaningless)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from align.rollout.fast.decoder import FastDecoder
     from align.rollout.fast.support import unsupported_reason
     from align.rollout.generation import Sampling
-    from benchmarks import vs_trl as V
-
-    cfg = V.config(name, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = config(name, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cuda = dev == "cuda"
+    rows, new = (64, 64) if cuda else (8, 8)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(dev):
         m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     why = unsupported_reason(m, length=264)
     g = torch.Generator().manual_seed(1)
-    lens = torch.randint(40, 200, (16,), generator=g).tolist()
+    lens = torch.randint(40, 200, (16,), generator=g).tolist() if cuda else torch.randint(4, 20, (16,), generator=g).tolist()
     P = max(lens)
     ids = torch.zeros(16, P, dtype=torch.long)
     mask = torch.zeros(16, P, dtype=torch.long)
     for i, n in enumerate(lens):
         ids[i, P - n:] = torch.randint(3, min(cfg.vocab_size, 30000), (n,), generator=g)
         mask[i, P - n:] = 1
-    ids, mask = ids.cuda(), mask.cuda()
+    ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         ref = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
-        m.to(torch.bfloat16)
+        if cuda:
+            m.to(torch.bfloat16)
         hf = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
-        dec = FastDecoder(m, "cuda")
+        dec = FastDecoder(m, dev)
         dec.load_weights(m)
-        dec._alloc(16, P + 64)
+        dec._alloc(16, P + new)
         ours = dec._prefill(ids, mask)
     rel = lambda x: float((x - ref).norm() / ref.norm())  # noqa: E731
     r = {"model": name, "type": cfg.model_type, "fast path": why or "yes", "hf_bf16_err": rel(hf), "ours_err": rel(ours)}
     # greedy agreement and decode speed, 64 rows
-    prompts = [ids[i % 16, P - lens[i % 16]:].tolist() for i in range(64)]
-    s = Sampling(max_new_tokens=64, temperature=0.0)
-    dec = FastDecoder(m, "cuda")
+    prompts = [ids[i % 16, P - lens[i % 16]:].tolist() for i in range(rows)]
+    s = Sampling(max_new_tokens=new, temperature=0.0)
+    dec = FastDecoder(m, dev)
     dec.load_weights(m)
-    dec.generate(prompts, s, eos=-1, pad=0)  # compile + capture (eos -1: every row runs 64 tokens)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fast = dec.generate(prompts, s, eos=-1, pad=0)
-    torch.cuda.synchronize()
-    r["ours_ms_per_token"] = (time.perf_counter() - t) / 64 * 1e3
-    L = max(len(p) for p in prompts)
-    hid = torch.tensor([[0] * (L - len(p)) + p for p in prompts], device="cuda")
-    hmask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device="cuda")
-    kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0, eos_token_id=2)
-    with torch.no_grad():
-        m.generate(input_ids=hid, attention_mask=hmask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
+
+    def timed(routes: bool = False):
+        dec.generate(prompts, s, eos=-1, pad=0, routes=routes)  # compile + capture (eos -1: every row runs `new`)
+        sync()
         t = time.perf_counter()
-        out = m.generate(input_ids=hid, attention_mask=hmask, **kw)[:, L:].tolist()
-        torch.cuda.synchronize()
-    r["hf_ms_per_token"] = (time.perf_counter() - t) / 64 * 1e3
-    r["greedy_rows_equal_16"] = sum(a[:16] == b[:16] for a, b in zip(fast, out)) / 64
+        got = dec.generate(prompts, s, eos=-1, pad=0, routes=routes)
+        sync()
+        return got, (time.perf_counter() - t) / new * 1e3
+
+    fast, r["ours_ms_per_token"] = timed()
+    if dec.moe_layers:  # routing replay's recording of every token's experts
+        _, r["routes_ms_per_token"] = timed(routes=True)
+        r["experts"] = "grouped_mm" if dec.grouped else "gathered"
+    L = max(len(p) for p in prompts)
+    hid = torch.tensor([[0] * (L - len(p)) + p for p in prompts], device=dev)
+    hmask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=2)
+    try:
+        with torch.no_grad():
+            m.generate(input_ids=hid, attention_mask=hmask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            sync()
+            t = time.perf_counter()
+            out = m.generate(input_ids=hid, attention_mask=hmask, **kw)[:, L:].tolist()
+            sync()
+        r["hf_ms_per_token"] = (time.perf_counter() - t) / new * 1e3
+        r["greedy_rows_equal_16"] = sum(a[:16] == b[:16] for a, b in zip(fast, out)) / rows
+    except torch.OutOfMemoryError:  # HF's own MoE path (it gathers each token's expert weights) at 64 rows
+        r["hf_ms_per_token"] = r["greedy_rows_equal_16"] = float("nan")
+        torch.cuda.empty_cache()
     # teacher-forced: how far below the HF forward's best logit is the token our CUDA-graph decoder chose, at every
     # generated position (in units of the logits' std; bf16 near-ties give small gaps, a wrong mask or cache large)
-    seq = torch.tensor([[0] * (L - len(p)) + p + f for p, f in zip(prompts, fast)], device="cuda")
-    smask = torch.cat([hmask, torch.ones(64, 64, dtype=hmask.dtype, device="cuda")], 1)
+    seq = torch.tensor([[0] * (L - len(p)) + p + f for p, f in zip(prompts, fast)], device=dev)
+    smask = torch.cat([hmask, torch.ones(rows, new, dtype=hmask.dtype, device=dev)], 1)
     with torch.no_grad():
         lg = m(input_ids=seq, attention_mask=smask, position_ids=(smask.cumsum(-1) - 1).clamp(min=0)).logits.float()
-    lg = lg[:, L - 1 : L + 63]  # the logits that chose each of the 64 generated tokens
-    chosen = lg.gather(-1, seq[:, L : L + 64, None])[..., 0]
+    lg = lg[:, L - 1 : L + new - 1]  # the logits that chose each generated token
+    chosen = lg.gather(-1, seq[:, L : L + new, None])[..., 0]
     gap = (lg.max(-1).values - chosen) / lg.std(-1)
     r["gap_mean"], r["gap_max"] = float(gap.mean()), float(gap.max())
     r["pass"] = why is None and r["ours_err"] <= max(1.5 * r["hf_bf16_err"], 1e-3) and r["gap_max"] < 0.5
     del m, dec
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return r
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="qwen2.5-1.5b,qwen3-1.7b,llama3.2-1b,mistral-1.5b")
+    ap.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny MoE configs: checks the harness only")
     a = ap.parse_args()
     import torch
 
-    rows = [check(n) for n in a.models.split(",")]
-    print(f"\n### Fast decoder vs HF forward, bf16, {torch.cuda.get_device_name()}, random weights of real configs")
+    dev = "cpu" if a.smoke else "cuda"
+    rows = []
+    for n in list(SMOKE) if a.smoke else a.models.split(","):
+        try:
+            rows.append(check(n, dev))
+        except torch.OutOfMemoryError as e:  # (HF generate's own MoE path can gather more than the GPU holds)
+            print(f"{n}: out of memory ({str(e).splitlines()[0]})", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        print(rows[-1], flush=True)
+    where = torch.cuda.get_device_name() if dev == "cuda" else "CPU fp32 (smoke)"
+    print(f"\n### Fast decoder vs HF forward, bf16, {where}, random weights of real configs")
     print("| model | type | fast path | HF bf16 rel. err | ours rel. err | greedy rows equal (16 tok) | decode gap mean / max "
-          "(std) | ours ms/token | HF generate ms/token | pass |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "(std) | ours ms/token | with routes ms/token | HF generate ms/token | pass |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        routes = f"{r['routes_ms_per_token']:.2f} ({r['experts']})" if "routes_ms_per_token" in r else "-"
         print(f"| {r['model']} | {r['type']} | {r['fast path']} | {r['hf_bf16_err']:.2e} | {r['ours_err']:.2e} | "
-              f"{r['greedy_rows_equal_16']:.2f} | {r['gap_mean']:.3f} / {r['gap_max']:.3f} | {r['ours_ms_per_token']:.2f} | {r['hf_ms_per_token']:.2f} | "
-              f"{'yes' if r['pass'] else 'NO'} |")
+              f"{r['greedy_rows_equal_16']:.2f} | {r['gap_mean']:.3f} / {r['gap_max']:.3f} | {r['ours_ms_per_token']:.2f} | "
+              f"{routes} | {r['hf_ms_per_token']:.2f} | {'yes' if r['pass'] else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -40,13 +40,15 @@ from align.engine.stats import Stats
 from align.errors import UserError
 from align.judge import RUBRIC, judge_model, judged_records, the_judge, watched
 from align.logprobs import batched_logprobs, logprobs
+from align.routing_replay import routing_replay
 from align.models import context_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.advantages import zero_spread
 from align.objectives.grpo import GRPOBatch, GRPOCoefs, grpo_loss
 from align.reward_model import load_reward_model, require_trained, score
 from align.rewards import RewardError, call_rewards, parse_rewards, probe
 from align.rollout import disagg
-from align.rollout.batch import Rollout, record_completions, record_episodes, record_mismatch, sample, select, timed
+from align.rollout.batch import (Rollout, record_completions, record_episodes, record_mismatch, rollout_sampling, sample,
+                                 select, timed)
 from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
                                       verifier_note)
 from align.rollout.generation import Sampling
@@ -262,7 +264,7 @@ class GRPO:
         self.teacher = run.frozen(self.load_policy(teacher_source)) if cfg.teacher else None
         self.rm = (run.frozen(lambda dtype: load_reward_model(rm_source, self.rm_tok, dtype, cfg.seed,
                                                               cfg.trust_remote_code)) if rm_source else None)
-        self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision=cfg.decode_precision())
+        self.sampling = rollout_sampling(cfg, self.policy.eng)
         self.beta = cfg.beta  # the KL weight (an --on-alarm rollback may raise it)
         self.rollouts = self.rollout_queue()
         self.stale = False  # the rollout being trained on was sampled from older weights
@@ -404,7 +406,8 @@ class GRPO:
         idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)
         r = Rollout([self.rows[i] for i in idx], pending.completions, cfg.num_generations)
         self.stale = pending.version != step
-        zero_std = self.learn(r, stats, times)
+        with routing_replay(self.policy.eng, cfg.routing_replay, stats):  # through the backward: recomputes too
+            zero_std = self.learn(r, stats, times)
         self.rollouts.after_update(times)
         if not self.rollouts.synchronous:
             stats.value("rollout/staleness", step - pending.version)
@@ -482,7 +485,7 @@ class GRPO:
             return {}
         ks = self.cfg.ks()
         m, recs = evaluate_policy(self.policy.eng, self.tok, self.eval_rows, self.run.dist, ks=ks, samples=max(ks),
-                                  sampling=replace(self.sampling, seed=self.cfg.seed, precision=""), gather=self.cfg.gather,
+                                  sampling=replace(self.sampling, seed=self.cfg.seed, precision="", routes=False), gather=self.cfg.gather,
                                   verifier=self.verifier, agent=self.agent)
         recs, judged = judged_eval(self.reward_fns, recs, self.run.monitor.history, step)
         save_eval_samples(self.run.out, step, recs, self.run.dist)

@@ -50,6 +50,7 @@ from align.errors import UserError
 from align.judge import RUBRIC, as_text
 from align.judge import load as load_judge
 from align.logprobs import batched_logprobs, logprobs
+from align.routing_replay import routing_replay
 from align.objectives.kl import AdaptiveKLController, FixedKLController
 from align.rollout.evaluation import (evaluate_policy, fitting, fitting_rows, held_out_verifier, save_eval_samples,
                                       verifier_note)
@@ -62,7 +63,8 @@ from align.objectives.tokens import completion_nll
 from align.reward_model import (load_reward_model, load_sequence_classifier, normalized_reward, require_trained, score,
                                 score_ids)
 from align.rewards import RewardError, call_rewards, every_number, parse_rewards, probe
-from align.rollout.batch import Rollout, record_completions, record_episodes, record_mismatch, sample, select, timed
+from align.rollout.batch import (Rollout, record_completions, record_episodes, record_mismatch, rollout_sampling, sample,
+                                 select, timed)
 from stages.ppo_config import DEFAULT_RM, DEFAULT_SFT, PPOConfig  # the options (light: no torch), re-exported
 
 @dataclass(frozen=True)
@@ -306,7 +308,7 @@ class PPO:
         self.judge = load_judge(cfg.judge, cfg.rubric() or RUBRIC, where=f"--judge {cfg.judge}") if cfg.judge else None
         self.kl_ctl = (FixedKLController(cfg.init_kl_coef) if cfg.fixed_kl
                        else AdaptiveKLController(cfg.init_kl_coef, cfg.target_kl, cfg.kl_horizon))
-        self.sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision=cfg.decode_precision())
+        self.sampling = rollout_sampling(cfg, self.policy.eng)
         announce(self)
 
     def read_inputs(self) -> dict:
@@ -482,10 +484,10 @@ class PPO:
                        replace(self.sampling, seed=derive(cfg.seed, step)), dist, cfg.gather, self.agent)
         with timed(times, "time/reward"):
             proxy, s, gold = self.scores(r)
-        with timed(times, "time/score"):
+        with timed(times, "time/score"), routing_replay(self.policy.eng, cfg.routing_replay, stats):
             batch = r.batch(self.tok.pad_token_id, dist.device)
             ro = self.advantages(batch, s, beta)
-        with timed(times, "time/update"):
+        with timed(times, "time/update"), routing_replay(self.policy.eng, cfg.routing_replay, stats):
             epochs = self.update(step, {**batch, **ro}, stats)
         # 6. the KL controller, on the batch's mean per-episode KL (of the sampling policy)
         kl_sum, scores_sum, n = runtime.all_reduce_sum(torch.stack([ro["kl"].sum(), s.sum(), proxy.new_tensor(

@@ -2,7 +2,9 @@
 right-padded token tensors the losses see.
 
 `Rollout.batch()` also carries `sampler_logp` [N, L−1] (when the decoder returned them): the sampler's own log-prob
-of every response token at the sampling temperature, compared with the trainer's (objectives.offpolicy.rollout_mismatch).
+of every response token at the sampling temperature, compared with the trainer's (objectives.offpolicy.rollout_mismatch);
+and, under --routing-replay, `routed_experts` [N, L, MoE layers, k]: the experts the decoder chose for each token
+(align.routing_replay).
 
 In `Rollout.batch()`, `response_mask[i, t] = 1` when target token t+1 of row i is a response token (the EOS
 included; prompt, padding and anything after EOS excluded; in a multi-turn episode the environment's tokens too). Rows are prompt-major: sample g of prompt p is row
@@ -22,6 +24,8 @@ from align import runtime
 from align.data import pad
 from align.objectives.offpolicy import rollout_mismatch
 from align.rollout.generation import Completion, Sampling, generate_on_rank
+from align.routing_replay import KWARG as ROUTES
+from align.routing_replay import check, routes_batch
 
 
 @dataclass
@@ -60,6 +64,13 @@ class Rollout:
         return rollout_batch(self.completions, pad_id, device)
 
 
+def rollout_sampling(cfg, policy) -> Sampling:
+    """An RL stage's rollout Sampling: its --max-new-tokens, temperature, top-k / top-p, --rollout-precision, and
+    the routes recorded under --routing-replay (align.routing_replay; `check`ed against the policy)."""
+    return Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision=cfg.decode_precision(),
+                    routes=check(policy, cfg.routing_replay))
+
+
 def sample(policy, tokenizer, rows: list[dict], prompt_ids: list[list[int]], group_size: int, s: Sampling,
            dist: runtime.Dist, gather: bool = True, agent=None) -> Rollout:
     """G samples of each prompt from the policy engine (one generation phase, ZeRO-3 weights gathered once);
@@ -90,6 +101,9 @@ def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
             start = len(c.prompt_ids) - 1
             sampler[i, start : start + len(c.ids)] = torch.tensor(c.logps, dtype=sampler.dtype)
         batch["sampler_logp"] = sampler
+    routes = routes_batch(completions, tuple(ids.shape), device)  # --routing-replay: the decoder's experts
+    if routes is not None:
+        batch[ROUTES] = routes
     return batch
 
 

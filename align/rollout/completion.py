@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,25 @@ class Completion:
     # None: every response token is the policy's
     policy_mask: list[int] | None = None
     episode: EpisodeInfo | None = None  # a multi-turn episode's turns, tool calls and stop
+    # routing replay (--routing-replay, an MoE policy on the fast decoder): the experts each MoE layer chose for
+    # every token of prompt_ids + ids as the decoder read it, [tokens, MoE layers, k] int8/int16, -1 where no
+    # decode step read the token (the last one); None: not recorded (the trainer routes those tokens itself)
+    routes: torch.Tensor | None = None
+
+    def to_json(self) -> dict:
+        """dataclasses.asdict, the routes as nested lists (a checkpoint's queued rollouts, a decoder's answer)."""
+        d = dataclasses.asdict(self)
+        if self.routes is not None:
+            d["routes"] = {"dtype": str(self.routes.dtype).removeprefix("torch."), "values": self.routes.tolist()}
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> Completion:
-        """A Completion from its dataclasses.asdict form (a checkpoint's queued rollouts)."""
-        episode = d.get("episode")
-        return cls(**{**d, "episode": EpisodeInfo(**episode) if episode else None})
+        """A Completion from its `to_json` (or dataclasses.asdict) form (a checkpoint's queued rollouts)."""
+        episode, routes = d.get("episode"), d.get("routes")
+        if isinstance(routes, dict):
+            routes = torch.tensor(routes["values"], dtype=getattr(torch, routes["dtype"]))
+        return cls(**{**d, "episode": EpisodeInfo(**episode) if episode else None, "routes": routes})
 
     @property
     def answer(self) -> str:

@@ -236,7 +236,7 @@ def decode(module, tok, msg: dict, device, index: int, parts: int, agent=None) -
         rows = [every[i] for i in mine]
     out = generate_local(module, tok, todo, Sampling(**msg["sampling"]), max(len(todo), 1), device, indices=mine,
                          agent=agent, rows=rows)
-    return [{k: v for k, v in dataclasses.asdict(c).items() if k != "prompt_ids"} for c in out]
+    return [{k: v for k, v in c.to_json().items() if k != "prompt_ids"} for c in out]
 
 
 def completions(prompts: list[list[int]], group: int, answers: list[dict]) -> list[Completion]:

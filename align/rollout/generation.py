@@ -31,6 +31,7 @@ class Sampling:
     top_p: float = 1.0  # 1: off
     seed: int | None = None  # prompt i's samples depend on (seed, i) alone; None: a seed drawn from torch's RNG
     precision: str = ""  # the fast decoder's linear layers: "" the model's compute dtype, "fp8" E4M3 (rollouts)
+    routes: bool = False  # record each token's experts (an MoE policy, the fast decoder): --routing-replay
 
     @property
     def greedy(self) -> bool:
@@ -88,13 +89,13 @@ def trim_at_eos(ids: list[int], eos_id: int, pad_id: int) -> tuple[list[int], bo
 
 
 def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None = None,
-                  length: int | None = None, precision: str = "") -> bool:
+                  length: int | None = None, precision: str = "", routes: bool = False) -> bool:
     """The compiled static-cache decoder (align.rollout.fast) is used on CUDA by default for the models it
     supports (`fast.support.SUPPORTED`) and rollouts of up to `length` tokens; `fast=False` or
     ALIGN_FAST_GENERATION=0 selects HF `generate`; `fast=True` forces it (also on CPU, eagerly: tests), as FP8
-    rollouts (`precision` fp8: only the fast decoder has them) ask for it. Never with `synced_gpus` (sharded
-    weights). On a GPU the choice and its reason are logged once per process; FP8 rollouts that cannot have it
-    are warned about."""
+    rollouts (`precision` fp8: only the fast decoder has them) and routing replay (`routes`: only the fast decoder
+    records them) ask for it. Never with `synced_gpus` (sharded weights). On a GPU the choice and its reason are
+    logged once per process; FP8 rollouts and routing replay that cannot have it are warned about."""
     from align.rollout.fast import support
 
     module = support.bare(module)
@@ -106,9 +107,14 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
 
         warn(f"FP8 rollouts decode in the fast decoder, which this rollout cannot use ({why}): it decodes in the "
              "model's own dtype.", once=True)
+    if routes and (off or why):
+        from align.console import warn
+
+        warn(f"--routing-replay: these rollouts decode through HF generate ({off or why}), which records no "
+             "routes: the trainer routes their tokens itself (no replay).", once=True)
     if off:
         return False
-    wanted = bool(fast) or torch.device(device).type == "cuda" or precision == "fp8"
+    wanted = bool(fast) or torch.device(device).type == "cuda" or precision == "fp8" or routes
     if wanted:
         from align.console import info
 
@@ -141,7 +147,7 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
         return generate_episodes(module, tokenizer, prompts, rows, s, agent, batch_size, device, keys, on_batch,
                                  fast=False if synced_gpus else fast)
     length = max((len(p) for p in prompts), default=0) + s.max_new_tokens
-    if use_fast_path(module, device, synced_gpus, fast, length, s.precision):
+    if use_fast_path(module, device, synced_gpus, fast, length, s.precision, s.routes):
         if fast:  # forced (tests): errors surface
             return _generate_fast(module, tokenizer, prompts, s, batch_size, device, on_batch, keys)
         try:
@@ -215,12 +221,15 @@ def _decode_chunks(dec, tokenizer, prompts, s: Sampling, batch_size: int, on_bat
         chunk = prompts[i : i + batch_size]
         fill = width - len(chunk)  # rows repeating the last prompt (and its key): dropped below
         ck = None if keys is None else keys[i : i + batch_size]
-        rows = dec.generate(chunk + [chunk[-1]] * fill, s, eos, pad_id, None if ck is None else ck + ck[-1:] * fill)
+        rows = dec.generate(chunk + [chunk[-1]] * fill, s, eos, pad_id, None if ck is None else ck + ck[-1:] * fill,
+                            routes=s.routes)
         lp = dec.last_logps or [None] * len(rows)
-        for p, row, row_lp in zip(chunk, rows, lp):
+        routes = dec.last_routes or [None] * len(rows)
+        for p, row, row_lp, r in zip(chunk, rows, lp, routes):
             resp, finished = trim_at_eos(row, eos, pad_id)
             out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,
-                                  None if row_lp is None else row_lp[: len(resp)]))
+                                  None if row_lp is None else row_lp[: len(resp)],
+                                  routes=None if r is None else r[: len(p) + len(resp)].clone()))
         if on_batch:
             on_batch(len(chunk))
     return out
@@ -328,6 +337,11 @@ def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[di
     """Episodes of `agent` after each prompt (rows[i] its data row), `batch_size` at a time, on the fast decoder
     where it applies (use_fast_path: CUDA, a supported model), else HF `generate`; returned as rollout
     Completions (Episode.completion)."""
+    if s.routes:
+        from align.console import warn
+
+        warn("--routing-replay: multi-turn episodes record no routes: the trainer routes their tokens itself.",
+             once=True)
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     lim = agent.limits

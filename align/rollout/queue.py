@@ -43,7 +43,7 @@ class Pending:
     idle: float = 0.0
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "completions": [dataclasses.asdict(c) for c in self.completions]}
+        return {**dataclasses.asdict(self), "completions": [c.to_json() for c in self.completions]}
 
     @classmethod
     def from_json(cls, d: dict) -> Pending:

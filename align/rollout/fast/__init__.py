@@ -1,4 +1,4 @@
-"""Fast rollouts for Llama / Qwen2-architecture policies: a persistent inference copy, a static KV cache and a
+"""Fast rollouts for Llama / Qwen2-architecture policies (dense, and their mixture-of-experts kin): a persistent inference copy, a static KV cache and a
 decode step that is compiled once (one layer's code serves every layer) and replayed as one CUDA graph per
 generated token.
 
@@ -24,14 +24,18 @@ and all cache / position bookkeeping run on the device, with no host work betwee
 Supported: the Llama family's decoder layout with SiLU MLPs — `llama` (Llama 2/3.x: default, `linear`, `dynamic`,
 `yarn` and `llama3` RoPE), `qwen2` (q/k/v biases), `qwen3` (per-head q/k RMSNorm before RoPE) and `mistral` — when
 the rollout fits any sliding window (`mistral`'s `sliding_window`, or a Qwen model's with `use_sliding_window`)
-and, for `dynamic` RoPE, the model's original context. Anything else decodes through HF `generate`; the log names
-the reason once per process.
+and, for `dynamic` RoPE, the model's original context; and the mixture-of-experts models of that layout,
+`qwen3_moe`, `olmoe` (q/k RMSNorm over the whole projection, `clip_qkv`) and `mixtral`, whose experts run grouped
+(`moe`) and whose chosen experts a rollout can record for routing replay (align.routing_replay). Anything else
+decodes through HF `generate`; the log names the reason once per process. FP8 rollouts keep the experts in the
+compute dtype (only the attention and dense MLP matrices go to E4M3).
 
 The parts (one `FastDecoder` object; each part a class of its own module, its methods reading the others' state):
 
     support            which models it decodes (family, RoPE, activation, window), ALIGN_FAST_GENERATION
     weights            the inference weights: the module's own tensors or one fused copy (and when to copy)
     layers             the layer math: RMSNorm, RoPE, q/k/v, MLP, attention; the prefill, one layer's decode step
+    moe                the mixture-of-experts MLP: the router's top-k, the experts grouped (torch._grouped_mm or gathered)
     cache              the static KV cache and decode state of one (batch, capacity) shape, freed between rollouts
     graphs             the decode step's three compiled pieces and its CUDA graphs, re-captured when an address moved
     decoder            FastDecoder: the parts together, the sampled token, `generate`; `decoder_for`

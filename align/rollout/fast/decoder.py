@@ -41,6 +41,8 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         self._shape_key = None  # (rows, capacity) of the allocated cache
         # tokens prefilled (batch rows x block width) whole (`full`) and after an episode's kept cache (`appended`)
         self.prefilled = {"full": 0, "appended": 0}
+        self.record_routes = False  # `generate(routes=True)`: the MoE layers' chosen experts of every token
+        self.last_routes = None
 
     def release(self) -> None:
         """Free the inference weights and the KV cache between rollouts (the training step
@@ -64,6 +66,11 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         self.widx.add_(1)
         self.sidx.add_(1)
 
+    def _record_routes(self, j: int, idx_BK: torch.Tensor) -> None:
+        """The experts MoE layer j chose for the current tokens (those of output column sidx - 1), in the decode
+        step (captured with it)."""
+        self.gen_routes[:, :, j].index_copy_(1, (self.sidx - 1).clamp(min=0), idx_BK[:, None].to(self.route_dtype))
+
     def _choose(self, logits: torch.Tensor, position, sampling) -> torch.Tensor:
         """The token at `position` of each row: argmax, or the exponential race with the row's keyed noise
         (align.rollout.sampling: computed here, inside the compiled step, from the keys and the position alone)."""
@@ -75,7 +82,7 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, prompts: list[list[int] | None], sampling, eos: int, pad: int, keys=None, offsets=None,
-                 stop=None, capacity: int = 0, reuse: bool = False) -> list[list[int]]:
+                 stop=None, capacity: int = 0, reuse: bool = False, routes: bool = False) -> list[list[int]]:
         """Tokens generated for each prompt (rows padded after EOS with `pad`, length <= max_new_tokens); `keys`:
         each prompt's sampling key (align.rollout.sampling; default: drawn from torch's RNG).
 
@@ -87,8 +94,10 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         the previous call's, each context the one the cache holds for that row (its prompt and tokens) up to
         where they part, then new tokens (the environment's answer): only those are prefilled, after the slots
         written so far, and the row's slots past the common part are closed (`_extension`); everything is
-        prefilled again when the cache has no room left."""
+        prefilled again when the cache has no room left. `routes` (an MoE model, a whole prefill: not `reuse`):
+        `last_routes` then holds each row's chosen experts of its prompt and tokens (`_routes_of`)."""
         n, new = len(prompts), sampling.max_new_tokens
+        self.record_routes = bool(routes and self.moe_layers and not reuse)
         live = [p for p in prompts if p is not None]
         plan = self._extension(prompts, new, pad) if reuse else None
         if plan is None:
@@ -122,8 +131,16 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         # the sampling log-prob of every generated token (positions after EOS hold garbage: cut with the tokens)
         self.last_logps = None if sampling.greedy else self.out_logp[:n, :steps].tolist()
         rows = self.out[:n, :steps].tolist()
+        self.last_routes = self._routes_of(prompts, ids.shape[1], steps) if self.record_routes else None
         self._remember(prompts, rows, slots, top, steps)
         return rows
+
+    def _routes_of(self, prompts: list[list[int] | None], P: int, steps: int) -> list:
+        """Each row's routes [len(prompt) + steps, MoE layers, k] on the host (the experts every MoE layer chose
+        for each token the model read: the prompt at the prefill, each generated token at the step after; -1 for
+        the last token, which no step read), None for an ended episode's row."""
+        whole = torch.cat([self.prefill_routes.to(self.route_dtype), self.gen_routes[:, :steps]], 1).cpu()
+        return [None if p is None else whole[i, P - len(p):] for i, p in enumerate(prompts)]
 
     def _all_ended(self, n: int, steps: int, stop) -> bool:
         """Whether every row has ended (EOS, or a row `stop` names: marked finished, so it decodes padding)."""
@@ -159,6 +176,9 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         if self.out is None or self._out_len < new:
             self.out = torch.full((B, new), pad, dtype=torch.long, device=self.device)
             self.out_logp = torch.zeros(B, new, dtype=torch.float32, device=self.device)
+            if self.moe_layers:  # the experts each generated token went to, per MoE layer (`_record_routes`)
+                self.gen_routes = torch.full((B, new, len(self.moe_layers), self.top_k), -1, dtype=self.route_dtype,
+                                             device=self.device)
             self._out_len = new
             self._graphs, self._warm = {}, set()  # the graphs hold the old `out` (a new shape: compiled again)
 
@@ -181,6 +201,8 @@ class FastDecoder(LayerMath, DecoderWeights, KVCache, CompiledStep):
         logits = self._prefill(ids, mask, start, pos)
         first = self._choose(logits, self.key_offset, sampling)
         self.out.fill_(pad)
+        if self.moe_layers:
+            self.gen_routes.fill_(-1)
         self.out[:, 0] = first
         if not sampling.greedy:
             self.out_logp[:, 0] = sampled_logprobs(logits, first, sampling.temperature)

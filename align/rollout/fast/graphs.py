@@ -37,8 +37,14 @@ class CompiledStep:
         # with a dynamic length failed AOT functionalization on torch 2.11), inside the CUDA graph all the same
         self.attn_bias.index_fill_(1, self.widx, 0.0)
         x, cos, sin = step_in()
+        j = 0  # the MoE layers' count so far: their routes' column
         for L, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             x = layer_step(L, kc, vc, x, cos, sin, bias)
+            if isinstance(x, tuple):  # an MoE layer: (x, the experts the current tokens went to)
+                x, idx = x
+                if self.record_routes:
+                    self._record_routes(j, idx)
+                j += 1
         step_out(x, sampling, eos, pad)
 
     def attn_len(self, w: int) -> int:
@@ -66,7 +72,7 @@ class CompiledStep:
 
     def _runner(self, sampling, eos: int, pad: int, n: int):
         """A callable doing one `_step` over n cache slots: a CUDA-graph replay on CUDA, eager elsewhere."""
-        key = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, eos, pad, n)
+        key = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p, eos, pad, n, self.record_routes)
         bias = self._bias(n)
         body = lambda: self._run_step(sampling, eos, pad, bias)  # noqa: E731
         if not self.use_graphs:

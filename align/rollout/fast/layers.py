@@ -1,6 +1,8 @@
-"""The fast decoder's layer math, as HF's Llama / Qwen2 / Qwen3 / Mistral forward computes it: RMSNorm, RoPE
-(the frequencies and scale of the model's own rotary module), q/k/v with Qwen3's per-head q/k norm, the SiLU MLP,
-grouped-query attention; the eager prefill of the prompts and one layer's step for one token per row."""
+"""The fast decoder's layer math, as HF's Llama / Qwen2 / Qwen3 / Mistral forward computes it, and its
+mixture-of-experts variants' (Qwen3-MoE, OLMoE, Mixtral): RMSNorm, RoPE (the frequencies and scale of the model's
+own rotary module), q/k/v with Qwen3's per-head q/k norm or OLMoE's over the whole projection (and its q/k/v clip),
+the SiLU MLP or the experts' (align.rollout.fast.moe), grouped-query attention; the eager prefill of the prompts
+and one layer's step for one token per row."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from align.rollout.fast import decode_attention
+from align.rollout.fast import decode_attention, moe
 from align.rollout.fast.fp8 import fp8_linear
+from align.rollout.fast.support import n_experts
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,20 +51,40 @@ class LayerMath:
         self.inv_freq = rotary.original_inv_freq.detach().float().to(self.device)
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        layer0 = module.model.layers[0]
-        a, m = layer0.self_attn, layer0.mlp
-        self.qk_norm = hasattr(a, "q_norm")  # Qwen3: RMSNorm over each head's q and k before RoPE
+        layers = module.model.layers
+        a = layers[0].self_attn
+        self.nq, self.nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        # q/k RMSNorm before RoPE: Qwen3's over each head ("head"), OLMoE's over the whole projection ("full")
+        self.qk_norm = "" if not hasattr(a, "q_norm") else "full" if a.q_norm.weight.numel() == self.nq else "head"
+        self.clip_qkv = getattr(cfg, "clip_qkv", None)  # OLMoE: q, k (after their norm) and v clamped to ±clip
         self.qkv_bias = a.q_proj.bias is not None
         self.o_bias = a.o_proj.bias is not None
-        self.mlp_bias = m.gate_proj.bias is not None
-        self.nq, self.nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.inter = cfg.intermediate_size
         self.vocab = cfg.vocab_size
+        self._init_moe(layers)
+        dense = [layer.mlp for layer in layers if not hasattr(layer.mlp, "experts")]
+        self.mlp_bias = bool(dense) and dense[0].gate_proj.bias is not None
         # the decode step's attention: the split-KV kernel on a GPU (align.rollout.fast.decode_attention), SDPA
         # elsewhere (ALIGN_DECODE_ATTN=sdpa: SDPA on a GPU too)
         self.split_kv = (cuda and self.dtype in (torch.bfloat16, torch.float16)
                          and os.environ.get("ALIGN_DECODE_ATTN", "split") != "sdpa"
                          and decode_attention.supports(self.head_dim, self.n_heads // self.n_kv))
+
+    def _init_moe(self, layers) -> None:
+        """The mixture-of-experts layout: which layers route to experts (`moe_layers`, in order: column j of the
+        recorded routes is moe_layers[j]), E experts of intermediate size `moe_inter`, top `top_k`, the family's
+        gate normalisation (align.rollout.fast.moe.route), and whether torch._grouped_mm runs them here."""
+        cfg = self.cfg
+        self.moe_layers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
+        if not self.moe_layers:
+            return
+        self.n_experts, self.top_k = n_experts(cfg), cfg.num_experts_per_tok
+        self.moe_inter = layers[self.moe_layers[0]].mlp.experts.gate_up_proj.shape[1] // 2
+        mixtral = cfg.model_type == "mixtral"
+        self.renorm = mixtral or bool(getattr(cfg, "norm_topk_prob", False))
+        self.fp32_gate = mixtral  # Mixtral's router returns fp32 weights; Qwen3-MoE's and OLMoE's the logits' dtype
+        self.route_dtype = torch.int8 if self.n_experts <= 127 else torch.int16
+        self.grouped = moe.grouped_mm_works(self.device.type, self.dtype, self.hidden, self.moe_inter)
 
     def _rope(self, pos: torch.Tensor):
         freqs = pos[..., None].float() * self.inv_freq
@@ -69,10 +92,17 @@ class LayerMath:
         return (emb.cos() * self.rope_scale).to(self.dtype), (emb.sin() * self.rope_scale).to(self.dtype)
 
     def _qk(self, L, q: torch.Tensor, k: torch.Tensor):
-        """Qwen3's per-head q/k RMSNorm (q [..., H, D], k [..., KV, D]); identity for the other families."""
-        if not self.qk_norm:
-            return q, k
-        return rms(q, L["qn"], self.eps), rms(k, L["kn"], self.eps)
+        """Qwen3's per-head q/k RMSNorm (q [..., H, D], k [..., KV, D]) or OLMoE's over all heads at once (then its
+        clip); identity for the other families."""
+        if self.qk_norm == "head":
+            return rms(q, L["qn"], self.eps), rms(k, L["kn"], self.eps)
+        if self.qk_norm == "full":
+            q = rms(q.flatten(-2), L["qn"], self.eps).view(q.shape)
+            k = rms(k.flatten(-2), L["kn"], self.eps).view(k.shape)
+        return self._clip(q), self._clip(k)
+
+    def _clip(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.clip_qkv is None else t.clamp(-self.clip_qkv, self.clip_qkv)
 
     @staticmethod
     def _lin(L, key: str, h):
@@ -84,8 +114,10 @@ class LayerMath:
     def _qkv(self, L, h):
         """q, k, v of h: one fused matmul on the decoder's copy, three on the module's own weights."""
         if "qkv" in L:
-            return self._lin(L, "qkv", h).split([self.nq, self.nk, self.nk], dim=-1)
-        return tuple(F.linear(h, L[k], L.get(f"{k}_b")) for k in ("q", "k", "v"))
+            q, k, v = self._lin(L, "qkv", h).split([self.nq, self.nk, self.nk], dim=-1)
+        else:
+            q, k, v = (F.linear(h, L[k], L.get(f"{k}_b")) for k in ("q", "k", "v"))
+        return q, k, self._clip(v)
 
     def _mlp(self, L, h):
         if "gu" in L:
@@ -93,6 +125,15 @@ class LayerMath:
         else:
             g, u = F.linear(h, L["gate"], L.get("gate_b")), F.linear(h, L["up"], L.get("up_b"))
         return self._lin(L, "down", F.silu(g) * u)
+
+    def _ffn(self, L, h):
+        """The layer's MLP of h [..., H]: (out, None), or for an MoE layer (out, the chosen experts [..., k])."""
+        if "router" not in L:
+            return self._mlp(L, h), None
+        x = h.reshape(-1, self.hidden)
+        idx, w = moe.route(F.linear(x, L["router"]), self.top_k, self.renorm, self.fp32_gate)
+        y = (moe.experts_grouped if self.grouped else moe.experts_gathered)(x, L["egu"], L["edown"], idx, w)
+        return y.view(h.shape), idx.view(*h.shape[:-1], self.top_k)
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, start: int = 0,
                  pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,6 +155,7 @@ class LayerMath:
         bias = bias[:, None, None]  # [B, 1, 1, Pq, start + Pk]
         G, end = self.n_heads // self.n_kv, start + P
         x = F.embedding(ids, self.embed)
+        routes = []  # each MoE layer's chosen experts [B, P, k]
         for li, L in enumerate(self.layers):
             h = rms(x, L["ln1"], self.eps)
             q, k, v = self._qkv(L, h)
@@ -130,7 +172,11 @@ class LayerMath:
             o = torch.matmul(pr, v[:, :, None])  # [B, KV, G, P, D]
             o = o.reshape(B, self.n_heads, P, self.head_dim).transpose(1, 2).reshape(B, P, self.nq)
             x = x + self._lin(L, "o", o)
-            x = x + self._mlp(L, rms(x, L["ln2"], self.eps))
+            y, idx = self._ffn(L, rms(x, L["ln2"], self.eps))
+            x = x + y
+            if idx is not None:
+                routes.append(idx)
+        self.prefill_routes = torch.stack(routes, 2) if routes else None  # [B, P, MoE layers, k]
         x = rms(x[:, -1], self.norm, self.eps)
         return F.linear(x, self.head).float()
 
@@ -140,9 +186,9 @@ class LayerMath:
         return F.embedding(self.cur_tok, self.embed), cos[:, None], sin[:, None]
 
     def _layer_step(self, L: dict, kc: torch.Tensor, vc: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+                    sin: torch.Tensor, bias: torch.Tensor):
         """One layer for one token per row: writes k/v at slot widx, attends to the first n = bias.shape[1]
-        slots (`bias` is attn_bias[:, :n], n > widx)."""
+        slots (`bias` is attn_bias[:, :n], n > widx). Returns x, or for an MoE layer (x, its experts [B, k])."""
         B, n, G = x.shape[0], bias.shape[1], self.n_heads // self.n_kv
         h = rms(x, L["ln1"], self.eps)
         q, k, v = self._qkv(L, h)
@@ -161,4 +207,5 @@ class LayerMath:
                                                attn_mask=bias[:, None, None, :].to(q.dtype),
                                                scale=self.scale).reshape(B, self.nq)
         x = x + self._lin(L, "o", o)
-        return x + self._mlp(L, rms(x, L["ln2"], self.eps))
+        y, idx = self._ffn(L, rms(x, L["ln2"], self.eps))
+        return x + y if idx is None else (x + y, idx)

@@ -1,6 +1,7 @@
-"""Which models the fast decoder decodes: the Llama family's layout (`SUPPORTED`), the RoPE variants its rotary
-module computes (`ROPE_TYPES`), SiLU MLPs, and a rollout that fits any sliding window; anything else decodes
-through HF `generate` (align.rollout.generation.use_fast_path), the reason logged once."""
+"""Which models the fast decoder decodes: the Llama family's layout (`SUPPORTED`: dense, and the mixture-of-experts
+families of `MOE`), the RoPE variants its rotary module computes (`ROPE_TYPES`), SiLU MLPs, and a rollout that fits
+any sliding window; anything else decodes through HF `generate` (align.rollout.generation.use_fast_path), the
+reason logged once."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from align.lora import is_peft
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+MOE = ("qwen3_moe", "olmoe", "mixtral")  # mixture-of-experts MLPs (align.rollout.fast.moe)
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", *MOE)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # computed by the model's own rotary module
 
 
@@ -34,12 +36,13 @@ def rope_type(cfg) -> str:
 
 
 def sliding_window(cfg) -> int | None:
-    """The attention window the HF forward applies (None: full causal attention). Mistral applies
-    `sliding_window` to every layer; Qwen2/Qwen3 only with `use_sliding_window` (to some layers)."""
+    """The attention window the HF forward applies (None: full causal attention). Mistral and Mixtral apply
+    `sliding_window` to every layer, as Qwen3-MoE does (its config keeps one only with `use_sliding_window`);
+    Qwen2/Qwen3 only with `use_sliding_window` (to some layers)."""
     window = getattr(cfg, "sliding_window", None)
     if not window:
         return None
-    if getattr(cfg, "model_type", None) == "mistral":
+    if getattr(cfg, "model_type", None) in ("mistral", "mixtral", "qwen3_moe"):
         return int(window)
     types = getattr(cfg, "layer_types", None) or []
     return int(window) if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in types else None
@@ -78,7 +81,16 @@ def unsupported_config(cfg, length: int | None = None) -> str | None:
 
 
 def describe(module) -> str:
-    """What the fast path runs, for the log: 'qwen3 (q/k norm), llama3 RoPE'."""
+    """What the fast path runs, for the log: 'qwen3 (q/k norm), llama3 RoPE'; 'olmoe (q/k norm, 64 experts, top-8),
+    default RoPE'."""
     cfg = module.config
-    extra = " (q/k norm)" if hasattr(module.model.layers[0].self_attn, "q_norm") else ""
-    return f"{cfg.model_type}{extra}, {rope_type(cfg)} RoPE"
+    extra = ["q/k norm"] if hasattr(module.model.layers[0].self_attn, "q_norm") else []
+    if cfg.model_type in MOE:
+        extra.append(f"{n_experts(cfg)} experts, top-{cfg.num_experts_per_tok}")
+    inner = f" ({', '.join(extra)})" if extra else ""
+    return f"{cfg.model_type}{inner}, {rope_type(cfg)} RoPE"
+
+
+def n_experts(cfg) -> int:
+    """The experts of each MoE layer (Mixtral's config names them `num_local_experts`)."""
+    return int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)

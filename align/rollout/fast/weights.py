@@ -65,7 +65,8 @@ MATRICES = ("qkv", "o", "gu", "down")  # the copy's linear layers: E4M3 under FP
 class DecoderWeights:
     """FastDecoder's weights: `embed`, `norm`, `head` and, per layer, the dict `layers[i]` ("ln1", "ln2", "o",
     "down", the q/k norms and biases a family has; "qkv" and "gu" fused in the copy, "q", "k", "v", "gate", "up"
-    apart on the module's own tensors; under FP8 rollouts the four matrices in E4M3 with their row scales "qkv_s",
+    apart on the module's own tensors; an MoE layer's "router" [E, H] and experts "egu" [E, 2I, H], "edown"
+    [E, H, I] instead of "gu"/"gate"/"up", "down", in the compute dtype under FP8 rollouts too; under FP8 rollouts the four matrices in E4M3 with their row scales "qkv_s",
     "o_s", "gu_s", "down_s": align.rollout.fast.fp8). The copy's tensors are views of ONE byte buffer, whose storage
     `release` gives back between rollouts. Reads the layout LayerMath set (dims, biases); a tensor that moved drops
     the captured graphs (CompiledStep._drop_graphs): they hold its old address."""
@@ -88,14 +89,22 @@ class DecoderWeights:
             shapes["head"] = (cfg.vocab_size, self.hidden)
         for i in range(self.n_layers):
             shapes.update({(i, "ln1"): (self.hidden,), (i, "ln2"): (self.hidden,), (i, "qkv"): (nq + 2 * nk, self.hidden),
-                           (i, "o"): (self.hidden, nq), (i, "gu"): (2 * inter, self.hidden), (i, "down"): (self.hidden, inter)})
-            if self.qk_norm:
+                           (i, "o"): (self.hidden, nq)})
+            if i in self.moe_layers:
+                E, mi = self.n_experts, self.moe_inter
+                shapes.update({(i, "router"): (E, self.hidden), (i, "egu"): (E, 2 * mi, self.hidden),
+                               (i, "edown"): (E, self.hidden, mi)})
+            else:
+                shapes.update({(i, "gu"): (2 * inter, self.hidden), (i, "down"): (self.hidden, inter)})
+            if self.qk_norm == "head":
                 shapes[i, "qn"], shapes[i, "kn"] = (self.head_dim,), (self.head_dim,)
+            elif self.qk_norm == "full":
+                shapes[i, "qn"], shapes[i, "kn"] = (nq,), (nk,)
             if self.qkv_bias:
                 shapes[i, "qkv_b"] = (nq + 2 * nk,)
             if self.o_bias:
                 shapes[i, "o_b"] = (self.hidden,)
-            if self.mlp_bias:
+            if self.mlp_bias and i not in self.moe_layers:
                 shapes[i, "gu_b"], shapes[i, "down_b"] = (2 * inter,), (self.hidden,)
         return shapes
 
@@ -155,9 +164,14 @@ class DecoderWeights:
             put("qkv", slice(nq, nq + nk), a.k_proj)
             put("qkv", slice(nq + nk, None), a.v_proj)
             put("o", slice(None), a.o_proj)
-            put("gu", slice(0, inter), m.gate_proj)
-            put("gu", slice(inter, None), m.up_proj)
-            put("down", slice(None), m.down_proj)
+            if "router" in L:  # the experts' 3-D tensors as they are (no LoRA on them)
+                L["router"].copy_(m.gate.weight)
+                L["egu"].copy_(m.experts.gate_up_proj)
+                L["edown"].copy_(m.experts.down_proj)
+            else:
+                put("gu", slice(0, inter), m.gate_proj)
+                put("gu", slice(inter, None), m.up_proj)
+                put("down", slice(None), m.down_proj)
             if self.qk_norm:
                 L["qn"].copy_(a.q_norm.weight)
                 L["kn"].copy_(a.k_norm.weight)
@@ -167,7 +181,7 @@ class DecoderWeights:
                 L["qkv_b"][nq + nk :].copy_(a.v_proj.bias)
             if self.o_bias:
                 L["o_b"].copy_(a.o_proj.bias)
-            if self.mlp_bias:
+            if "gu_b" in L:
                 L["gu_b"][:inter].copy_(m.gate_proj.bias)
                 L["gu_b"][inter:].copy_(m.up_proj.bias)
                 L["down_b"].copy_(m.down_proj.bias)
@@ -182,8 +196,12 @@ class DecoderWeights:
             named["head"] = module.lm_head.weight
         for i, layer in enumerate(mm.layers):
             a, m = layer.self_attn, layer.mlp
-            lin = {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "gate": m.gate_proj, "up": m.up_proj,
-                   "down": m.down_proj}
+            lin = {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj}
+            if hasattr(m, "experts"):
+                named[i, "router"], named[i, "egu"], named[i, "edown"] = (m.gate.weight, m.experts.gate_up_proj,
+                                                                          m.experts.down_proj)
+            else:
+                lin.update(gate=m.gate_proj, up=m.up_proj, down=m.down_proj)
             for k, linear in lin.items():
                 named[i, k] = linear.weight
                 if linear.bias is not None:
