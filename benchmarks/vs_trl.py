@@ -191,3 +191,146 @@ def ragged(model, eos: int, stop_p: float, coord: int = 0) -> float:
     row[coord] = (lo + hi) / 2
     w[eos] = row
     return (lo + hi) / 2
+
+
+def n_params(name: str) -> int:
+    """Exact parameter count of `name`'s config (built on the meta device: no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config(name))
+    return sum(p.numel() for p in m.parameters())
+
+
+def kv_bytes_per_token(name: str, elem: int = 2) -> int:
+    _, kw = MODELS[name]
+    d = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+    return 2 * kw["num_hidden_layers"] * kw["num_key_value_heads"] * d * elem
+
+
+def measure_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the decode roofline's ceiling)."""
+    import torch
+
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    del x, y
+    return 2 * 2 * 2**30 / statistics.median(ts)
+
+
+def roofline(name: str, rows: int, prompt_len: float, new_tokens: int, gen_seconds: float, bw: float) -> dict:
+    """Bytes one decode step must read (bf16 weights once + the batch's KV cache at its mean length) over the
+    measured bandwidth: the floor per decode step; achieved = generation time / tokens per row."""
+    w = n_params(name) * 2
+    kv = rows * (prompt_len + new_tokens / 2) * kv_bytes_per_token(name)
+    floor = (w + kv) / bw
+    achieved = gen_seconds / new_tokens
+    return {"floor_ms": floor * 1e3, "achieved_ms": achieved * 1e3, "fraction": floor / achieved,
+            "bytes_per_step_mb": (w + kv) / 1e6}
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None, timeout: float | None = None, gpus: int = 1) -> bool:
+    """Run one benchmark subprocess; one-GPU runs see GPU 0 only (TRL's Trainer would use DataParallel).
+    `timeout`: BENCH_TIMEOUT seconds, else 420."""
+    import os
+
+    timeout = timeout or float(os.environ.get("BENCH_TIMEOUT", 420))
+    t = time.time()
+    from align.runtime import launch_env
+
+    e = {**launch_env(gpus), "PYTHONUNBUFFERED": "1", **(env or {})}
+    if gpus == 1:
+        e["CUDA_VISIBLE_DEVICES"] = e.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=e, timeout=timeout)
+            ok = p.returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+    print(f"  [{'ok' if ok else 'FAILED'}] {time.time() - t:6.1f} s  {' '.join(cmd[-12:])[:160]}  (log {log})",
+          flush=True)
+    if not ok:
+        print("".join(open(log).readlines()[-25:]), flush=True)
+    return ok
+
+
+def torchrun(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable]
+    from align.runtime import free_port
+
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+
+
+def median_rows(rows: list[dict], keys: list[str]) -> dict:
+    rows = rows[1:] if len(rows) > 1 else rows  # the first step includes compile / warm-up
+    return {k: statistics.median(r[k] for r in rows if k in r) for k in keys if any(k in r for r in rows)}
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def fmt(v, spec=".3f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+class StepTimer:
+    """TRL side: wraps trainer methods to accumulate CUDA-synchronised time per phase; a callback records them
+    per optimizer step."""
+
+    def __init__(self, trainer, phases: dict[str, str], nograd_only: set[str] = frozenset()):
+        import torch
+        from transformers import TrainerCallback
+
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+        self.acc = {k: 0.0 for k in phases.values()}
+        self.rows: list[dict] = []
+        timer = self
+
+        for meth, key in phases.items():
+            orig = getattr(trainer, meth)
+
+            def wrapped(*a, _orig=orig, _key=key, **kw):
+                if _key in nograd_only and torch.is_grad_enabled():
+                    return _orig(*a, **kw)
+                sync()
+                t = time.perf_counter()
+                try:
+                    return _orig(*a, **kw)
+                finally:
+                    sync()
+                    timer.acc[_key] += time.perf_counter() - t
+
+            setattr(trainer, meth, wrapped)
+
+        class CB(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                sync()
+                timer.t0 = time.perf_counter()
+                timer.acc = {k: 0.0 for k in timer.acc}
+
+            def on_step_end(self, args, state, control, **kw):
+                sync()
+                timer.rows.append({"time/step": time.perf_counter() - timer.t0, **timer.acc})
+
+        trainer.add_callback(CB())
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1))

@@ -20,3 +20,44 @@ def test_repeated_runs_are_compared_by_each_metrics_median():
             {"time/step": 2.1, "peak_gib": 13.0, "time/generate": 1.0}]
     assert median_metrics(runs) == {"peak_gib": 13.0, "time/step": 2.1}  # a metric not in every run is left out
     assert median_metrics(runs[:2]) == {"peak_gib": 13.05, "time/step": 2.3}
+
+
+def test_every_name_a_benchmark_takes_from_another_exists():
+    """The GPU harnesses run only on a GPU: a name one benchmark module reads from another (`from benchmarks import
+    vs_trl as V` ... `V.measure_bandwidth()`, `from benchmarks.vs_trl import MODELS`) is checked here, statically,
+    so a function lost in an edit fails on the CPU rather than on the lent GPU."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+
+    def top_level(mod: str) -> set[str]:
+        tree = ast.parse((root / f"{mod}.py").read_text())
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        return names
+
+    missing = []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {}  # local name -> benchmarks module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                aliases |= {a.asname or a.name: a.name for a in node.names if (root / f"{a.name}.py").exists()}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                mod = node.module.split(".", 1)[1]
+                if (root / f"{mod}.py").exists():
+                    missing += [f"{path.name}: {mod}.{a.name}" for a in node.names if a.name not in top_level(mod)]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                mod = aliases[node.value.id]
+                if node.attr not in top_level(mod):
+                    missing.append(f"{path.name}: {mod}.{node.attr}")
+    assert missing == []
