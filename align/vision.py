@@ -119,6 +119,15 @@ def prompt_images(prompt) -> list:
     return [p.get("bytes") or p.get("path") for p in _parts(prompt)]
 
 
+def printable(prompt):
+    """A prompt as a JSON record can hold it (eval_samples.jsonl): an image given as bytes (a datasets Image)
+    named by its size instead."""
+    if not any(p.get("bytes") for p in _parts(prompt)):
+        return prompt
+    return [dict(m, content=[{"type": "image", "bytes": f"<{len(p['bytes'])} bytes>"} if p.get("bytes") else p
+                             for p in m["content"]]) if isinstance(m.get("content"), list) else m for m in prompt]
+
+
 def load_image(source):
     """An RGB PIL image from a path or bytes; a UserError when PIL cannot read it."""
     from PIL import Image, UnidentifiedImageError

@@ -133,6 +133,11 @@ def test_a_padded_batch_gives_each_rows_own_log_probs_and_generation(vlm, data):
     for i, c in enumerate(comps):  # each row alone, unpadded
         alone = batched_logprobs(model, rollout_batch([c], tok.pad_token_id, "cpu"), micro=1)[0]
         assert torch.allclose(together[i, : len(alone)], alone, atol=1e-5)
+    # the image is seen: another picture of the same size moves the completion's log-probs
+    other = vision.ImagePrompt(prompts[0], torch.zeros_like(prompts[0].pixel_values), prompts[0].image_grid_thw)
+    blank = batched_logprobs(model, rollout_batch([Completion(other, comps[0].ids, "", True, None)],
+                                                  tok.pad_token_id, "cpu"), micro=1)[0]
+    assert (blank - together[0, : len(blank)]).abs().max() > 1e-4
     out = generate_local(model, tok, prompts, Sampling(max_new_tokens=6, temperature=0.0), 2, "cpu", fast=False)
     single = [generate_local(model, tok, [p], Sampling(max_new_tokens=6, temperature=0.0), 1, "cpu", fast=False)[0]
               for p in prompts]
@@ -150,6 +155,20 @@ def test_the_vision_tower_is_frozen_but_its_merger_and_the_lm_train(vlm):
     assert any(n.startswith("model.language_model.") for n in trained)
     everything = vision.freeze_tower(vision.tiny_model(tok), train_vision=True)
     assert all(p.requires_grad for p in everything.parameters())
+
+
+def test_a_datasets_image_column_is_read_as_images(vlm, data, tmp_path):
+    import datasets
+
+    from align.data import encode_prompts
+
+    _, tok, _ = vlm
+    ds = datasets.Dataset.from_dict({"prompt": ["Count"], "completion": ["2"],
+                                     "images": [[str(data / "img/tall.png")]]})
+    ds.cast_column("images", datasets.Sequence(datasets.Image())).save_to_disk(str(tmp_path / "ds"))
+    row = load_rows(tmp_path / "ds", "sft")[0]
+    ids = encode_prompts(tok, [row["prompt"]])[0]
+    assert ids.image_grid_thw.tolist() == [[1, 6, 4]] and ids.count(tok.convert_tokens_to_ids(vision.IMAGE_PAD)) == 6
 
 
 def test_image_rows_are_checked_when_read(data, tmp_path):
@@ -235,3 +254,13 @@ def test_count_squares_rows_draw_k_squares_and_answer_k(tmp_path):
         # squares never touch (one per 14-pixel cell): the white pixels are the squares' areas, their count k
         assert white.sum() == sum(side * side for _, _, side in row["squares"])
         assert len(row["squares"]) == int(row["answer"])
+
+
+def test_the_count_squares_benchmark_runs_its_smoke_version(tmp_path):
+    """benchmarks/vlm_count_squares.py --smoke (model init, data make, eval, SFT, GRPO): GRPO's first held-out
+    evaluation is SFT's last one (the same model, the same images, greedy)."""
+    from benchmarks import vlm_count_squares as bench
+
+    r = bench.run_seed(0, bench.smoke(bench.parser().parse_args(["--smoke"])), tmp_path, run=run_align)
+    assert r["problems"] == 16 and r["grpo_start"] == r["sft"]
+    assert all(0 <= r[k] <= 1 for k in ("base", "sft", "grpo"))
