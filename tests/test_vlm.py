@@ -138,6 +138,10 @@ def test_a_padded_batch_gives_each_rows_own_log_probs_and_generation(vlm, data):
     blank = batched_logprobs(model, rollout_batch([Completion(other, comps[0].ids, "", True, None)],
                                                   tok.pad_token_id, "cpu"), micro=1)[0]
     assert (blank - together[0, : len(blank)]).abs().max() > 1e-4
+    # and generation sees it: the same keyed samples score otherwise after another picture
+    s = Sampling(max_new_tokens=3, temperature=1.0, seed=0)
+    seen, blind = (generate_local(model, tok, [p], s, 1, "cpu", fast=False)[0] for p in (prompts[0], other))
+    assert max(abs(a - b) for a, b in zip(seen.logps, blind.logps)) > 1e-4
     out = generate_local(model, tok, prompts, Sampling(max_new_tokens=6, temperature=0.0), 2, "cpu", fast=False)
     single = [generate_local(model, tok, [p], Sampling(max_new_tokens=6, temperature=0.0), 1, "cpu", fast=False)[0]
               for p in prompts]
