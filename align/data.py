@@ -531,7 +531,7 @@ def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
     transformers turns restarting positions into a block-diagonal causal mask, so packed examples never
     attend to each other and the loss equals that of the examples run separately (tested).
     """
-    if any("image_grid_thw" in e for e in examples):
+    if any("image_prompt" in e for e in examples):
         raise UserError("--packing: rows with images cannot be packed (a vision-language model computes its M-RoPE "
                         "positions from each row's image tokens); drop --packing.")
     rows: list[dict] = []

@@ -144,13 +144,37 @@ def load_image(source):
 
 
 class ImagePrompt(list):
-    """A prompt's token ids, its image pads expanded, with the tensors of its images: `pixel_values` [patches,
-    C·T·P²] and `image_grid_thw` [images, 3]. Concatenating it with a list gives a plain list (the images are
-    attached again by whoever builds the batch: `example_images`, `collate_images`)."""
+    """A prompt's token ids, its image pads expanded, with its images: their sources, `image_grid_thw` [images, 3]
+    and `pixel_values` [patches, C·T·P²], made by `processor` when asked for (a dataset's images are not held in
+    memory as tensors: a batch's are made when it is built, the last PIXEL_CACHE sets kept). Concatenating it with
+    a list gives a plain list (the images are attached again by whoever builds the batch: `example_images`,
+    `collate_images`)."""
 
-    def __init__(self, ids, pixel_values, image_grid_thw):
+    def __init__(self, ids, images, image_grid_thw, processor):
         super().__init__(ids)
-        self.pixel_values, self.image_grid_thw = pixel_values, image_grid_thw
+        self.images, self.image_grid_thw, self.processor = tuple(images), image_grid_thw, processor
+
+    @property
+    def pixel_values(self):
+        return pixels(self.processor, self.images)
+
+
+PIXEL_CACHE = 512  # the image sets whose pixel_values are kept (a GRPO group's G rows share their prompt's)
+_pixels: dict = {}
+
+
+def pixels(processor, images: tuple):
+    """pixel_values [patches, C·T·P²] of `images` (sources) under `processor`, the last PIXEL_CACHE sets kept."""
+    key = (id(processor), images)
+    if key not in _pixels:
+        _keep(key, processor(images=[load_image(s) for s in images], return_tensors="pt")["pixel_values"])
+    return _pixels[key]
+
+
+def _keep(key, pixel_values) -> None:
+    if len(_pixels) >= PIXEL_CACHE:
+        _pixels.pop(next(iter(_pixels)))
+    _pixels[key] = pixel_values
 
 
 def image_processor(tokenizer):
@@ -180,7 +204,8 @@ def encode_image_prompt(tokenizer, text: str, images: list) -> ImagePrompt:
     grid = enc["image_grid_thw"]
     text = pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in zip(pad_counts(grid, proc.merge_size), pieces[1:]))
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    return ImagePrompt(ids, enc["pixel_values"], grid)
+    _keep((id(proc), tuple(images)), enc["pixel_values"])
+    return ImagePrompt(ids, images, grid, proc)
 
 
 def cut_left(prompt: list[int], cut: int, tokenizer=None) -> list[int]:
@@ -195,7 +220,8 @@ def cut_left(prompt: list[int], cut: int, tokenizer=None) -> list[int]:
     if cut > first:
         raise UserError(f"a prompt with images has {len(prompt)} tokens (its image tokens included) and does not fit "
                         "--max-length; raise --max-length (an image's tokens are never cut).")
-    return ImagePrompt(list.__getitem__(prompt, slice(cut, None)), prompt.pixel_values, prompt.image_grid_thw)
+    return ImagePrompt(list.__getitem__(prompt, slice(cut, None)), prompt.images, prompt.image_grid_thw,
+                       prompt.processor)
 
 
 # ---- batches
@@ -205,15 +231,15 @@ def _of(item):
     """(pixel_values, image_grid_thw) of an ImagePrompt or an example dict, else None."""
     if isinstance(item, ImagePrompt):
         return item.pixel_values, item.image_grid_thw
-    if isinstance(item, dict) and "image_grid_thw" in item:
-        return item["pixel_values"], item["image_grid_thw"]
+    if isinstance(item, dict) and "image_prompt" in item:
+        return _of(item["image_prompt"])
     return None
 
 
 def example_images(prompt) -> dict:
-    """An example's image tensors (an ImagePrompt's), {} for a text prompt."""
-    imgs = _of(prompt)
-    return dict(zip(IMAGE_KEYS, imgs)) if imgs else {}
+    """What an example keeps of its prompt's images (the ImagePrompt, whose tensors `collate_images` makes), {}
+    for a text prompt."""
+    return {"image_prompt": prompt} if isinstance(prompt, ImagePrompt) else {}
 
 
 def collate_images(items: list, device=None) -> dict:

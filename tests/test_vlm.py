@@ -77,15 +77,17 @@ def test_an_image_rows_prompt_holds_its_expanded_image_pads_and_the_loss_only_it
     prompt = [tok.bos_token_id, user, start, pad, pad, pad, pad, end, *count, assistant]
     assert small["input_ids"] == prompt + two + [tok.eos_token_id]
     assert small["labels"] == [IGNORE] * len(prompt) + two + [tok.eos_token_id]
-    assert small["image_grid_thw"].tolist() == [[1, 4, 4]] and small["pixel_values"].shape == (16, 3 * 2 * 14 * 14)
+    image = small["image_prompt"]  # the prompt's images, their pixel values made when a batch is built
+    assert image.image_grid_thw.tolist() == [[1, 4, 4]] and image.pixel_values.shape == (16, 3 * 2 * 14 * 14)
     # a messages row with the image part after the text: 56 wide x 84 high is 4 x 6 patches, 6 image tokens
     prompt = [tok.bos_token_id, user, *count, start, *[pad] * 6, end, assistant]
     assert tall["input_ids"] == prompt + two + [tok.eos_token_id]
     assert tall["labels"] == [IGNORE] * len(prompt) + two + [tok.eos_token_id]
-    assert tall["image_grid_thw"].tolist() == [[1, 6, 4]] and tall["pixel_values"].shape == (24, 1176)
+    image = tall["image_prompt"]
+    assert image.image_grid_thw.tolist() == [[1, 6, 4]] and image.pixel_values.shape == (24, 1176)
     # too long: the text before the image is cut from the left, the image tokens never
     cut = sft_examples(tok, rows[:1], max_length=len(small["input_ids"]) - 2)[0]
-    assert cut["input_ids"] == small["input_ids"][2:] and cut["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert cut["input_ids"] == small["input_ids"][2:] and cut["image_prompt"].images == small["image_prompt"].images
     with pytest.raises(UserError, match="an image's tokens are never cut"):
         sft_examples(tok, rows[:1], max_length=len(small["input_ids"]) - 3)
 
@@ -98,14 +100,17 @@ def test_a_batch_concatenates_its_rows_image_patches_and_cuts_into_micro_batches
     small, text_ex, tall = sft_examples(tok, [rows[0], text, rows[1]], max_length=64)
     b = collate_sft([small, text_ex, tall], tok.pad_token_id)
     assert b["pixel_values"].shape == (16 + 24, 1176)
-    assert torch.equal(b["pixel_values"], torch.cat([small["pixel_values"], tall["pixel_values"]]))
+    small, tall = small["image_prompt"], tall["image_prompt"]
+    assert torch.equal(b["pixel_values"], torch.cat([small.pixel_values, tall.pixel_values]))
     assert b["image_grid_thw"].tolist() == [[1, 4, 4], [1, 6, 4]] and b["image_counts"].tolist() == [1, 0, 1]
     assert set(model_inputs(b)) == {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "use_cache"}
     last = vision.select_rows(b, slice(1, 3))  # a micro-batch: its rows' images only
-    assert torch.equal(last["pixel_values"], tall["pixel_values"]) and last["image_grid_thw"].tolist() == [[1, 6, 4]]
+    assert torch.equal(last["pixel_values"], tall.pixel_values) and last["image_grid_thw"].tolist() == [[1, 6, 4]]
     picked = vision.select_rows(b, torch.tensor([2, 0]))  # rows in any order (PPO's shuffled minibatches)
-    assert torch.equal(picked["pixel_values"], torch.cat([tall["pixel_values"], small["pixel_values"]]))
+    assert torch.equal(picked["pixel_values"], torch.cat([tall.pixel_values, small.pixel_values]))
     assert vision.forward_images(vision.select_rows(b, slice(1, 2))) == {}  # a text row alone: no image kwargs
+    vision._pixels.clear()  # pixel values are made again from the files when no longer cached
+    assert torch.equal(small.pixel_values, b["pixel_values"][:16])
     # preference pairs: the chosen rows then the rejected rows, each with its prompt's images
     pairs, _ = preference_examples(tok, load_rows(data / "prefs.jsonl", "preference")[:2], 64)
     p = collate_pairs(pairs, tok.pad_token_id)
@@ -134,7 +139,8 @@ def test_a_padded_batch_gives_each_rows_own_log_probs_and_generation(vlm, data):
         alone = batched_logprobs(model, rollout_batch([c], tok.pad_token_id, "cpu"), micro=1)[0]
         assert torch.allclose(together[i, : len(alone)], alone, atol=1e-5)
     # the image is seen: another picture of the same size moves the completion's log-probs
-    other = vision.ImagePrompt(prompts[0], torch.zeros_like(prompts[0].pixel_values), prompts[0].image_grid_thw)
+    blank = _image(data / "img" / "blank.png", SIZES["small.png"])
+    other = vision.ImagePrompt(prompts[0], [str(data / "img" / blank)], prompts[0].image_grid_thw, prompts[0].processor)
     blank = batched_logprobs(model, rollout_batch([Completion(other, comps[0].ids, "", True, None)],
                                                   tok.pad_token_id, "cpu"), micro=1)[0]
     assert (blank - together[0, : len(blank)]).abs().max() > 1e-4
