@@ -23,9 +23,9 @@ import random
 import re
 from pathlib import Path
 
+from align import vision
 from align.chat import (IGNORE, completion_ids, conversation_tokens, last_span, prompt_text,  # noqa: F401
                         prompt_texts)
-from align import vision
 from align.console import info
 from align.errors import UserError
 from align.paths import split_spec
@@ -337,6 +337,7 @@ def _is_chat(value) -> bool:
 
 
 def _is_parts(content) -> bool:
+    """A message's content given as a list of {type: text / image} parts."""
     return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "image")
                                              for p in content)
 

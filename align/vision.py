@@ -63,7 +63,7 @@ def _resolve(source, base: Path, where: str):
     if not path.is_file():
         raise UserError(f"{where}: image {source!r} not found ({path}); image paths are relative to the data file's "
                         "folder, or absolute.")
-    return str(path)
+    return str(path.absolute())
 
 
 def normalize_row(path, i: int, row: dict) -> dict:

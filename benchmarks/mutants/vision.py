@@ -8,6 +8,7 @@ TOKENS = (T + "test_an_image_rows_prompt_holds_its_expanded_image_pads_and_the_l
 BATCH = (T + "test_a_batch_concatenates_its_rows_image_patches_and_cuts_into_micro_batches",)
 FORWARD = (T + "test_a_padded_batch_gives_each_rows_own_log_probs_and_generation",)
 TOWER = (T + "test_the_vision_tower_is_frozen_but_its_merger_and_the_lm_train",)
+STAGES = (T + "test_sft_dpo_and_grpo_run_on_image_rows",)
 
 M = Mutation
 MUTATIONS: list[Mutation] = [
@@ -26,6 +27,8 @@ MUTATIONS: list[Mutation] = [
       "    return {**kw, \"use_cache\": False}", FORWARD),
     M("vision: generate without the images", "align/rollout/generation.py",
       "logits_processor=sampler, **vision.generate_images(chunk, device))", "logits_processor=sampler)", FORWARD),
+    M("vision: --train-vision's default trains the tower", "align/engine/run.py",
+      "with_lora(with_tower(load, cfg.train_vision), cfg)", "with_lora(with_tower(load, True), cfg)", STAGES),
     M("vision: the merger frozen with the tower", "align/vision.py",
       "if not name.startswith(\"merger.\")]", "]", TOWER),
 ]
