@@ -331,6 +331,21 @@ def with_tower(load, train_vision: bool):
     return lambda dtype: freeze_tower(load(dtype), train_vision)
 
 
+def refuse(model: str, stage: str) -> None:
+    """A UserError when `model` (a --model value) is a vision-language model and `stage` trains text-only models
+    (ppo, rm: their value and reward heads read text); a model that cannot be resolved is left to the stage, which
+    says what is wrong with it."""
+    from align.models import resolve
+
+    try:
+        config = resolve(model, expect=None).config
+    except UserError:
+        return
+    if is_vlm_config(config):
+        raise UserError(f"--model {model}: a vision-language model; align {stage} trains text-only models (sft, dpo "
+                        "and grpo train vision-language ones: docs/vision.md).", option="model")
+
+
 def attach_processor(tokenizer, model_dir: Path):
     """The tokenizer of a VLM directory with its image processor (preprocessor_config.json; the PIL backend when
     torchvision is missing) attached, so that every place that tokenises a prompt can process its images."""

@@ -215,7 +215,9 @@ def test_validation_errors_exit_2_naming_the_problem(vlm, data, tmp_path):
     assert missing.returncode == 2 and "image 'no.png' not found" in missing.stdout + missing.stderr
     packed = run_align("sft", "--model", model_dir, "--data", data / "sft.jsonl", "--packing", "--out", tmp_path / "c")
     assert packed.returncode == 2 and "cannot be packed" in packed.stdout + packed.stderr
-    assert not any((tmp_path / d).exists() and any((tmp_path / d).iterdir()) for d in "abc")
+    ppo = run_align("ppo", "--model", model_dir, "--max-steps", "1", "--out", tmp_path / "d")
+    assert ppo.returncode == 2 and "align ppo trains text-only models" in ppo.stdout + ppo.stderr
+    assert not any((tmp_path / d).exists() and any((tmp_path / d).iterdir()) for d in "abcd")
 
 
 def _final(out: Path) -> dict:
