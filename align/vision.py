@@ -332,16 +332,18 @@ def with_tower(load, train_vision: bool):
 
 
 def refuse(model: str, stage: str) -> None:
-    """A UserError when `model` (a --model value) is a vision-language model and `stage` trains text-only models
-    (ppo, rm: their value and reward heads read text); a model that cannot be resolved is left to the stage, which
-    says what is wrong with it."""
-    from align.models import resolve
+    """A UserError when `model` (a --model value: a directory or an artifact) is a vision-language model and
+    `stage` trains text-only models (ppo, rm: their value and reward heads read text). Reads config.json only;
+    anything else (a preset, a hub id, what cannot be read) is left to the stage."""
+    import json
 
+    path = Path(model)
+    config = path / "model" / "config.json" if (path / "artifact.json").is_file() else path / "config.json"
     try:
-        config = resolve(model, expect=None).config
-    except UserError:
+        values = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return
-    if is_vlm_config(config):
+    if isinstance(values, dict) and is_vlm_config(values):
         raise UserError(f"--model {model}: a vision-language model; align {stage} trains text-only models (sft, dpo "
                         "and grpo train vision-language ones: docs/vision.md).", option="model")
 
