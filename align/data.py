@@ -646,6 +646,9 @@ def unpaired_examples(tokenizer, rows: list[dict], max_length: int, source: str 
     """KTO's rows: {prompt, completion, label} (label true: desirable) tokenised as the pairs are (chat-templated
     prompt cut from the left to fit, completion + EOS never cut); empty or too-long completions are dropped.
     Preference pairs ({prompt, chosen, rejected}) are unpaired: chosen desirable, rejected undesirable."""
+    if any(vision.row_has_images(r) for r in rows):  # its mismatched-prompt rows would pair text with other images
+        raise UserError(f"{source}: --loss kto reads text rows; rows with images train with the pair losses (the "
+                        "default sigmoid, ipo, ...).")
     if rows and "label" not in rows[0]:  # preference pairs (load_rows(path, ("unpaired", "preference")))
         pairs, _ = preference_examples(tokenizer, rows, max_length, source)
         return [{"prompt_ids": e["prompt_ids"], "completion_ids": e[k], "label": k == "chosen_ids"}

@@ -199,6 +199,10 @@ def test_image_rows_are_checked_when_read(data, tmp_path):
     named = [{"role": "user", "content": [{"type": "image", "path": "small.png"}, {"type": "text", "text": "?"}]}]
     row = load_rows(rows_of({"prompt": named, "completion": "2"}), "sft")[0]
     assert vision.prompt_images(row["prompt"]) == [str(tmp_path / "small.png")]
+    from align.data import unpaired_examples
+
+    with pytest.raises(UserError, match="--loss kto reads text rows"):  # no silent pairing of text with images
+        unpaired_examples(None, load_rows(data / "prefs.jsonl", "preference"), 64)
     raw = {"bytes": (data / "img/small.png").read_bytes(), "path": None}
     row = load_rows(rows_of(ok), "sft")[0]
     assert vision.normalize_row("x", 1, {**row, "images": [raw]})["prompt"][0]["content"][0]["bytes"] == raw["bytes"]
