@@ -428,6 +428,9 @@ class TrainConfig(StageConfig):
     lora_dropout: float = opt(0.0, "Dropout on the LoRA branch's input.", ge=0, lt=1, group="optimisation")
     lora_targets: str = opt("all-linear", "Modules that get adapters: all-linear (every Linear but the LM head) or "
                                           "comma-separated module names (q_proj,v_proj).", group="optimisation")
+    train_vision: bool = opt(False, "A vision-language model: train its vision tower too (by default it stays "
+                                    "frozen; its merger into the language model and the language model train).",
+                             group="optimisation")
     merge: bool = opt(True, "With --lora-r: model/ also holds the merged model (plain transformers loads it). "
                             "--no-merge: the adapter alone (a fraction of the size); later stages merge it into its "
                             "base, this run's --model, when they load it.", group="run")

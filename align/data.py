@@ -23,6 +23,7 @@ import random
 import re
 from pathlib import Path
 
+from align import vision
 from align.chat import (IGNORE, completion_ids, conversation_tokens, last_span, prompt_text,  # noqa: F401
                         prompt_texts)
 from align.console import info
@@ -237,6 +238,7 @@ def load_rows(path: str | Path, fmt: str | tuple[str, ...], columns: str | dict 
         for c in required:
             if row.get(c) is None:
                 raise UserError(f"{path}: row {i} has no value in column {c!r}.")
+        row = rows[i - 1] = vision.normalize_row(path, i, row)  # its images resolved, if it has any
         _check_types(path, i, row, required)
         if fmt == "sft":
             _check_completion(path, i, row)
@@ -327,8 +329,17 @@ def _explicit_prompt(path, i: int, row: dict) -> dict:
 
 
 def _is_chat(value) -> bool:
+    """A list of {role, content} messages; a content is a string, or (a user's message with images: align.vision)
+    a list of {type: text / image} parts."""
     return isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                           and isinstance(m.get("content"), str) for m in value)
+                                           and (isinstance(m.get("content"), str) or _is_parts(m.get("content")))
+                                           for m in value)
+
+
+def _is_parts(content) -> bool:
+    """A message's content given as a list of {type: text / image} parts."""
+    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("text", "image")
+                                             for p in content)
 
 
 def _cols(names: list[str]) -> str:
@@ -375,9 +386,14 @@ def encode_prompts(tokenizer, prompts: list, tools: list | None = None) -> list[
     of the tools the policy may call, shown by the template (an Agent's `schemas`: align.tools.chat_format)."""
     if not prompts:
         return []
+    texts = prompt_texts(tokenizer, prompts, tools)
+    images = [vision.prompt_images(p) for p in prompts]
+    if any(images):  # rows with images (align.vision): their image pads expanded, their tensors kept
+        return [vision.encode_image_prompt(tokenizer, t, im) if im else
+                tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"] for t, im in zip(texts, images)]
     # verbose=False: no "sequence length is longer than the specified maximum" warning; align cuts or drops
     # what does not fit (the callers' --max-length / context checks)
-    return tokenizer(prompt_texts(tokenizer, prompts, tools), add_special_tokens=False, verbose=False)["input_ids"]
+    return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
 def encode_completions(tokenizer, completions: list, prompts: list | None = None) -> list[list[int]]:
@@ -402,6 +418,9 @@ def sft_examples(tokenizer, rows: list[dict], max_length: int, assistant_only: b
     `assistant_only` (--assistant-only-loss): loss on every assistant turn (`conversation_example`). {text}:
     language modelling, loss on every token (`text_examples`). `tools` (--tools): {prompt, completion} text
     completions hold tool calls and the tools' answers (`tool_completion`): loss on the policy's parts only."""
+    if (assistant_only or tools) and any(vision.row_has_images(r) for r in rows):
+        raise UserError(f"rows with images train on their last assistant turn; drop "
+                        f"{'--assistant-only-loss' if assistant_only else '--tools'}.")
     out: list[dict | None] = [None] * len(rows)
     pc, texts = [], []  # (place, prompt, completion); (place, text)
     for i, row in enumerate(rows):
@@ -422,8 +441,9 @@ def sft_examples(tokenizer, rows: list[dict], max_length: int, assistant_only: b
         for i, p, (c, lab) in zip(places, encode_prompts(tokenizer, prompts), labelled):
             if len(c) >= max_length:
                 continue
-            p = p[max(0, len(p) + len(c) - max_length):]
-            out[i] = {"input_ids": p + c, "labels": [-100] * len(p) + lab, "n_labels": sum(t != IGNORE for t in lab)}
+            p = vision.cut_left(p, len(p) + len(c) - max_length, tokenizer)
+            out[i] = {"input_ids": p + c, "labels": [-100] * len(p) + lab, "n_labels": sum(t != IGNORE for t in lab),
+                      **vision.example_images(p)}
     if texts:
         for (i, _), e in zip(texts, text_examples(tokenizer, [t for _, t in texts], max_length)):
             out[i] = e
@@ -512,6 +532,9 @@ def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
     transformers turns restarting positions into a block-diagonal causal mask, so packed examples never
     attend to each other and the loss equals that of the examples run separately (tested).
     """
+    if any("image_prompt" in e for e in examples):
+        raise UserError("--packing: rows with images cannot be packed (a vision-language model computes its M-RoPE "
+                        "positions from each row's image tokens); drop --packing.")
     rows: list[dict] = []
     for e in sorted(examples, key=lambda e: -len(e["input_ids"])):
         n = len(e["input_ids"])
@@ -537,7 +560,8 @@ def collate_sft(examples: list[dict], pad_id: int):
         pos = [e["position_ids"] + list(range(width - len(e["position_ids"]))) for e in examples]
         return {"input_ids": torch.tensor(ids), "position_ids": torch.tensor(pos), "labels": torch.tensor(labels)}
     mask = pad([[1] * len(e["input_ids"]) for e in examples], 0)
-    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
+    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels),
+            **vision.collate_images(examples)}
 
 
 def to_device(batch: dict, device) -> dict:
@@ -548,7 +572,7 @@ def model_inputs(batch: dict) -> dict:
     """Forward kwargs for a collated training batch. No KV cache: it costs memory, and with a cache
     transformers ignores restarting position_ids (packing) and lets packed examples see each other."""
     keep = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
-    return {**keep, "use_cache": False}
+    return {**keep, **vision.forward_images(batch), "use_cache": False}
 
 
 # ---- preference pairs (rm, dpo)
@@ -589,7 +613,7 @@ def preference_examples(tokenizer, rows: list[dict], max_length: int, source: st
             continue
         cut = max(0, len(p) + longer - max_length)
         report["prompt_truncated"] += cut > 0
-        out.append({"prompt_ids": p[cut:], "chosen_ids": c, "rejected_ids": r,
+        out.append({"prompt_ids": vision.cut_left(p, cut, tokenizer), "chosen_ids": c, "rejected_ids": r,
                     "margin": float(row["margin"]) if row.get("margin") is not None else 0.0})
     report["kept"] = len(out)
     if not out:
@@ -622,6 +646,9 @@ def unpaired_examples(tokenizer, rows: list[dict], max_length: int, source: str 
     """KTO's rows: {prompt, completion, label} (label true: desirable) tokenised as the pairs are (chat-templated
     prompt cut from the left to fit, completion + EOS never cut); empty or too-long completions are dropped.
     Preference pairs ({prompt, chosen, rejected}) are unpaired: chosen desirable, rejected undesirable."""
+    if any(vision.row_has_images(r) for r in rows):  # its mismatched-prompt rows would pair text with other images
+        raise UserError(f"{source}: --loss kto reads text rows; rows with images train with the pair losses (the "
+                        "default sigmoid, ipo, ...).")
     if rows and "label" not in rows[0]:  # preference pairs (load_rows(path, ("unpaired", "preference")))
         pairs, _ = preference_examples(tokenizer, rows, max_length, source)
         return [{"prompt_ids": e["prompt_ids"], "completion_ids": e[k], "label": k == "chosen_ids"}
@@ -666,4 +693,5 @@ def collate_pairs(examples: list[dict], pad_id: int):
     labels = ([[-100] * len(e["prompt_ids"]) + e["chosen_ids"] for e in examples]
               + [[-100] * len(e["prompt_ids"]) + e["rejected_ids"] for e in examples])
     return {"input_ids": torch.tensor(pad(seqs, pad_id)), "attention_mask": torch.tensor(pad([[1] * len(s) for s in seqs], 0)),
-            "labels": torch.tensor(pad(labels, -100)), "margin": torch.tensor([e["margin"] for e in examples])}
+            "labels": torch.tensor(pad(labels, -100)), "margin": torch.tensor([e["margin"] for e in examples]),
+            **vision.collate_images([e["prompt_ids"] for e in examples] * 2)}

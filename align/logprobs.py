@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from align import routing_replay
+from align import routing_replay, vision
 from align.moe import is_moe, routed_tokens
 from align.objectives.tokens import entropy_from_logits, token_logprobs
 from align.varlen import cu_seqlens, enable as enable_varlen
@@ -137,10 +137,10 @@ VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 def _context(batch: dict) -> dict:
     """attention_mask (absent: a right-padded batch, where causal attention never looks at the padding),
-    position_ids (packed rows) and the packed sequences' boundaries (varlen attention, align.varlen) when the batch
-    has them; never a KV cache."""
+    position_ids (packed rows), the packed sequences' boundaries (varlen attention, align.varlen) and a
+    vision-language model's images (align.vision) when the batch has them; never a KV cache."""
     kw = {k: batch[k] for k in ("attention_mask", "position_ids", *VARLEN_KEYS) if batch.get(k) is not None}
-    return {**kw, "use_cache": False}
+    return {**kw, **vision.forward_images(batch), "use_cache": False}
 
 
 def _forward_kwargs(model, batch: dict) -> dict:
@@ -246,6 +246,11 @@ def packing(batch: dict, min_saving: float = 0.0, varlen: bool = False) -> Packi
     (the model attends with align.varlen); else rows as wide as the longest sequence."""
     if batch.get("attention_mask") is not None or batch.get("position_ids") is not None:
         return None
+    if vision.forward_images(batch):  # a VLM computes M-RoPE positions from each row's image tokens: padded rows
+        from align.console import info
+
+        info("--packing: batches with images run padded (their M-RoPE positions come from each row)", once=True)
+        return None
     resp = batch["response_mask"]
     N, L = batch["input_ids"].shape
     pos = torch.arange(1, L, device=resp.device).expand(N, L - 1)
@@ -298,5 +303,5 @@ def batched_logprobs(model, batch: dict, micro: int, temperature: float = 1.0, f
                      pack: bool = False) -> torch.Tensor:
     """`logprobs` without gradients over a whole batch, `micro` rows at a time (π_old, π_ref)."""
     n = batch["input_ids"].shape[0]
-    return torch.cat([logprobs(model, {k: v[i : i + micro] for k, v in batch.items()}, temperature=temperature,
+    return torch.cat([logprobs(model, vision.select_rows(batch, slice(i, i + micro)), temperature=temperature,
                                fused=fused, pack=pack)[0] for i in range(0, n, micro)])

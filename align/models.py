@@ -222,7 +222,11 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False, chat_te
         tok.pad_token = tok.eos_token
     if tok.eos_token is None:
         raise UserError(f"{source.tokenizer_dir}: tokenizer has no EOS token; set eos_token in tokenizer_config.json.")
-    vocab = source.config.get("vocab_size")
+    from align import vision
+
+    if vision.is_vlm_config(source.config):  # its image processor rides with it (align.vision)
+        vision.attach_processor(tok, source.tokenizer_dir)
+    vocab = source.config.get("vocab_size", source.config.get("text_config", {}).get("vocab_size"))
     if isinstance(vocab, int) and len(tok) > vocab:
         raise vocabulary_error(source.model_dir, len(tok), vocab)
     return tok
@@ -260,17 +264,27 @@ def preset_config(name: str, tokenizer):
     )
 
 
+def model_class(config: dict):
+    """The Auto class a model loads with: AutoModelForImageTextToText for a vision-language model
+    (align.vision), else AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from align.vision import is_vlm_config
+
+    return AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
+
+
 def skeleton(source: ModelSource, trust_remote_code: bool = False):
     """`source`'s causal LM without weights (on the meta device: no memory, no file read but config.json), for
     checks of its modules before anything is loaded or written."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, LlamaConfig
 
     try:
         config = (LlamaConfig(**PRESETS[source.preset]) if source.preset else
                   AutoConfig.from_pretrained(source.model_dir, trust_remote_code=trust_remote_code))
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            return model_class(source.config).from_config(config, trust_remote_code=trust_remote_code)
     except LOAD_ERRORS as e:
         raise UserError(f"{source.model_dir}: cannot load as a causal LM ({str(e).splitlines()[0]}).") from None
 
@@ -288,13 +302,14 @@ def load_causal_lm(source: ModelSource, tokenizer, dtype, seed: int = 0, trust_r
         return with_saved_adapter(load_causal_lm(source.base, tokenizer, dtype, seed, trust_remote_code),
                                   source)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = model_class(source.config).from_pretrained(
             source.model_dir, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
         )
     except LOAD_ERRORS as e:
         raise UserError(f"{source.model_dir}: cannot load as a causal LM ({str(e).splitlines()[0]}).") from None
-    if len(tokenizer) > model.config.vocab_size:
-        raise vocabulary_error(source.model_dir, len(tokenizer), model.config.vocab_size)
+    vocab = model.config.get_text_config().vocab_size
+    if len(tokenizer) > vocab:
+        raise vocabulary_error(source.model_dir, len(tokenizer), vocab)
     return model
 
 
@@ -354,6 +369,9 @@ def context_length(config) -> int | None:
         if config.preset:
             return PRESETS[config.preset]["max_position_embeddings"]
         config = config.config
+    text = config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)
+    if text is not None:  # a multimodal model: its language model's positions
+        config = text
     get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
     for key in ("max_position_embeddings", "n_positions", "seq_length"):
         if isinstance(get(key), int):

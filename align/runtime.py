@@ -252,6 +252,9 @@ def save_model(eng, tokenizer, out_dir: Path, dist: Dist, extra_config: dict | N
         else:
             module.save_pretrained(out_dir, state_dict=state, safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(out_dir)
+        from align.vision import save_processor
+
+        save_processor(tokenizer, out_dir)  # a vision-language model's image processor
     barrier()
 
 

@@ -20,6 +20,8 @@ Row schemas:
                       completion answers directly, or (tool: true, tool_rate of the rows) calls the calculator
                       first: "<calc>A * B</calc><out>P</out>P" (train with --tools calculator: the <out> part is
                       the tool's)
+    count_squares: {"prompt", "images", "completion", "answer"}   a PNG of k in 1..4 filled squares (written beside
+                      the JSONL file, in FILE_images/); completion == answer == str(k); for vision-language models
 """
 
 import json
@@ -28,7 +30,7 @@ import random
 from align.artifacts import atomic_open
 from align.errors import UserError
 
-TASKS = ("digit_sort", "digit_sort_prefs", "arithmetic", "sort", "prefs", "text", "mul_tool")
+TASKS = ("digit_sort", "digit_sort_prefs", "arithmetic", "sort", "prefs", "text", "mul_tool", "count_squares")
 LEVELS = {1: (1, 2), 2: (1, 3), 3: (2, 2), 4: (2, 3)}  # level -> (digits per operand, operands)
 
 NAMES = [
@@ -332,8 +334,62 @@ def text_row(rng, levels, min_sentences=3, max_sentences=5):
 
 
 def row_key(row):
-    """The string a row is unique by: its prompt, or its text."""
+    """The string a row is unique by: its prompt (and the squares of its image), or its text."""
+    if "squares" in row:
+        return row["prompt"] + json.dumps(row["squares"])
     return row["prompt"] if "prompt" in row else row["text"]
+
+
+COUNT_PROMPT = "How many squares are in this image?"
+SQUARES_CELL = 14  # a Qwen2-VL patch: 56 x 56 pixels are 4 x 4 patches, 4 image tokens after the 2 x 2 merge
+
+
+def count_squares_row(rng, min_count=1, max_count=4, canvas=56):
+    """k ∈ [min_count, max_count] filled squares (side 8-10 px) in k distinct cells of the canvas's 14-pixel
+    grid, each at a random offset within its cell (so they never overlap): {prompt, completion, answer} with k,
+    and the squares [x, y, side] and canvas size the image is drawn from (`with_images`)."""
+    per_side = canvas // SQUARES_CELL
+    if not 1 <= min_count <= max_count <= per_side * per_side:
+        raise UserError(f"count_squares: need 1 <= min_count <= max_count <= {per_side * per_side} (the cells of a "
+                        f"{canvas}-pixel canvas), got {min_count}..{max_count}")
+    k = rng.randint(min_count, max_count)
+    squares = []
+    for cell in sorted(rng.sample(range(per_side * per_side), k)):
+        side = rng.randint(8, 10)
+        x = cell % per_side * SQUARES_CELL + rng.randint(0, SQUARES_CELL - side)
+        y = cell // per_side * SQUARES_CELL + rng.randint(0, SQUARES_CELL - side)
+        squares.append([x, y, side])
+    return {"prompt": COUNT_PROMPT, "completion": str(k), "answer": str(k), "squares": squares, "canvas": canvas}
+
+
+def draw_squares(squares, canvas):
+    """The PIL image of a count_squares row: white squares on black."""
+    from PIL import Image, ImageDraw
+
+    im = Image.new("RGB", (canvas, canvas))
+    draw = ImageDraw.Draw(im)
+    for x, y, side in squares:
+        draw.rectangle([x, y, x + side - 1, y + side - 1], fill=(255, 255, 255))
+    return im
+
+
+def with_images(rows, path):
+    """count_squares rows as written: each image drawn to PATH_STEM_images/NNNNNN.png beside the JSONL file
+    `path`, the row's `images` naming it relative to the file; other rows unchanged."""
+    from pathlib import Path
+
+    folder = Path(path).parent / f"{Path(path).stem}_images"
+    out = []
+    for i, row in enumerate(rows):
+        if "squares" not in row:
+            out.append(row)
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{i:06d}.png"
+        draw_squares(row["squares"], row["canvas"]).save(folder / name)
+        rest = {k: v for k, v in row.items() if k not in ("squares", "canvas")}
+        out.append({"prompt": rest.pop("prompt"), "images": [f"{folder.name}/{name}"], **rest})
+    return out
 
 
 def _row_maker(task, levels, opts):
@@ -341,7 +397,8 @@ def _row_maker(task, levels, opts):
     allowed = {"digit_sort": {"flaw_rate", "min_len", "max_len"}, "digit_sort_prefs": {"min_len", "max_len"},
                "arithmetic": set(), "sort": {"min_len", "max_len", "max_value"},
                "prefs": {"sort_frac", "min_len", "max_len", "max_value"}, "text": {"min_sentences", "max_sentences"},
-               "mul_tool": {"tool_rate", "min_digits", "max_digits", "call"}}
+               "mul_tool": {"tool_rate", "min_digits", "max_digits", "call"},
+               "count_squares": {"min_count", "max_count", "canvas"}}
     if task not in allowed:
         raise UserError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
     unknown = set(opts) - allowed[task]
@@ -363,6 +420,8 @@ def _row_maker(task, levels, opts):
         return lambda rng, i: prefs_row(rng, levels[i % len(levels)], **opts)
     if task == "mul_tool":
         return lambda rng, i: mul_tool_row(rng, **opts)
+    if task == "count_squares":
+        return lambda rng, i: count_squares_row(rng, **opts)
     return lambda rng, i: text_row(rng, levels, **opts)
 
 
@@ -388,7 +447,9 @@ def make_dataset(task, n, seed, *, levels=(1, 2, 3, 4), exclude=None, **opts):
 
 
 def write_jsonl(rows, path):
-    """Write rows as JSON lines atomically (artifacts.atomic_open)."""
+    """Write rows as JSON lines atomically (artifacts.atomic_open); count_squares rows' images first, beside it
+    (`with_images`)."""
+    rows = with_images(rows, path)
     with atomic_open(path) as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")

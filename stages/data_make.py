@@ -4,7 +4,7 @@
 stage): OUT/data.jsonl, OUT/test.jsonl and artifact.json, read by later stages as `@NAME` (its data.jsonl) or
 `@NAME/test.jsonl`.
 
-TASK is one of the built-in tasks (digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool), `rg:NAME` for a reasoning-gym task (optional
+TASK is one of the built-in tasks (digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool, count_squares), `rg:NAME` for a reasoning-gym task (optional
 extra), or `prefs --from-model M --data FILE`: preference pairs a model makes itself — K sampled completions per
 prompt of a verifiable file, a correct one as `chosen` and an incorrect one as `rejected` (on-policy pairs, as in
 online / iterative DPO recipes); with `--judge J`, ranked by an LLM judge instead (RLAIF: align.judge_pairs).
@@ -30,7 +30,7 @@ JUDGE_MARGIN = 0.1  # --judge-margin: a pairwise verdict of P(chosen ≻ rejecte
 
 @dataclass(frozen=True)
 class DataMakeConfig(Options):
-    task: str = opt("arithmetic", "Task: digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool, "
+    task: str = opt("arithmetic", "Task: digit_sort, digit_sort_prefs, arithmetic, sort, prefs, text, mul_tool, count_squares, "
                                   "rg:NAME (a reasoning-gym task), or judge (SFT demonstrations of a pairwise judge, "
                                   "from --data's preference pairs).")
     n: int = opt(1000, "Rows to generate (prefs --from-model: prompts to sample, 0 = all of --data).", ge=0)

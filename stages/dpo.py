@@ -46,6 +46,7 @@ from align.judge import PAIR_RUBRIC, RUBRIC, as_text, judged_records, rank_sampl
 from align.judge import load as load_judge
 from align.judge_pairs import TIE
 from align.logprobs import logprobs
+from align.vision import batch_images
 from align.models import check_length, count_parameters, disable_dropout, load_causal_lm, load_tokenizer, resolve
 from align.objectives.preference import Pairs, dpo_loss, kto_loss
 from align.objectives.tokens import IGNORE
@@ -114,8 +115,8 @@ def row_logps(model, batch: dict, pack: bool = False) -> torch.Tensor:
     """[N]: log π(y|x) summed over each row's response tokens (never averaged). The rows are right-padded, so no
     attention mask is passed (causal attention never looks right) and attention runs its fused causal kernel;
     `pack` (--packing): padding-free, the rows packed into fewer (align.logprobs.packing)."""
-    lp, _ = logprobs(model, {"input_ids": batch["input_ids"], "response_mask": batch["labels"][:, 1:] != IGNORE},
-                     pack=pack)
+    rows = {"input_ids": batch["input_ids"], "response_mask": batch["labels"][:, 1:] != IGNORE}
+    lp, _ = logprobs(model, {**rows, **batch_images(batch)}, pack=pack)  # a VLM's rows: their images too
     return lp.sum(-1)
 
 

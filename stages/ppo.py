@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from align import data as D
-from align import objectives, runtime, tools
+from align import objectives, runtime, tools, vision
 from align.artifacts import describe_inputs
 from align.console import info, warn
 from align.engine.build import Optim
@@ -565,4 +565,5 @@ class PPO:
 
 
 def run(cfg: PPOConfig) -> dict:
+    vision.refuse(cfg.model, "ppo")
     return train(cfg, "ppo", PPO)

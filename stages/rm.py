@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from align import data as D
-from align import runtime
+from align import runtime, vision
 from align.artifacts import describe_inputs
 from align.console import info
 from align.data import load_pairs
@@ -202,6 +202,7 @@ class RewardModel:
 
 
 def run(cfg: RMConfig) -> dict:
+    vision.refuse(cfg.model, "rm")
     return train(cfg, "rm", RewardModel)
 
 

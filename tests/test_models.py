@@ -222,5 +222,5 @@ def test_resolve_wrong_kind(sft_artifact):
 
 def test_model_init_unknown_preset(tmp_path):
     proc = run_align("model", "init", "--preset", "huge", "--out", tmp_path / "m")
-    assert_user_error(proc, "--preset must be one of tiny, small, got 'huge'.")
+    assert_user_error(proc, "--preset must be one of tiny, small, tiny-vl, got 'huge'.")
     assert not (tmp_path / "m").exists()

@@ -86,7 +86,7 @@ def test_a_value_out_of_range_is_refused_naming_flag_value_and_range(monkeypatch
 @pytest.mark.parametrize("words, flag, value, choices", [
     (("sft",), "--schedule", "cosnie", "cosine, linear, constant"),
     (("grpo",), "--on-reward-error", "ignore", "fail, skip, zero"),
-    (("model", "init"), "--preset", "huge", "tiny, small"),
+    (("model", "init"), "--preset", "huge", "tiny, small, tiny-vl"),
     (("eval",), "--precision", "fp8", "auto, bf16, bf16-mixed, bf16-pure, fp32"),
 ])
 def test_a_value_outside_the_choices_is_refused(monkeypatch, capsys, tmp_path, words, flag, value, choices):

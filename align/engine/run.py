@@ -55,6 +55,7 @@ from align.models import skeleton
 from align.moe import router_aux
 from align.optim import AdamWSR
 from align.reward_http import redacted
+from align.vision import with_tower
 
 __all__ = ["RATES", "Output", "StageRun", "chunks", "seed_all", "step_indices", "train"]
 
@@ -274,7 +275,7 @@ class StageRun(StepLoop, Saves):
                        world_size=self.dist.world_size, dtype=self.dtype, grad_clip=cfg.grad_clip,
                        user_config=cfg.deepspeed, precision=layout.precision, offload_optimizer=cfg.offload_optimizer)
         clip = own_clipping(ds)
-        model, self._link = load_partitioned(ds, with_lora(load, cfg), self.dtype)
+        model, self._link = load_partitioned(ds, with_lora(with_tower(load, cfg.train_vision), cfg), self.dtype)
         opt = adamw(model, optim.lr, optim.weight_decay, optim.betas, offload=cfg.offload_optimizer,
                     stochastic_rounding=layout.precision == "bf16-pure", compile=cfg.compile)
         schedule = lr_lambda(optim.schedule, optim.warmup_steps, optim.total_steps)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from align import runtime
+from align import runtime, vision
 from align.data import pad
 from align.objectives.offpolicy import rollout_mismatch
 from align.rollout.generation import Completion, Sampling, generate_on_rank
@@ -93,7 +93,7 @@ def rollout_batch(completions: list[Completion], pad_id: int, device) -> dict:
         resp[i, start : start + len(c.ids)] = 1
         if c.policy_mask is not None:  # a multi-turn episode: the environment's tokens are no response tokens
             resp[i, start : start + len(c.ids)] = torch.tensor(c.policy_mask, dtype=resp.dtype)
-    batch = {"input_ids": ids, "response_mask": resp}
+    batch = {"input_ids": ids, "response_mask": resp, **vision.collate_images([c.prompt_ids for c in completions], device)}
     if completions and all(c.logps is not None for c in completions):
         # the sampler's log-probs at the positions the trainer's log-probs take (rollout/logp_abs_diff, --tis-cap)
         sampler = torch.zeros_like(resp)
@@ -157,7 +157,8 @@ def record_episodes(stats, r: Rollout) -> None:
 
 
 def select(batch: dict, idx) -> dict:
-    return {k: v[idx] for k, v in batch.items()}
+    """Rows `idx` (a slice or row indices) of a batch, with their images (align.vision.select_rows)."""
+    return vision.select_rows(batch, idx)
 
 
 @contextlib.contextmanager

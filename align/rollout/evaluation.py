@@ -14,6 +14,7 @@ from align.passk import mean_pass_at_k
 from align.rewards import Verifier, choose_verifier
 from align.rollout.generation import Sampling, generate
 from align.tasks import write_jsonl
+from align.vision import printable
 
 EVAL_SAMPLES = "eval_samples.jsonl"  # a training stage's latest held-out evaluation, one problem a line
 
@@ -62,7 +63,7 @@ def evaluate_policy(eng, tokenizer, rows: list[dict], dist: runtime.Dist, *, ks=
                          batch_size=batch_size, gather=gather, on_batch=bar.advance, agent=agent,
                          rows=[r for r in rows for _ in range(samples)]) if samples > 0 else [])
     records = [
-        {"prompt": r["prompt"], "answer": r["answer"], "greedy": o.text,
+        {"prompt": printable(r["prompt"]), "answer": r["answer"], "greedy": o.text,
          "greedy_correct": check.check(r, o.answer, o.ids),
          **({"greedy_tool_calls": o.episode.tool_calls, "greedy_stop": o.episode.stop} if o.episode else {})}
         for r, o in zip(rows, outs)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from align import runtime
+from align import runtime, vision
 from align.data import pad
 from align.rollout.completion import Completion, EpisodeInfo  # noqa: F401 (re-exported)
 from align.rollout.episode import Agent, TurnSampler, first_stop, run_episodes, stopped
@@ -44,7 +44,8 @@ def _generation_config(tokenizer, s: Sampling):
     from transformers import GenerationConfig
 
     return GenerationConfig(do_sample=False, max_new_tokens=s.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, use_cache=True)
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, use_cache=True,
+                            suppress_tokens=vision.never_sampled(tokenizer))
 
 
 def sampling_keys(s: Sampling, indices) -> list[int] | None:
@@ -170,7 +171,7 @@ def generate_local(module, tokenizer, prompts: list[list[int]], s: Sampling, bat
         sampler = None if keys is None else _keyed_sampler(s, keys[i : i + batch_size], ids.shape[1], device, step_logps)
         with torch.autocast(torch.device(device).type, dtype=amp or torch.bfloat16, enabled=amp is not None), eager():
             gen = module.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, synced_gpus=synced_gpus,
-                                  logits_processor=sampler)
+                                  logits_processor=sampler, **vision.generate_images(chunk, device))
         lp = torch.stack(step_logps, 1).tolist() if step_logps else [None] * len(chunk)
         for p, row, row_lp in zip(chunk, gen[:, ids.shape[1] :].tolist(), lp):
             resp, finished = trim_at_eos(row, tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -337,6 +338,10 @@ def generate_episodes(module, tokenizer, prompts: list[list[int]], rows: list[di
     """Episodes of `agent` after each prompt (rows[i] its data row), `batch_size` at a time, on the fast decoder
     where it applies (use_fast_path: CUDA, a supported model), else HF `generate`; returned as rollout
     Completions (Episode.completion)."""
+    if any(isinstance(p, vision.ImagePrompt) for p in prompts):
+        from align.errors import UserError
+
+        raise UserError("--tools / --env episodes read text prompts; rows with images are not supported there.")
     if s.routes:
         from align.console import warn
 
