@@ -154,9 +154,9 @@ MUTATIONS: list[Mutation] = [
     M("grpo wiring: the same prompts every step (synchronous)", G,
       "        idx = self.run.indices(len(self.rows), cfg.prompts_per_step, step)\n        return sample(",
       "        idx = self.run.indices(len(self.rows), cfg.prompts_per_step, 0)\n        return sample(", (WHOLE,)),
-    M("grpo wiring: --top-k ignored", G, "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision",
+    M("grpo wiring: --top-k ignored", "align/rollout/batch.py", "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision",
       "Sampling(cfg.max_new_tokens, cfg.temperature, 0, cfg.top_p, precision", (WHOLE,)),
-    M("grpo wiring: --top-p ignored", G, "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision",
+    M("grpo wiring: --top-p ignored", "align/rollout/batch.py", "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, precision",
       "Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_k, 1.0, precision", (WHOLE,)),
     M("grpo wiring: --on-reward-error skip scores 0 instead", G, 'if cfg.on_reward_error == "skip":', "if False:",
       (WHOLE,)),
@@ -231,8 +231,8 @@ MUTATIONS: list[Mutation] = [
       'correct = [results[j][1].get("math") == 1.0 for j in group]', "correct = [True for j in group]", (SHAPE,)),
     M("grpo wiring: eval samples one completion whatever --eval-k", G, "ks=ks, samples=max(ks),",
       "ks=ks, samples=1,", (SHAPE,)),
-    M("grpo wiring: eval sampled without --seed", G, "sampling=replace(self.sampling, seed=self.cfg.seed, precision=\"\")",
-      "sampling=replace(self.sampling, precision=\"\")", (SHAPE,)),
+    M("grpo wiring: eval sampled without --seed", G, "sampling=replace(self.sampling, seed=self.cfg.seed, precision=\"\", routes=False)",
+      "sampling=replace(self.sampling, precision=\"\", routes=False)", (SHAPE,)),
     M("grpo wiring: eval samples tagged with step 0", G, "save_eval_samples(self.run.out, step, recs,",
       "save_eval_samples(self.run.out, 0, recs,", (SHAPE,)),
     M("grpo wiring: --reinforce ignored", "stages/grpo_config.py", 'return "reinforce" if self.reinforce else "gspo"',
@@ -267,12 +267,10 @@ MUTATIONS: list[Mutation] = [
       "            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,\n"
       "                                  None if row_lp is None else row_lp))", (EOS_HF,)),
     M("grpo wiring: fast decoder's log-probs keep the post-EOS steps", GEN,
-      "            resp, finished = trim_at_eos(row, eos, pad_id)\n"
-      "            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,\n"
-      "                                  None if row_lp is None else row_lp[: len(resp)]))",
-      "            resp, finished = trim_at_eos(row, eos, pad_id)\n"
-      "            out.append(Completion(p, resp, tokenizer.decode(resp, skip_special_tokens=True), finished,\n"
-      "                                  None if row_lp is None else row_lp))", (EOS_FAST,)),
+      "                                  None if row_lp is None else row_lp[: len(resp)],\n"
+      "                                  routes=None if r is None else r[: len(p) + len(resp)].clone()))",
+      "                                  None if row_lp is None else row_lp,\n"
+      "                                  routes=None if r is None else r[: len(p) + len(resp)].clone()))", (EOS_FAST,)),
     M("grpo wiring: a finished row marked unfinished", GEN,
       "return ids[: ids.index(eos_id) + 1], True", "return ids[: ids.index(eos_id) + 1], False", (EOS_HF, EOS_FAST)),
     M("grpo wiring: HF completion text keeps the special tokens", GEN,
