@@ -120,7 +120,14 @@ def run_command(cmd: list[str], env: dict, timeout: float = 600, cwd: str | Path
 FORKED = ("align", "benchmarks.faults")
 # What every `align` process imports: ~3.5 s of CPU before it does anything, most of a tiny stage's run.
 PRELOAD = ["torch", "transformers", "deepspeed", "align.cli", "stages.sft", "stages.eval", "stages.rm", "stages.dpo",
-           "stages.grpo", "stages.ppo", "stages.model_init", "tests.conftest"]
+           "stages.grpo", "stages.ppo", "stages.model_init", "tests.conftest",
+           # imported only once a stage runs (transformers' lazy modules, the report's plots, `align pipeline`):
+           # ~2.5 s of CPU in every forked process without them
+           "transformers.modeling_utils", "transformers.masking_utils", "transformers.modeling_layers",
+           "transformers.utils.type_validators", "transformers.integrations.deepspeed", "transformers.configuration_utils",
+           "transformers.tokenization_utils_base", "transformers.tokenization_utils_tokenizers",
+           "transformers.models.auto.auto_mappings", "matplotlib.figure", "matplotlib.backends.backend_agg",
+           "align.report", "align.pipeline_cli"]
 # Variables an `align` process reads once it runs, never at import: a process forked from the fork server sees
 # them as a new interpreter would, whatever the server's were; and those that an `align` process sets in itself
 # (with setdefault, to one value), which a test process that ran a stage or a library in-process holds too.
