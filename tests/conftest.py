@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from align.pipeline import RUN_IMPORTS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The suite runs two test files at a time (pytest-xdist), and many tests start `align` processes, often two at
@@ -122,13 +124,9 @@ FORKED = ("align", "benchmarks.faults", "torch.distributed.run")
 # What every `align` process imports: ~3.5 s of CPU before it does anything, most of a tiny stage's run.
 PRELOAD = ["torch", "transformers", "deepspeed", "align.cli", "stages.sft", "stages.eval", "stages.rm", "stages.dpo",
            "stages.grpo", "stages.ppo", "stages.model_init", "tests.conftest",
-           # imported only once a stage runs (transformers' lazy modules, the report's plots, `align pipeline`):
-           # ~2.5 s of CPU in every forked process without them
-           "transformers.modeling_utils", "transformers.masking_utils", "transformers.modeling_layers",
-           "transformers.utils.type_validators", "transformers.integrations.deepspeed", "transformers.configuration_utils",
-           "transformers.tokenization_utils_base", "transformers.tokenization_utils_tokenizers",
-           "transformers.models.auto.auto_mappings", "matplotlib.figure", "matplotlib.backends.backend_agg",
-           "align.report", "align.pipeline_cli",
+           # imported only once a stage runs (align/pipeline.py: RUN_IMPORTS, as `align pipeline run`'s fork server
+           # does; and `align pipeline`'s CLI): ~2.5 s of CPU in every forked process without them
+           *RUN_IMPORTS, "align.pipeline_cli",
            "tests.forkserver_frozen"]  # last: freezes what the imports above created (gc.freeze)
 # Variables an `align` process reads once it runs, never at import: a process forked from the fork server sees
 # them as a new interpreter would, whatever the server's were; and those that an `align` process sets in itself
