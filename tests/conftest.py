@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from align.pipeline import RUN_IMPORTS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # The suite runs two test files at a time (pytest-xdist), and many tests start `align` processes, often two at
@@ -115,12 +117,17 @@ def run_command(cmd: list[str], env: dict, timeout: float = 600, cwd: str | Path
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-# The modules run_command forks (`python -m M`): the CLI, and the CLI with a fault injected into align (patches of
-# module and class attributes looked up when called: the same in a process that imported align before).
-FORKED = ("align", "benchmarks.faults")
+# The modules run_command forks (`python -m M`): the CLI, the CLI with a fault injected into align (patches of
+# module and class attributes looked up when called: the same in a process that imported align before), and
+# torchrun's launcher (its workers are new interpreters, started by it as ever; the launcher saves torch's import).
+FORKED = ("align", "benchmarks.faults", "torch.distributed.run")
 # What every `align` process imports: ~3.5 s of CPU before it does anything, most of a tiny stage's run.
 PRELOAD = ["torch", "transformers", "deepspeed", "align.cli", "stages.sft", "stages.eval", "stages.rm", "stages.dpo",
-           "stages.grpo", "stages.ppo", "stages.model_init", "tests.conftest"]
+           "stages.grpo", "stages.ppo", "stages.model_init", "tests.conftest",
+           # imported only once a stage runs (align/pipeline.py: RUN_IMPORTS, as `align pipeline run`'s fork server
+           # does; and `align pipeline`'s CLI): ~2.5 s of CPU in every forked process without them
+           *RUN_IMPORTS, "align.pipeline_cli",
+           "tests.forkserver_frozen"]  # last: freezes what the imports above created (gc.freeze)
 # Variables an `align` process reads once it runs, never at import: a process forked from the fork server sees
 # them as a new interpreter would, whatever the server's were; and those that an `align` process sets in itself
 # (with setdefault, to one value), which a test process that ran a stage or a library in-process holds too.
@@ -167,13 +174,18 @@ def _align_fork_server():
         align_processes()
 
 
-def _forked_align(module: str, argv: list[str], env: dict, cwd: str | None, stdout: str, stderr: str | None) -> None:
+def _forked_align(module: str, argv: list[str], env: dict, cwd: str | None, stdout: str, stderr: str | None,
+                  new_session: bool = False) -> None:
     """In the forked process: what `python -m MODULE ARGV` does in a new one, its output written to files (stderr
-    None: into stdout's), its exit code (SystemExit's; 1 and a traceback for an uncaught exception) the process's."""
+    None: into stdout's), its exit code (SystemExit's; 1 and a traceback for an uncaught exception) the process's;
+    `new_session`: in a session (and process group) of its own, as subprocess.Popen's start_new_session."""
     import atexit
     import runpy
     import threading
     import traceback
+
+    if new_session:
+        os.setsid()
 
     for fd, path in ((1, stdout), (2, stderr)):
         if path is None:
@@ -215,12 +227,13 @@ def _forked_align(module: str, argv: list[str], env: dict, cwd: str | None, stdo
 class AlignProcess:
     """`python -m align ARGS` (or `python -m MODULE ARGS`, a module of FORKED) with the part of subprocess.Popen's
     interface the tests use (args, pid, poll, wait, communicate, kill, send_signal, returncode; text output; stdout
-    and stderr piped apart or, `stderr_to_stdout`, together; `env` its whole environment, None: this process's). Forked from `align_processes`' server, which paid
+    and stderr piped apart or, `stderr_to_stdout`, together; `env` its whole environment, None: this process's;
+    `new_session`: a process group of its own, which os.killpg(pid, ...) ends). Forked from `align_processes`' server, which paid
     the imports, where that is what a new interpreter would be (`env` differs from the server's only in
     RUN_TIME_ENV); else a new interpreter (subprocess.Popen)."""
 
     def __init__(self, args, env: dict | None = None, cwd: str | Path | None = None, stderr_to_stdout: bool = False,
-                 module: str = "align"):
+                 module: str = "align", new_session: bool = False):
         argv = [str(a) for a in args]
         self.args = [sys.executable, "-m", module, *argv]
         env = dict(os.environ if env is None else env)
@@ -229,13 +242,13 @@ class AlignProcess:
         if any(env.get(k) != _SERVER_ENV.get(k) for k in set(env) | set(_SERVER_ENV) if k not in RUN_TIME_ENV):
             self._popen = subprocess.Popen(self.args, stdout=subprocess.PIPE, text=True, env=env,
                                            stderr=subprocess.STDOUT if stderr_to_stdout else subprocess.PIPE,
-                                           cwd=str(cwd) if cwd else None)
+                                           cwd=str(cwd) if cwd else None, start_new_session=new_session)
             self.pid = self._popen.pid
             return
         self._dir = Path(tempfile.mkdtemp(prefix="align-run-"))
         self._files = [self._dir / "stdout", None if stderr_to_stdout else self._dir / "stderr"]
         self._proc = align_processes().Process(target=_forked_align, args=(
-            module, argv, env, str(cwd) if cwd else None, *(str(f) if f else None for f in self._files)))
+            module, argv, env, str(cwd) if cwd else None, *(str(f) if f else None for f in self._files), new_session))
         self._proc.start()
         self.pid = self._proc.pid
 

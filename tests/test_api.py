@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT, small_data
+from tests.conftest import ROOT, run_align, small_data
 
 TIMED = ("seconds", "_per_s", "time/", "peak_memory")  # wall-clock figures: differ between any two runs
 
@@ -62,8 +62,7 @@ def test_the_api_and_the_command_line_write_the_same_artifact(tmp_path):
     options = dict(model="tiny", data=str(d["arith"]), eval_data=str(d["arith_test"]), max_steps=3, batch_size=8,
                    eval_samples=4, max_new_tokens=8, seed=3)
     flags = [x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    cli = subprocess.run([sys.executable, "-m", "align", "sft", *flags, "--out", str(tmp_path / "cli")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    cli = run_align("sft", *flags, "--out", tmp_path / "cli", cwd=ROOT)
     assert cli.returncode == 0, cli.stderr[-2000:]
     api = python(f"""
         import json, align
@@ -108,8 +107,7 @@ def test_grpo_takes_python_reward_functions_in_both_forms(tmp_path):
     options = dict(model="tiny", data=str(d["arith"]), eval_data="", max_steps=2, prompts_per_step=2, num_generations=4,
                    max_new_tokens=6, seed=5, on_alarm="warn")
     flags = [x for k, v in options.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    cli = subprocess.run([sys.executable, "-m", "align", "grpo", *flags, "--reward", f"{reward_py}:parity:0.5",
-                          "--out", str(tmp_path / "cli")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cli = run_align("grpo", *flags, "--reward", f"{reward_py}:parity:0.5", "--out", tmp_path / "cli", cwd=ROOT)
     assert cli.returncode == 0, cli.stderr[-2000:]
     api = python(f"""
         import json, sys

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,14 +27,14 @@ def command(args, nproc: int) -> list[str]:
 
 
 def start(args, nproc: int = 1, timeout: int = 60):
-    """One process: forked with the imports done (tests/conftest.py: AlignProcess); more: torchrun's, in a new
-    process group."""
+    """Forked with the imports done (tests/conftest.py: AlignProcess): one process, or torchrun's launcher of more,
+    in a new process group."""
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env.update(ALIGN_DIST_TIMEOUT=str(timeout), COLUMNS="300")
     if nproc == 1:
         return AlignProcess(args, env, stderr_to_stdout=True)
-    return subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    return AlignProcess(command(args, nproc)[3:], env, stderr_to_stdout=True, module="torch.distributed.run",
+                        new_session=True)
 
 
 def finish(proc, code: int = 0, timeout: float = 300) -> str:

@@ -10,7 +10,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -64,15 +63,17 @@ def command(args, nproc):
 
 
 def start(args, nproc=1):
-    """A run in a new process group (a killed run: kill_at ends the group, wait_gone finds its processes by --out)."""
-    return subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env(), start_new_session=True)
+    """A run in a new process group (a killed run: kill_at ends the group, wait_gone finds its processes by --out),
+    forked with the imports done (tests/conftest.py: AlignProcess): the run itself, or torchrun's launcher."""
+    cmd = command(args, nproc)
+    return AlignProcess(cmd[3:], env(), stderr_to_stdout=True, module=cmd[2], new_session=True)
 
 
 def launch(args, nproc=1):
-    """A run that is not killed: one process forked with the imports done (tests/conftest.py: AlignProcess), or
-    torchrun's."""
-    return AlignProcess(args, env(), stderr_to_stdout=True) if nproc == 1 else start(args, nproc)
+    """A run that is not killed: forked with the imports done (tests/conftest.py: AlignProcess), the run itself or
+    torchrun's launcher."""
+    cmd = command(args, nproc)
+    return AlignProcess(cmd[3:], env(), stderr_to_stdout=True, module=cmd[2])
 
 
 def env() -> dict:
@@ -107,7 +108,7 @@ def kill_at(proc, out, step: int) -> None:
         time.sleep(0.02)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    proc.communicate(timeout=60)
     wait_gone(out)
 
 
