@@ -74,8 +74,8 @@ def stale_fast_decoder(onset: int):
         if calls[0] <= onset:
             self._stale = self._wbuf.clone()
 
-    def use_fast_path(module, device, synced_gpus=False, fast=None, length=None, precision=""):
-        return use_fast(module, device, synced_gpus, True if fast is None else fast, length, precision)
+    def use_fast_path(module, device, synced_gpus=False, fast=None, length=None, precision="", routes=False):
+        return use_fast(module, device, synced_gpus, True if fast is None else fast, length, precision, routes)
 
     FastDecoder.load_weights, G.use_fast_path = keep_copy, use_fast_path
     before, os.environ["ALIGN_FAST_DECODER_COPY"] = os.environ.get("ALIGN_FAST_DECODER_COPY"), "1"
