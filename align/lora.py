@@ -195,6 +195,14 @@ def is_peft(module) -> bool:
     return hasattr(module, "peft_config") and hasattr(module, "get_base_model")
 
 
+def bare(module):
+    """The HF model inside a DeepSpeed engine (DeepSpeed's unwrap_model_for_generation yields the engine) and
+    inside a peft model (its LoRA layers stay in it: the fast decoder's `load_weights` applies their adapters)."""
+    inner = getattr(module, "module", None)
+    module = inner if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") else module
+    return module.get_base_model() if is_peft(module) else module
+
+
 class AdaptersOff:
     """A trained engine with its LoRA adapters switched off for each call: the base model, which is the frozen
     reference of dpo, grpo and ppo (StageRun.reference), without a second copy of it. Forward only."""

@@ -80,9 +80,14 @@ def aux_coef(config, override: float = -1.0) -> float:
     return float(coef) if isinstance(coef, (int, float)) else DEFAULT_AUX_COEF
 
 
+def is_moe_block(module) -> bool:
+    """Whether `module` is a sparse MoE block: it holds a router `gate` and the `experts`."""
+    return hasattr(module, "experts") and hasattr(module, "gate")
+
+
 def moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The sparse MoE blocks of `model` (the modules holding a router `gate` and the `experts`), in order."""
-    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    """The sparse MoE blocks of `model` (`is_moe_block`), in order."""
+    return [m for m in model.modules() if is_moe_block(m)]
 
 
 def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], k: int,

@@ -33,7 +33,8 @@ import types
 import torch
 
 from align.errors import UserError
-from align.lora import is_peft
+from align.lora import bare
+from align.moe import is_moe_block
 
 KWARG = "routed_experts"  # the forward argument, and the rollout batch's key
 
@@ -68,17 +69,8 @@ def route_flips(own_NK: torch.Tensor, replayed_NK: torch.Tensor) -> torch.Tensor
 def moe_blocks(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
     """(decoder layer, MoE block) of every layer whose MLP routes to experts, in order (column j of the routes is
     the j-th)."""
-    module = _bare(model)
-    layers = getattr(getattr(module, "model", None), "layers", None) or []
-    return [(layer, layer.mlp) for layer in layers
-            if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp, "gate")]
-
-
-def _bare(model):
-    """The HF model inside a DeepSpeed engine or a peft model (as align.rollout.fast.support.bare)."""
-    inner = getattr(model, "module", None)
-    model = inner if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") else model
-    return model.get_base_model() if is_peft(model) else model
+    layers = getattr(getattr(bare(model), "model", None), "layers", None) or []
+    return [(layer, layer.mlp) for layer in layers if is_moe_block(getattr(layer, "mlp", None))]
 
 
 def check(model, on: bool) -> bool:
@@ -137,7 +129,7 @@ def routing_replay(model, on: bool = True, stats=None):
     if not blocks or installed(model):
         yield
         return
-    mixtral = getattr(_bare(model).config, "model_type", None) == "mixtral"
+    mixtral = getattr(bare(model).config, "model_type", None) == "mixtral"
     counts = torch.zeros(2, dtype=torch.float64, device=blocks[0][1].gate.weight.device)
     handles = []
     for j, (layer, block) in enumerate(blocks):

@@ -56,9 +56,10 @@ def short_numeric(text: str, max_words: int) -> bool:
 
 
 def correct(text: str, answer: str) -> bool:
-    """math's check: the last number in the text equals the answer."""
-    nums = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
-    return bool(nums) and float(nums[-1]) == float(answer)
+    """The `math` verifier's check (align.rewards.math_reward, as `--reward math` and `align eval` score)."""
+    from align.rewards import math_reward
+
+    return math_reward(text, str(answer)) == 1.0
 
 
 def align(*args) -> None:

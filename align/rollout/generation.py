@@ -18,6 +18,7 @@ import torch
 
 from align import runtime, vision
 from align.data import pad
+from align.lora import bare
 from align.rollout.completion import Completion, EpisodeInfo  # noqa: F401 (re-exported)
 from align.rollout.episode import Agent, TurnSampler, first_stop, run_episodes, stopped
 from align.rollout.sampling import sampled_logprobs
@@ -99,7 +100,7 @@ def use_fast_path(module, device, synced_gpus: bool = False, fast: bool | None =
     logged once per process; FP8 rollouts and routing replay that cannot have it are warned about."""
     from align.rollout.fast import support
 
-    module = support.bare(module)
+    module = bare(module)
     off = ("sharded weights (--no-gather)" if synced_gpus else "off (ALIGN_FAST_GENERATION)" if fast is False
            or not support.enabled_by_env() else None)
     why = off or support.unsupported_reason(module, length)
@@ -192,7 +193,6 @@ def fast_decoder(module, device, precision: str = ""):
     weights restored."""
     from align.lora import parked_base
     from align.rollout.fast.decoder import decoder_for
-    from align.rollout.fast.support import bare
 
     dec = decoder_for(bare(module), device, precision)
     parked = parked_base(module, device)  # LoRA: the base W is not read while the decoder's merged copy decodes

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from align.rollout.fast import decode_attention, moe
 from align.rollout.fast.fp8 import fp8_linear
-from align.rollout.fast.support import n_experts
+from align.moe import num_experts
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,7 +78,7 @@ class LayerMath:
         self.moe_layers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
         if not self.moe_layers:
             return
-        self.n_experts, self.top_k = n_experts(cfg), cfg.num_experts_per_tok
+        self.n_experts, self.top_k = num_experts(cfg), cfg.num_experts_per_tok
         self.moe_inter = layers[self.moe_layers[0]].mlp.experts.gate_up_proj.shape[1] // 2
         mixtral = cfg.model_type == "mixtral"
         self.renorm = mixtral or bool(getattr(cfg, "norm_topk_prob", False))

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 
-import torch
-
-from align.lora import is_peft
+from align.moe import num_experts
 
 MOE = ("qwen3_moe", "olmoe", "mixtral")  # mixture-of-experts MLPs (align.rollout.fast.moe)
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", *MOE)
@@ -18,14 +16,6 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # computed by t
 
 def enabled_by_env() -> bool:
     return os.environ.get("ALIGN_FAST_GENERATION", "1").lower() not in ("0", "false", "no", "off")
-
-
-def bare(module):
-    """The HF model inside a DeepSpeed engine (DeepSpeed's unwrap_model_for_generation yields the engine) and
-    inside a peft model (its LoRA layers stay in it: `load_weights` applies their adapters)."""
-    inner = getattr(module, "module", None)
-    module = inner if isinstance(inner, torch.nn.Module) and hasattr(inner, "config") else module
-    return module.get_base_model() if is_peft(module) else module
 
 
 def rope_type(cfg) -> str:
@@ -86,11 +76,6 @@ def describe(module) -> str:
     cfg = module.config
     extra = ["q/k norm"] if hasattr(module.model.layers[0].self_attn, "q_norm") else []
     if cfg.model_type in MOE:
-        extra.append(f"{n_experts(cfg)} experts, top-{cfg.num_experts_per_tok}")
+        extra.append(f"{num_experts(cfg)} experts, top-{cfg.num_experts_per_tok}")
     inner = f" ({', '.join(extra)})" if extra else ""
     return f"{cfg.model_type}{inner}, {rope_type(cfg)} RoPE"
-
-
-def n_experts(cfg) -> int:
-    """The experts of each MoE layer (Mixtral's config names them `num_local_experts`)."""
-    return int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
