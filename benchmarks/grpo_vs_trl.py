@@ -155,7 +155,7 @@ def attention_mfu(name: str, sequences: int, prompt_len: float, completion_token
     cfg = V.config(name)
     tokens = sequences * prompt_len + completion_tokens
     hq = cfg.num_attention_heads * (getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    per_token = 6 * V.n_params(name) + 12 * cfg.num_hidden_layers * hq * tokens / sequences
+    per_token = 6 * V.flop_params(name) + 12 * cfg.num_hidden_layers * hq * tokens / sequences
     return per_token * tokens / seconds / 989e12
 
 
@@ -173,9 +173,9 @@ def table(name: str, a, o: dict | None, t: dict | None, bw: float | None, prompt
             for n, d in (("o", o), ("t", t))}
     lines.append(f"| tokens/s per GPU (prompt + completion / step) | {V.fmt(nemo['o'], ',.0f')} | "
                  f"{V.fmt(nemo['t'], ',.0f')} | {V.ratio(nemo['o'], nemo['t'])} |")
-    mfu = {n: 6 * V.n_params(name) * (a.prompts * a.generations * prompt_len + d["tokens"]) / d["time/update"] / 989e12
+    mfu = {n: 6 * V.flop_params(name) * (a.prompts * a.generations * prompt_len + d["tokens"]) / d["time/update"] / 989e12
            if d and d.get("time/update") else None for n, d in (("o", o), ("t", t))}
-    lines.append(f"| update MFU (6·N·tokens / update time / 989 TFLOP/s) | {V.fmt(mfu['o'], '.1%')} | "
+    lines.append(f"| update MFU (6·N·tokens / update time / 989 TFLOP/s; N active for MoE) | {V.fmt(mfu['o'], '.1%')} | "
                  f"{V.fmt(mfu['t'], '.1%')} | {V.ratio(mfu['o'], mfu['t'])} |")
     att = {n: attention_mfu(name, a.prompts * a.generations, prompt_len, d["tokens"], d["time/update"])
            if d and d.get("time/update") else None for n, d in (("o", o), ("t", t))}

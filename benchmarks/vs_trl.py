@@ -203,6 +203,15 @@ def n_params(name: str) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
+def flop_params(name: str) -> int:
+    """The N of MFU's 6·N: every parameter of a dense model; a mixture of experts' active ones (the top-k experts
+    a token runs through, embedding and head counted, as the published "active" numbers do: align.engine.plan)."""
+    from align.engine import plan as P
+
+    a = P.arch({"model_type": MODELS[name][0], **MODELS[name][1]})
+    return P.n_params(a, active=True) if a.moe else n_params(name)
+
+
 def kv_bytes_per_token(name: str, elem: int = 2) -> int:
     _, kw = MODELS[name]
     d = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
