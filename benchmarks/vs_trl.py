@@ -148,6 +148,8 @@ def make_model(name: str, root: Path, stop_p: float = 0.0) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     del model
+    if torch.cuda.is_available():  # the harness' runs are subprocesses: hand them the GPU this process built on
+        torch.cuda.empty_cache()
     return out
 
 
