@@ -206,6 +206,29 @@ def test_plan_of_real_moe_configs_against_their_published_sizes():
     assert P.activation_bytes(mixtral, 1, 10, s) > P.activation_bytes(dense, 1, 10, s)
 
 
+def test_plan_counts_transformers_moe_decode_where_the_fast_decoder_does_not_take_the_model():
+    """transformers' generate decodes an MoE on a GPU with batched_mm, gathering every row's top-k experts'
+    weights (gate, up, down) one layer at a time: Qwen1.5-MoE-A2.7B (shared experts: not on the fast path) at 64
+    rows, top-4, h 2048, expert width 1408 in bf16. OLMoE decodes on the fast decoder, and a CPU keeps grouped_mm:
+    no such term."""
+    from align.config import build
+    from benchmarks.vs_trl import MODELS
+    from stages.grpo import GRPOConfig, GRPOPlan
+
+    cfg = build(GRPOConfig, None, {"model": "x", "prompts_per_step": 8, "num_generations": 8, "max_new_tokens": 256,
+                                   "lora_r": 16})
+    gpu = P.Device("cuda", 1e12, 1, True, True, "test")
+    term = "rollout: transformers' MoE decode (batched_mm: each row's top-k experts gathered)"
+
+    def rows(name, device=gpu):
+        a = P.arch({"model_type": MODELS[name][0], **MODELS[name][1]})
+        return {n: v for n, v in P.estimate(GRPOPlan(cfg), {"policy": P.Model("policy", a)}, device, P.Data(37)).rows}
+
+    assert rows("qwen1.5-moe-a2.7b")[term] == {"rollout": 64 * 4 * 3 * 2048 * 1408 * 2}
+    assert term not in rows("olmoe-1b-7b")
+    assert term not in rows("qwen1.5-moe-a2.7b", P.Device("cpu", 1e12, 1, False, False, "test"))
+
+
 def test_plan_says_total_and_active_parameters(moe_model_dirs, tmp_path):
     proc = run_align("sft", "--model", moe_model_dirs["qwen3_moe"], "--plan", *small_sft(), "--out", tmp_path / "o")
     assert proc.returncode == 0, output(proc)

@@ -29,7 +29,8 @@ fp32):
   the cache are freed before the update (`FastDecoder.release`), so the peak is the larger phase, not the sum.
   Under LoRA the frozen base waits in host memory during the rollout (`lora.parked_base`). What the fast decoder
   does not take (fast.support.unsupported_config, a CPU, --no-gather) decodes with transformers' generate: its KV
-  cache, no copy. ZeRO-3 on several processes gathers the policy's whole weights for the rollout.
+  cache, no copy; on a GPU it decodes a mixture of experts by gathering each row's top-k experts' weights
+  (`hf_moe_decode_bytes`). ZeRO-3 on several processes gathers the policy's whole weights for the rollout.
 * GRPO with --rollout-gpus N: the trainers hold no rollout terms; a column of its own ("decoder rank") holds what
   each decoder process does: the policy unsharded in the module's dtype (LoRA: its fp32 adapters too) and the
   rollout terms above for its 1/N of the step's samples, as one process decodes them.
@@ -577,6 +578,9 @@ def rollout_terms(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s
         plan.notes.append("rollout: the fast decoder reads the policy's own weights (no copy)")
     else:
         plan.notes.append(f"rollout: transformers' generate ({why}): a KV cache, no inference copy")
+        if a.moe and s.device == "cuda":
+            plan.add("rollout: transformers' MoE decode (batched_mm: each row's top-k experts gathered)",
+                     hf_moe_decode_bytes(a, rows, s), phase)
     if fast and policy.lora_r and s.zero_stage != 3:  # the frozen base is parked in host memory while decoding
         plan.subtract(f"{policy.role}: weights", phase, (policy.params - a.hidden * (policy.head == "score")) * s.r)
         plan.notes.append("LoRA: the frozen base waits in host memory during the rollout")
@@ -585,6 +589,13 @@ def rollout_terms(plan: Plan, policy: Model, rows: int, prompt: int, new: int, s
     plan.add(f"rollout: KV cache ({decode_rows(rows, fast)} rows x {cache_slots(prompt + new, fast)} slots)",
              kv_cache_bytes(a, rows, prompt + new, s, fast), phase)
     plan.add("rollout: prefill and sampling buffers", prefill_bytes(a, rows, prompt, s, fast), phase)
+
+
+def hf_moe_decode_bytes(a: Arch, rows: int, s: Setup) -> int:
+    """transformers' generate on a GPU decodes a mixture of experts with `batched_mm`: every (row, expert) pair of
+    a step gathers that expert's weights, rows · k · 3 · h · i_e · e bytes in one layer at a time (gate, up and down;
+    its prefill keeps `grouped_mm`, which gathers nothing)."""
+    return rows * a.experts_per_tok * 3 * a.hidden * a.expert_intermediate * s.e
 
 
 def decoder_terms(plan: Plan, policy: Model, decoders: int, samples: int, prompt: int, new: int, s: Setup) -> None:
