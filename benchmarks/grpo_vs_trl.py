@@ -202,8 +202,8 @@ def shape_args(ap) -> None:
     ap.add_argument("--micro-batch-size", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="prompts padded with filler words to about this "
                     "many tokens (0: the arithmetic prompts as they are, ~50 tokens)")
-    ap.add_argument("--ragged", action="store_true", help="completions of ragged lengths: the random model samples "
-                    "EOS at a steady rate, its completions averaging half of --max-new-tokens (vs_trl.ragged)")
+    ap.add_argument("--ragged", action="store_true", help="completions of ragged lengths: the random model's "
+                    "completions end at EOS after half of --max-new-tokens on average (vs_trl.ragged)")
     ap.add_argument("--data-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
 
@@ -252,7 +252,7 @@ def main() -> None:
     long_prompts(a, root)
     report, results = [], {}
     for name in a.models.split(","):
-        model = V.make_model(name, root, V.stop_probability(a.max_new_tokens) if a.ragged else 0.0)
+        model = V.make_model(name, root, a.max_new_tokens if a.ragged else 0, prompts_text(16, a.prompt_tokens))
         o = t = None
         nprocs = [int(x) for x in a.nproc.split(",")]
         if a.only in ("both", "ours"):

@@ -31,7 +31,7 @@ SHAPES = {
     "grpo-qwen2.5-1.5b": ("benchmarks.grpo_vs_trl", ["--models", "qwen2.5-1.5b", "--steps", "4", "--only", "ours"],
                           "grpo_vs_trl.json", "ours-qwen2.5-1.5b",
                           ["time/generate", "time/reward", "time/logprobs", "time/update", "time/step", "peak_gib"]),
-    # completions of ragged lengths (the random model samples EOS at a steady rate: vs_trl.ragged), padded and
+    # completions of ragged lengths (the random model stops after half the budget on average: vs_trl.ragged), padded and
     # padding-free (--packing: varlen attention on a GPU)
     "grpo-qwen2.5-1.5b-ragged": ("benchmarks.grpo_vs_trl", ["--models", "qwen2.5-1.5b", "--steps", "4", "--only", "ours",
                                                             "--ragged"], "grpo_vs_trl.json", "ours-qwen2.5-1.5b",

@@ -61,3 +61,30 @@ def test_every_name_a_benchmark_takes_from_another_exists():
                 if node.attr not in top_level(mod):
                     missing.append(f"{path.name}: {mod}.{node.attr}")
     assert missing == []
+
+
+def test_stage_walls_call_a_stage_slower_only_when_its_whole_spread_moved_up():
+    from benchmarks.stage_walls import compare, table
+
+    before = [{"sft": 30.0, "grpo": 17.0}, {"sft": 31.0, "grpo": 18.0}, {"sft": 32.0, "grpo": 17.5}]
+    after = [{"sft": 31.5, "grpo": 18.2}, {"sft": 33.0, "grpo": 18.5}, {"sft": 29.0, "grpo": 19.0}]
+    rows = {stage: (b, a, slower) for stage, b, a, slower in compare(before, after)}
+    assert rows["sft"][2] is False  # 29.0-33.0 overlaps 30.0-32.0
+    assert rows["grpo"][2] is True  # 18.2 > 18.0: every after run above every before run
+    assert rows["sum"][0] == [47.0, 49.0, 49.5] and rows["sum"][1] == [49.7, 51.5, 48.0]
+    assert rows["sum"][2] is False
+    text = table(compare(before, after))
+    assert "| grpo | 17.5 (17.0-18.0) | 18.5 (18.2-19.0) | 1.057 | **yes** |" in text
+
+
+def test_the_ragged_model_stops_each_row_at_its_own_rate():
+    """vs_trl.expected_length: E[min(Geometric(ρ), B)] = (1 − (1 − ρ)^B) / ρ per row, ρ the row's mean hazard:
+    a row that never stops runs the budget; one that stops at once, 1 token."""
+    import torch
+
+    from benchmarks.vs_trl import expected_length
+
+    h = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.01, 0.03]])
+    got = expected_length(h, 100)
+    assert abs(got[0].item() - 100) < 1e-6 and abs(got[1].item() - 1) < 1e-6
+    assert abs(got[2].item() - (1 - 0.98 ** 100) / 0.02) < 1e-4
