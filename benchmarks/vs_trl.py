@@ -145,7 +145,7 @@ def make_model(name: str, root: Path, ragged_budget: int = 0, prompts: list[str]
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     if ragged_budget:
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts or []]
-        print(f"ragged: EOS row α = {ragged(model, tok.eos_token_id, ragged_budget, ids):.4g}", flush=True)
+        ragged(model, tok.eos_token_id, ragged_budget, ids)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     del model
@@ -154,56 +154,97 @@ def make_model(name: str, root: Path, ragged_budget: int = 0, prompts: list[str]
     return out
 
 
-def expected_length(hazard_RT, budget: int):
-    """Each row's expected completion length, cut at `budget`, when it stops at its own steady rate ρ_r (the mean
-    of its per-position EOS probabilities `hazard_RT`): E[min(Geometric(ρ), B)] = (1 − (1 − ρ)^B) / ρ."""
-    import torch
+class CompletionLengths:
+    """`lengths(prompts)`: each prompt's completion length (EOS included) sampled at temperature 1 up to `budget`
+    tokens from `model` as it is now: on a GPU by align's fast decoder (as the harness' runs decode; one decoder
+    kept across calls, its weights reloaded), else transformers' generate. `close()` frees the decoder."""
 
-    rho_R = hazard_RT.double().mean(1).clamp(1e-12, 1.0)
-    return -torch.expm1(budget * torch.log1p(-rho_R.clamp(max=1 - 1e-12))) / rho_R  # exact for ρ → 0 too
+    def __init__(self, model, budget: int, eos: int):
+        self.model, self.budget, self.eos = model, budget, eos
+        self.dev = next(model.parameters()).device
+        self.dec = None
+        if self.dev.type == "cuda":
+            from align.rollout.fast.decoder import FastDecoder
+
+            self.dec = FastDecoder(model, self.dev)
+
+    def __call__(self, prompts: list[list[int]]) -> list[int]:
+        import torch
+
+        if self.dec is not None:
+            from align.rollout.generation import Sampling
+
+            self.dec.load_weights(self.model)
+            out = self.dec.generate(prompts, Sampling(max_new_tokens=self.budget, temperature=1.0), eos=self.eos, pad=0)
+        else:
+            P = max(len(p) for p in prompts)
+            ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+            out = self.model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                      max_new_tokens=self.budget, eos_token_id=self.eos, pad_token_id=0)[:, P:].tolist()
+        return [r.index(self.eos) + 1 if self.eos in r else len(r) for r in out]
+
+    def close(self) -> None:
+        if self.dec is not None:
+            self.dec.release()
+            self.dec = None
 
 
 @__import__("torch").no_grad()
-def ragged(model, eos: int, budget: int, prompts: list[list[int]], mean_fraction: float = 0.5,
-           sample_tokens: int = 256) -> float:
-    """Make a random-weight model end its samples of `prompts` (token ids) after `mean_fraction` of `budget`
-    tokens on average: the EOS row of the output matrix becomes α·μ̂, μ̂ the mean direction of the final hidden
-    states h on the model's own samples (EOS masked while it samples), so EOS's logit is α·(h·μ̂): positive and
-    alike at every position. α is found by bisection on the rows' mean expected length (`expected_length`), each
-    row with its own rate: a random model's hidden states persist along a sample (its prompt steers the whole
-    completion), so one rate over all positions does not describe its rows. (The former direction, one
-    coordinate of h, was negative on most rows and positive on a few: with one pooled rate, Qwen2.5-0.5B's
-    completions averaged 237 of 256 tokens, 25 of 32 rows never stopping, where 128 was asked.) Returns α."""
+def ragged(model, eos: int, budget: int, prompts: list[list[int]], mean_fraction: float = 0.5, rows: int = 64,
+           tolerance: float = 0.06, tries: int = 10) -> tuple[float, float]:
+    """Make a random-weight model's completions of `prompts` (token ids, repeated to `rows` rows as the harness'
+    G samples of each) stop after `mean_fraction` of `budget` tokens on average: the EOS row of the output matrix
+    becomes α·μ̂, μ̂ the mean direction of the final hidden states h on the model's own samples (EOS masked while
+    it samples), so EOS's logit α·(h·μ̂) is positive at every position; α is then searched (bisection on log α)
+    by decoding the rows and measuring their mean length until it is within `tolerance`·budget of the goal.
+    Measured, not modelled: a random model's hidden states persist along a sample (its prompt steers the whole
+    completion), so its rows stop at rates of their own that no one rate describes (a pooled per-token rate along
+    one coordinate of h gave Qwen2.5-0.5B's shape 237 of 256 tokens, 25 of 32 rows never stopping, where 128 was
+    asked; a per-row model along μ̂, 174). Returns (α, the last measured mean length)."""
     import torch
 
     dev = next(model.parameters()).device
     w = model.get_output_embeddings().weight
     w[eos] = 0  # no EOS while it samples (its logit 0 among ~10⁵ others)
     prompts = prompts or [[1] * 8]
-    rows = [p for _ in range(-(-16 // len(prompts))) for p in prompts][:16]
-    P = max(len(p) for p in rows)
-    ids = torch.tensor([[0] * (P - len(p)) + p for p in rows], device=dev)
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], device=dev)
-    T = min(budget, sample_tokens)
+    sample = prompts[:16]
+    P = max(len(p) for p in sample)
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in sample], device=dev)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in sample], device=dev)
+    T = min(budget, 64)
     seqs = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                           max_new_tokens=T, min_new_tokens=T, eos_token_id=None, pad_token_id=0)
-    mask = torch.cat([mask, torch.ones(len(rows), T, dtype=mask.dtype, device=dev)], 1)
+    mask = torch.cat([mask, torch.ones(len(sample), T, dtype=mask.dtype, device=dev)], 1)
     h = model(input_ids=seqs, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-              output_hidden_states=True).hidden_states[-1][:, P - 1 : -1].float()  # [R, T, d]: what chose each token
-    logits = h @ w.float().T
-    logits[..., eos] = float("-inf")
-    others = torch.logsumexp(logits, -1)  # log Σ_{v ≠ EOS} exp(logit_v)
+              output_hidden_states=True).hidden_states[-1][:, P - 1 : -1].float()
     mu = h.flatten(0, 1).mean(0)
     u = mu / mu.norm()
-    proj = h @ u
+    # a start: the α at which EOS's mean probability over these positions is 1 / (goal length)
+    others = torch.logsumexp((h @ w.float().T).index_fill(-1, torch.tensor([eos], device=dev), float("-inf")), -1)
+    proj, goal = h @ u, mean_fraction * budget
     lo, hi = 0.0, 4 * float(others.max()) / max(float(proj.min()), 1e-3)
-    for _ in range(60):
-        a = (lo + hi) / 2
-        mean_len = expected_length(torch.sigmoid(a * proj - others), budget).mean().item()
-        lo, hi = (a, hi) if mean_len > mean_fraction * budget else (lo, a)
-    a = (lo + hi) / 2
-    w[eos] = (a * u).to(w.dtype)
-    return a
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if torch.sigmoid(mid * proj - others).mean().item() < 1 / goal else (lo, mid)
+    alpha = (lo + hi) / 2
+    rows_ = [prompts[i % len(prompts)] for i in range(rows)]
+    lengths = CompletionLengths(model, budget, eos)
+    lo, hi, mean = None, None, float("nan")  # log α bracket: lo gives longer completions than the goal, hi shorter
+    for _ in range(tries):
+        w[eos] = (alpha * u).to(w.dtype)
+        mean = sum(lengths(rows_)) / rows
+        print(f"ragged: α {alpha:.4g}: completions average {mean:.0f} of {budget} tokens", flush=True)
+        if abs(mean - goal) <= tolerance * budget:
+            break
+        if mean > goal:
+            lo = alpha
+            alpha = alpha * 2 if hi is None else (alpha * hi) ** 0.5
+        else:
+            hi = alpha
+            alpha = alpha / 2 if lo is None else (alpha * lo) ** 0.5
+    lengths.close()
+    return alpha, mean
 
 
 def n_params(name: str) -> int:

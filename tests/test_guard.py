@@ -77,14 +77,23 @@ def test_stage_walls_call_a_stage_slower_only_when_its_whole_spread_moved_up():
     assert "| grpo | 17.5 (17.0-18.0) | 18.5 (18.2-19.0) | 1.057 | **yes** |" in text
 
 
-def test_the_ragged_model_stops_each_row_at_its_own_rate():
-    """vs_trl.expected_length: E[min(Geometric(ρ), B)] = (1 − (1 − ρ)^B) / ρ per row, ρ the row's mean hazard:
-    a row that never stops runs the budget; one that stops at once, 1 token."""
+def test_the_ragged_harness_model_stops_after_half_its_budget_on_average(shipped_tokenizer):
+    """vs_trl.ragged on a tiny random Llama (the harness' mechanism, CPU: transformers' generate): α is searched
+    on the decoded rows until they average half the budget, within the tolerance, and the lengths are ragged."""
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from benchmarks.vs_trl import expected_length
+    from benchmarks.vs_trl import CompletionLengths, ragged
 
-    h = torch.tensor([[0.0, 0.0], [1.0, 1.0], [0.01, 0.03]])
-    got = expected_length(h, 100)
-    assert abs(got[0].item() - 100) < 1e-6 and abs(got[1].item() - 1) < 1e-6
-    assert abs(got[2].item() - (1 - 0.98 ** 100) / 0.02) < 1e-4
+    tok = shipped_tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=True)).eval()
+    prompts = [tok(f"What is {i} + {i + 3}?", add_special_tokens=False)["input_ids"] for i in range(8)]
+    alpha, mean = ragged(model, tok.eos_token_id, 48, prompts, rows=64)
+    assert alpha > 0 and abs(mean - 24) <= 0.06 * 48
+    torch.manual_seed(1)
+    lengths = CompletionLengths(model, 48, tok.eos_token_id)([prompts[i % 8] for i in range(64)])
+    assert abs(sum(lengths) / 64 - 24) <= 0.2 * 48  # a fresh draw of the same rows
+    assert len(set(lengths)) > 10 and min(lengths) < 12 and max(lengths) == 48
