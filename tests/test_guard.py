@@ -97,3 +97,16 @@ def test_the_ragged_harness_model_stops_after_half_its_budget_on_average(shipped
     lengths = CompletionLengths(model, 48, tok.eos_token_id)([prompts[i % 8] for i in range(64)])
     assert abs(sum(lengths) / 64 - 24) <= 0.2 * 48  # a fresh draw of the same rows
     assert len(set(lengths)) > 10 and min(lengths) < 12 and max(lengths) == 48
+
+
+def test_near_flip_counts_tokens_whose_kth_and_next_router_probabilities_tie():
+    import math
+
+    import torch
+
+    from benchmarks.decoder_families import near_flip
+
+    tie = [math.log(0.4), math.log(0.3), math.log(0.295), math.log(0.005)]  # top-2 vs 3rd: 0.005 apart
+    clear = [math.log(0.5), math.log(0.4), math.log(0.05), math.log(0.05)]
+    assert near_flip(torch.tensor([tie, clear]), k=2) == 0.5
+    assert near_flip(torch.tensor([tie, clear]), k=1) == 0.0
