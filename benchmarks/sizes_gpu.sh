@@ -8,6 +8,9 @@
 #   bash benchmarks/sizes_gpu.sh grpo4k         Llama-3.1-8B, ~256-token prompts + 3,840 new tokens, ours at its
 #                                               defaults (the memory plan sizes the micro-batch), --no-final-checkpoint
 #   bash benchmarks/sizes_gpu.sh lora8b         the same 4K shape with --lora-r 16 (peak against grpo4k's)
+#   bash benchmarks/sizes_gpu.sh ragged4k [packed]  the 4K shape with ragged completions (--ragged: half the
+#                                               budget on average), padded or with --packing (one call each; the
+#                                               second reuses the first's model)
 #   bash benchmarks/sizes_gpu.sh dpo8b          DPO full fine-tuning at Llama-3.1-8B, ours against TRL
 #   bash benchmarks/sizes_gpu.sh recapture      the decoder's graph re-capture check, then the 135M cold start
 #   bash benchmarks/sizes_gpu.sh ppo MODEL [LORA_R]  PPO-ptx with its four models (policy, reference, RM, value
@@ -32,6 +35,10 @@ lora8b)
   python3 -m benchmarks.grpo_vs_trl --models llama3.1-8b --steps 3 --only ours --prompt-tokens 256 \
     --max-new-tokens 3840 --micro-batch-size 0 --no-gradient-checkpointing \
     --ours-extra="--no-final-checkpoint --lora-r 16 --lora-alpha 32" --out /root/sizes-lora ;;
+ragged4k)
+  python3 -m benchmarks.grpo_vs_trl --models llama3.1-8b --steps 3 --only ours --prompt-tokens 256 \
+    --max-new-tokens 3840 --micro-batch-size 0 --no-gradient-checkpointing --ragged \
+    --ours-extra="--no-final-checkpoint${2:+ --packing}" --out /root/sizes-ragged ;;
 dpo8b)
   python3 -m benchmarks.dpo_vs_trl --models llama3.1-8b --steps 4 --batch-size 64 --micro-batch-size 8 \
     --ours-extra="--no-final-checkpoint" --out /root/sizes-dpo ;;

@@ -230,7 +230,10 @@ def ragged(model, eos: int, budget: int, prompts: list[list[int]], mean_fraction
     alpha = (lo + hi) / 2
     rows_ = [prompts[i % len(prompts)] for i in range(rows)]
     lengths = CompletionLengths(model, budget, eos)
-    lo, hi, mean = None, None, float("nan")  # log α bracket: lo gives longer completions than the goal, hi shorter
+    import math
+
+    lo = hi = None  # the bracket, (log α, mean length): lo's completions longer than the goal, hi's shorter
+    mean = float("nan")
     for _ in range(tries):
         w[eos] = (alpha * u).to(w.dtype)
         mean = sum(lengths(rows_)) / rows
@@ -238,11 +241,14 @@ def ragged(model, eos: int, budget: int, prompts: list[list[int]], mean_fraction
         if abs(mean - goal) <= tolerance * budget:
             break
         if mean > goal:
-            lo = alpha
-            alpha = alpha * 2 if hi is None else (alpha * hi) ** 0.5
+            lo = (math.log(alpha), mean)
         else:
-            hi = alpha
-            alpha = alpha / 2 if lo is None else (alpha * lo) ** 0.5
+            hi = (math.log(alpha), mean)
+        if lo is None or hi is None:  # no bracket yet: a factor of 2 the right way
+            alpha = alpha * 2 if hi is None else alpha / 2
+        else:  # regula falsi on log α (each decode of a 4K budget at 8B takes ~40 s: few tries)
+            t = (lo[1] - goal) / (lo[1] - hi[1])
+            alpha = math.exp(lo[0] + min(max(t, 0.1), 0.9) * (hi[0] - lo[0]))
     lengths.close()
     return alpha, mean
 
