@@ -36,7 +36,9 @@ def print_plans(names=NAMES, free_gib: float = 141.0, prompts: int = 8, generati
     flags = {"model": "plan-only", "prompts_per_step": prompts, "num_generations": generations,
              "max_new_tokens": new_tokens, **_parse(GRPOConfig, extra)}
     stage = GRPOPlan(C.build(GRPOConfig, None, flags))
-    device = P.Device("cuda", free_gib * 2**30, 1, True, True, f"{free_gib:g} GiB free, one GPU")
+    from align.rollout.fast.support import enabled_by_env
+
+    device = P.Device("cuda", free_gib * 2**30, 1, True, enabled_by_env(), f"{free_gib:g} GiB free, one GPU")
     plans = {}
     for name in names:
         model = P.Model("policy", P.arch(config(name)))
