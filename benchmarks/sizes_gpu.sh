@@ -5,6 +5,9 @@
 # `. benchmarks/gpu_setup.sh` (the carried wheels) and mind the 64 GB disk (an 8B model is 16 GB).
 #   bash benchmarks/sizes_gpu.sh grpo512 MODEL  GRPO full fine-tuning, 8 prompts x G 8, 512 new tokens, defaults
 #                                               otherwise (MODEL: qwen2.5-1.5b, qwen3-4b or llama3.1-8b)
+#   bash benchmarks/sizes_gpu.sh defaults MODEL ours alone at 8 prompts x G 8, 512 new tokens, with our defaults:
+#                                               no gradient checkpointing, the plan's micro-batch (the harness'
+#                                               own default, checkpointing and micro 16, matches TRL's settings)
 #   bash benchmarks/sizes_gpu.sh grpo4k         Llama-3.1-8B, ~256-token prompts + 3,840 new tokens, ours at its
 #                                               defaults (the memory plan sizes the micro-batch), --no-final-checkpoint
 #   bash benchmarks/sizes_gpu.sh lora8b         the same 4K shape with --lora-r 16 (peak against grpo4k's)
@@ -27,6 +30,9 @@ capped() { timeout -k 15 "$BENCH_TIMEOUT" "$@" || echo "[exit $?: stopped after 
 case "${1:-}" in
 grpo512)
   python3 -m benchmarks.grpo_vs_trl --models "${2:?MODEL}" --steps 4 --out /root/sizes ;;
+defaults)
+  python3 -m benchmarks.grpo_vs_trl --models "${2:?MODEL}" --steps 4 --only ours --micro-batch-size 0 \
+    --no-gradient-checkpointing --ours-extra="--no-final-checkpoint" --out /root/sizes-defaults ;;
 grpo4k)
   python3 -m benchmarks.grpo_vs_trl --models llama3.1-8b --steps 3 --only ours --prompt-tokens 256 \
     --max-new-tokens 3840 --micro-batch-size 0 --no-gradient-checkpointing --ours-extra="--no-final-checkpoint" \
