@@ -156,14 +156,14 @@ def make_model(name: str, root: Path, ragged_budget: int = 0, prompts: list[str]
 
 class CompletionLengths:
     """`lengths(prompts)`: each prompt's completion length (EOS included) sampled at temperature 1 up to `budget`
-    tokens from `model` as it is now: on a GPU by align's fast decoder (as the harness' runs decode; one decoder
-    kept across calls, its weights reloaded), else transformers' generate. `close()` frees the decoder."""
+    tokens from `model` as it is now: on a GPU (or `fast`) by align's fast decoder, as the harness' runs decode
+    (one decoder kept across calls, its weights reloaded), else transformers' generate. `close()` frees it."""
 
-    def __init__(self, model, budget: int, eos: int):
+    def __init__(self, model, budget: int, eos: int, fast: bool | None = None):
         self.model, self.budget, self.eos = model, budget, eos
         self.dev = next(model.parameters()).device
         self.dec = None
-        if self.dev.type == "cuda":
+        if self.dev.type == "cuda" if fast is None else fast:  # (fast=True on a CPU: eager, for tests)
             from align.rollout.fast.decoder import FastDecoder
 
             self.dec = FastDecoder(model, self.dev)

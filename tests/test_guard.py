@@ -97,6 +97,15 @@ def test_the_ragged_harness_model_stops_after_half_its_budget_on_average(shipped
     lengths = CompletionLengths(model, 48, tok.eos_token_id)([prompts[i % 8] for i in range(64)])
     assert abs(sum(lengths) / 64 - 24) <= 0.2 * 48  # a fresh draw of the same rows
     assert len(set(lengths)) > 10 and min(lengths) < 12 and max(lengths) == 48
+    # the GPU's path: align's fast decoder (eager here), the weights reloaded between calls
+    fast = CompletionLengths(model, 48, tok.eos_token_id, fast=True)
+    torch.manual_seed(2)
+    by_decoder = fast([prompts[i % 8] for i in range(64)])
+    assert abs(sum(by_decoder) / 64 - 24) <= 0.2 * 48 and max(by_decoder) == 48 and min(by_decoder) >= 1
+    with torch.no_grad():  # EOS's logit α·(h·μ̂) fifty times higher: every row stops at its first token
+        model.get_output_embeddings().weight[tok.eos_token_id] *= 50
+    assert set(fast(prompts)) == {1}
+    fast.close()
 
 
 def test_near_flip_counts_tokens_whose_kth_and_next_router_probabilities_tie():
