@@ -35,14 +35,14 @@ FAMILIES = {
     # q/k norm over the whole projection, q/k/v clipped, gate weights not renormalised
     "olmoe": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False, clip_qkv=3.0),
     "mixtral": dict(num_local_experts=4, intermediate_size=32, sliding_window=None),
-    # a sigmoid-gated shared expert beside the routed ones, q/k/v biases, a dense middle layer, gate weights as they
-    # are; then renormalised, with 4 experts and the first layer dense
+    # a sigmoid-gated shared expert beside the routed ones, q/k/v biases, a dense middle layer (mlp_only_layers),
+    # gate weights as they are; then renormalised, with 4 experts and every second layer sparse (decoder_sparse_step)
     "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                       intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[1]),
     "qwen2_moe-norm": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                           intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[0]),
+                           intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=2),
 }
-MOE_LAYERS = {"qwen3_moe": [0, 2], "qwen2_moe": [0, 2], "qwen2_moe-norm": [1, 2]}  # 3 layers; the others: all
+MOE_LAYERS = {"qwen3_moe": [0, 2], "qwen2_moe": [0, 2], "qwen2_moe-norm": [1]}  # 3 layers; the others: all
 
 
 def model_type(kind: str) -> str:
