@@ -120,6 +120,33 @@ def test_prefill_logits_equal_the_hf_forward(kind):
     assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
+def test_fp8_rollouts_keep_the_experts_and_the_shared_expert_in_the_compute_dtype():
+    """An FP8 decoder of a Qwen2-MoE model: attention and the dense layer's MLP in E4M3; an MoE layer's router,
+    routed experts, shared expert (gate/up fused) and its gate copied exactly in the compute dtype (fp32 here); its
+    logits near the exact decoder's (rounded, but close)."""
+    from align.rollout.fast import fp8
+
+    m = make("qwen2_moe")
+    exact, dec = FastDecoder(m, "cpu"), FastDecoder(m, "cpu", precision="fp8")
+    for d in (exact, dec):
+        d.load_weights(m)
+    moe_L, dense_L, block = dec.layers[0], dec.layers[1], m.model.layers[0].mlp
+    assert [dense_L[k].dtype for k in ("qkv", "o", "gu", "down")] == [fp8.E4M3] * 4 and moe_L["qkv"].dtype == fp8.E4M3
+    se = block.shared_expert
+    kept = {"router": block.gate.weight, "egu": block.experts.gate_up_proj, "edown": block.experts.down_proj,
+            "se_gu": torch.cat([se.gate_proj.weight, se.up_proj.weight]), "se_down": se.down_proj.weight,
+            "se_gate": block.shared_expert_gate.weight}
+    for k, w in kept.items():
+        assert moe_L[k].dtype == torch.float32 and torch.equal(moe_L[k], w), k
+    P = 7
+    ids = torch.tensor([[PAD] * (P - len(p)) + p for p in PROMPTS])
+    with torch.no_grad():
+        for d in (exact, dec):
+            d._alloc(len(PROMPTS), 32)
+        want, got = exact._prefill(ids, (ids != PAD).long()), dec._prefill(ids, (ids != PAD).long())
+    assert 1e-4 < ((got - want).norm() / want.norm()).item() < 0.2  # 0.078 (E4M3 rounding, some routes flip)
+
+
 def test_router_and_experts_by_hand():
     """route: softmax then top-k, renormalised where the family does; replayed_gate_weights: the same
     normalisation at given experts; both expert kernels against a loop over (token, expert)."""
