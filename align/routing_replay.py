@@ -52,7 +52,8 @@ def replayed_gate_weights(logits_NE: torch.Tensor, idx_NK: torch.Tensor, renorm:
     """The gate weights of the experts idx_NK from the trainer's router logits: p = softmax(logits) in fp32 over all
     E experts, p at idx (differentiable in the logits), then the family's normalisation (as its HF router does for
     its own top-k): Mixtral p / Σ_k p (= a softmax over the chosen experts' logits: R3's masked softmax);
-    Qwen3-MoE and OLMoE the same with `norm_topk_prob`, else p itself; in the logits' dtype (Mixtral: fp32)."""
+    Qwen3-MoE, Qwen2-MoE and OLMoE the same with `norm_topk_prob`, else p itself; in the logits' dtype (Mixtral:
+    fp32)."""
     p_NK = logits_NE.float().softmax(-1).gather(-1, idx_NK)
     return gate_weights(p_NK, renorm, logits_NE.dtype, fp32_weights)
 
@@ -89,8 +90,9 @@ def installed(model) -> bool:
 
 def _replayed_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     """The MoE block's forward with the experts its layer was handed (`_align_routes` [B·T, k], -1: the token's
-    own top-k), the gate weights from the current router logits (`replayed_gate_weights`); without routes (HF
-    generate, a forward with no `routed_experts`) the block's own forward."""
+    own top-k), the gate weights from the current router logits (`replayed_gate_weights`), plus Qwen2-MoE's gated
+    shared expert (not routed: computed as the block computes it); without routes (HF generate, a forward with no
+    `routed_experts`) the block's own forward."""
     routes = block.__dict__.pop("_align_routes", None)
     if routes is None:
         return type(block).forward(block, hidden_states)
@@ -103,7 +105,10 @@ def _replayed_forward(block, hidden_states: torch.Tensor) -> torch.Tensor:
     idx = torch.where(routes >= 0, routes, own)
     renorm, fp32, counts = block._align_replay
     counts += route_flips(own.detach(), routes)
-    return block.experts(h, idx, replayed_gate_weights(logits, idx, renorm, fp32)).reshape(B, T, H)
+    out = block.experts(h, idx, replayed_gate_weights(logits, idx, renorm, fp32))
+    if hasattr(block, "shared_expert"):  # Qwen2-MoE: its gated shared expert, as the block's own forward adds it
+        out = out + torch.sigmoid(block.shared_expert_gate(h)) * block.shared_expert(h)
+    return out.reshape(B, T, H)
 
 
 def _hand_routes(block, j: int):

@@ -1,11 +1,12 @@
 """The fast decoder against the HF forward on real configs of each family it takes, on a GPU, in bf16.
 
     python -m benchmarks.decoder_families [--models qwen2.5-1.5b,qwen3-1.7b,llama3.2-1b,mistral-1.5b]
-    python -m benchmarks.decoder_families --models olmoe-1b-7b,qwen3-30b-a3b-8l,mixtral-8x7b-4l   # MoE
+    python -m benchmarks.decoder_families --models olmoe-1b-7b,qwen3-30b-a3b-8l,mixtral-8x7b-4l,qwen1.5-moe-a2.7b  # MoE
     python -m benchmarks.decoder_families --smoke     # CPU, fp32, tiny MoE configs: the harness itself
 
 For each random-weight model (built on the GPU from the real config in `benchmarks.vs_trl.MODELS`, or the
-mixture-of-experts ones of `MOE_MODELS`: OLMoE-1B-7B whole, Qwen3-30B-A3B and Mixtral-8x7B with fewer layers): 16
+mixture-of-experts ones of `MOE_MODELS`: OLMoE-1B-7B and Qwen1.5-MoE-A2.7B (a shared expert; 57 GB in fp32) whole,
+Qwen3-30B-A3B and Mixtral-8x7B with fewer layers): 16
 left-padded prompts of 40-200 tokens; the last position's logits of (a) the HF forward in fp32 (the reference),
 (b) the HF forward in bf16, (c) our decoder's prefill in bf16. Relative error ||x - ref|| / ||ref|| of (b) and (c):
 ours passes when it is within 1.5x HF's own bf16 error (random weights give near-flat logits, so both errors are
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import time
+
+from benchmarks import vs_trl
 
 MOE_MODELS = {  # their config.json values (random weights); the two large ones with fewer layers, to fit one GPU
     "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
@@ -38,22 +41,22 @@ MOE_MODELS = {  # their config.json values (random weights); the two large ones 
                                         num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False,
                                         max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen1.5-moe-a2.7b": vs_trl.MODELS["qwen1.5-moe-a2.7b"],  # 60 experts, top-4, a shared expert 5632 wide
 }
 SMOKE = {  # --smoke: tiny configs of each MoE family, on the CPU
     f"tiny-{t}": (t, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=64, vocab_size=512, max_position_embeddings=512, num_experts_per_tok=2,
                           **extra))
     for t, extra in (("qwen3_moe", dict(num_experts=8, moe_intermediate_size=32)), ("olmoe", dict(num_experts=8)),
-                     ("mixtral", dict(num_local_experts=4)))}
+                     ("mixtral", dict(num_local_experts=4)),
+                     ("qwen2_moe", dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48)))}
 
 
 def config(name: str, **ids):
     from transformers import AutoConfig
 
-    from benchmarks import vs_trl as V
-
-    if name in V.MODELS:
-        return V.config(name, **ids)
+    if name in vs_trl.MODELS:
+        return vs_trl.config(name, **ids)
     arch, kw = {**MOE_MODELS, **SMOKE}[name]
     return AutoConfig.for_model(arch, **kw, **ids)
 

@@ -1,4 +1,4 @@
-"""The fast decoder on mixture-of-experts models (Qwen3-MoE, OLMoE, Mixtral) and routing replay, on CPU (fp32,
+"""The fast decoder on mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) and routing replay, on CPU (fp32,
 eager), with tiny random models of each family: greedy tokens equal HF `generate`'s, logits and sampled log-probs
 the HF forward's; the recorded routes are the experts HF's router picks for each token; replaying them in the
 trainer's forward closes the log-prob gap of tokens whose routes flipped, keeps the router's gradient, and survives
@@ -35,7 +35,19 @@ FAMILIES = {
     # q/k norm over the whole projection, q/k/v clipped, gate weights not renormalised
     "olmoe": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False, clip_qkv=3.0),
     "mixtral": dict(num_local_experts=4, intermediate_size=32, sliding_window=None),
+    # a sigmoid-gated shared expert beside the routed ones, q/k/v biases, a dense middle layer (mlp_only_layers),
+    # gate weights as they are; then renormalised, with 4 experts and every second layer sparse (decoder_sparse_step)
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[1]),
+    "qwen2_moe-norm": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                           intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=2),
 }
+MOE_LAYERS = {"qwen3_moe": [0, 2], "qwen2_moe": [0, 2], "qwen2_moe-norm": [1]}  # 3 layers; the others: all
+
+
+def model_type(kind: str) -> str:
+    """The transformers model type of a FAMILIES key ("qwen2_moe-norm": qwen2_moe)."""
+    return kind.split("-")[0]
 
 
 class Tok:
@@ -49,7 +61,7 @@ def make(kind: str, layers: int = 3):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(kind, **{**BASE, "num_hidden_layers": layers}, **FAMILIES[kind])
+    cfg = AutoConfig.for_model(model_type(kind), **{**BASE, "num_hidden_layers": layers}, **FAMILIES[kind])
     m = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # bigger weights: sharper, more varied greedy continuations and routes
         for p in m.parameters():
@@ -78,9 +90,13 @@ def test_greedy_matches_hf_generate(kind, weights):
     assert [c.ids for c in fast] == [c.ids for c in plain]
     assert len({tuple(c.ids) for c in plain}) > 1
     dec = m._align_fast_decoder
-    assert dec.shares_weights == (weights == "shared") and dec.moe_layers == ([0, 2] if kind == "qwen3_moe" else [0, 1, 2])
-    if weights == "shared":  # the experts' 3-D tensors read in place
-        assert dec.layers[0]["egu"].data_ptr() == m.model.layers[0].mlp.experts.gate_up_proj.data_ptr()
+    assert dec.shares_weights == (weights == "shared") and dec.moe_layers == MOE_LAYERS.get(kind, [0, 1, 2])
+    if weights == "shared":  # the experts' 3-D tensors (and a shared expert's matrices) read in place
+        i = dec.moe_layers[0]
+        block = m.model.layers[i].mlp
+        assert dec.layers[i]["egu"].data_ptr() == block.experts.gate_up_proj.data_ptr()
+        if hasattr(block, "shared_expert"):
+            assert dec.layers[i]["se_u"].data_ptr() == block.shared_expert.up_proj.weight.data_ptr()
     # the other expert kernel (gathered weights and a batched matmul instead of torch._grouped_mm): the same tokens
     assert dec.grouped
     dec.grouped = False
@@ -102,6 +118,33 @@ def test_prefill_logits_equal_the_hf_forward(kind):
         dec._alloc(len(PROMPTS), 32)
         got = dec._prefill(ids, mask)
     assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_fp8_rollouts_keep_the_experts_and_the_shared_expert_in_the_compute_dtype():
+    """An FP8 decoder of a Qwen2-MoE model: attention and the dense layer's MLP in E4M3; an MoE layer's router,
+    routed experts, shared expert (gate/up fused) and its gate copied exactly in the compute dtype (fp32 here); its
+    logits near the exact decoder's (rounded, but close)."""
+    from align.rollout.fast import fp8
+
+    m = make("qwen2_moe")
+    exact, dec = FastDecoder(m, "cpu"), FastDecoder(m, "cpu", precision="fp8")
+    for d in (exact, dec):
+        d.load_weights(m)
+    moe_L, dense_L, block = dec.layers[0], dec.layers[1], m.model.layers[0].mlp
+    assert [dense_L[k].dtype for k in ("qkv", "o", "gu", "down")] == [fp8.E4M3] * 4 and moe_L["qkv"].dtype == fp8.E4M3
+    se = block.shared_expert
+    kept = {"router": block.gate.weight, "egu": block.experts.gate_up_proj, "edown": block.experts.down_proj,
+            "se_gu": torch.cat([se.gate_proj.weight, se.up_proj.weight]), "se_down": se.down_proj.weight,
+            "se_gate": block.shared_expert_gate.weight}
+    for k, w in kept.items():
+        assert moe_L[k].dtype == torch.float32 and torch.equal(moe_L[k], w), k
+    P = 7
+    ids = torch.tensor([[PAD] * (P - len(p)) + p for p in PROMPTS])
+    with torch.no_grad():
+        for d in (exact, dec):
+            d._alloc(len(PROMPTS), 32)
+        want, got = exact._prefill(ids, (ids != PAD).long()), dec._prefill(ids, (ids != PAD).long())
+    assert 1e-4 < ((got - want).norm() / want.norm()).item() < 0.2  # 0.078 (E4M3 rounding, some routes flip)
 
 
 def test_router_and_experts_by_hand():

@@ -208,9 +208,9 @@ def test_plan_of_real_moe_configs_against_their_published_sizes():
 
 def test_plan_counts_transformers_moe_decode_where_the_fast_decoder_does_not_take_the_model():
     """transformers' generate decodes an MoE on a GPU with batched_mm, gathering every row's top-k experts'
-    weights (gate, up, down) one layer at a time: Qwen1.5-MoE-A2.7B (shared experts: not on the fast path) at 64
-    rows, top-4, h 2048, expert width 1408 in bf16. OLMoE decodes on the fast decoder, and a CPU keeps grouped_mm:
-    no such term."""
+    weights (gate, up, down) one layer at a time: Qwen1.5-MoE-A2.7B with the fast decoder off
+    (ALIGN_FAST_GENERATION=0) at 64 rows, top-4, h 2048, expert width 1408 in bf16. With it on, Qwen1.5-MoE (its
+    shared expert included) and OLMoE decode on the fast decoder, and a CPU keeps grouped_mm: no such term."""
     from align.config import build
     from benchmarks.vs_trl import MODELS
     from stages.grpo import GRPOConfig, GRPOPlan
@@ -224,7 +224,10 @@ def test_plan_counts_transformers_moe_decode_where_the_fast_decoder_does_not_tak
         a = P.arch({"model_type": MODELS[name][0], **MODELS[name][1]})
         return {n: v for n, v in P.estimate(GRPOPlan(cfg), {"policy": P.Model("policy", a)}, device, P.Data(37)).rows}
 
-    assert rows("qwen1.5-moe-a2.7b")[term] == {"rollout": 64 * 4 * 3 * 2048 * 1408 * 2}
+    hf = P.Device("cuda", 1e12, 1, True, False, "test")  # fast_decoder False: ALIGN_FAST_GENERATION=0
+    assert rows("qwen1.5-moe-a2.7b", hf)[term] == {"rollout": 64 * 4 * 3 * 2048 * 1408 * 2}
+    assert term not in rows("qwen1.5-moe-a2.7b")
+    assert "rollout: decoder's bf16 copy" in rows("qwen1.5-moe-a2.7b")  # LoRA: the fast decoder's merged copy
     assert term not in rows("olmoe-1b-7b")
     assert term not in rows("qwen1.5-moe-a2.7b", P.Device("cpu", 1e12, 1, False, False, "test"))
 

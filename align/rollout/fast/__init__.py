@@ -25,10 +25,11 @@ Supported: the Llama family's decoder layout with SiLU MLPs — `llama` (Llama 2
 `yarn` and `llama3` RoPE), `qwen2` (q/k/v biases), `qwen3` (per-head q/k RMSNorm before RoPE) and `mistral` — when
 the rollout fits any sliding window (`mistral`'s `sliding_window`, or a Qwen model's with `use_sliding_window`)
 and, for `dynamic` RoPE, the model's original context; and the mixture-of-experts models of that layout,
-`qwen3_moe`, `olmoe` (q/k RMSNorm over the whole projection, `clip_qkv`) and `mixtral`, whose experts run grouped
-(`moe`) and whose chosen experts a rollout can record for routing replay (align.routing_replay). Anything else
-decodes through HF `generate`; the log names the reason once per process. FP8 rollouts keep the experts in the
-compute dtype (only the attention and dense MLP matrices go to E4M3).
+`qwen3_moe`, `qwen2_moe` (Qwen1.5/2-MoE: a gated shared expert beside the routed ones), `olmoe` (q/k RMSNorm over
+the whole projection, `clip_qkv`) and `mixtral`, whose experts run grouped (`moe`) and whose chosen experts a rollout
+can record for routing replay (align.routing_replay). Anything else decodes through HF `generate`; the log names the
+reason once per process. FP8 rollouts keep the experts (Qwen2-MoE's shared one too) in the compute dtype (only the
+attention and dense MLP matrices go to E4M3).
 
 The parts (one `FastDecoder` object; each part a class of its own module, its methods reading the others' state):
 

@@ -1,7 +1,8 @@
 """The fast decoder's layer math, as HF's Llama / Qwen2 / Qwen3 / Mistral forward computes it, and its
-mixture-of-experts variants' (Qwen3-MoE, OLMoE, Mixtral): RMSNorm, RoPE (the frequencies and scale of the model's
-own rotary module), q/k/v with Qwen3's per-head q/k norm or OLMoE's over the whole projection (and its q/k/v clip),
-the SiLU MLP or the experts' (align.rollout.fast.moe), grouped-query attention; the eager prefill of the prompts
+mixture-of-experts variants' (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral): RMSNorm, RoPE (the frequencies and scale of the
+model's own rotary module), q/k/v with Qwen3's per-head q/k norm or OLMoE's over the whole projection (and its q/k/v
+clip), the SiLU MLP or the experts' (align.rollout.fast.moe; Qwen2-MoE's gated shared expert added), grouped-query
+attention; the eager prefill of the prompts
 and one layer's step for one token per row."""
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class LayerMath:
         self.fp32_gate = mixtral  # Mixtral's router returns fp32 weights; Qwen3-MoE's and OLMoE's the logits' dtype
         self.route_dtype = torch.int8 if self.n_experts <= 127 else torch.int16
         self.grouped = moe.grouped_mm_works(self.device.type, self.dtype, self.hidden, self.moe_inter)
+        # Qwen2-MoE's shared expert beside the routed ones (a SwiGLU MLP of this width and its sigmoid gate; 0: none)
+        block = layers[self.moe_layers[0]].mlp
+        self.shared_inter = block.shared_expert.gate_proj.out_features if hasattr(block, "shared_expert") else 0
 
     def _rope(self, pos: torch.Tensor):
         freqs = pos[..., None].float() * self.inv_freq
@@ -133,7 +137,20 @@ class LayerMath:
         x = h.reshape(-1, self.hidden)
         idx, w = moe.route(F.linear(x, L["router"]), self.top_k, self.renorm, self.fp32_gate)
         y = (moe.experts_grouped if self.grouped else moe.experts_gathered)(x, L["egu"], L["edown"], idx, w)
+        if "se_gate" in L:  # Qwen2-MoE: + its shared expert
+            y = y + self._shared_expert(L, x)
         return y.view(h.shape), idx.view(*h.shape[:-1], self.top_k)
+
+    def _shared_expert(self, L, x):
+        """Qwen2-MoE's shared expert term of x [N, H], as its HF sparse block adds it to the routed experts' sum:
+        sigmoid(x·w_gᵀ) · down(silu(gate(x)) · up(x)), w_g the `shared_expert_gate` [1, H], gate/up/down the
+        `shared_expert` MLP of width shared_intermediate ("se_gu" fused in the copy, "se_g"/"se_u" apart on the
+        module's tensors); in the compute dtype, FP8 rollouts too (as the routed experts)."""
+        if "se_gu" in L:
+            g, u = F.linear(x, L["se_gu"]).split(self.shared_inter, dim=-1)
+        else:
+            g, u = F.linear(x, L["se_g"]), F.linear(x, L["se_u"])
+        return torch.sigmoid(F.linear(x, L["se_gate"])) * F.linear(F.silu(g) * u, L["se_down"])
 
     def _prefill(self, ids: torch.Tensor, mask: torch.Tensor, start: int = 0,
                  pos: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""The fast decoder's mixture-of-experts MLP (Qwen3-MoE, OLMoE, Mixtral), as the HF MoE block computes it: the
-router's top-k experts of each token, their SwiGLU MLPs (HF v5 keeps each layer's experts as two 3-D tensors,
-`gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]) weighted by the gate, summed.
+"""The fast decoder's mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral), as the HF MoE block computes it:
+the router's top-k experts of each token, their SwiGLU MLPs (HF v5 keeps each layer's experts as two 3-D tensors,
+`gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]) weighted by the gate, summed (Qwen2-MoE then adds its gated
+shared expert: align.rollout.fast.layers.LayerMath._shared_expert).
 
 Grouped, never a Python loop over experts, and with no data-dependent shape or host sync, so that the decode step
 stays capturable in a CUDA graph:
@@ -28,8 +29,8 @@ def route(logits_NE: torch.Tensor, k: int, renorm: bool, fp32_weights: bool):
     """The router's top-k experts and their gate weights, as the HF MoE router computes them: p = softmax(logits)
     in fp32, the k largest p (their experts `idx_NK`, in descending order), renormalised to sum to 1 where the
     family does (`renorm`: Mixtral always — top-k then a softmax over the chosen, Jiang et al. 2024 "Mixtral of
-    Experts" eq. 1 —, Qwen3-MoE and OLMoE with `norm_topk_prob`); the weights in the logits' dtype, or in fp32
-    (`fp32_weights`: Mixtral's router returns them so)."""
+    Experts" eq. 1 —, Qwen3-MoE, Qwen2-MoE and OLMoE with `norm_topk_prob`); the weights in the logits' dtype, or
+    in fp32 (`fp32_weights`: Mixtral's router returns them so)."""
     p = logits_NE.float().softmax(-1)
     w_NK, idx_NK = p.topk(k, dim=-1)
     return idx_NK, gate_weights(w_NK, renorm, logits_NE.dtype, fp32_weights)

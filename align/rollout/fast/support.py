@@ -9,7 +9,7 @@ import os
 
 from align.moe import num_experts
 
-MOE = ("qwen3_moe", "olmoe", "mixtral")  # mixture-of-experts MLPs (align.rollout.fast.moe)
+MOE = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")  # mixture-of-experts MLPs (align.rollout.fast.moe)
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", *MOE)
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")  # computed by the model's own rotary module
 

@@ -66,8 +66,10 @@ class DecoderWeights:
     """FastDecoder's weights: `embed`, `norm`, `head` and, per layer, the dict `layers[i]` ("ln1", "ln2", "o",
     "down", the q/k norms and biases a family has; "qkv" and "gu" fused in the copy, "q", "k", "v", "gate", "up"
     apart on the module's own tensors; an MoE layer's "router" [E, H] and experts "egu" [E, 2I, H], "edown"
-    [E, H, I] instead of "gu"/"gate"/"up", "down", in the compute dtype under FP8 rollouts too; under FP8 rollouts the four matrices in E4M3 with their row scales "qkv_s",
-    "o_s", "gu_s", "down_s": align.rollout.fast.fp8). The copy's tensors are views of ONE byte buffer, whose storage
+    [E, H, I] instead of "gu"/"gate"/"up", "down", and Qwen2-MoE's shared expert "se_gu" (copy) or "se_g", "se_u"
+    (in place), "se_down" and its gate "se_gate" [1, H]: in the compute dtype under FP8 rollouts too; under FP8
+    rollouts the four matrices in E4M3 with their row scales "qkv_s", "o_s", "gu_s", "down_s":
+    align.rollout.fast.fp8). The copy's tensors are views of ONE byte buffer, whose storage
     `release` gives back between rollouts. Reads the layout LayerMath set (dims, biases); a tensor that moved drops
     the captured graphs (CompiledStep._drop_graphs): they hold its old address."""
 
@@ -94,6 +96,10 @@ class DecoderWeights:
                 E, mi = self.n_experts, self.moe_inter
                 shapes.update({(i, "router"): (E, self.hidden), (i, "egu"): (E, 2 * mi, self.hidden),
                                (i, "edown"): (E, self.hidden, mi)})
+                if self.shared_inter:  # Qwen2-MoE's shared expert and its gate
+                    si = self.shared_inter
+                    shapes.update({(i, "se_gu"): (2 * si, self.hidden), (i, "se_down"): (self.hidden, si),
+                                   (i, "se_gate"): (1, self.hidden)})
             else:
                 shapes.update({(i, "gu"): (2 * inter, self.hidden), (i, "down"): (self.hidden, inter)})
             if self.qk_norm == "head":
@@ -168,6 +174,11 @@ class DecoderWeights:
                 L["router"].copy_(m.gate.weight)
                 L["egu"].copy_(m.experts.gate_up_proj)
                 L["edown"].copy_(m.experts.down_proj)
+                if "se_gate" in L:
+                    put("se_gu", slice(0, self.shared_inter), m.shared_expert.gate_proj)
+                    put("se_gu", slice(self.shared_inter, None), m.shared_expert.up_proj)
+                    put("se_down", slice(None), m.shared_expert.down_proj)
+                    put("se_gate", slice(None), m.shared_expert_gate)
             else:
                 put("gu", slice(0, inter), m.gate_proj)
                 put("gu", slice(inter, None), m.up_proj)
@@ -200,6 +211,11 @@ class DecoderWeights:
             if hasattr(m, "experts"):
                 named[i, "router"], named[i, "egu"], named[i, "edown"] = (m.gate.weight, m.experts.gate_up_proj,
                                                                           m.experts.down_proj)
+                if hasattr(m, "shared_expert"):  # Qwen2-MoE
+                    se = m.shared_expert
+                    named[i, "se_g"], named[i, "se_u"], named[i, "se_down"] = (se.gate_proj.weight, se.up_proj.weight,
+                                                                               se.down_proj.weight)
+                    named[i, "se_gate"] = m.shared_expert_gate.weight
             else:
                 lin.update(gate=m.gate_proj, up=m.up_proj, down=m.down_proj)
             for k, linear in lin.items():
