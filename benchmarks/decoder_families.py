@@ -4,9 +4,9 @@
     python -m benchmarks.decoder_families --models olmoe-1b-7b,qwen3-30b-a3b-8l,mixtral-8x7b-4l,qwen1.5-moe-a2.7b  # MoE
     python -m benchmarks.decoder_families --smoke     # CPU, fp32, tiny MoE configs: the harness itself
 
-For each random-weight model (built on the GPU from the real config in `benchmarks.vs_trl.MODELS`, or the
-mixture-of-experts ones of `MOE_MODELS`: OLMoE-1B-7B and Qwen1.5-MoE-A2.7B (a shared expert; 57 GB in fp32) whole,
-Qwen3-30B-A3B and Mixtral-8x7B with fewer layers): 16
+For each random-weight model (built on the GPU from the real config in `benchmarks.vs_trl.MODELS`, OLMoE-1B-7B and
+Qwen1.5-MoE-A2.7B (a shared expert; 57 GB in fp32) among them, or `MOE_MODELS`: Qwen3-30B-A3B and Mixtral-8x7B with
+fewer layers): 16
 left-padded prompts of 40-200 tokens; the last position's logits of (a) the HF forward in fp32 (the reference),
 (b) the HF forward in bf16, (c) our decoder's prefill in bf16. Relative error ||x - ref|| / ||ref|| of (b) and (c):
 ours passes when it is within 1.5x HF's own bf16 error (random weights give near-flat logits, so both errors are
@@ -25,24 +25,9 @@ import time
 
 from benchmarks import vs_trl
 
-MOE_MODELS = {  # their config.json values (random weights); the two large ones with fewer layers, to fit one GPU
-    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
-                                  intermediate_size=1024, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
-                                  vocab_size=50304, tie_word_embeddings=False, max_position_embeddings=4096,
-                                  rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    "qwen3-30b-a3b-8l": ("qwen3_moe", dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32,
-                                           num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                                           norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
-                                           max_position_embeddings=40960, rms_norm_eps=1e-6,
-                                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
-    "mixtral-8x7b-4l": ("mixtral", dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32,
-                                        num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
-                                        num_experts_per_tok=2, vocab_size=32000, tie_word_embeddings=False,
-                                        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
-                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
-    "qwen1.5-moe-a2.7b": vs_trl.MODELS["qwen1.5-moe-a2.7b"],  # 60 experts, top-4, a shared expert 5632 wide
-}
+MOE_MODELS = {  # two large ones of benchmarks.vs_trl.MODELS with fewer layers, to fit one GPU
+    f"{name}-{n}l": (vs_trl.MODELS[name][0], {**vs_trl.MODELS[name][1], "num_hidden_layers": n})
+    for name, n in (("qwen3-30b-a3b", 8), ("mixtral-8x7b", 4))}
 SMOKE = {  # --smoke: tiny configs of each MoE family, on the CPU
     f"tiny-{t}": (t, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=64, vocab_size=512, max_position_embeddings=512, num_experts_per_tok=2,
@@ -68,6 +53,7 @@ def check(name: str, dev: str = "cuda", router_scale: float = 1.0) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from align.moe import top_k
     from align.rollout.fast.decoder import FastDecoder
     from align.rollout.fast.support import unsupported_reason
     from align.rollout.generation import Sampling
@@ -96,9 +82,10 @@ def check(name: str, dev: str = "cuda", router_scale: float = 1.0) -> dict:
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        out = m(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=bool(cfg_moe(cfg)))
+        k = top_k(cfg)  # 0: dense
+        out = m(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=bool(k))
         ref = out.logits[:, -1].float()
-        near = near_flip(out.router_logits[0][mask.flatten().bool()], cfg_moe(cfg)) if cfg_moe(cfg) else None
+        near = near_flip(out.router_logits[0][mask.flatten().bool()], k) if k else None
         if cuda:
             m.to(torch.bfloat16)
         hf = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].float()
@@ -161,11 +148,6 @@ def check(name: str, dev: str = "cuda", router_scale: float = 1.0) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     return r
-
-
-def cfg_moe(cfg) -> int:
-    """top-k of an MoE config (0: dense)."""
-    return int(getattr(cfg, "num_experts_per_tok", 0) or 0)
 
 
 def near_flip(logits_TE, k: int, margin: float = 0.01) -> float:

@@ -8,6 +8,7 @@ TRL is a benchmark-only extra: `pip install .[bench]`.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -154,6 +155,16 @@ def make_model(name: str, root: Path, ragged_budget: int = 0, prompts: list[str]
     return out
 
 
+def left_padded(prompts: list[list[int]], device):
+    """(ids, mask) [B, P] of token-id lists left-padded with 0 (align.data.pad), on `device`."""
+    import torch
+
+    from align.data import pad
+
+    return (torch.tensor(pad(prompts, 0, side="left"), device=device),
+            torch.tensor(pad([[1] * len(p) for p in prompts], 0, side="left"), device=device))
+
+
 class CompletionLengths:
     """`lengths(prompts)`: each prompt's completion length (EOS included) sampled at temperature 1 up to `budget`
     tokens from `model` as it is now: on a GPU (or `fast`) by align's fast decoder, as the harness' runs decode
@@ -177,11 +188,10 @@ class CompletionLengths:
             self.dec.load_weights(self.model)
             out = self.dec.generate(prompts, Sampling(max_new_tokens=self.budget, temperature=1.0), eos=self.eos, pad=0)
         else:
-            P = max(len(p) for p in prompts)
-            ids = torch.tensor([[0] * (P - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+            ids, mask = left_padded(prompts, self.dev)
             out = self.model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                      max_new_tokens=self.budget, eos_token_id=self.eos, pad_token_id=0)[:, P:].tolist()
+                                      max_new_tokens=self.budget, eos_token_id=self.eos,
+                                      pad_token_id=0)[:, ids.shape[1]:].tolist()
         return [r.index(self.eos) + 1 if self.eos in r else len(r) for r in out]
 
     def close(self) -> None:
@@ -196,8 +206,9 @@ def ragged(model, eos: int, budget: int, prompts: list[list[int]], mean_fraction
     """Make a random-weight model's completions of `prompts` (token ids, repeated to `rows` rows as the harness'
     G samples of each) stop after `mean_fraction` of `budget` tokens on average: the EOS row of the output matrix
     becomes α·μ̂, μ̂ the mean direction of the final hidden states h on the model's own samples (EOS masked while
-    it samples), so EOS's logit α·(h·μ̂) is positive at every position; α is then searched (bisection on log α)
-    by decoding the rows and measuring their mean length until it is within `tolerance`·budget of the goal.
+    it samples), so EOS's logit α·(h·μ̂) is positive at every position; α is then searched on log α (doubling or
+    halving until the goal is bracketed, then regula falsi) by decoding the rows and measuring their mean length
+    until it is within `tolerance`·budget of the goal.
     Measured, not modelled: a random model's hidden states persist along a sample (its prompt steers the whole
     completion), so its rows stop at rates of their own that no one rate describes (a pooled per-token rate along
     one coordinate of h gave Qwen2.5-0.5B's shape 237 of 256 tokens, 25 of 32 rows never stopping, where 128 was
@@ -209,10 +220,8 @@ def ragged(model, eos: int, budget: int, prompts: list[list[int]], mean_fraction
     w[eos] = 0  # no EOS while it samples (its logit 0 among ~10⁵ others)
     prompts = prompts or [[1] * 8]
     sample = prompts[:16]
-    P = max(len(p) for p in sample)
-    ids = torch.tensor([[0] * (P - len(p)) + p for p in sample], device=dev)
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in sample], device=dev)
-    T = min(budget, 64)
+    ids, mask = left_padded(sample, dev)
+    P, T = ids.shape[1], min(budget, 64)
     seqs = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                           max_new_tokens=T, min_new_tokens=T, eos_token_id=None, pad_token_id=0)
     mask = torch.cat([mask, torch.ones(len(sample), T, dtype=mask.dtype, device=dev)], 1)
@@ -230,8 +239,6 @@ def ragged(model, eos: int, budget: int, prompts: list[list[int]], mean_fraction
     alpha = (lo + hi) / 2
     rows_ = [prompts[i % len(prompts)] for i in range(rows)]
     lengths = CompletionLengths(model, budget, eos)
-    import math
-
     lo = hi = None  # the bracket, (log α, mean length): lo's completions longer than the goal, hi's shorter
     mean = float("nan")
     for _ in range(tries):
