@@ -126,15 +126,25 @@ def out_root(out: str, prefix: str) -> Path:
     return root
 
 
-def make_model(name: str, root: Path, ragged_budget: int = 0, prompts: list[str] | None = None) -> Path:
+def make_model(name: str, root: Path, ragged_budget: int = 0, prompts: list[str] | None = None,
+               in_process: bool = False) -> Path:
     """A random-weight bf16 model of `name`'s config (built on the GPU when there is one: an 8B model in
     seconds) with the project's tokenizer, saved as safetensors. `ragged_budget` > 0: its completions of the
     (templated) `prompts` at temperature 1, cut at that many tokens, end at EOS after half of it on average
-    (`ragged`), where a random model otherwise never stops."""
+    (`ragged`), where a random model otherwise never stops. On a GPU that search runs in a child process
+    (unless `in_process`): the fast decoder's compiled code kept the model's weights on the GPU in this process
+    after it was closed (16 GiB at 8B, beside the run the harness then launches, which ran out of memory)."""
     out = root / (f"model-{name}" + (f"-ragged{ragged_budget}" if ragged_budget else ""))
     if (out / "config.json").exists():
         return out
     import torch
+
+    if ragged_budget and torch.cuda.is_available() and not in_process:
+        code = ("import json, sys; from pathlib import Path; from benchmarks import vs_trl as V; "
+                "V.make_model(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), True)")
+        subprocess.run([sys.executable, "-c", code, name, str(root), str(ragged_budget), json.dumps(prompts or [])],
+                       check=True, cwd=Path(__file__).resolve().parent.parent)
+        return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from align.paths import TOKENIZER_DIR

@@ -108,14 +108,36 @@ def test_the_ragged_harness_model_stops_after_half_its_budget_on_average(shipped
     fast.close()
 
 
-def test_near_flip_counts_tokens_whose_kth_and_next_router_probabilities_tie():
-    import math
-
+def test_near_flip_counts_tokens_whose_kth_and_next_router_logits_tie_relative_to_their_spread():
     import torch
 
     from benchmarks.decoder_families import near_flip
 
-    tie = [math.log(0.4), math.log(0.3), math.log(0.295), math.log(0.005)]  # top-2 vs 3rd: 0.005 apart
-    clear = [math.log(0.5), math.log(0.4), math.log(0.05), math.log(0.05)]
+    # tie: top-2 against 3rd 0.01 apart, under 0.01 x the logits' std (1.731, by hand); clear: 2.0 apart
+    tie, clear = [3.0, 2.0, 1.99, -1.0], [3.0, 2.0, 0.0, -1.0]
+    assert abs(torch.tensor(tie).std().item() - 1.731) < 1e-3
     assert near_flip(torch.tensor([tie, clear]), k=2) == 0.5
-    assert near_flip(torch.tensor([tie, clear]), k=1) == 0.0
+    assert near_flip(torch.tensor([tie, clear]), k=1) == 0.0  # 1.0 apart
+    assert near_flip(8 * torch.tensor([tie, clear]), k=2) == 0.5  # a scaled router flips as many routes
+    assert near_flip(torch.tensor([[3.0, 2.0, 1.98, -1.0]]), k=2) == 0.0  # 0.02 apart: above 0.0173
+
+
+def test_the_ragged_harness_trains_at_a_rate_that_keeps_its_lengths():
+    """--ragged: both sides step at 1e-8 (5e-5 on the noise reward undid the ragged lengths within two steps),
+    the other shapes at 5e-5; the command carries it."""
+    import argparse
+    from pathlib import Path
+
+    from benchmarks.grpo_vs_trl import lr, ours_command, shape_args
+
+    from benchmarks.vs_trl import harness_args
+
+    ap = argparse.ArgumentParser()
+    harness_args(ap, models="135m", steps=4)
+    shape_args(ap)
+    ragged, plain = ap.parse_args(["--ragged"]), ap.parse_args([])
+    assert lr(ragged) == 1e-8 and lr(plain) == 5e-5
+    for a, want in ((ragged, 1e-8), (plain, 5e-5)):
+        a.data_file = ""
+        cmd = ours_command(Path("m"), a, 1, Path("o"), 8)
+        assert float(cmd[cmd.index("--lr") + 1]) == want
