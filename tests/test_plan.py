@@ -432,6 +432,21 @@ def test_a_micro_batch_left_to_the_stage_is_made_to_fit(tmp_path):
     assert art["metrics"]["time/compile"] == 0.0 and art["config"]["micro_batch_size"] == 32
 
 
+
+def test_a_micro_batch_left_to_the_stage_is_not_shrunk_where_only_more_changes_fit(tmp_path):
+    """Where no micro-batch fits alone and the smallest change that fits is a smaller micro-batch *with* LoRA,
+    the run stops (exit 2, naming that change) instead of running the smaller micro-batch alone, which does not
+    fit (Llama-3.1-8B at 4K on 63 GiB ran out of memory so)."""
+    peak = lambda **f: sft_peak(eval_data="", **f)  # noqa: E731  (SFT below runs no held-out evaluation)
+    budget = (peak(micro_batch_size=1) + peak(micro_batch_size=1, lora_r=16)) / 2
+    assert min(peak(lora_r=16), peak(offload_optimizer=True), peak(micro_batch_size=1)) > budget
+    out = tmp_path / "out"
+    proc = run_align(*SFT, "--out", out, env={P.ENV_BUDGET: str(int(budget))})
+    text = output(proc)
+    assert proc.returncode == 2 and not out.exists(), text
+    assert "the smallest change that fits: --micro-batch-size 1 --lora-r 16" in text
+    assert "memory plan: micro-batches of" not in text
+
 # ------------------------------------------------------------------------------------------ compile cache
 
 

@@ -948,9 +948,10 @@ def _does_not_fit(stage: StagePlan, models: dict, device: Device, plan: Plan, da
 
     cfg = stage.cfg
     found = smallest_change(stage, models, device, data)
-    # one process only: ranks see different free memory, and their micro-batches must agree
-    auto = (found is not None and found[0].startswith("--micro-batch-size") and cfg.micro_batch_size == 0
-            and stage.auto_micro and device.world == 1)
+    # one process only: ranks see different free memory, and their micro-batches must agree; the micro-batch alone
+    # (a change that adds checkpointing or LoRA to it is the user's to make, not a micro-batch to shrink)
+    auto = (found is not None and found[0].split()[0] == "--micro-batch-size" and len(found[0].split()) == 2
+            and cfg.micro_batch_size == 0 and stage.auto_micro and device.world == 1)
     if auto:  # the stage's own choice of micro-batch, made smaller: the same update, in more passes
         was, rows = stage.micro_rows(device.world, data)[0], int(found[0].split()[-1])
         show(found[1], device.source)

@@ -373,4 +373,8 @@ MUTATIONS = [
     M("memory plan: an MoE model's activations run every expert", "align/engine/plan.py",
       "widths = [self.experts_per_tok * self.expert_intermediate", "widths = [self.experts * self.expert_intermediate",
       ("tests/test_moe_train.py::test_plan_of_real_moe_configs_against_their_published_sizes",)),
+    M("memory plan: a micro-batch left to the stage shrunk where only micro-batch + LoRA fits", "align/engine/plan.py",
+      'found[0].split()[0] == "--micro-batch-size" and len(found[0].split()) == 2',
+      'found[0].split()[0] == "--micro-batch-size"',
+      ("tests/test_plan.py::test_a_micro_batch_left_to_the_stage_is_not_shrunk_where_only_more_changes_fit",)),
 ]
