@@ -141,3 +141,35 @@ def test_the_ragged_harness_trains_at_a_rate_that_keeps_its_lengths():
         a.data_file = ""
         cmd = ours_command(Path("m"), a, 1, Path("o"), 8)
         assert float(cmd[cmd.index("--lr") + 1]) == want
+
+
+def test_the_teacher_forced_gap_replays_the_decoders_routes():
+    """decoder_families.teacher_forced_gap on a tiny Mixtral (CPU, fp32): the fast decoder's greedy tokens lie at
+    the HF forward's best logit (gap 0) with its own routes or the decoder's replayed; replaying other experts
+    (every route moved to the next expert) moves the logits, so the gap is no longer 0."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from align.rollout.fast.decoder import FastDecoder
+    from align.rollout.generation import Sampling
+    from benchmarks.decoder_families import config, teacher_forced_gap
+
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(config("tiny-mixtral", bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                                         dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 7, 12)]
+    dec = FastDecoder(m, torch.device("cpu"))
+    dec.load_weights(m)
+    tokens = dec.generate(prompts, Sampling(max_new_tokens=8, temperature=0.0), eos=-1, pad=0, routes=True)
+    routes = dec.last_routes
+    L = max(map(len, prompts))
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * (len(p) + 8) for p in prompts])
+    R = torch.full((4, L + 8, *routes[0].shape[1:]), -1, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, routes)):
+        R[i, L - len(p):] = r.long()
+    assert (R[:, :, :, 0] >= 0).sum() > 0 and R.shape[-1] == 2
+    assert teacher_forced_gap(m, prompts, tokens, L, mask)[1] < 1e-4
+    assert teacher_forced_gap(m, prompts, tokens, L, mask, R)[1] < 1e-4
+    moved = torch.where(R >= 0, (R + 1) % 4, R)
+    assert teacher_forced_gap(m, prompts, tokens, L, mask, moved)[0] > 1e-3
