@@ -136,16 +136,25 @@ def check(name: str, dev: str = "cuda") -> dict:
     ok = r["gap_max"] < 0.5
     if dec.moe_layers:  # the same with HF's forward sent to the experts our decoder chose (routing replay): a bf16
         # route flip between the two forwards is then taken out, and what is left is our decoder's own error
-        R = torch.full((rows, L + new, *routes[0].shape[1:]), -1, dtype=torch.long)
-        for i, (p, rr) in enumerate(zip(prompts, routes)):
-            R[i, L - len(p):] = rr.long()
-        r["gap_replayed_mean"], r["gap_replayed_max"] = teacher_forced_gap(m, prompts, routed, L, smask, R.to(dev))
+        R = left_padded_routes(prompts, routes, L + new).to(dev)
+        r["gap_replayed_mean"], r["gap_replayed_max"] = teacher_forced_gap(m, prompts, routed, L, smask, R)
         ok = ok or r["gap_replayed_max"] < 0.5
     r["pass"] = why is None and r["ours_err"] <= max(1.5 * r["hf_bf16_err"], 1e-3) and ok
     del m, dec
     if cuda:
         torch.cuda.empty_cache()
     return r
+
+
+def left_padded_routes(prompts: list[list[int]], routes: list, width: int):
+    """The decoder's routes (each row's [prompt + new, MoE layers, k]) as one [rows, width, MoE layers, k] tensor,
+    left-padded with -1 (the token's own top-k) like the rows' token ids."""
+    import torch
+
+    R = torch.full((len(prompts), width, *routes[0].shape[1:]), -1, dtype=torch.long)
+    for i, r in enumerate(routes):
+        R[i, width - r.shape[0]:] = r.long()
+    return R
 
 
 def teacher_forced_gap(m, prompts: list[list[int]], tokens: list[list[int]], L: int, mask, routes=None):

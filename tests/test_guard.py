@@ -152,7 +152,7 @@ def test_the_teacher_forced_gap_replays_the_decoders_routes():
 
     from align.rollout.fast.decoder import FastDecoder
     from align.rollout.generation import Sampling
-    from benchmarks.decoder_families import config, teacher_forced_gap
+    from benchmarks.decoder_families import config, left_padded_routes, teacher_forced_gap
 
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(config("tiny-mixtral", bos_token_id=1, eos_token_id=2, pad_token_id=0),
@@ -165,9 +165,8 @@ def test_the_teacher_forced_gap_replays_the_decoders_routes():
     routes = dec.last_routes
     L = max(map(len, prompts))
     mask = torch.tensor([[0] * (L - len(p)) + [1] * (len(p) + 8) for p in prompts])
-    R = torch.full((4, L + 8, *routes[0].shape[1:]), -1, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, routes)):
-        R[i, L - len(p):] = r.long()
+    R = left_padded_routes(prompts, routes, L + 8)
+    assert [int((R[i, :, 0, 0] == -1).sum()) for i in range(4)] == [L - len(p) + 1 for p in prompts]  # pad, last
     assert (R[:, :, :, 0] >= 0).sum() > 0 and R.shape[-1] == 2
     assert teacher_forced_gap(m, prompts, tokens, L, mask)[1] < 1e-4
     assert teacher_forced_gap(m, prompts, tokens, L, mask, R)[1] < 1e-4
